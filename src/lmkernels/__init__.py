@@ -1,0 +1,60 @@
+"""lmkernels: fused training kernels for LLMs, each proven against an eager reference.
+
+    import lmkernels as lk
+    loss = lk.fused_linear_cross_entropy(hidden, lm_head.weight, labels)
+    y = lk.rms_norm(x, weight, backend="triton")
+    with lk.use_backend("triton", flce="compile"): ...
+"""
+
+from lmkernels.ops import (
+    fused_linear_cross_entropy,
+    geglu,
+    layer_norm,
+    rms_norm,
+    rope,
+    swiglu,
+)
+from lmkernels.registry import (
+    BackendNotSupportedError,
+    LMKernelsError,
+    UnknownBackendError,
+    UnknownOpError,
+    backend_names,
+    explain,
+    get_op,
+    impls,
+    ops,
+    register,
+    reset_backend,
+    resolve,
+    set_backend,
+    use_backend,
+)
+from lmkernels.registry.core import _ensure_loaded
+
+__version__ = "0.1.0"
+
+_ensure_loaded()
+
+__all__ = [
+    "BackendNotSupportedError",
+    "LMKernelsError",
+    "UnknownBackendError",
+    "UnknownOpError",
+    "backend_names",
+    "explain",
+    "fused_linear_cross_entropy",
+    "geglu",
+    "get_op",
+    "impls",
+    "layer_norm",
+    "ops",
+    "register",
+    "reset_backend",
+    "resolve",
+    "rms_norm",
+    "rope",
+    "set_backend",
+    "swiglu",
+    "use_backend",
+]

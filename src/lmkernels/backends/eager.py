@@ -1,0 +1,12 @@
+"""The eager backend: each op's fp32-upcasting PyTorch reference, run as is."""
+
+from lmkernels.registry.core import _OPS, register
+
+for _spec in list(_OPS.values()):
+    register(
+        _spec.name,
+        "eager",
+        _spec.reference,
+        priority=0,
+        description="the op's eager PyTorch reference (fp32 inside)",
+    )

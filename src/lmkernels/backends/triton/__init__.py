@@ -1,0 +1,47 @@
+"""The Triton backend: one module per op (kernels, launchers, torch.library registration,
+autograd, registration in the lmkernels registry).
+
+Triton is optional: without it (or without a GPU and TRITON_INTERPRET=1) the impls still
+register and report why they cannot run. On CPU they run only under TRITON_INTERPRET=1 and only
+when asked for explicitly; `auto` picks them on CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+
+OP_MODULES = ("rms_norm", "layer_norm", "rope", "glu", "flce")
+
+
+def triton_unavailable_reason() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return f"triton is not importable ({e.__class__.__name__}: {e})"
+    import torch
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter)"
+    return None
+
+
+def triton_devices() -> tuple[str, ...]:
+    return ("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
+
+
+def _load() -> None:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        from lmkernels.backends.triton import _unavailable
+
+        _unavailable.register_placeholders()
+        return
+    for name in OP_MODULES:
+        if importlib.util.find_spec(f"lmkernels.backends.triton.{name}") is not None:  # TODO(dev): strict once all exist
+            importlib.import_module(f"lmkernels.backends.triton.{name}")
+
+
+_load()

@@ -1,0 +1,245 @@
+"""Fused linear cross entropy: the loss of cross_entropy(softcap(hidden @ weight.T + bias), target).
+
+Shapes: hidden (..., H), weight (V, H), target (...) int64/int32 with values in [0, V) or
+ignore_index, bias (V,), class_weight (V,). The loss is returned in fp32 whatever the inputs'
+dtype (a training loss is reduced and logged in fp32 anyway).
+
+Per token i with target t, logits z = softcap(h_i @ W.T + b) (softcap c: c * tanh(z / c)),
+lse = logsumexp(z), class weights w (all ones if class_weight is None), smoothing e:
+
+    loss_i = (1 - e) * w[t] * (lse - z[t]) + (e / V) * sum_c w[c] * (lse - z[c]) + s * lse**2
+
+with s = z_loss_scale. Ignored tokens (target == ignore_index) have loss 0 and no gradient.
+This is torch.nn.functional.cross_entropy's definition, label smoothing and class weights
+included, plus the z-loss term.
+
+Reductions: "none" returns loss_i (shape of target; differentiable); "sum" returns sum_i loss_i;
+"mean" returns sum_i loss_i / sum_{i not ignored} w[t_i], the same denominator torch uses (the
+number of non-ignored tokens without class weights). The z-loss is divided by that denominator
+too, so without class weights it is the mean of s * lse**2 over non-ignored tokens. One
+deliberate difference from torch: when every token is ignored, "mean" returns 0 (torch returns
+nan), so a fully padded micro-batch does not poison a training run.
+
+return_lse=True returns (loss, lse) with lse (shape of target, fp32, not differentiable).
+grad_accum_dtype: the dtype backends may accumulate the weight gradient in across chunks of
+tokens; None means fp32 (exact within the policy); weight.dtype saves V*H*2 bytes of memory at
+the cost of one rounding per chunk. The eager reference ignores it (it has no chunks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmkernels.ops._common import dispatch, generator, randn
+from lmkernels.registry.core import OpSpec, Tolerance, register_op
+from lmkernels.utils import (
+    check_choice,
+    check_same_device,
+    check_tensor,
+    data_checks_enabled,
+    fail,
+)
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def fused_linear_cross_entropy_reference(
+    hidden,
+    weight,
+    target,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    softcap=None,
+    z_loss_scale=0.0,
+    class_weight=None,
+    return_lse=False,
+    grad_accum_dtype=None,
+):
+    V, H = weight.shape
+    h = hidden.reshape(-1, H).float()
+    t = target.reshape(-1)
+    logits = h @ weight.float().T
+    if bias is not None:
+        logits = logits + bias.float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = t != ignore_index
+    safe_t = torch.where(valid, t, 0).long()
+    nll = lse - logits.gather(1, safe_t[:, None])[:, 0]
+    if class_weight is None:
+        w_t = torch.ones_like(nll)
+        smooth = V * lse - logits.sum(-1)
+    else:
+        w = class_weight.float()
+        w_t = w[safe_t]
+        smooth = w.sum() * lse - logits @ w
+    loss = (1.0 - label_smoothing) * w_t * nll
+    if label_smoothing:
+        loss = loss + (label_smoothing / V) * smooth
+    if z_loss_scale:
+        loss = loss + z_loss_scale * lse.square()
+    loss = torch.where(valid, loss, 0.0)
+    if reduction == "none":
+        out = loss.view(target.shape)
+    elif reduction == "sum":
+        out = loss.sum()
+    else:
+        denom = torch.where(valid, w_t, 0.0).sum()
+        out = loss.sum() / torch.where(denom == 0, 1.0, denom)
+    if return_lse:
+        return out, lse.detach().view(target.shape)
+    return out
+
+
+def check_inputs(
+    hidden,
+    weight,
+    target,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    softcap=None,
+    z_loss_scale=0.0,
+    class_weight=None,
+    return_lse=False,
+    grad_accum_dtype=None,
+):
+    check_tensor("hidden", hidden)
+    check_tensor("weight", weight, ndim=2)
+    check_tensor("target", target, dtypes=(torch.int64, torch.int32))
+    V, H = weight.shape
+    if hidden.dim() < 1 or hidden.shape[-1] != H:
+        fail(f"hidden: expected shape (..., {H}) to match weight (V={V}, H={H}), got {tuple(hidden.shape)}")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        fail(f"target: expected shape {tuple(hidden.shape[:-1])} (hidden without its last dim), got {tuple(target.shape)}")
+    if weight.dtype != hidden.dtype:
+        fail(f"weight: expected dtype {hidden.dtype} (same as hidden), got {weight.dtype}")
+    for name, t in (("bias", bias), ("class_weight", class_weight)):
+        if t is not None:
+            check_tensor(name, t, ndim=1)
+            if t.shape[0] != V:
+                fail(f"{name}: expected shape ({V},) to match weight's V, got {tuple(t.shape)}")
+    check_same_device(hidden=hidden, weight=weight, target=target, bias=bias, class_weight=class_weight)
+    check_choice("reduction", reduction, REDUCTIONS)
+    if not 0.0 <= label_smoothing <= 1.0:
+        fail(f"label_smoothing: expected a number in [0, 1], got {label_smoothing}")
+    if softcap is not None and not softcap > 0:
+        fail(f"softcap: expected None or a positive number, got {softcap}")
+    if not z_loss_scale >= 0:
+        fail(f"z_loss_scale: expected a non-negative number, got {z_loss_scale}")
+    if grad_accum_dtype not in (None, torch.float32, weight.dtype):
+        fail(f"grad_accum_dtype: expected None, torch.float32 or weight's dtype {weight.dtype}, got {grad_accum_dtype}")
+    if data_checks_enabled() and target.numel():
+        # One host sync; LMKERNELS_CHECK_VALUES=0 skips it (backends then give nan losses for
+        # out-of-range targets rather than reading out of bounds).
+        bad = (target != ignore_index) & ((target < 0) | (target >= V))
+        if bool(bad.any()):
+            first = target[bad][0].item()
+            fail(
+                f"target: expected class indices in [0, {V}) or ignore_index={ignore_index}, "
+                f"found {first} ({int(bad.sum())} out of range)"
+            )
+
+
+def make_inputs(
+    shape,
+    dtype,
+    device,
+    seed=0,
+    with_bias=False,
+    with_class_weight=False,
+    ignore_fraction=0.1,
+    **options,
+):
+    """hidden (BT, H) scaled so the logits have std ~2 (a realistic spread for trained LMs)."""
+    g = generator(seed)
+    BT, H, V = shape["BT"], shape["H"], shape["V"]
+    hidden = randn((BT, H), dtype, device, g)
+    weight = randn((V, H), dtype, device, g, scale=2.0 / H**0.5)
+    target = torch.randint(0, V, (BT,), generator=g)
+    target[torch.rand(BT, generator=g) < ignore_fraction] = options.get("ignore_index", -100)
+    out = {"hidden": hidden, "weight": weight, "target": target.to(device), **options}
+    if with_bias:
+        out["bias"] = randn((V,), dtype, device, g, scale=0.5)
+    if with_class_weight:
+        out["class_weight"] = (torch.rand(V, generator=g) + 0.5).to(device, dtype)
+    return out
+
+
+SPEC = register_op(
+    OpSpec(
+        name="fused_linear_cross_entropy",
+        reference=fused_linear_cross_entropy_reference,
+        make_inputs=make_inputs,
+        check_inputs=check_inputs,
+        grad_inputs=("hidden", "weight", "bias"),
+        shapes={
+            "quick": [{"BT": 37, "H": 64, "V": 131}, {"BT": 10, "H": 40, "V": 500}],
+            "full": [
+                {"BT": 37, "H": 64, "V": 131},
+                {"BT": 10, "H": 40, "V": 500},
+                {"BT": 1023, "H": 2048, "V": 32000},
+                {"BT": 4096, "H": 4096, "V": 128256},
+                {"BT": 8192, "H": 4096, "V": 128256},
+            ],
+        },
+        cases=[
+            {},
+            {"reduction": "sum", "with_bias": True},
+            {"reduction": "none"},
+            {"label_smoothing": 0.1, "with_class_weight": True},
+            {"softcap": 30.0, "z_loss_scale": 1e-4, "ignore_index": 3},
+            {"return_lse": True, "ignore_fraction": 1.0},
+        ],
+        # fp32: the logits matmul sums H products, so a different blocking of that sum moves
+        # the result by more ulps than an elementwise op; 4x eager's error still catches any
+        # real bug (those are O(1) relative).
+        tolerances={
+            torch.float32: Tolerance(factor=4.0, floor=1e-5, bound=1e-4),
+            torch.bfloat16: Tolerance(factor=2.0, floor=1e-3, bound=2e-2),
+            torch.float16: Tolerance(factor=2.0, floor=2e-4, bound=5e-3),
+        },
+        flops=lambda s: 6 * s["BT"] * s["H"] * s["V"],
+        description="lm_head matmul + cross entropy without materializing the logits",
+    )
+)
+
+
+def fused_linear_cross_entropy(
+    hidden,
+    weight,
+    target,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    softcap=None,
+    z_loss_scale=0.0,
+    class_weight=None,
+    return_lse=False,
+    grad_accum_dtype=None,
+    *,
+    backend=None,
+):
+    """Cross entropy of hidden @ weight.T (+ bias, softcap) against target without materializing
+    the (tokens x V) logits in the fused backends. See the module docstring for the semantics."""
+    return dispatch(
+        "fused_linear_cross_entropy",
+        backend,
+        hidden=hidden,
+        weight=weight,
+        target=target,
+        bias=bias,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        softcap=softcap,
+        z_loss_scale=z_loss_scale,
+        class_weight=class_weight,
+        return_lse=return_lse,
+        grad_accum_dtype=grad_accum_dtype,
+    )

@@ -1,0 +1,104 @@
+"""Gated linear units, the MLP activations of Llama (SwiGLU) and Gemma (GeGLU).
+
+swiglu(gate, up) = silu(gate) * up
+geglu(gate, up, approximate) = gelu(gate, approximate) * up   ("tanh" for Gemma, "none" exact)
+Computed in fp32, one rounding to the inputs' dtype. gate and up have one shape and dtype.
+Gradients: gate and up.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lmkernels.ops._common import dispatch, generator, randn
+from lmkernels.registry.core import OpSpec, register_op
+from lmkernels.utils import check_choice, check_same_device, check_same_dtype, check_tensor, fail
+
+GELU_APPROXIMATIONS = ("tanh", "none")
+
+
+def swiglu_reference(gate, up):
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def geglu_reference(gate, up, approximate="tanh"):
+    return (F.gelu(gate.float(), approximate=approximate) * up.float()).to(gate.dtype)
+
+
+def _check_pair(gate, up):
+    check_tensor("gate", gate)
+    check_tensor("up", up)
+    if gate.shape != up.shape:
+        fail(f"up: expected the same shape as gate {tuple(gate.shape)}, got {tuple(up.shape)}")
+    check_same_dtype(gate=gate, up=up)
+    check_same_device(gate=gate, up=up)
+
+
+def check_swiglu(gate, up):
+    _check_pair(gate, up)
+
+
+def check_geglu(gate, up, approximate="tanh"):
+    _check_pair(gate, up)
+    check_choice("approximate", approximate, GELU_APPROXIMATIONS)
+
+
+def make_inputs(shape, dtype, device, seed=0, **options):
+    g = generator(seed)
+    size = (shape["M"], shape["N"])
+    return {"gate": randn(size, dtype, device, g, 2.0), "up": randn(size, dtype, device, g), **options}
+
+
+GLU_SHAPES = {
+    "quick": [{"M": 37, "N": 96}, {"M": 3, "N": 1001}],
+    "full": [
+        {"M": 37, "N": 96},
+        {"M": 3, "N": 1001},
+        {"M": 2048, "N": 8192},
+        {"M": 1023, "N": 11008},
+        {"M": 8192, "N": 14336},
+    ],
+}
+
+
+def _glu_bytes(s, dtype):
+    return 8 * s["M"] * s["N"] * dtype.itemsize
+
+
+SWIGLU = register_op(
+    OpSpec(
+        name="swiglu",
+        reference=swiglu_reference,
+        make_inputs=make_inputs,
+        check_inputs=check_swiglu,
+        grad_inputs=("gate", "up"),
+        shapes=GLU_SHAPES,
+        bytes_moved=_glu_bytes,
+        description="silu(gate) * up",
+    )
+)
+
+GEGLU = register_op(
+    OpSpec(
+        name="geglu",
+        reference=geglu_reference,
+        make_inputs=make_inputs,
+        check_inputs=check_geglu,
+        grad_inputs=("gate", "up"),
+        shapes=GLU_SHAPES,
+        cases=[{}, {"approximate": "none"}],
+        bytes_moved=_glu_bytes,
+        description="gelu(gate) * up, tanh or exact gelu",
+    )
+)
+
+
+def swiglu(gate, up, *, backend=None) -> torch.Tensor:
+    """silu(gate) * up."""
+    return dispatch("swiglu", backend, gate=gate, up=up)
+
+
+def geglu(gate, up, approximate="tanh", *, backend=None) -> torch.Tensor:
+    """gelu(gate, approximate) * up."""
+    return dispatch("geglu", backend, gate=gate, up=up, approximate=approximate)

@@ -1,0 +1,90 @@
+"""RMSNorm: y = x / sqrt(mean(x^2) + eps) * (weight + offset), over the last dim.
+
+casting_mode says where the result is rounded to the input dtype, as in transformers:
+- "llama": normalize in fp32, round to x.dtype, then multiply by (weight + offset) and round.
+- "gemma": everything in fp32, a single rounding at the end (offset=1.0 gives Gemma's 1 + w).
+- "none": every step in x.dtype, no upcast (for parity with models that never upcast).
+The output has x's dtype and shape. Gradients: x and weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lmkernels.ops._common import dispatch, generator, randn
+from lmkernels.registry.core import OpSpec, register_op
+from lmkernels.utils import check_choice, check_same_device, check_tensor, fail
+
+CASTING_MODES = ("llama", "gemma", "none")
+
+
+def rms_norm_reference(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+    if casting_mode == "none":
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return y if weight is None else y * (weight.to(x.dtype) + offset)
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if casting_mode == "llama":
+        y = y.to(x.dtype).float()
+    if weight is not None:
+        y = y * (weight.float() + offset)
+    return y.to(x.dtype)
+
+
+def check_inputs(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+    check_tensor("x", x)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        fail(f"x: expected at least 1 dim with a non-empty last dim, got shape {tuple(x.shape)}")
+    if weight is not None:
+        check_tensor("weight", weight, ndim=1)
+        if weight.shape[0] != x.shape[-1]:
+            fail(f"weight: expected shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
+        check_same_device(x=x, weight=weight)
+    check_choice("casting_mode", casting_mode, CASTING_MODES)
+    if not eps >= 0:
+        fail(f"eps: expected a non-negative number, got {eps}")
+
+
+def make_inputs(shape, dtype, device, seed=0, **options):
+    g = generator(seed)
+    x = randn((shape["M"], shape["N"]), dtype, device, g)
+    weight = randn((shape["N"],), dtype, device, g, scale=0.5) + 1.0
+    return {"x": x, "weight": weight, **options}
+
+
+SPEC = register_op(
+    OpSpec(
+        name="rms_norm",
+        reference=rms_norm_reference,
+        make_inputs=make_inputs,
+        check_inputs=check_inputs,
+        grad_inputs=("x", "weight"),
+        shapes={
+            "quick": [{"M": 37, "N": 96}, {"M": 5, "N": 1000}],
+            "full": [
+                {"M": 37, "N": 96},
+                {"M": 5, "N": 1000},
+                {"M": 2048, "N": 4096},
+                {"M": 4096, "N": 5120},
+                {"M": 1023, "N": 8191},
+                {"M": 16384, "N": 4096},
+                {"M": 256, "N": 16384},
+            ],
+        },
+        cases=[
+            {},
+            {"casting_mode": "gemma", "offset": 1.0},
+            {"casting_mode": "none"},
+            {"weight": None},
+        ],
+        bytes_moved=lambda s, dtype: 5 * s["M"] * s["N"] * dtype.itemsize,
+        description="RMSNorm over the last dim (Llama, Gemma offset/casting modes)",
+    )
+)
+
+
+def rms_norm(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama", *, backend=None):
+    """RMSNorm over the last dim of x. See the module docstring for the semantics."""
+    return dispatch(
+        "rms_norm", backend, x=x, weight=weight, eps=eps, offset=offset, casting_mode=casting_mode
+    )

@@ -1,0 +1,244 @@
+"""The op registry: what an op is (OpSpec), what an implementation is (Impl), and register()."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+class LMKernelsError(ValueError):
+    """Base class of the errors this library raises for bad input or configuration."""
+
+
+class UnknownOpError(LMKernelsError):
+    pass
+
+
+class UnknownBackendError(LMKernelsError):
+    pass
+
+
+class BackendNotSupportedError(LMKernelsError):
+    """An explicitly requested backend cannot take these inputs; the message lists why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """Pass when err(impl) <= factor * err(eager in the same dtype) + floor, and err(impl) <= bound.
+
+    err is the relative RMS error ||out - ref|| / ||ref|| against an fp64 reference run on the
+    same (low-precision) input values. `factor` absorbs a different but equally valid summation
+    order; `floor` covers outputs where the eager run is exact to the last bit (err 0), so the
+    impl may differ by a few ulps; `bound` is the absolute sanity ceiling for the dtype.
+    """
+
+    factor: float
+    floor: float
+    bound: float
+
+
+DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {
+    # fp32: eager upcasts nothing, errors are ~1e-7; a kernel with another reduction order
+    # lands within a few times that.
+    torch.float32: Tolerance(factor=4.0, floor=2e-6, bound=1e-4),
+    # bf16 has 8 mantissa bits: one rounding of the output is ~2e-3 relative RMS. An impl that
+    # rounds once more (e.g. an intermediate kept in bf16 for a tensor-core matmul) stays within 2x.
+    torch.bfloat16: Tolerance(factor=2.0, floor=1e-3, bound=2e-2),
+    torch.float16: Tolerance(factor=2.0, floor=2e-4, bound=5e-3),
+}
+
+
+@dataclasses.dataclass
+class OpSpec:
+    """Everything the harness, tests and benchmarks need to know about one op.
+
+    reference: eager PyTorch, upcasts to fp32 inside; defines the signature and the semantics.
+    make_inputs(shape, dtype, device, seed, **options) -> dict of keyword arguments for the op.
+    shapes: name -> list of shape dicts (named dims), at least "quick" and "full".
+    cases: option sets (extra keyword arguments) the harness runs on top of every shape.
+    grad_inputs: names of the inputs that get gradients.
+    check_inputs(**kwargs): raises LMKernelsError for bad input; shared by every backend.
+    bytes_moved(shape, dtype) / flops(shape): minimum traffic / work of fwd+bwd for rooflines.
+    """
+
+    name: str
+    reference: Callable[..., Any]
+    make_inputs: Callable[..., dict[str, Any]]
+    shapes: dict[str, list[dict[str, int]]]
+    grad_inputs: tuple[str, ...]
+    check_inputs: Callable[..., None]
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+    cases: list[dict[str, Any]] = dataclasses.field(default_factory=lambda: [{}])
+    tolerances: dict[torch.dtype, Tolerance] = dataclasses.field(
+        default_factory=lambda: dict(DEFAULT_TOLERANCES)
+    )
+    bytes_moved: Callable[[dict[str, int], torch.dtype], int] | None = None
+    flops: Callable[[dict[str, int]], int] | None = None
+    description: str = ""
+
+    def shape_id(self, shape: dict[str, int]) -> str:
+        return "x".join(str(v) for v in shape.values())
+
+
+def _no_extra_reasons(**inputs: Any) -> list[str]:
+    return []
+
+
+def _always_available() -> str | None:
+    return None
+
+
+@dataclasses.dataclass
+class Impl:
+    """One implementation of one op by one backend, with what it can and cannot take."""
+
+    op: str
+    backend: str
+    fn: Callable[..., Any]
+    priority: int = 0
+    dtypes: tuple[torch.dtype, ...] | None = None  # None: every dtype of the OpSpec
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    # Devices where `auto` may pick this impl (None: all of `devices`). Triton lists "cuda"
+    # only, so the CPU interpreter runs when asked for explicitly, never by default.
+    auto_devices: tuple[str, ...] | None = None
+    min_capability: tuple[int, int] | None = None  # CUDA compute capability
+    has_backward: bool = True
+    compile_safe: bool = True
+    # Returns why the backend cannot run at all here (package missing, no GPU), or None.
+    available: Callable[[], str | None] = _always_available
+    # Op-specific reasons for given inputs (unsupported option, shape limit, ...).
+    supports: Callable[..., list[str]] = _no_extra_reasons
+    description: str = ""
+
+    @functools.cached_property
+    def _availability(self) -> str | None:
+        return self.available()
+
+    def unavailable_reason(self) -> str | None:
+        return self._availability
+
+    def not_supported_reasons(self, **inputs: Any) -> list[str]:
+        """Empty list: this impl can run these inputs. Otherwise, every reason it cannot."""
+        reason = self.unavailable_reason()
+        if reason:
+            return [reason]
+        reasons = []
+        tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            if t.device.type not in self.devices:
+                reasons.append(f"device {t.device.type!r} not supported (supports {self.devices})")
+                break
+        if self.dtypes is not None:
+            float_dtypes = {t.dtype for t in tensors if t.is_floating_point()}
+            bad = sorted(str(d) for d in float_dtypes if d not in self.dtypes)
+            if bad:
+                reasons.append(f"dtype {', '.join(bad)} not supported (supports {self.dtypes})")
+        if self.min_capability is not None and any(t.is_cuda for t in tensors):
+            dev = next(t.device for t in tensors if t.is_cuda)
+            cap = torch.cuda.get_device_capability(dev)
+            if cap < self.min_capability:
+                reasons.append(f"needs compute capability >= {self.min_capability}, got {cap}")
+        if torch.is_grad_enabled() and not self.has_backward:
+            if any(t.requires_grad for t in tensors):
+                reasons.append("no backward, but an input requires grad")
+        reasons.extend(self.supports(**inputs))
+        return reasons
+
+
+_OPS: dict[str, OpSpec] = {}
+_IMPLS: dict[str, dict[str, Impl]] = {}
+
+
+def register_op(spec: OpSpec) -> OpSpec:
+    _OPS[spec.name] = spec
+    _IMPLS.setdefault(spec.name, {})
+    return spec
+
+
+def register(op: str, backend: str, fn: Callable[..., Any], **capabilities: Any) -> Impl:
+    """Register `fn` as the `backend` implementation of `op`.
+
+    This is all a new backend needs: the dispatcher, the harness, `lmkernels validate`, the
+    test suite and the benchmarks enumerate the registry and pick it up. `capabilities` are the
+    fields of Impl (priority, dtypes, devices, min_capability, has_backward, compile_safe,
+    available, supports, description).
+    """
+    if op not in _OPS:
+        raise UnknownOpError(f"register: unknown op {op!r}; known ops: {sorted(_OPS)}")
+    impl = Impl(op=op, backend=backend, fn=fn, **capabilities)
+    _IMPLS[op][backend] = impl
+    from lmkernels.registry import dispatch  # clears the resolution cache
+
+    dispatch._invalidate()
+    return impl
+
+
+def unregister(op: str, backend: str) -> None:
+    _IMPLS.get(op, {}).pop(backend, None)
+    from lmkernels.registry import dispatch
+
+    dispatch._invalidate()
+
+
+def get_op(name: str) -> OpSpec:
+    _ensure_loaded()
+    try:
+        return _OPS[name]
+    except KeyError:
+        raise UnknownOpError(f"unknown op {name!r}; known ops: {sorted(_OPS)}") from None
+
+
+def ops() -> list[OpSpec]:
+    _ensure_loaded()
+    return list(_OPS.values())
+
+
+def impls(op: str | None = None) -> list[Impl]:
+    """Registered impls, for one op or all, ordered by op then descending priority."""
+    _ensure_loaded()
+    names: Sequence[str] = [op] if op is not None else list(_OPS)
+    out = []
+    for name in names:
+        get_op(name)
+        out.extend(sorted(_IMPLS[name].values(), key=lambda i: -i.priority))
+    return out
+
+
+def get_impl(op: str, backend: str) -> Impl:
+    _ensure_loaded()
+    get_op(op)
+    try:
+        return _IMPLS[op][backend]
+    except KeyError:
+        raise UnknownBackendError(
+            f"backend {backend!r} is not registered for op {op!r}; "
+            f"registered: {sorted(_IMPLS[op])}"
+        ) from None
+
+
+def backend_names() -> list[str]:
+    _ensure_loaded()
+    seen: dict[str, None] = {}
+    for per_op in _IMPLS.values():
+        for name in per_op:
+            seen[name] = None
+    return list(seen)
+
+
+_LOADED = False
+
+
+def _ensure_loaded() -> None:
+    """Import the built-in ops and backends, then third-party entry points, once."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    import lmkernels.backends  # noqa: F401  (registers eager, compile, triton, adapters)
+    from lmkernels.registry.plugins import load_entry_points
+
+    load_entry_points()

@@ -1,0 +1,211 @@
+"""Choosing the backend that runs an op.
+
+Precedence, highest first:
+1. the explicit ``backend=`` argument of the op's function;
+2. ``use_backend(...)`` / ``set_backend(...)`` (a context variable; per op or global);
+3. the environment variable ``LMKERNELS_BACKEND`` (``triton`` or ``triton,flce=compile,rope=eager``);
+4. ``auto``: the highest-priority impl whose ``not_supported_reasons`` is empty.
+
+A backend chosen by 1-3 that cannot take the inputs raises BackendNotSupportedError listing its
+reasons: it never silently falls back. Op names accept the aliases in OP_ALIASES.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from lmkernels.registry.core import (
+    BackendNotSupportedError,
+    Impl,
+    LMKernelsError,
+    UnknownBackendError,
+    UnknownOpError,
+    backend_names,
+    get_impl,
+    get_op,
+    impls,
+    ops,
+)
+
+ENV_VAR = "LMKERNELS_BACKEND"
+AUTO = "auto"
+OP_ALIASES = {"flce": "fused_linear_cross_entropy", "rmsnorm": "rms_norm", "layernorm": "layer_norm"}
+
+# Overrides set through use_backend()/set_backend(): {"*": global, op_name: backend}.
+_OVERRIDES: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar(
+    "lmkernels_backend_overrides", default={}
+)
+
+
+def canonical_op(name: str) -> str:
+    name = OP_ALIASES.get(name, name)
+    get_op(name)  # raises UnknownOpError with the known names
+    return name
+
+
+def _check_backend_name(name: str, where: str) -> None:
+    if name != AUTO and name not in backend_names():
+        raise UnknownBackendError(
+            f"{where}: unknown backend {name!r}; known backends: {[AUTO, *backend_names()]}"
+        )
+
+
+def parse_backend_spec(spec: str, where: str = ENV_VAR) -> dict[str, str]:
+    """Parse ``"triton,flce=compile,rope=eager"`` into ``{"*": "triton", "fused_linear...": ...}``."""
+    table: dict[str, str] = {}
+    for raw in spec.split(","):
+        item = raw.strip()
+        if not item:
+            continue
+        if "=" in item:
+            op, _, backend = (s.strip() for s in item.partition("="))
+            try:
+                op = canonical_op(op)
+            except UnknownOpError as e:
+                raise UnknownOpError(f"{where}: {e}") from None
+            _check_backend_name(backend, where)
+            table[op] = backend
+        else:
+            if "*" in table:
+                raise LMKernelsError(
+                    f"{where}: more than one global backend in {spec!r} "
+                    f"(use op=backend for per-op choices)"
+                )
+            _check_backend_name(item, where)
+            table["*"] = item
+    return table
+
+
+_env_cache: tuple[str, dict[str, str]] | None = None
+
+
+def _env_table() -> dict[str, str]:
+    global _env_cache
+    raw = os.environ.get(ENV_VAR, "")
+    if _env_cache is None or _env_cache[0] != raw:
+        _env_cache = (raw, parse_backend_spec(raw) if raw else {})
+    return _env_cache[1]
+
+
+def _invalidate() -> None:
+    global _env_cache
+    _env_cache = None
+
+
+@contextlib.contextmanager
+def use_backend(backend: str | None = None, **per_op: str) -> Iterator[None]:
+    """Choose backends inside a ``with`` block: ``use_backend("triton", flce="compile")``."""
+    token = _OVERRIDES.set(_merged_overrides(backend, per_op))
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def set_backend(backend: str | None = None, **per_op: str) -> None:
+    """Like use_backend, for the rest of the current context (thread / task)."""
+    _OVERRIDES.set(_merged_overrides(backend, per_op))
+
+
+def reset_backend() -> None:
+    _OVERRIDES.set({})
+
+
+def _merged_overrides(backend: str | None, per_op: dict[str, str]) -> dict[str, str]:
+    table = dict(_OVERRIDES.get())
+    if backend is not None:
+        table.update(parse_backend_spec(backend, where="use_backend"))
+    for op, name in per_op.items():
+        _check_backend_name(name, "use_backend")
+        table[canonical_op(op)] = name
+    return table
+
+
+@dataclasses.dataclass
+class Choice:
+    op: str
+    backend: str
+    source: str  # "argument", "use_backend", "env", "auto"
+
+
+def requested_backend(op: str, backend: str | None = None) -> Choice:
+    """Which backend the precedence rules ask for (``auto`` if none), and who asked."""
+    if backend is not None and backend != AUTO:
+        _check_backend_name(backend, "backend")
+        return Choice(op, backend, "argument")
+    overrides = _OVERRIDES.get()
+    for key in (op, "*"):
+        if key in overrides and overrides[key] != AUTO:
+            return Choice(op, overrides[key], "use_backend")
+    env = _env_table()
+    for key in (op, "*"):
+        if key in env and env[key] != AUTO:
+            return Choice(op, env[key], f"env {ENV_VAR}")
+    return Choice(op, AUTO, "auto")
+
+
+def resolve(op: str, inputs: dict[str, Any], backend: str | None = None) -> Impl:
+    """The impl that runs `op` on `inputs`, by the precedence rules above."""
+    op = canonical_op(op)
+    choice = requested_backend(op, backend)
+    if choice.backend != AUTO:
+        impl = get_impl(op, choice.backend)
+        reasons = impl.not_supported_reasons(**inputs)
+        if reasons:
+            raise BackendNotSupportedError(
+                f"{op}: backend {choice.backend!r} (requested by {choice.source}) cannot run "
+                f"these inputs: " + "; ".join(reasons)
+            )
+        return impl
+    rejected = []
+    devices = {v.device.type for v in inputs.values() if isinstance(v, torch.Tensor)}
+    for impl in impls(op):
+        reasons = impl.not_supported_reasons(**inputs)
+        if not reasons and impl.auto_devices is not None and not devices <= set(impl.auto_devices):
+            reasons = [f"not chosen automatically on {sorted(devices)} (request it explicitly)"]
+        if not reasons:
+            return impl
+        rejected.append(f"{impl.backend}: {'; '.join(reasons)}")
+    raise BackendNotSupportedError(f"{op}: no backend can run these inputs: " + " | ".join(rejected))
+
+
+@dataclasses.dataclass
+class Explanation:
+    op: str
+    requested: Choice
+    chosen: str | None
+    error: str | None
+    rows: list[tuple[str, int, list[str]]]  # backend, priority, reasons (empty = can run)
+
+    def __str__(self) -> str:
+        lines = [
+            f"op {self.op}: requested {self.requested.backend!r} by {self.requested.source}; "
+            + (f"runs {self.chosen!r}" if self.chosen else f"ERROR: {self.error}")
+        ]
+        for name, prio, reasons in self.rows:
+            mark = "->" if name == self.chosen else "  "
+            status = "ok" if not reasons else "; ".join(reasons)
+            lines.append(f"  {mark} {name:<14} priority {prio:>3}  {status}")
+        return "\n".join(lines)
+
+
+def explain(op: str, inputs: dict[str, Any], backend: str | None = None) -> Explanation:
+    """Every impl of `op` for these inputs, whether it could run, and which one would."""
+    op = canonical_op(op)
+    rows = [(i.backend, i.priority, i.not_supported_reasons(**inputs)) for i in impls(op)]
+    try:
+        chosen, error = resolve(op, inputs, backend).backend, None
+    except LMKernelsError as e:
+        chosen, error = None, str(e)
+    return Explanation(op, requested_backend(op, backend), chosen, error, rows)
+
+
+def all_op_names() -> list[str]:
+    return [s.name for s in ops()]
