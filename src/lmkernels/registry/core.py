@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -114,12 +113,11 @@ class Impl:
     supports: Callable[..., list[str]] = _no_extra_reasons
     description: str = ""
 
-    @functools.cached_property
-    def _availability(self) -> str | None:
-        return self.available()
-
     def unavailable_reason(self) -> str | None:
-        return self._availability
+        # Cached by hand: functools.cached_property takes a lock that torch.compile cannot trace.
+        if "_availability" not in self.__dict__:
+            self.__dict__["_availability"] = self.available()
+        return self.__dict__["_availability"]
 
     def not_supported_reasons(self, **inputs: Any) -> list[str]:
         """Empty list: this impl can run these inputs. Otherwise, every reason it cannot."""

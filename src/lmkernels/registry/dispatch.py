@@ -2,7 +2,7 @@
 
 Precedence, highest first:
 1. the explicit ``backend=`` argument of the op's function;
-2. ``use_backend(...)`` / ``set_backend(...)`` (a context variable; per op or global);
+2. ``use_backend(...)`` / ``set_backend(...)`` (process-wide; per op or global);
 3. the environment variable ``LMKERNELS_BACKEND`` (``triton`` or ``triton,flce=compile,rope=eager``);
 4. ``auto``: the highest-priority impl whose ``not_supported_reasons`` is empty.
 
@@ -13,7 +13,6 @@ reasons: it never silently falls back. Op names accept the aliases in OP_ALIASES
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import os
 from collections.abc import Iterator
@@ -39,9 +38,11 @@ AUTO = "auto"
 OP_ALIASES = {"flce": "fused_linear_cross_entropy", "rmsnorm": "rms_norm", "layernorm": "layer_norm"}
 
 # Overrides set through use_backend()/set_backend(): {"*": global, op_name: backend}.
-_OVERRIDES: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar(
-    "lmkernels_backend_overrides", default={}
-)
+# A plain module-level dict rather than a ContextVar: torch.compile cannot trace
+# ContextVar.get, while it traces a dict read and guards on its contents, so a compiled graph
+# recompiles when the choice changes instead of keeping a stale backend. The price: the choice
+# is process-wide, not per thread or asyncio task.
+_OVERRIDES: dict[str, str] = {}
 
 
 def canonical_op(name: str) -> str:
@@ -102,24 +103,30 @@ def _invalidate() -> None:
 @contextlib.contextmanager
 def use_backend(backend: str | None = None, **per_op: str) -> Iterator[None]:
     """Choose backends inside a ``with`` block: ``use_backend("triton", flce="compile")``."""
-    token = _OVERRIDES.set(_merged_overrides(backend, per_op))
+    previous = dict(_OVERRIDES)
+    _replace_overrides(_merged_overrides(backend, per_op))
     try:
         yield
     finally:
-        _OVERRIDES.reset(token)
+        _replace_overrides(previous)
 
 
 def set_backend(backend: str | None = None, **per_op: str) -> None:
-    """Like use_backend, for the rest of the current context (thread / task)."""
-    _OVERRIDES.set(_merged_overrides(backend, per_op))
+    """Like use_backend, until changed again or reset_backend()."""
+    _replace_overrides(_merged_overrides(backend, per_op))
 
 
 def reset_backend() -> None:
-    _OVERRIDES.set({})
+    _replace_overrides({})
+
+
+def _replace_overrides(table: dict[str, str]) -> None:
+    _OVERRIDES.clear()
+    _OVERRIDES.update(table)
 
 
 def _merged_overrides(backend: str | None, per_op: dict[str, str]) -> dict[str, str]:
-    table = dict(_OVERRIDES.get())
+    table = dict(_OVERRIDES)
     if backend is not None:
         table.update(parse_backend_spec(backend, where="use_backend"))
     for op, name in per_op.items():
@@ -140,7 +147,7 @@ def requested_backend(op: str, backend: str | None = None) -> Choice:
     if backend is not None and backend != AUTO:
         _check_backend_name(backend, "backend")
         return Choice(op, backend, "argument")
-    overrides = _OVERRIDES.get()
+    overrides = _OVERRIDES
     for key in (op, "*"):
         if key in overrides and overrides[key] != AUTO:
             return Choice(op, overrides[key], "use_backend")

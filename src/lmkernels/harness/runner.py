@@ -1,0 +1,181 @@
+"""`lmkernels validate`: every impl x shape x dtype x option case, with a progress bar and a report."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import platform
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from lmkernels.harness.checks import DTYPE_NAMES, DTYPES_BY_NAME, CaseResult, check_case
+from lmkernels.registry.core import Impl, OpSpec, get_op, impls, ops
+from lmkernels.registry.dispatch import canonical_op
+
+
+@dataclasses.dataclass
+class Plan:
+    spec: OpSpec
+    impl: Impl
+    shape: dict[str, int]
+    dtype: torch.dtype
+    case: dict[str, Any]
+    compile_backend: str | None
+
+
+def plan_cases(
+    op_names: Sequence[str] | None = None,
+    backends: Sequence[str] | None = None,
+    dtypes: Sequence[str] | None = None,
+    grid: str = "quick",
+    compile_backend: str | None = None,
+    compile_first_only: bool = True,
+) -> Iterator[Plan]:
+    """The cases to run. The compile check runs once per (impl, dtype) on the first shape and
+    the default options unless compile_first_only is False (it costs a compilation each)."""
+    specs = [get_op(canonical_op(n)) for n in op_names] if op_names else ops()
+    for spec in specs:
+        for impl in impls(spec.name):
+            if backends and impl.backend not in backends:
+                continue
+            for dtype in spec.dtypes:
+                if dtypes and DTYPE_NAMES[dtype] not in dtypes:
+                    continue
+                for i, shape in enumerate(spec.shapes[grid]):
+                    for j, case in enumerate(spec.cases):
+                        first = i == 0 and j == 0
+                        yield Plan(
+                            spec,
+                            impl,
+                            shape,
+                            dtype,
+                            case,
+                            compile_backend if (first or not compile_first_only) else None,
+                        )
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": "cpu",
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    return env
+
+
+def run_validation(
+    plans: Sequence[Plan], device: str, console: Console | None = None, progress: bool = True
+) -> list[CaseResult]:
+    console = console or Console()
+    results = []
+    columns = [
+        TextColumn("[bold]validate"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[current]}"),
+    ]
+    with Progress(*columns, console=console, disable=not progress, transient=False) as bar:
+        task = bar.add_task("validate", total=len(plans), current="")
+        for plan in plans:
+            label = f"{plan.spec.name}-{plan.impl.backend}-{plan.spec.shape_id(plan.shape)}-{DTYPE_NAMES[plan.dtype]}"
+            bar.update(task, current=label)
+            results.append(
+                check_case(
+                    plan.spec,
+                    plan.impl,
+                    plan.shape,
+                    plan.dtype,
+                    plan.case,
+                    device=device,
+                    compile_backend=plan.compile_backend,
+                )
+            )
+            bar.advance(task)
+    return results
+
+
+STATUS_STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "unsupported": "yellow"}
+
+
+def summary_table(results: Sequence[CaseResult], failures_only: bool = False) -> Table:
+    """One row per op x backend x dtype: counts, worst error ratio; then one row per failure."""
+    table = Table(title="lmkernels validate", show_lines=False)
+    for col in ("op", "backend", "dtype", "pass", "fail", "unsupported", "worst err/allowed", "compile"):
+        table.add_column(col, justify="right" if col in ("pass", "fail", "unsupported") else "left")
+    groups: dict[tuple[str, str, str], list[CaseResult]] = {}
+    for r in results:
+        groups.setdefault((r.op, r.backend, r.dtype), []).append(r)
+    for (op, backend, dtype), rs in groups.items():
+        n_pass = sum(r.status == "pass" for r in rs)
+        n_fail = sum(r.status in ("fail", "error") for r in rs)
+        n_uns = sum(r.status == "unsupported" for r in rs)
+        worst = max((r.worst_ratio for r in rs if r.status != "unsupported"), default=0.0)
+        compiled = [r.compile_status for r in rs if r.compile_status != "not run"]
+        comp = "-" if not compiled else ("pass" if all(c == "pass" for c in compiled) else compiled[0][:40])
+        if failures_only and not n_fail:
+            continue
+        style = "red" if n_fail else ("yellow" if n_uns and not n_pass else "green")
+        table.add_row(op, backend, dtype, str(n_pass), str(n_fail), str(n_uns), f"{worst:.2f}", comp, style=style)
+    return table
+
+
+def failure_lines(results: Sequence[CaseResult]) -> list[str]:
+    return [f"{r.test_id}: {r.status}: {r.reason.splitlines()[0] if r.reason else ''}" for r in results if r.status in ("fail", "error")]
+
+
+def write_reports(results: Sequence[CaseResult], out_dir: Path, meta: dict[str, Any]) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "validation.json", "csv": out_dir / "validation.csv", "md": out_dir / "validation.md"}
+    paths["json"].write_text(json.dumps({"meta": meta, "results": [r.to_dict() for r in results]}, indent=1))
+    with paths["csv"].open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["test_id", "op", "backend", "shape", "dtype", "case", "device", "status", "tensor",
+                    "rel_err_impl", "rel_err_eager", "allowed", "max_abs_err", "compile", "seconds", "reason"])
+        for r in results:
+            rows = r.errors or [None]
+            for e in rows:
+                w.writerow([
+                    r.test_id, r.op, r.backend, r.shape, r.dtype, r.case, r.device, r.status,
+                    e.name if e else "", f"{e.impl:.3e}" if e else "", f"{e.eager:.3e}" if e else "",
+                    f"{e.allowed:.3e}" if e else "", f"{e.max_abs:.3e}" if e else "",
+                    r.compile_status, f"{r.seconds:.2f}", r.reason.splitlines()[0] if r.reason else "",
+                ])
+    lines = ["# lmkernels validation report", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items()]
+    n = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "unsupported")}
+    lines += ["", f"**{n['pass']} passed, {n['fail'] + n['error']} failed, {n['unsupported']} unsupported**", ""]
+    lines += ["| case | status | worst err/allowed | tensors: rel err impl / eager | compile |", "|---|---|---|---|---|"]
+    for r in results:
+        errs = ", ".join(f"{e.name} {e.impl:.2e}/{e.eager:.2e}" for e in r.errors)
+        extra = r.reason.splitlines()[0][:120] if r.status != "pass" and r.reason else ""
+        lines.append(f"| {r.test_id} | {r.status} {extra} | {r.worst_ratio:.2f} | {errs} | {r.compile_status} |")
+    paths["md"].write_text("\n".join(lines) + "\n")
+    return paths
+
+
+def parse_dtypes(names: Sequence[str] | None) -> list[str] | None:
+    if not names:
+        return None
+    for n in names:
+        if n not in DTYPES_BY_NAME:
+            raise ValueError(f"--dtype: expected one of fp32, bf16, fp16, got {n!r}")
+    return list(names)

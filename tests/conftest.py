@@ -1,0 +1,29 @@
+"""Test configuration. Without a GPU the Triton kernels run on the CPU interpreter, which must be
+switched on before triton (or lmkernels) is imported."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests decide backends explicitly; an LMKERNELS_BACKEND left in the shell would change them.
+os.environ.pop("LMKERNELS_BACKEND", None)
+
+import pytest  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _reset_backend_choice():
+    import lmkernels
+
+    lmkernels.reset_backend()
+    yield
+    lmkernels.reset_backend()
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE

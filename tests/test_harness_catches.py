@@ -1,0 +1,122 @@
+"""The harness must catch broken backends: each toy below is wrong in one way and must fail."""
+
+import pytest
+import torch
+
+import lmkernels
+from lmkernels.harness.checks import check_case
+from lmkernels.ops.rms_norm import rms_norm_reference
+from lmkernels.registry import get_op, register, unregister
+from lmkernels.utils import empty_like
+
+SPEC = get_op("rms_norm")
+SHAPE = {"M": 37, "N": 96}
+
+
+def wrong_values(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+    return rms_norm_reference(x, weight, eps, offset, casting_mode) * 1.01
+
+
+class _ScaledGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 1.1
+
+
+def wrong_gradient(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+    return _ScaledGrad.apply(rms_norm_reference(x, weight, eps, offset, casting_mode))
+
+
+def nan_output(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+    y = rms_norm_reference(x, weight, eps, offset, casting_mode).clone()
+    y.view(-1)[5] = float("nan")
+    return y
+
+
+class _ForgetsOneElement(torch.autograd.Function):
+    """Allocates its output like a kernel does and never writes the last element."""
+
+    @staticmethod
+    def forward(ctx, x, y_ref):
+        out = empty_like(y_ref)
+        out.view(-1)[:-1] = y_ref.reshape(-1)[:-1]
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, g
+
+
+def unwritten_element(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+    return _ForgetsOneElement.apply(x, rms_norm_reference(x, weight, eps, offset, casting_mode))
+
+
+def breaks_graph(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+    # Reading a raw pointer, as a kernel launched without a torch.library wrapper does: the
+    # compiler cannot trace through it.
+    assert x.data_ptr() != 0
+    return rms_norm_reference(x, weight, eps, offset, casting_mode)
+
+
+def modifies_input(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+    y = rms_norm_reference(x, weight, eps, offset, casting_mode)
+    # .data bypasses autograd's version counter, as a kernel writing through a pointer does.
+    x.data.view(-1)[0] += 1.0
+    return y
+
+
+TOYS = {
+    "wrong_values": (wrong_values, "out: rel err"),
+    "wrong_gradient": (wrong_gradient, "grad_x: rel err"),
+    "nan_output": (nan_output, "out: non-finite"),
+    "unwritten_element": (unwritten_element, "out: non-finite"),
+    "modifies_input": (modifies_input, "input x was modified"),
+}
+
+
+@pytest.mark.parametrize("name", list(TOYS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_broken_backend_is_caught(name, dtype):
+    fn, expected = TOYS[name]
+    impl = register("rms_norm", f"toy_{name}", fn, priority=-100)
+    try:
+        result = check_case(SPEC, impl, SHAPE, dtype, {})
+    finally:
+        unregister("rms_norm", f"toy_{name}")
+    assert result.status == "fail", f"{name} was not caught: {result.status} {result.reason}"
+    assert expected in result.reason, result.reason
+
+
+def test_graph_breaking_backend_is_caught():
+    impl = register("rms_norm", "toy_breaks_graph", breaks_graph, priority=-100)
+    try:
+        result = check_case(SPEC, impl, SHAPE, torch.float32, {}, compile_backend="eager")
+    finally:
+        unregister("rms_norm", "toy_breaks_graph")
+    assert result.compile_status.startswith("fail"), result.compile_status
+    assert result.status == "fail"
+
+
+def test_correct_backend_passes_the_same_checks():
+    """The control: the same harness passes a correct impl, so the failures above are real."""
+    impl = register("rms_norm", "toy_correct", rms_norm_reference, priority=-100)
+    try:
+        result = check_case(SPEC, impl, SHAPE, torch.bfloat16, {}, compile_backend="eager")
+    finally:
+        unregister("rms_norm", "toy_correct")
+    assert result.status == "pass", result.reason
+    assert result.compile_status == "pass"
+
+
+def test_registered_toy_is_listed_and_dispatchable():
+    register("rms_norm", "toy_correct", rms_norm_reference, priority=-100)
+    try:
+        assert "toy_correct" in lmkernels.backend_names()
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(lmkernels.rms_norm(x, backend="toy_correct"), rms_norm_reference(x))
+    finally:
+        unregister("rms_norm", "toy_correct")
