@@ -137,12 +137,16 @@ def _upstream_grads(outs: list[torch.Tensor], seed: int) -> list[torch.Tensor | 
     return grads
 
 
-def _run(fn: Callable[..., Any], inputs: dict[str, Any], grad_names: list[str], upstream, dtype):
-    """Run fn and backprop the upstream grads (cast to each output's dtype); return tensors by name."""
+def _run(fn: Callable[..., Any], inputs: dict[str, Any], grad_names: list[str], upstream, seed: int = 0):
+    """Run fn and backprop upstream grads (drawn from `seed` when None); return (tensors by name, upstream)."""
     outs = _outputs(fn(**inputs))
+    if upstream is None:
+        # Drawn once, in the dtype of the low-precision run's outputs, so the fp64, eager and
+        # impl runs all backpropagate identical values.
+        upstream = _upstream_grads(outs, seed)
     result = {}
     for name, o in zip(_output_names(len(outs)), outs):
-        result[name] = o
+        result[name] = o.detach()
     pairs = [(o, g) for o, g in zip(outs, upstream) if g is not None and o.requires_grad]
     wrt = [inputs[n] for n in grad_names]
     if pairs and wrt:
@@ -151,7 +155,7 @@ def _run(fn: Callable[..., Any], inputs: dict[str, Any], grad_names: list[str], 
         )
         for n, gr in zip(grad_names, grads):
             result[f"grad_{n}"] = gr if gr is not None else torch.zeros_like(inputs[n])
-    return result
+    return result, upstream
 
 
 def _snapshot(inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -186,6 +190,13 @@ def _compare(
             what = "non-finite values" if e_impl != e_impl else f"rel err {e_impl:.3g} > allowed {allowed:.3g}"
             problems.append(f"{name}: {what} (eager {e_eager:.3g})")
     return errors, problems
+
+
+_REFERENCE_CACHE: dict[str, Any] = {}
+
+
+def clear_reference_cache() -> None:
+    _REFERENCE_CACHE.clear()
 
 
 # --- the check ----------------------------------------------------------------------------------
@@ -242,21 +253,20 @@ def _check(spec, impl, shape, dtype, case, device, seed, compile_backend, result
     spec.check_inputs(**probe)
     tol = spec.tolerances[dtype]
 
-    ref_inputs = _clone_inputs(inputs, torch.float64, grad_names)
-    ref_outs = _outputs(spec.reference(**_clone_inputs(ref_inputs, None, [])))
-    # Upstream grads are drawn once, in the dtype of the low-precision run's outputs, so the
-    # fp64, eager and impl runs all backpropagate identical values.
-    low_outs = _outputs(spec.reference(**_clone_inputs(inputs, None, grad_names)))
-    upstream = _upstream_grads(low_outs, seed)
-
-    ref = _run(spec.reference, ref_inputs, grad_names, upstream, torch.float64)
-    eager = _run(spec.reference, _clone_inputs(inputs, None, grad_names), grad_names, upstream, dtype)
-    del ref_outs
+    key = (spec.name, tuple(shape.items()), dtype, case_id(case), device, seed)
+    if _REFERENCE_CACHE.get("key") != key:
+        # fp64 and same-dtype eager runs depend only on the case, not on the impl: computed once
+        # and shared by the impls checked one after another (the runner orders cases so).
+        _REFERENCE_CACHE.clear()
+        eager, upstream = _run(spec.reference, _clone_inputs(inputs, None, grad_names), grad_names, None, seed)
+        ref, _ = _run(spec.reference, _clone_inputs(inputs, torch.float64, grad_names), grad_names, upstream)
+        _REFERENCE_CACHE.update(key=key, eager=eager, ref=ref, upstream=upstream)
+    eager, ref, upstream = _REFERENCE_CACHE["eager"], _REFERENCE_CACHE["ref"], _REFERENCE_CACHE["upstream"]
 
     impl_inputs = _clone_inputs(inputs, None, grad_names)
     before = _snapshot(impl_inputs)
     with poison_outputs():
-        got = _run(impl.fn, impl_inputs, grad_names, upstream, dtype)
+        got, _ = _run(impl.fn, impl_inputs, grad_names, upstream)
     if impl.has_backward is False:
         got.update({k: v for k, v in eager.items() if k.startswith("grad_")})
     errors, problems = _compare(got, eager, ref, tol)
@@ -270,7 +280,7 @@ def _check(spec, impl, shape, dtype, case, device, seed, compile_backend, result
             result.compile_status = "unsupported (impl marked compile_safe=False)"
         else:
             result.compile_status = _compile_check(
-                spec, impl, inputs, grad_names, upstream, dtype, eager, ref, tol, compile_backend
+                spec, impl, inputs, grad_names, upstream, eager, ref, tol, compile_backend
             )
             if result.compile_status != "pass":
                 problems.append(f"compile: {result.compile_status}")
@@ -279,7 +289,7 @@ def _check(spec, impl, shape, dtype, case, device, seed, compile_backend, result
     result.reason = "; ".join(problems)
 
 
-def _compile_check(spec, impl, inputs, grad_names, upstream, dtype, eager, ref, tol, compile_backend) -> str:
+def _compile_check(spec, impl, inputs, grad_names, upstream, eager, ref, tol, compile_backend) -> str:
     torch._dynamo.reset()
 
     def call(**kw):
@@ -287,7 +297,7 @@ def _compile_check(spec, impl, inputs, grad_names, upstream, dtype, eager, ref, 
 
     compiled = torch.compile(call, fullgraph=True, backend=compile_backend)
     try:
-        got = _run(compiled, _clone_inputs(inputs, None, grad_names), grad_names, upstream, dtype)
+        got, _ = _run(compiled, _clone_inputs(inputs, None, grad_names), grad_names, upstream)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return f"fail: {type(e).__name__}: {first}"[:300]

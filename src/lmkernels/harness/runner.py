@@ -42,23 +42,19 @@ def plan_cases(
     the default options unless compile_first_only is False (it costs a compilation each)."""
     specs = [get_op(canonical_op(n)) for n in op_names] if op_names else ops()
     for spec in specs:
-        for impl in impls(spec.name):
-            if backends and impl.backend not in backends:
+        chosen = [i for i in impls(spec.name) if not backends or i.backend in backends]
+        seen_compile: set[tuple[str, torch.dtype]] = set()
+        # Impls innermost: the fp64 reference of a case is computed once and shared by them.
+        for dtype in spec.dtypes:
+            if dtypes and DTYPE_NAMES[dtype] not in dtypes:
                 continue
-            for dtype in spec.dtypes:
-                if dtypes and DTYPE_NAMES[dtype] not in dtypes:
-                    continue
-                for i, shape in enumerate(spec.shapes[grid]):
-                    for j, case in enumerate(spec.cases):
-                        first = i == 0 and j == 0
-                        yield Plan(
-                            spec,
-                            impl,
-                            shape,
-                            dtype,
-                            case,
-                            compile_backend if (first or not compile_first_only) else None,
-                        )
+            for shape in spec.shapes[grid]:
+                for case in spec.cases:
+                    for impl in chosen:
+                        first = (impl.backend, dtype) not in seen_compile
+                        seen_compile.add((impl.backend, dtype))
+                        run_compile = compile_backend if (first or not compile_first_only) else None
+                        yield Plan(spec, impl, shape, dtype, case, run_compile)
 
 
 def environment() -> dict[str, Any]:
