@@ -14,7 +14,9 @@ from lmkernels.registry.core import impls, ops
 
 # CPU: fp32 and bf16 (fp16 matmuls and reductions on the CPU are slow and add little: the
 # kernels' fp16 paths are the bf16 paths with another cast, and the GPU run covers them).
-DTYPES = (torch.float32, torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.float32, torch.bfloat16)
+DTYPES = (
+    (torch.float32, torch.bfloat16, torch.float16) if DEVICE == "cuda" else (torch.float32, torch.bfloat16)
+)
 
 
 def _cases():
@@ -33,7 +35,9 @@ def _first_cases():
     for spec in ops():
         for impl in impls(spec.name):
             shape = spec.shapes["quick"][0]
-            yield pytest.param(spec, impl, shape, id=f"{spec.name}-{impl.backend}-{spec.shape_id(shape)}-fp32")
+            yield pytest.param(
+                spec, impl, shape, id=f"{spec.name}-{impl.backend}-{spec.shape_id(shape)}-fp32"
+            )
 
 
 def _skip_if_unavailable(impl):

@@ -77,15 +77,22 @@ def test_use_backend_per_op_and_nesting(toys):
 
 def test_explicit_backend_that_cannot_run_raises_with_reasons(toys):
     xb = X.to(torch.bfloat16)
-    with pytest.raises(BackendNotSupportedError, match=r"toy_b.*requested by argument.*dtype torch.bfloat16 not supported"):
+    with pytest.raises(
+        BackendNotSupportedError, match=r"toy_b.*requested by argument.*dtype torch.bfloat16 not supported"
+    ):
         lmkernels.rms_norm(xb, backend="toy_b")
-    with lmkernels.use_backend("toy_b"), pytest.raises(BackendNotSupportedError, match="requested by use_backend"):
+    with (
+        lmkernels.use_backend("toy_b"),
+        pytest.raises(BackendNotSupportedError, match="requested by use_backend"),
+    ):
         lmkernels.rms_norm(xb)
     assert toys == []  # never silently fell back to another backend
 
 
 def test_auto_skips_unsupported_impls(toys):
-    register("rms_norm", "toy_top", lambda **kw: 1 / 0, priority=1000, supports=lambda **kw: ["toy limitation"])
+    register(
+        "rms_norm", "toy_top", lambda **kw: 1 / 0, priority=1000, supports=lambda **kw: ["toy limitation"]
+    )
     try:
         assert resolve("rms_norm", INPUTS).backend == "compile"
         e = explain("rms_norm", INPUTS)

@@ -1,9 +1,9 @@
 """lmkernels: fused training kernels for LLMs, each proven against an eager reference.
 
-    import lmkernels as lk
-    loss = lk.fused_linear_cross_entropy(hidden, lm_head.weight, labels)
-    y = lk.rms_norm(x, weight, backend="triton")
-    with lk.use_backend("triton", flce="compile"): ...
+import lmkernels as lk
+loss = lk.fused_linear_cross_entropy(hidden, lm_head.weight, labels)
+y = lk.rms_norm(x, weight, backend="triton")
+with lk.use_backend("triton", flce="compile"): ...
 """
 
 from lmkernels.ops import (

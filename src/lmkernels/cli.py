@@ -50,7 +50,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def parse_shape(spec_name: str, text: str) -> dict[str, int]:
-    """"M=4096,N=8192" or "4096x8192" (dims in the order of the op's shape grid)."""
+    """ "M=4096,N=8192" or "4096x8192" (dims in the order of the op's shape grid)."""
     spec = get_op(spec_name)
     dims = list(spec.shapes["quick"][0])
     if "=" in text:
@@ -110,7 +110,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     compile_backend = None if args.compile == "none" else args.compile
     plans = list(
         runner.plan_cases(
-            args.op, args.backend, runner.parse_dtypes(args.dtype), grid, compile_backend,
+            args.op,
+            args.backend,
+            runner.parse_dtypes(args.dtype),
+            grid,
+            compile_backend,
             compile_first_only=not args.compile_all,
         )
     )
@@ -118,7 +122,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
         console.print("[red]nothing to validate for these filters[/]")
         return 2
     results = runner.run_validation(plans, args.device, console, progress=not args.no_progress)
-    meta = runner.environment() | {"grid": grid, "command": " ".join(sys.argv), "compile_backend": compile_backend}
+    meta = runner.environment() | {
+        "grid": grid,
+        "command": " ".join(sys.argv),
+        "compile_backend": compile_backend,
+    }
     console.print(runner.summary_table(results))
     for line in runner.failure_lines(results):
         console.print(f"[red]FAIL[/] {line}")
@@ -158,9 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
     g = v.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="small shapes (default)")
     g.add_argument("--full", action="store_true", help="the full grid, up to the benchmark sizes")
-    v.add_argument("--compile", default="aot_eager", choices=["none", "eager", "aot_eager", "inductor"],
-                   help="torch.compile backend of the fullgraph check (default aot_eager)")
-    v.add_argument("--compile-all", action="store_true", help="compile-check every case, not one per impl/dtype")
+    v.add_argument(
+        "--compile",
+        default="aot_eager",
+        choices=["none", "eager", "aot_eager", "inductor"],
+        help="torch.compile backend of the fullgraph check (default aot_eager)",
+    )
+    v.add_argument(
+        "--compile-all", action="store_true", help="compile-check every case, not one per impl/dtype"
+    )
     v.add_argument("--out", help="report directory")
     v.add_argument("--no-progress", action="store_true")
     v.set_defaults(func=cmd_validate)

@@ -1,2 +1,444 @@
-"""Adapters for external libraries (Liger Kernel, Cut Cross-Entropy, torch native), registered
-as ordinary backends when their package is importable. Filled in by the performance work."""
+"""External libraries as ordinary backends, for comparison on the GPU: `liger` (Liger Kernel),
+`cce` and `cce_filtered` (Apple's Cut Cross-Entropy, exact and with its default gradient
+filtering) and `torch_native` (torch.nn.functional.linear_cross_entropy, chunked).
+
+Every adapter registers whether or not its package is installed, so `lmkernels list` shows it;
+`available()` says why it cannot run here (package missing, no CUDA: they are CUDA-only). Their
+priority is below eager's, so `auto` never picks them: they run only when asked for by name
+(`lmkernels validate/bench --backend liger`, `backend="liger"`).
+
+Each adapter maps our semantics (ops/*.py) onto the library's arguments exactly, and its
+`supports()` lists every option of our signature the library cannot do. Known differences that
+are not options, left as they are so that the benchmarks measure the libraries as people use
+them (the harness reports them):
+
+- Liger's SwiGLU/GeGLU backward writes the gradients into the saved `gate` and `up` tensors (it
+  saves memory in an MLP, where those are temporaries): the caller's inputs are overwritten.
+- Liger's FLCE rounds the logits and their gradient to the input dtype (bf16) before the
+  matmuls; CCE accumulates the hidden-state gradient in the input dtype.
+- torch's linear_cross_entropy returns the loss in the input dtype (ours is fp32).
+- Liger's RMSNorm is called with in_place=False: its default writes dX into the upstream
+  gradient, which autograd may share with another branch (why Liger turns it off for Gemma 2).
+- Liger's RoPE rotates q and k in place when their memory layout is (B, T, H, D) (transformers'
+  layout); the adapter clones them then, so the caller's q and k stay intact.
+- Liger's FLCE and torch's chunked path compute the gradients in the forward; torch's refuses a
+  second backward over the same graph.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+
+from lmkernels.registry.core import register
+
+PRIORITY = -10  # below eager (0): `auto` never picks an adapter
+LIGER_MAX_COLS = 65536  # Liger's row kernels hold a whole row in one block (calculate_settings)
+
+
+# --- availability --------------------------------------------------------------------------------
+
+
+def _unavailable(module: str, pip_name: str) -> str | None:
+    """Why `module`'s kernels cannot run here: not installed, no CUDA (the adapters are GPU
+    comparisons, and Liger's norm/GLU kernels do not run on the Triton CPU interpreter that the
+    test suite turns on), or a broken install (e.g. a triton mismatch)."""
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        return f"{pip_name} is not installed (pip install {pip_name})"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # a broken install must not take lmkernels down
+        return f"{pip_name} failed to import ({type(e).__name__}: {e})"
+    return None
+
+
+def liger_unavailable() -> str | None:
+    return _unavailable("liger_kernel.transformers.functional", "liger-kernel")
+
+
+def cce_unavailable() -> str | None:
+    return _unavailable("cut_cross_entropy", "cut-cross-entropy")
+
+
+def torch_native_unavailable() -> str | None:
+    import torch.nn.functional as F
+
+    if not hasattr(F, "linear_cross_entropy") or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        return (
+            f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy with chunking options"
+        )
+    return None
+
+
+# --- shared helpers ------------------------------------------------------------------------------
+
+
+def _wide_rows(x: torch.Tensor) -> list[str]:
+    if x.shape[-1] > LIGER_MAX_COLS:
+        return [f"last dim {x.shape[-1]} > {LIGER_MAX_COLS} (Liger keeps a whole row in one Triton block)"]
+    return []
+
+
+def _grad_needed(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _mean_denominator(target, ignore_index, class_weight):
+    """Our "mean" denominator: sum of the class weights of the non-ignored targets (their count
+    without class weights), 1 when every token is ignored (so the loss is 0, not nan)."""
+    valid = target != ignore_index
+    if class_weight is None:
+        denom = valid.sum().float()
+    else:
+        denom = torch.where(valid, class_weight.float()[torch.where(valid, target, 0).long()], 0.0).sum()
+    return torch.where(denom == 0, 1.0, denom)
+
+
+# --- Liger Kernel --------------------------------------------------------------------------------
+
+
+def liger_rms_norm(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+    from liger_kernel.transformers.functional import liger_rms_norm as rms_norm
+
+    # Liger's casting modes are ours ("llama", "gemma", "none"). in_place=False: see the docstring.
+    return rms_norm(x, weight, eps, offset=offset, casting_mode=casting_mode, in_place=False)
+
+
+def _liger_rms_norm_supports(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+    return _wide_rows(x)
+
+
+def liger_layer_norm(x, weight=None, bias=None, eps=1e-5):
+    from liger_kernel.transformers.functional import liger_layer_norm as layer_norm
+
+    return layer_norm(x, weight, bias, eps)
+
+
+def _liger_layer_norm_supports(x, weight=None, bias=None, eps=1e-5):
+    reasons = _wide_rows(x)
+    if weight is None or bias is None:
+        reasons.append("weight=None or bias=None: Liger's LayerNorm always takes both")
+    return reasons
+
+
+def liger_rope(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None):
+    from liger_kernel.transformers.functional import liger_rope as rope
+
+    if position_ids is not None:
+        # Liger takes position_ids but does not use them: look the rows up here, as
+        # transformers does before apply_rotary_pos_emb; (B, T, R) tables are Liger's batched form.
+        cos, sin = cos[position_ids], sin[position_ids]
+    # Our RoPE computes in fp32 and rounds once; Liger computes in cos's dtype, so give it fp32
+    # tables (they are small: T x R).
+    cos, sin = cos.float(), sin.float()
+    # Liger rotates in place when q/k are (B, T, H, D) in memory; keep the caller's tensors intact.
+    if q.transpose(1, 2).is_contiguous():
+        q = q.clone()
+    if k.transpose(1, 2).is_contiguous():
+        k = k.clone()
+    return rope(q, k, cos, sin, None, 1, cos.shape[-1])
+
+
+def _liger_rope_supports(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None):
+    if layout != "neox":
+        return [f"layout={layout!r}: Liger's RoPE implements only the neox (rotate_half) layout"]
+    return []
+
+
+def liger_swiglu(gate, up):
+    from liger_kernel.transformers.functional import liger_swiglu as swiglu
+
+    return swiglu(gate, up)
+
+
+def _liger_swiglu_supports(gate, up):
+    return _wide_rows(gate)
+
+
+def liger_geglu(gate, up, approximate="tanh"):
+    from liger_kernel.transformers.functional import liger_geglu as geglu
+
+    return geglu(gate, up)
+
+
+def _liger_geglu_supports(gate, up, approximate="tanh"):
+    reasons = _wide_rows(gate)
+    if approximate != "tanh":
+        reasons.append(f"approximate={approximate!r}: Liger's GeGLU implements only the tanh approximation")
+    return reasons
+
+
+def liger_flce(
+    hidden,
+    weight,
+    target,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    softcap=None,
+    z_loss_scale=0.0,
+    class_weight=None,
+    return_lse=False,
+    grad_accum_dtype=None,
+):
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as flce
+
+    H = weight.shape[1]
+    # Liger's accum_dtype=None accumulates the weight gradient in the weight's dtype, one rounding
+    # per chunk (our grad_accum_dtype=weight.dtype); our default None means fp32.
+    accum = torch.float32 if grad_accum_dtype in (None, torch.float32) else None
+    loss = flce(
+        hidden.reshape(-1, H),
+        weight,
+        target.reshape(-1).long(),  # Liger gathers class weights with the targets: int64 needed
+        bias=bias,
+        # Our reference reads class weights in fp32; Liger sums them in their own dtype.
+        ce_weight=None if class_weight is None else class_weight.float(),
+        ignore_index=ignore_index,
+        lse_square_scale=z_loss_scale,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+        softcap=softcap,
+        accum_dtype=accum,
+    )
+    # Liger's loss is fp32 and its "mean" divides by the non-ignored class-weight sum, as ours.
+    return loss.view(target.shape) if reduction == "none" else loss
+
+
+def _liger_flce_supports(
+    hidden,
+    weight,
+    target,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    softcap=None,
+    z_loss_scale=0.0,
+    class_weight=None,
+    return_lse=False,
+    grad_accum_dtype=None,
+):
+    reasons = []
+    if return_lse:
+        reasons.append("return_lse=True: Liger's FLCE does not return the logsumexp")
+    if reduction == "mean" and class_weight is not None and z_loss_scale:
+        reasons.append(
+            "z_loss_scale with class_weight and reduction='mean': Liger divides the z-loss by the "
+            "number of tokens, ours by the class-weight sum"
+        )
+    if _grad_needed(weight, bias) and not _grad_needed(hidden):
+        reasons.append("weight/bias need gradients but hidden does not: Liger then returns none")
+    return reasons
+
+
+# --- Cut Cross-Entropy ---------------------------------------------------------------------------
+
+
+def _make_cce(filter_eps):
+    def cce_flce(
+        hidden,
+        weight,
+        target,
+        bias=None,
+        ignore_index=-100,
+        reduction="mean",
+        label_smoothing=0.0,
+        softcap=None,
+        z_loss_scale=0.0,
+        class_weight=None,
+        return_lse=False,
+        grad_accum_dtype=None,
+    ):
+        from cut_cross_entropy import linear_cross_entropy
+
+        # CCE's "mean" of a batch whose tokens are all ignored is nan (ours is 0): take its sum
+        # and divide by our denominator, which is the same computation otherwise.
+        loss = linear_cross_entropy(
+            hidden,
+            weight,
+            target,
+            ignore_index=ignore_index,
+            softcap=softcap,
+            reduction="sum" if reduction == "mean" else reduction,
+            filter_eps=filter_eps,
+            impl="cce",
+        ).float()
+        if reduction == "mean":
+            loss = loss / _mean_denominator(target, ignore_index, None)
+        return loss
+
+    cce_flce.__name__ = "cce_flce" if filter_eps is None else "cce_filtered_flce"
+    return cce_flce
+
+
+def _cce_supports(
+    hidden,
+    weight,
+    target,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    softcap=None,
+    z_loss_scale=0.0,
+    class_weight=None,
+    return_lse=False,
+    grad_accum_dtype=None,
+):
+    reasons = []
+    if bias is not None:
+        reasons.append("bias: CCE has no bias")
+    if label_smoothing:
+        reasons.append("label_smoothing: CCE has no label smoothing")
+    if z_loss_scale:
+        reasons.append("z_loss_scale: CCE has no z-loss")
+    if class_weight is not None:
+        reasons.append("class_weight: CCE has no class weights")
+    if return_lse:
+        reasons.append("return_lse=True: CCE does not return the logsumexp")
+    if _grad_needed(weight) and grad_accum_dtype != weight.dtype:
+        reasons.append(
+            f"grad_accum_dtype={grad_accum_dtype} (fp32): CCE accumulates the weight gradient in the "
+            f"weight's dtype (pass grad_accum_dtype={weight.dtype})"
+        )
+    return reasons
+
+
+# --- torch.nn.functional.linear_cross_entropy ----------------------------------------------------
+
+
+def torch_native_flce(
+    hidden,
+    weight,
+    target,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    softcap=None,
+    z_loss_scale=0.0,
+    class_weight=None,
+    return_lse=False,
+    grad_accum_dtype=None,
+):
+    import torch.nn.functional as F
+
+    H = weight.shape[1]
+    low_precision = weight.dtype != torch.float32
+    options = torch.nn.LinearCrossEntropyOptions(
+        # "balanced" keeps an fp32 weight-gradient accumulator across chunks (our default);
+        # "compact" adds each chunk into the weight-dtype gradient (grad_accum_dtype=weight.dtype).
+        acc_policy="balanced" if grad_accum_dtype in (None, torch.float32) else "compact",
+        acc_dtype=torch.float32 if low_precision else None,
+    )
+    t = target.reshape(-1).long()  # the chunked path needs int64 targets
+    loss = F.linear_cross_entropy(
+        hidden.reshape(-1, H),
+        weight,
+        t,
+        linear_bias=bias,
+        weight=class_weight,
+        # torch's "mean" of an all-ignored batch is nan (ours is 0): sum, then our denominator.
+        reduction="sum" if reduction == "mean" else reduction,
+        ignore_index=ignore_index,
+        options=options,
+    ).float()
+    if reduction == "none":
+        return loss.view(target.shape)
+    if reduction == "mean":
+        loss = loss / _mean_denominator(t, ignore_index, class_weight)
+    return loss
+
+
+def _torch_native_supports(
+    hidden,
+    weight,
+    target,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    softcap=None,
+    z_loss_scale=0.0,
+    class_weight=None,
+    return_lse=False,
+    grad_accum_dtype=None,
+):
+    reasons = []
+    if softcap is not None:
+        reasons.append("softcap: torch's linear_cross_entropy has no logit softcapping")
+    if z_loss_scale:
+        reasons.append("z_loss_scale: torch's linear_cross_entropy has no z-loss")
+    if return_lse:
+        reasons.append("return_lse=True: torch's linear_cross_entropy does not return the logsumexp")
+    if label_smoothing:
+        reasons.append("label_smoothing: torch's chunked path falls back to materializing the logits")
+    return reasons
+
+
+# --- registration --------------------------------------------------------------------------------
+
+_LIGER = {
+    "rms_norm": (liger_rms_norm, _liger_rms_norm_supports),
+    "layer_norm": (liger_layer_norm, _liger_layer_norm_supports),
+    "rope": (liger_rope, _liger_rope_supports),
+    "swiglu": (liger_swiglu, _liger_swiglu_supports),
+    "geglu": (liger_geglu, _liger_geglu_supports),
+    "fused_linear_cross_entropy": (liger_flce, _liger_flce_supports),
+}
+
+for _op, (_fn, _supports) in _LIGER.items():
+    register(
+        _op,
+        "liger",
+        _fn,
+        priority=PRIORITY,
+        devices=("cuda",),
+        available=liger_unavailable,
+        supports=_supports,
+        # Liger's FLCE syncs with the host (.item()) in its forward: no fullgraph compile.
+        compile_safe=_op != "fused_linear_cross_entropy",
+        description="Liger Kernel (liger-kernel), for comparison",
+    )
+
+for _name, _filter in (("cce", None), ("cce_filtered", "high")):
+    register(
+        "fused_linear_cross_entropy",
+        _name,
+        _make_cce(_filter),
+        priority=PRIORITY,
+        dtypes=(torch.bfloat16, torch.float16),  # CCE's backward asserts bf16/fp16 embeddings
+        devices=("cuda",),
+        min_capability=(8, 0),  # bf16 tensor-core dots
+        available=cce_unavailable,
+        supports=_cce_supports,
+        # CCE builds index lists with nonzero() (data-dependent shapes): no fullgraph compile.
+        compile_safe=False,
+        description=(
+            "Cut Cross-Entropy, exact gradients (filter_eps=None), for comparison"
+            if _filter is None
+            else "Cut Cross-Entropy with its default gradient filtering (filter_eps='high'): "
+            "skips gradient blocks below bf16 resolution, an approximation"
+        ),
+    )
+
+register(
+    "fused_linear_cross_entropy",
+    "torch_native",
+    torch_native_flce,
+    priority=PRIORITY,
+    available=torch_native_unavailable,
+    supports=_torch_native_supports,
+    # A GPU comparison like the other adapters; its bf16 loss (see the module docstring) fails
+    # our fp32-loss policy, which `lmkernels validate --device cuda` reports.
+    devices=("cuda",),
+    # torch marks the chunked op as skipped by dynamo (it falls back to eager): no fullgraph compile.
+    compile_safe=False,
+    description="torch.nn.functional.linear_cross_entropy, chunked (LinearCrossEntropyOptions)",
+)

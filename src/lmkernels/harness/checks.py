@@ -187,7 +187,9 @@ def _compare(
         err = TensorError(name, e_impl, e_eager, allowed, max_abs)
         errors.append(err)
         if not err.ok:
-            what = "non-finite values" if e_impl != e_impl else f"rel err {e_impl:.3g} > allowed {allowed:.3g}"
+            what = (
+                "non-finite values" if e_impl != e_impl else f"rel err {e_impl:.3g} > allowed {allowed:.3g}"
+            )
             problems.append(f"{name}: {what} (eager {e_eager:.3g})")
     return errors, problems
 
@@ -258,7 +260,9 @@ def _check(spec, impl, shape, dtype, case, device, seed, compile_backend, result
         # fp64 and same-dtype eager runs depend only on the case, not on the impl: computed once
         # and shared by the impls checked one after another (the runner orders cases so).
         _REFERENCE_CACHE.clear()
-        eager, upstream = _run(spec.reference, _clone_inputs(inputs, None, grad_names), grad_names, None, seed)
+        eager, upstream = _run(
+            spec.reference, _clone_inputs(inputs, None, grad_names), grad_names, None, seed
+        )
         ref, _ = _run(spec.reference, _clone_inputs(inputs, torch.float64, grad_names), grad_names, upstream)
         _REFERENCE_CACHE.update(key=key, eager=eager, ref=ref, upstream=upstream)
     eager, ref, upstream = _REFERENCE_CACHE["eager"], _REFERENCE_CACHE["ref"], _REFERENCE_CACHE["upstream"]

@@ -130,40 +130,91 @@ def summary_table(results: Sequence[CaseResult], failures_only: bool = False) ->
         if failures_only and not n_fail:
             continue
         style = "red" if n_fail else ("yellow" if n_uns and not n_pass else "green")
-        table.add_row(op, backend, dtype, str(n_pass), str(n_fail), str(n_uns), f"{worst:.2f}", comp, style=style)
+        table.add_row(
+            op, backend, dtype, str(n_pass), str(n_fail), str(n_uns), f"{worst:.2f}", comp, style=style
+        )
     return table
 
 
 def failure_lines(results: Sequence[CaseResult]) -> list[str]:
-    return [f"{r.test_id}: {r.status}: {r.reason.splitlines()[0] if r.reason else ''}" for r in results if r.status in ("fail", "error")]
+    return [
+        f"{r.test_id}: {r.status}: {r.reason.splitlines()[0] if r.reason else ''}"
+        for r in results
+        if r.status in ("fail", "error")
+    ]
 
 
 def write_reports(results: Sequence[CaseResult], out_dir: Path, meta: dict[str, Any]) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / "validation.json", "csv": out_dir / "validation.csv", "md": out_dir / "validation.md"}
+    paths = {
+        "json": out_dir / "validation.json",
+        "csv": out_dir / "validation.csv",
+        "md": out_dir / "validation.md",
+    }
     paths["json"].write_text(json.dumps({"meta": meta, "results": [r.to_dict() for r in results]}, indent=1))
     with paths["csv"].open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["test_id", "op", "backend", "shape", "dtype", "case", "device", "status", "tensor",
-                    "rel_err_impl", "rel_err_eager", "allowed", "max_abs_err", "compile", "seconds", "reason"])
+        w.writerow(
+            [
+                "test_id",
+                "op",
+                "backend",
+                "shape",
+                "dtype",
+                "case",
+                "device",
+                "status",
+                "tensor",
+                "rel_err_impl",
+                "rel_err_eager",
+                "allowed",
+                "max_abs_err",
+                "compile",
+                "seconds",
+                "reason",
+            ]
+        )
         for r in results:
             rows = r.errors or [None]
             for e in rows:
-                w.writerow([
-                    r.test_id, r.op, r.backend, r.shape, r.dtype, r.case, r.device, r.status,
-                    e.name if e else "", f"{e.impl:.3e}" if e else "", f"{e.eager:.3e}" if e else "",
-                    f"{e.allowed:.3e}" if e else "", f"{e.max_abs:.3e}" if e else "",
-                    r.compile_status, f"{r.seconds:.2f}", r.reason.splitlines()[0] if r.reason else "",
-                ])
+                w.writerow(
+                    [
+                        r.test_id,
+                        r.op,
+                        r.backend,
+                        r.shape,
+                        r.dtype,
+                        r.case,
+                        r.device,
+                        r.status,
+                        e.name if e else "",
+                        f"{e.impl:.3e}" if e else "",
+                        f"{e.eager:.3e}" if e else "",
+                        f"{e.allowed:.3e}" if e else "",
+                        f"{e.max_abs:.3e}" if e else "",
+                        r.compile_status,
+                        f"{r.seconds:.2f}",
+                        r.reason.splitlines()[0] if r.reason else "",
+                    ]
+                )
     lines = ["# lmkernels validation report", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
     n = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "error", "unsupported")}
-    lines += ["", f"**{n['pass']} passed, {n['fail'] + n['error']} failed, {n['unsupported']} unsupported**", ""]
-    lines += ["| case | status | worst err/allowed | tensors: rel err impl / eager | compile |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"**{n['pass']} passed, {n['fail'] + n['error']} failed, {n['unsupported']} unsupported**",
+        "",
+    ]
+    lines += [
+        "| case | status | worst err/allowed | tensors: rel err impl / eager | compile |",
+        "|---|---|---|---|---|",
+    ]
     for r in results:
         errs = ", ".join(f"{e.name} {e.impl:.2e}/{e.eager:.2e}" for e in r.errors)
         extra = r.reason.splitlines()[0][:120] if r.status != "pass" and r.reason else ""
-        lines.append(f"| {r.test_id} | {r.status} {extra} | {r.worst_ratio:.2f} | {errs} | {r.compile_status} |")
+        lines.append(
+            f"| {r.test_id} | {r.status} {extra} | {r.worst_ratio:.2f} | {errs} | {r.compile_status} |"
+        )
     paths["md"].write_text("\n".join(lines) + "\n")
     return paths
 

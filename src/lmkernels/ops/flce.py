@@ -115,7 +115,9 @@ def check_inputs(
     if hidden.dim() < 1 or hidden.shape[-1] != H:
         fail(f"hidden: expected shape (..., {H}) to match weight (V={V}, H={H}), got {tuple(hidden.shape)}")
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
-        fail(f"target: expected shape {tuple(hidden.shape[:-1])} (hidden without its last dim), got {tuple(target.shape)}")
+        fail(
+            f"target: expected shape {tuple(hidden.shape[:-1])} (hidden without its last dim), got {tuple(target.shape)}"
+        )
     if weight.dtype != hidden.dtype:
         fail(f"weight: expected dtype {hidden.dtype} (same as hidden), got {weight.dtype}")
     for name, t in (("bias", bias), ("class_weight", class_weight)):
@@ -132,7 +134,9 @@ def check_inputs(
     if not z_loss_scale >= 0:
         fail(f"z_loss_scale: expected a non-negative number, got {z_loss_scale}")
     if grad_accum_dtype not in (None, torch.float32, weight.dtype):
-        fail(f"grad_accum_dtype: expected None, torch.float32 or weight's dtype {weight.dtype}, got {grad_accum_dtype}")
+        fail(
+            f"grad_accum_dtype: expected None, torch.float32 or weight's dtype {weight.dtype}, got {grad_accum_dtype}"
+        )
     if data_checks_enabled() and target.numel():
         # One host sync; LMKERNELS_CHECK_VALUES=0 skips it (backends then give nan losses for
         # out-of-range targets rather than reading out of bounds).

@@ -120,7 +120,10 @@ SPEC = register_op(
         check_inputs=check_inputs,
         grad_inputs=("q", "k"),
         shapes={
-            "quick": [{"B": 2, "Hq": 4, "Hkv": 2, "T": 7, "D": 16}, {"B": 1, "Hq": 3, "Hkv": 3, "T": 5, "D": 24}],
+            "quick": [
+                {"B": 2, "Hq": 4, "Hkv": 2, "T": 7, "D": 16},
+                {"B": 1, "Hq": 3, "Hkv": 3, "T": 5, "D": 24},
+            ],
             "full": [
                 {"B": 2, "Hq": 4, "Hkv": 2, "T": 7, "D": 16},
                 {"B": 1, "Hq": 3, "Hkv": 3, "T": 5, "D": 24},
@@ -145,6 +148,13 @@ SPEC = register_op(
 def rope(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None, *, backend=None):
     """Rotate q and k; returns (q_out, k_out). See the module docstring for the semantics."""
     return dispatch(
-        "rope", backend, q=q, k=k, cos=cos, sin=sin, position_ids=position_ids,
-        layout=layout, rotary_dim=rotary_dim,
+        "rope",
+        backend,
+        q=q,
+        k=k,
+        cos=cos,
+        sin=sin,
+        position_ids=position_ids,
+        layout=layout,
+        rotary_dim=rotary_dim,
     )

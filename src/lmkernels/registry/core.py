@@ -213,8 +213,7 @@ def get_impl(op: str, backend: str) -> Impl:
         return _IMPLS[op][backend]
     except KeyError:
         raise UnknownBackendError(
-            f"backend {backend!r} is not registered for op {op!r}; "
-            f"registered: {sorted(_IMPLS[op])}"
+            f"backend {backend!r} is not registered for op {op!r}; registered: {sorted(_IMPLS[op])}"
         ) from None
 
 

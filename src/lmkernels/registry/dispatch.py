@@ -76,8 +76,7 @@ def parse_backend_spec(spec: str, where: str = ENV_VAR) -> dict[str, str]:
         else:
             if "*" in table:
                 raise LMKernelsError(
-                    f"{where}: more than one global backend in {spec!r} "
-                    f"(use op=backend for per-op choices)"
+                    f"{where}: more than one global backend in {spec!r} (use op=backend for per-op choices)"
                 )
             _check_backend_name(item, where)
             table["*"] = item

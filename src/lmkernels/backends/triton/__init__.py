@@ -9,7 +9,6 @@ when asked for explicitly; `auto` picks them on CUDA.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 
 OP_MODULES = ("rms_norm", "layer_norm", "rope", "glu", "flce")
@@ -40,8 +39,7 @@ def _load() -> None:
         _unavailable.register_placeholders()
         return
     for name in OP_MODULES:
-        if importlib.util.find_spec(f"lmkernels.backends.triton.{name}") is not None:  # TODO(dev): strict once all exist
-            importlib.import_module(f"lmkernels.backends.triton.{name}")
+        importlib.import_module(f"lmkernels.backends.triton.{name}")
 
 
 _load()

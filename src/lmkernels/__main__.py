@@ -1,0 +1,5 @@
+import sys
+
+from lmkernels.cli import main
+
+sys.exit(main())

@@ -1,0 +1,357 @@
+"""LayerNorm in Triton: forward and backward kernels, torch.library ops, registration.
+
+Semantics are those of `lmkernels.ops.layer_norm.layer_norm_reference`: fp32 math, one rounding
+of y to x.dtype; weight and bias are optional and independent. The work is laid out as for
+RMSNorm (see rms_norm.py, whose shared helpers this module uses): one row per program forward,
+a persistent backward that keeps the weight and bias gradient partial sums in fp32 registers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
+from lmkernels.backends.triton.rms_norm import (
+    device_guard,
+    persistent_programs,
+    row_config,
+    soft_bf16,
+    sum_partials,
+    to_dtype,
+)
+from lmkernels.registry.core import register
+from lmkernels.utils import empty
+
+# --- kernels -----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    mean_ptr,
+    rstd_ptr,
+    N,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * N
+    y_row = y_ptr + row * N
+    dtype = y_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    if SINGLE_BLOCK:
+        mask = cols < N
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=0) / N
+        centered = tl.where(mask, x - mean, 0.0)
+        # Two passes over the row in registers (mean, then squared deviations), as the reference.
+        rstd = tl.rsqrt(tl.sum(centered * centered, axis=0) / N + eps)
+        y = centered * rstd
+        if HAS_WEIGHT:
+            y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_row + cols, to_dtype(y, dtype, SOFT_BF16), mask=mask)
+    else:
+        # Wide rows: three passes (sum, squared deviations, output); passes 2 and 3 hit L2.
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, N, BLOCK):
+            acc += tl.load(x_row + start + cols, mask=start + cols < N, other=0.0).to(tl.float32)
+        mean = tl.sum(acc, axis=0) / N
+        acc = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, N, BLOCK):
+            mask = start + cols < N
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            centered = tl.where(mask, x - mean, 0.0)
+            acc += centered * centered
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
+        for start in range(0, N, BLOCK):
+            mask = start + cols < N
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            y = (x - mean) * rstd
+            if HAS_WEIGHT:
+                y = y * tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                y = y + tl.load(b_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_row + start + cols, to_dtype(y, dtype, SOFT_BF16), mask=mask)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_partial_ptr,
+    db_partial_ptr,
+    M,
+    N,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SINGLE_BLOCK: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+):
+    """dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dy * w, x_hat = (x - mean) * rstd;
+    dw = sum dy * x_hat, db = sum dy over rows.
+
+    Program pid handles rows pid, pid + P, ... and writes row pid of the P x N fp32 partials.
+    """
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    first_row = pid.to(tl.int64)
+    dtype = dx_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    dw_row = dw_partial_ptr + first_row * N
+    db_row = db_partial_ptr + first_row * N
+    if SINGLE_BLOCK:
+        mask = cols < N
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([BLOCK], tl.float32)
+        db_acc = tl.zeros([BLOCK], tl.float32)
+        for i in range(0, tl.cdiv(M - pid, num_programs)):
+            row = first_row + i * num_programs
+            x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(mean_ptr + row)
+            rstd = tl.load(rstd_ptr + row)
+            x_hat = (x - mean) * rstd
+            g = dy
+            if HAS_WEIGHT:
+                g = dy * w
+            # Padding columns have dy = 0, hence g = 0: they add nothing to either sum.
+            mean_g = tl.sum(g, axis=0) / N
+            mean_gx = tl.sum(g * x_hat, axis=0) / N
+            dx = (g - mean_g - x_hat * mean_gx) * rstd
+            tl.store(dx_ptr + row * N + cols, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
+            if HAS_WEIGHT:
+                dw_acc += dy * x_hat
+            if HAS_BIAS:
+                db_acc += dy
+        if HAS_WEIGHT:
+            tl.store(dw_row + cols, dw_acc, mask=mask)
+        if HAS_BIAS:
+            tl.store(db_row + cols, db_acc, mask=mask)
+    else:
+        # Wide rows: pass 1 reduces the two row sums, pass 2 writes dx block by block and adds
+        # this program's contributions into its (zero-initialized) partial rows.
+        for i in range(0, tl.cdiv(M - pid, num_programs)):
+            row = first_row + i * num_programs
+            mean = tl.load(mean_ptr + row)
+            rstd = tl.load(rstd_ptr + row)
+            acc_g = tl.zeros([BLOCK], tl.float32)
+            acc_gx = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, N, BLOCK):
+                mask = start + cols < N
+                x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
+                g = tl.load(dy_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
+                if HAS_WEIGHT:
+                    g = g * tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+                acc_g += g
+                acc_gx += g * ((x - mean) * rstd)
+            mean_g = tl.sum(acc_g, axis=0) / N
+            mean_gx = tl.sum(acc_gx, axis=0) / N
+            for start in range(0, N, BLOCK):
+                mask = start + cols < N
+                x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
+                x_hat = (x - mean) * rstd
+                g = dy
+                if HAS_WEIGHT:
+                    g = dy * tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+                dx = (g - mean_g - x_hat * mean_gx) * rstd
+                tl.store(dx_ptr + row * N + start + cols, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
+                if HAS_WEIGHT:
+                    dw = tl.load(dw_row + start + cols, mask=mask, other=0.0)
+                    tl.store(dw_row + start + cols, dw + dy * x_hat, mask=mask)
+                if HAS_BIAS:
+                    db = tl.load(db_row + start + cols, mask=mask, other=0.0)
+                    tl.store(db_row + start + cols, db + dy, mask=mask)
+
+
+# --- launchers -------------------------------------------------------------------------------
+
+
+def _num_rows(x: torch.Tensor) -> int:
+    return math.prod(x.shape[:-1])
+
+
+def _layer_norm_fwd(x, weight, bias, eps):
+    N = x.shape[-1]
+    x2d = x.contiguous().view(-1, N)
+    M = x2d.shape[0]
+    y = empty(x.shape, x.dtype, x.device)
+    mean = empty((M,), torch.float32, x.device)
+    rstd = empty((M,), torch.float32, x.device)
+    if M == 0:
+        return y, mean, rstd
+    cfg = row_config(N)
+    with device_guard(x):
+        _layer_norm_fwd_kernel[(M,)](
+            x2d,
+            weight.contiguous() if weight is not None else x2d,  # x2d: placeholder, never read
+            bias.contiguous() if bias is not None else x2d,
+            y,
+            mean,
+            rstd,
+            N,
+            eps,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            BLOCK=cfg.block,
+            SINGLE_BLOCK=cfg.single_block,
+            SOFT_BF16=soft_bf16(x),
+            num_warps=cfg.num_warps,
+        )
+    return y, mean, rstd
+
+
+def _layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype):
+    N = x.shape[-1]
+    x2d = x.contiguous().view(-1, N)
+    M = x2d.shape[0]
+    dx = empty(x.shape, x.dtype, x.device)
+    dw = empty((N,), weight.dtype, x.device) if weight is not None else x.new_empty((0,))
+    db = empty((N,), bias_dtype, x.device) if bias_dtype is not None else x.new_empty((0,))
+    if M == 0:
+        return dx, dw.zero_(), db.zero_()
+    cfg = row_config(N, backward=True)
+    P = persistent_programs(M, cfg.num_warps, x.device)
+    # The fused path writes every partial row in full; the wide path accumulates into it.
+    alloc = empty if cfg.single_block else torch.zeros
+    dw_partial = alloc((P, N), dtype=torch.float32, device=x.device) if weight is not None else None
+    db_partial = alloc((P, N), dtype=torch.float32, device=x.device) if bias_dtype is not None else None
+    with device_guard(x):
+        _layer_norm_bwd_kernel[(P,)](
+            dy.contiguous().view(-1, N),
+            x2d,
+            weight.contiguous() if weight is not None else x2d,  # placeholders, never touched
+            mean,
+            rstd,
+            dx,
+            dw_partial if dw_partial is not None else rstd,
+            db_partial if db_partial is not None else rstd,
+            M,
+            N,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias_dtype is not None,
+            BLOCK=cfg.block,
+            SINGLE_BLOCK=cfg.single_block,
+            SOFT_BF16=soft_bf16(x),
+            num_warps=cfg.num_warps,
+        )
+        if dw_partial is not None:
+            sum_partials(dw_partial, dw)
+        if db_partial is not None:
+            sum_partials(db_partial, db)
+    return dx, dw, db
+
+
+# --- torch.library ops -----------------------------------------------------------------------
+
+
+@torch.library.custom_op("lmkernels::layer_norm_fwd", mutates_args=())
+def layer_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns y (x's shape and dtype, contiguous), mean and rstd (fp32, one per row)."""
+    return _layer_norm_fwd(x, weight, bias, eps)
+
+
+@layer_norm_fwd.register_fake
+def _(x, weight, bias, eps):
+    stats = (_num_rows(x),)
+    return (
+        x.new_empty(x.shape),
+        x.new_empty(stats, dtype=torch.float32),
+        x.new_empty(stats, dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("lmkernels::layer_norm_bwd", mutates_args=())
+def layer_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    bias_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dx, dw and db; dw is empty without weight, db is empty when bias_dtype is None."""
+    return _layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype)
+
+
+@layer_norm_bwd.register_fake
+def _(dy, x, weight, mean, rstd, bias_dtype):
+    N = x.shape[-1]
+    dw = x.new_empty((0,)) if weight is None else x.new_empty((N,), dtype=weight.dtype)
+    db = x.new_empty((0,)) if bias_dtype is None else x.new_empty((N,), dtype=bias_dtype)
+    return x.new_empty(x.shape), dw, db
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, eps = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _backward(ctx, dy, dmean, drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = torch.ops.lmkernels.layer_norm_bwd(dy, x, weight, mean, rstd, ctx.bias_dtype)
+    return (
+        dx if ctx.needs_input_grad[0] else None,
+        dw if weight is not None and ctx.needs_input_grad[1] else None,
+        db if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None,
+        None,
+    )
+
+
+layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- the impl ----------------------------------------------------------------------------------
+
+
+def layer_norm_triton(x, weight=None, bias=None, eps=1e-5):
+    y, _, _ = torch.ops.lmkernels.layer_norm_fwd(x, weight, bias, float(eps))
+    return y
+
+
+def _supports(x, weight=None, bias=None, eps=1e-5, **_) -> list[str]:
+    reasons = []
+    if x.shape[-1] >= 2**31:
+        reasons.append(f"x: rows of {x.shape[-1]} elements; the kernels index columns with int32")
+    if _num_rows(x) >= 2**31:
+        reasons.append(f"x: {_num_rows(x)} rows; the forward launches one program per row (< 2^31)")
+    return reasons
+
+
+register(
+    "layer_norm",
+    "triton",
+    layer_norm_triton,
+    priority=100,
+    devices=triton_devices(),
+    auto_devices=("cuda",),
+    available=triton_unavailable_reason,
+    supports=_supports,
+    description="Triton: one row per program forward, persistent backward with fp32 dw/db partials",
+)

@@ -1,0 +1,308 @@
+"""Rotary position embedding of q and k in Triton: both tensors in one launch.
+
+Grid (B*T, splits): program (p, s) handles position p = b*T + t and every `splits`-th group of
+BLOCK_H heads, q's groups first, then k's. cos/sin for the position are loaded once per program;
+with splits == 1 (long sequences) one program rotates all Hq + Hkv heads of its position.
+
+Each head's first R = rotary_dim dims are split into the two halves of the rotation pairs
+(x_a, x_b): neox pairs j with j + R/2 (two contiguous loads), interleaved pairs 2i with 2i+1
+(one contiguous load, viewed as (heads, R/2, 2) and split in registers). With the
+full-width tables (c_a, c_b, s_a, s_b) at the pair's two dims, as in the reference:
+
+    forward:  o_a = x_a c_a - x_b s_a        o_b = x_b c_b + x_a s_b
+    backward: o_a = x_a c_a + x_b s_b        o_b = x_b c_b - x_a s_a   (the transpose)
+
+so the backward is the forward with (s_a, s_b) -> (-s_b, -s_a): the same kernel, one flag.
+Dims R..D are copied. q and k are read through their strides (e.g. the transpose of a
+(B, T, H, D) projection is not copied); outputs are fresh contiguous (B, H, T, D) tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
+from lmkernels.registry.core import register
+from lmkernels.utils import empty
+
+# Elements of one (heads x rotary dims) tile: 16 heads x 128 dims for Llama, i.e. 8 elements
+# (one 16-byte vector of bf16) per thread for each of the tile's two halves with 4 warps.
+TILE_ELEMENTS = 2048
+NUM_WARPS = 4
+# Below this many positions, the heads of one position are spread over several programs so
+# that the GPU still gets enough programs to keep every SM's memory pipe busy.
+MIN_PROGRAMS = 8192
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    out_ptr,
+    x_base,
+    out_base,
+    stride_xh,
+    stride_oh,
+    h0,
+    n_heads,
+    cos_a,
+    cos_b,
+    sin_a,
+    sin_b,
+    half,
+    rot_dim,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_REST: tl.constexpr,
+):
+    """Rotate heads h0 .. h0 + BLOCK_H (masked to n_heads) of one position."""
+    heads = h0 + tl.arange(0, BLOCK_H)
+    head_mask = heads < n_heads
+    # 64-bit: heads * stride can pass 2^31 for long sequences.
+    x_rows = x_ptr + x_base + heads.to(tl.int64) * stride_xh
+    o_rows = out_ptr + out_base + heads.to(tl.int64) * stride_oh
+    if INTERLEAVED:
+        # Load the rows contiguously (vector loads along D), then view each row as
+        # (BLOCK_HALF, 2) pairs (2i, 2i+1) and split them in registers.
+        d = tl.arange(0, 2 * BLOCK_HALF)
+        mask = head_mask[:, None] & (d < 2 * half)[None, :]
+        x = tl.load(x_rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_a, x_b = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_HALF, 2)))
+        o_a = x_a * cos_a[None, :] - x_b * sin_a[None, :]
+        o_b = x_b * cos_b[None, :] + x_a * sin_b[None, :]
+        out = tl.reshape(tl.join(o_a, o_b), (BLOCK_H, 2 * BLOCK_HALF))
+        tl.store(o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        i = tl.arange(0, BLOCK_HALF)
+        mask = head_mask[:, None] & (i < half)[None, :]
+        x_a = tl.load(x_rows[:, None] + i[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_b = tl.load(x_rows[:, None] + (i + half)[None, :], mask=mask, other=0.0).to(tl.float32)
+        o_a = x_a * cos_a[None, :] - x_b * sin_a[None, :]
+        o_b = x_b * cos_b[None, :] + x_a * sin_b[None, :]
+        tl.store(o_rows[:, None] + i[None, :], o_a.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_rows[:, None] + (i + half)[None, :], o_b.to(out_ptr.dtype.element_ty), mask=mask)
+    if HAS_REST:
+        # Dims rot_dim .. head_dim are not rotated: copied as they are.
+        r = rot_dim + tl.arange(0, BLOCK_REST)
+        mask = head_mask[:, None] & (r < head_dim)[None, :]
+        rest = tl.load(x_rows[:, None] + r[None, :], mask=mask, other=0.0)
+        tl.store(o_rows[:, None] + r[None, :], rest.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    T,
+    n_q_heads,
+    n_k_heads,
+    head_dim,
+    half,
+    stride_out_h,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_cb,
+    stride_ct,
+    stride_sb,
+    stride_st,
+    stride_pb,
+    stride_pt,
+    splits,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_REST: tl.constexpr,
+    BACKWARD: tl.constexpr,
+):
+    pos = tl.program_id(0).to(tl.int64)
+    b = pos // T
+    t = pos % T
+    # Row of the cos/sin tables for this position: position_ids[b, t] into a (P, R) table, or
+    # (b, t) into (B, T, R), or t into (T, R) (stride_cb == 0).
+    if HAS_POS:
+        row = tl.load(pos_ptr + b * stride_pb + t * stride_pt).to(tl.int64)
+        cos_row = cos_ptr + row * stride_ct
+        sin_row = sin_ptr + row * stride_st
+    else:
+        cos_row = cos_ptr + b * stride_cb + t * stride_ct
+        sin_row = sin_ptr + b * stride_sb + t * stride_st
+    if INTERLEAVED:
+        d = tl.arange(0, 2 * BLOCK_HALF)
+        m = d < 2 * half
+        cos_a, cos_b = tl.split(tl.reshape(tl.load(cos_row + d, mask=m, other=0.0), (BLOCK_HALF, 2)))
+        sin_a, sin_b = tl.split(tl.reshape(tl.load(sin_row + d, mask=m, other=0.0), (BLOCK_HALF, 2)))
+        cos_a, cos_b = cos_a.to(tl.float32), cos_b.to(tl.float32)
+        sin_a, sin_b = sin_a.to(tl.float32), sin_b.to(tl.float32)
+    else:
+        i = tl.arange(0, BLOCK_HALF)
+        m = i < half
+        cos_a = tl.load(cos_row + i, mask=m, other=0.0).to(tl.float32)
+        cos_b = tl.load(cos_row + half + i, mask=m, other=0.0).to(tl.float32)
+        sin_a = tl.load(sin_row + i, mask=m, other=0.0).to(tl.float32)
+        sin_b = tl.load(sin_row + half + i, mask=m, other=0.0).to(tl.float32)
+    if BACKWARD:
+        # The transpose of the rotation (see the module docstring).
+        sin_a, sin_b = -sin_b, -sin_a
+    rot_dim = 2 * half
+    # Outputs are contiguous (B, H, T, D): position (b, t) of head h starts at
+    # ((b * H + h) * T + t) * D; the head stride T * D comes from the host (64-bit if need be).
+    n_q_groups = tl.cdiv(n_q_heads, BLOCK_H)
+    n_groups = n_q_groups + tl.cdiv(n_k_heads, BLOCK_H)
+    for g in range(tl.program_id(1), n_groups, splits):
+        if g < n_q_groups:
+            _rotate_heads(
+                q_ptr, q_out_ptr, b * stride_qb + t * stride_qt,
+                (b * n_q_heads * T + t) * head_dim, stride_qh, stride_out_h,
+                g * BLOCK_H, n_q_heads, cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
+                BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
+            )  # fmt: skip
+        else:
+            _rotate_heads(
+                k_ptr, k_out_ptr, b * stride_kb + t * stride_kt,
+                (b * n_k_heads * T + t) * head_dim, stride_kh, stride_out_h,
+                (g - n_q_groups) * BLOCK_H, n_k_heads, cos_a, cos_b, sin_a, sin_b, half, rot_dim,
+                head_dim, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
+            )  # fmt: skip
+
+
+def _device_ctx(t: torch.Tensor):
+    # Triton launches on the current CUDA device; make it the tensors' one.
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    # The kernels assume stride 1 along the last dim (contiguous vector loads); any other
+    # stride (rare: an expanded gradient, a column slice) is copied once.
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def _launch_config(n_pos: int, n_q_heads: int, n_k_heads: int, rot_dim: int, head_dim: int):
+    block_half = triton.next_power_of_2(rot_dim // 2)
+    rest = head_dim - rot_dim
+    block_rest = triton.next_power_of_2(rest) if rest else 1
+    max_heads = triton.next_power_of_2(max(n_q_heads, n_k_heads))
+    block_h = max(1, min(max_heads, TILE_ELEMENTS // (2 * block_half)))
+    n_groups = triton.cdiv(n_q_heads, block_h) + triton.cdiv(n_k_heads, block_h)
+    splits = max(1, min(n_groups, triton.cdiv(MIN_PROGRAMS, max(n_pos, 1))))
+    return block_h, block_half, block_rest, splits
+
+
+def _rope_apply(q, k, cos, sin, position_ids, interleaved, rotary_dim, inverse):
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    q, k, cos, sin = (_unit_last_stride(t) for t in (q, k, cos, sin))
+    q_out = empty((B, Hq, T, D), q.dtype, q.device)
+    k_out = empty((B, Hkv, T, D), k.dtype, k.device)
+    n_pos = B * T
+    if n_pos == 0 or (Hq == 0 and Hkv == 0) or D == 0:
+        return q_out, k_out
+    if cos.dim() == 3:
+        stride_cb, stride_ct, stride_sb, stride_st = (
+            cos.stride(0),
+            cos.stride(1),
+            sin.stride(0),
+            sin.stride(1),
+        )
+    else:  # (T, R) or a (P, R) table: no batch stride
+        stride_cb, stride_ct, stride_sb, stride_st = 0, cos.stride(0), 0, sin.stride(0)
+    has_pos = position_ids is not None
+    stride_pb, stride_pt = position_ids.stride() if has_pos else (0, 0)
+    block_h, block_half, block_rest, splits = _launch_config(n_pos, Hq, Hkv, rotary_dim, D)
+    with _device_ctx(q):
+        _rope_kernel[(n_pos, splits)](
+            q, k, q_out, k_out, cos, sin, position_ids if has_pos else cos,
+            T, Hq, Hkv, D, rotary_dim // 2, T * D,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            stride_cb, stride_ct, stride_sb, stride_st, stride_pb, stride_pt, splits,
+            BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_REST=block_rest,
+            INTERLEAVED=interleaved, HAS_POS=has_pos, HAS_REST=rotary_dim < D, BACKWARD=inverse,
+            num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return q_out, k_out
+
+
+# --- torch.library registration ------------------------------------------------------------------
+
+
+@torch.library.custom_op("lmkernels::rope_rotate", mutates_args=())
+def rope_rotate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    interleaved: bool,
+    rotary_dim: int,
+    inverse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q (B, Hq, T, D) and k (B, Hkv, T, D); inverse=True applies the transpose.
+
+    Returns fresh contiguous tensors in q's dtype. The backward of the rotation is the inverse
+    rotation, so gradients (of any order) go through this same op.
+    """
+    return _rope_apply(q, k, cos, sin, position_ids, interleaved, rotary_dim, inverse)
+
+
+@rope_rotate.register_fake
+def _(q, k, cos, sin, position_ids, interleaved, rotary_dim, inverse):
+    # new_empty: contiguous like the real outputs (empty_like would keep a transpose's strides).
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, cos, sin, position_ids, interleaved, rotary_dim, inverse = inputs
+    ctx.save_for_backward(cos, sin, position_ids)
+    ctx.options = (interleaved, rotary_dim, inverse)
+
+
+def _backward(ctx, grad_q, grad_k):
+    if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+        raise RuntimeError("lmkernels::rope_rotate: gradients for cos/sin are not implemented")
+    cos, sin, position_ids = ctx.saved_tensors
+    interleaved, rotary_dim, inverse = ctx.options
+    dq, dk = torch.ops.lmkernels.rope_rotate(
+        grad_q, grad_k, cos, sin, position_ids, interleaved, rotary_dim, not inverse
+    )
+    return dq, dk, None, None, None, None, None, None
+
+
+rope_rotate.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- lmkernels impl --------------------------------------------------------------------------------
+
+
+def rope_triton(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None):
+    rdim = q.shape[-1] if rotary_dim is None else rotary_dim
+    return torch.ops.lmkernels.rope_rotate(q, k, cos, sin, position_ids, layout == "interleaved", rdim, False)
+
+
+def _supports(q=None, k=None, cos=None, sin=None, **options) -> list[str]:
+    reasons = []
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (cos, sin)):
+        reasons.append("gradients for cos/sin are not implemented (they require grad)")
+    return reasons
+
+
+register(
+    "rope", "triton", rope_triton, priority=100, devices=triton_devices(), auto_devices=("cuda",),
+    available=triton_unavailable_reason, supports=_supports,
+    description="Triton, q and k in one launch, program per position (x head groups)",
+)  # fmt: skip

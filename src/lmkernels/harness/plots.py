@@ -1,0 +1,155 @@
+"""PNG plots of benchmark results (matplotlib, Agg backend: no display needed).
+
+- plot_bench: per op (and option set, sweep and mode) the time and the peak memory against the
+  swept size, one line per backend; a bar chart when there is a single size (the design grid).
+- plot_e2e: tokens/s and peak memory of the end-to-end training benchmark against the batch size
+  and the sequence length, one line per configuration.
+- plot_memory_timeline: allocated memory over one training step, one line per configuration.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text).strip("_")
+
+
+def _size_axis(ax, sizes: Sequence[int], label: str) -> None:
+    """A log2 x axis labelled with the sizes themselves (1024, not 2^10)."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(sizes))
+    ax.set_xticklabels([str(s) for s in sizes], rotation=30)
+    ax.minorticks_off()
+    ax.set_xlabel(label)
+    ax.grid(True, alpha=0.3)
+
+
+def _failures(rows: Sequence[dict[str, Any]], x: str) -> str:
+    """' (OOM at 64, 128)' style suffix for a legend entry."""
+    bad = [r for r in rows if r.get("status") not in ("ok", None)]
+    if not bad:
+        return ""
+    by_status: dict[str, list[str]] = {}
+    for r in bad:
+        by_status.setdefault(r["status"], []).append(str(r.get(x)))
+    return " (" + "; ".join(f"{s} at {', '.join(v)}" for s, v in by_status.items()) + ")"
+
+
+def plot_bench(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """One PNG per (op, options, sweep, mode): time and peak memory vs size, per backend."""
+    plt = _pyplot()
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["op"], r["options"], r["sweep"], r["mode"]), []).append(r)
+    paths = []
+    for (op, options, sweep, mode), group in groups.items():
+        backends = list(dict.fromkeys(r["backend"] for r in group))
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
+        title = f"{op} ({options}), {mode}"
+        sizes = sorted({r["size"] for r in group if r.get("size") is not None})
+        if sweep == "design" or len(sizes) < 2:
+            by_backend = {r["backend"]: r for r in group}
+            # A backend without a result keeps its place, labelled with why (OOM, error, ...).
+            labels = [
+                b if by_backend[b]["status"] == "ok" else f"{b}\n({by_backend[b]['status']})"
+                for b in backends
+            ]
+            ax_t.bar(labels, [by_backend[b]["ms"] or 0 for b in backends], color="tab:blue")
+            ax_m.bar(labels, [by_backend[b].get("peak_mib") or 0 for b in backends], color="tab:orange")
+            for ax in (ax_t, ax_m):
+                ax.tick_params(axis="x", rotation=30)
+            fig.suptitle(f"{title}, shape {group[0]['shape']}")
+        else:
+            for b in backends:
+                pts = sorted((r for r in group if r["backend"] == b), key=lambda r: r["size"])
+                ok = [r for r in pts if r["status"] == "ok" and r["ms"] is not None]
+                label = b + _failures(pts, "size")
+                ax_t.plot([r["size"] for r in ok], [r["ms"] for r in ok], marker="o", label=label)
+                mem = [r for r in ok if r.get("peak_mib") is not None]
+                ax_m.plot([r["size"] for r in mem], [r["peak_mib"] for r in mem], marker="o", label=label)
+            for ax in (ax_t, ax_m):
+                _size_axis(ax, sizes, sweep)
+            ax_t.set_yscale("log")
+            ax_t.yaxis.set_major_formatter(ScalarFormatter())  # 0.5, 1, 2 rather than 5x10^-1
+            ax_t.yaxis.set_minor_formatter(NullFormatter())
+            ax_t.legend(fontsize=8)
+            fig.suptitle(f"{title}, sweep over {sweep}")
+        ax_t.set_ylabel("time (ms, median)")
+        ax_m.set_ylabel("peak memory above inputs (MiB)")
+        fig.tight_layout()
+        path = out_dir / f"{_slug(f'{op}_{sweep}_{mode}_{options}')}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def plot_e2e(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """tokens/s and peak memory vs batch (sweep "batch") and vs sequence length (sweep "seq")."""
+    plt = _pyplot()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for sweep, x, xlabel in (("batch", "batch", "batch size"), ("seq", "seq", "sequence length")):
+        group = [r for r in rows if r.get("sweep") == sweep]
+        if not group:
+            continue
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
+        for config in dict.fromkeys(r["config"] for r in group):
+            pts = sorted((r for r in group if r["config"] == config), key=lambda r: r[x])
+            ok = [r for r in pts if r["status"] == "ok"]
+            label = config + _failures(pts, x)  # a config with no result still gets its legend entry
+            ax_t.plot([r[x] for r in ok], [r["tokens_per_s"] for r in ok], marker="o", label=label)
+            mem = [r for r in ok if r.get("peak_gib") is not None]
+            ax_m.plot([r[x] for r in mem], [r["peak_gib"] for r in mem], marker="o", label=label)
+        for ax in (ax_t, ax_m):
+            _size_axis(ax, sorted({r[x] for r in group}), xlabel)
+        ax_t.set_ylabel("tokens / s")
+        ax_m.set_ylabel("peak memory (GiB)")
+        ax_t.legend(fontsize=8)
+        fixed = "seq" if sweep == "batch" else "batch"
+        fig.suptitle(f"end-to-end training, {fixed} {group[0][fixed]}")
+        fig.tight_layout()
+        path = out_dir / f"e2e_{sweep}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def plot_memory_timeline(timelines: dict[str, dict[str, list[float]]], path: Path, title: str = "") -> Path:
+    """timelines: label -> {"x": [...], "mib": [...], "x_label": ...}: allocated memory (MiB)
+    after each allocator event, x in ms (or the event index where torch gives no timestamps)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for label, tl in timelines.items():
+        ax.step(tl["x"], [m / 1024 for m in tl["mib"]], where="post", label=label)
+    ax.set_xlabel(next(iter(timelines.values())).get("x_label", "time in the step (ms)") if timelines else "")
+    ax.set_ylabel("allocated (GiB)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "allocated memory over one training step")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

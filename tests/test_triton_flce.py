@@ -1,0 +1,401 @@
+"""Triton FLCE (lmkernels/backends/triton/flce.py) against an fp64 ground truth.
+
+On the CPU the kernels run under TRITON_INTERPRET=1. The chunk size is forced small so that
+several chunks (and a partial last one) run on tiny shapes. Policy: per output,
+err(triton) <= factor * err(eager in the same dtype) + floor and err(triton) <= bound, with err
+the relative RMS error against an fp64 computation built on torch.nn.functional.cross_entropy
+(independent of both the reference and the kernel); the factors are the FLCE OpSpec's.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+pytest.importorskip("triton", reason="the Triton backend needs triton")
+
+import lmkernels  # noqa: E402
+from lmkernels.backends.triton import flce as tflce  # noqa: E402
+from lmkernels.backends.triton import triton_unavailable_reason  # noqa: E402
+from lmkernels.ops.flce import SPEC, fused_linear_cross_entropy_reference  # noqa: E402
+
+if triton_unavailable_reason() is not None:
+    pytest.skip(triton_unavailable_reason(), allow_module_level=True)
+
+GRAD_NAMES = ("hidden", "weight", "bias")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """16 tokens per chunk unless a test says otherwise: BT=37 runs 16 + 16 + 5."""
+    monkeypatch.setattr(tflce, "CHUNK_TOKENS", 16)
+
+
+def make(shape, dtype, case, seed=0):
+    """Inputs for one OpSpec case; shape may give hidden_shape for a 3-D hidden."""
+    dims = {k: shape[k] for k in ("BT", "H", "V")}
+    inputs = SPEC.make_inputs(dims, dtype, DEVICE, seed, **case)
+    if "hidden_shape" in shape:
+        inputs["hidden"] = inputs["hidden"].reshape(*shape["hidden_shape"], shape["H"])
+        inputs["target"] = inputs["target"].reshape(shape["hidden_shape"])
+    return inputs
+
+
+def truth_fp64(inputs):
+    """The loss (and lse) in fp64 by F.cross_entropy + the z-loss term, per the docstring."""
+    weight = inputs["weight"].double()
+    V, H = weight.shape
+    h = inputs["hidden"].double().reshape(-1, H)
+    t = inputs["target"].reshape(-1)
+    ignore_index = inputs.get("ignore_index", -100)
+    logits = h @ weight.T
+    if inputs.get("bias") is not None:
+        logits = logits + inputs["bias"].double()
+    if inputs.get("softcap") is not None:
+        logits = inputs["softcap"] * torch.tanh(logits / inputs["softcap"])
+    cw = inputs.get("class_weight")
+    cw = cw.double() if cw is not None else None
+    per_token = F.cross_entropy(
+        logits,
+        t.long(),
+        weight=cw,
+        ignore_index=ignore_index,
+        reduction="none",
+        label_smoothing=inputs.get("label_smoothing", 0.0),
+    )
+    lse = torch.logsumexp(logits, -1)
+    valid = t != ignore_index
+    per_token = per_token + torch.where(valid, inputs.get("z_loss_scale", 0.0) * lse.square(), 0.0)
+    reduction = inputs.get("reduction", "mean")
+    if reduction == "none":
+        loss = per_token.view(inputs["target"].shape)
+    elif reduction == "sum":
+        loss = per_token.sum()
+    else:
+        w_t = cw[torch.where(valid, t, 0)] if cw is not None else torch.ones_like(lse)
+        denom = torch.where(valid, w_t, 0.0).sum()
+        loss = per_token.sum() / denom if denom > 0 else per_token.sum() * 0.0
+    return loss, lse.view(inputs["target"].shape)
+
+
+def run(fn, inputs, grad_seed=1, up_cast=None, live=GRAD_NAMES):
+    """Loss, lse (or None) and the gradients of <loss, upstream> for the live grad inputs.
+
+    up_cast: dtype to cast the float inputs to first (fp64 for the ground truth).
+    """
+    leaves = {}
+    call = dict(inputs)
+    for name in (*GRAD_NAMES, "class_weight"):
+        x = call.get(name)
+        if x is None:
+            continue
+        call[name] = x.detach().to(up_cast) if up_cast is not None else x.detach().clone()
+        if name in live:
+            leaves[name] = call[name].requires_grad_(True)
+    before = {k: v.detach().clone() for k, v in call.items() if isinstance(v, torch.Tensor)}
+    out = fn(call)
+    loss, lse = out if isinstance(out, tuple) else (out, None)
+    g = torch.Generator().manual_seed(grad_seed)
+    # Not 1, also for a scalar loss, so the backward's scaling by the upstream is exercised.
+    upstream = (torch.rand(loss.shape, generator=g) + 0.5).to(loss.device, loss.dtype)
+    grads = torch.autograd.grad(loss, list(leaves.values()), upstream)
+    for k, v in before.items():  # neither forward nor backward writes into the caller's tensors
+        assert torch.equal(v, call[k]), f"input {k} was modified"
+    return loss.detach(), lse, dict(zip(leaves, grads))
+
+
+def rel_rms(x, ref):
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def check(name, impl, eager, truth, dtype):
+    tol = SPEC.tolerances[dtype]
+    assert impl.shape == truth.shape, f"{name}: shape {tuple(impl.shape)} != {tuple(truth.shape)}"
+    assert impl.dtype == eager.dtype, f"{name}: dtype {impl.dtype} != eager's {eager.dtype}"
+    assert torch.isfinite(impl).all(), f"{name}: non-finite values"
+    if truth.abs().max() == 0:  # e.g. every token ignored: exactly zero, like the truth
+        assert (impl == 0).all(), f"{name}: expected exact zeros"
+        return
+    err, err_eager = rel_rms(impl, truth), rel_rms(eager, truth)
+    assert err_eager <= tol.bound, f"{name}: eager itself is off ({err_eager:.2e}): is the truth right?"
+    limit = min(tol.factor * err_eager + tol.floor, tol.bound)
+    assert err <= limit, f"{name}: err {err:.2e} > {limit:.2e} (eager {err_eager:.2e})"
+
+
+def triton_fn(inputs):
+    return lmkernels.fused_linear_cross_entropy(**inputs, backend="triton")
+
+
+def eager_fn(inputs):
+    return fused_linear_cross_entropy_reference(**inputs)
+
+
+def compare(inputs, dtype, live=GRAD_NAMES):
+    t_loss, t_lse, t_grads = run(triton_fn, inputs, live=live)
+    e_loss, e_lse, e_grads = run(eager_fn, inputs, live=live)
+    r_loss, r_lse = truth_fp64(inputs)
+    _, _, r_grads = run(lambda i: truth_fp64(i)[0], inputs, up_cast=torch.float64, live=live)
+    assert t_loss.dtype == torch.float32
+    check("loss", t_loss, e_loss, r_loss, dtype)
+    if inputs.get("return_lse"):
+        assert not t_lse.requires_grad
+        check("lse", t_lse, e_lse, r_lse, dtype)
+    assert t_grads.keys() == e_grads.keys()
+    for name in t_grads:
+        check(f"grad {name}", t_grads[name], e_grads[name], r_grads[name], dtype)
+
+
+SHAPES = {
+    "37x64x131": {"BT": 37, "H": 64, "V": 131},  # 3 chunks, the last one partial
+    "2x5x40_V500": {"BT": 10, "H": 40, "V": 500, "hidden_shape": (2, 5)},  # one chunk
+    "12x16x5000": {"BT": 12, "H": 16, "V": 5000},  # two BLOCK_V blocks per row, masked tail
+}
+CASES = {str(i): case for i, case in enumerate(SPEC.cases)}
+
+
+# Every OpSpec case on the small shapes; on the wide-V one (slow in the interpreter) the cases
+# whose per-block sums cross blocks: plain, label smoothing + class weights, softcap + z-loss.
+SHAPE_CASES = [(s, c) for s in SHAPES for c in CASES if s != "12x16x5000" or c in ("0", "3", "4")]
+
+
+@pytest.mark.parametrize(("shape", "case"), SHAPE_CASES, ids=[f"{s}-case{c}" for s, c in SHAPE_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_matches_fp64(dtype, shape, case):
+    compare(make(SHAPES[shape], dtype, CASES[case]), dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in CASES])
+def test_fp16(case):
+    compare(make(SHAPES["37x64x131"], torch.float16, CASES[case]), torch.float16)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"reduction": "sum", "label_smoothing": 0.2, "with_class_weight": True, "with_bias": True},
+        {"reduction": "none", "softcap": 5.0, "z_loss_scale": 1e-3, "with_bias": True},
+        {
+            "reduction": "mean",
+            "softcap": 3.0,
+            "label_smoothing": 0.1,
+            "z_loss_scale": 1e-2,
+            "ignore_index": 7,
+        },
+        {"reduction": "none", "label_smoothing": 1.0, "with_class_weight": True},
+    ],
+    ids=["sum-smooth-cw-bias", "none-softcap-zloss-bias", "mean-all-but-cw", "none-smooth1-cw"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_option_combinations(dtype, options):
+    compare(make(SHAPES["37x64x131"], dtype, options), dtype)
+
+
+def test_int32_target():
+    inputs = make(SHAPES["37x64x131"], torch.bfloat16, {"label_smoothing": 0.1, "with_class_weight": True})
+    inputs["target"] = inputs["target"].to(torch.int32)
+    compare(inputs, torch.bfloat16)
+
+
+@pytest.mark.parametrize("chunk", [None, 5], ids=["default-chunk", "chunk5"])
+def test_chunk_sizes(monkeypatch, chunk):
+    monkeypatch.setattr(tflce, "CHUNK_TOKENS", chunk)
+    compare(
+        make(SHAPES["37x64x131"], torch.bfloat16, {"reduction": "none", "with_bias": True}), torch.bfloat16
+    )
+
+
+def test_chunk_size_rule(monkeypatch):
+    monkeypatch.setattr(tflce, "CHUNK_TOKENS", None)
+    monkeypatch.delenv(tflce.CHUNK_ENV, raising=False)
+    assert tflce.flce_chunk_tokens(8192, 128256) == 512  # 256 MiB of fp32 logits, 128-aligned
+    assert tflce.flce_chunk_tokens(8192, 128256, wide_accumulator=True) == 1024
+    assert tflce.flce_chunk_tokens(8192, 32000) == 2048
+    assert tflce.flce_chunk_tokens(10**6, 10**7) == 128  # never below one GEMM tile
+    assert tflce.flce_chunk_tokens(37, 131) == 37  # never more than the tokens
+    monkeypatch.setenv(tflce.CHUNK_ENV, "200")
+    assert tflce.flce_chunk_tokens(8192, 128256) == 200
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])  # grads in the forward / recomputed
+@pytest.mark.parametrize("accum", [None, torch.float32, torch.bfloat16], ids=["none", "fp32", "bf16-lean"])
+def test_grad_accum_dtype(accum, reduction):
+    # bf16 inputs: the only dtype where the choice changes anything (fp32 lean == fp32 accum).
+    inputs = make(SHAPES["37x64x131"], torch.bfloat16, {"reduction": reduction, "grad_accum_dtype": accum})
+    compare(inputs, torch.bfloat16)
+
+
+def test_scaled_in_place_without_copy():
+    """The forward's grad_W buffer is scaled in place and becomes weight.grad: no V x H copy."""
+    inputs = make(SHAPES["37x64x131"], torch.bfloat16, {"grad_accum_dtype": torch.bfloat16})
+    weight = inputs["weight"].requires_grad_(True)
+    loss = lmkernels.fused_linear_cross_entropy(**inputs, backend="triton")
+    saved = loss.grad_fn.saved_tensors
+    ptr, expected = saved[1].data_ptr(), saved[1].float() * 3.0
+    del saved
+    loss.backward(torch.tensor(3.0, device=loss.device))
+    assert weight.grad.data_ptr() == ptr
+    torch.testing.assert_close(weight.grad.float(), expected, rtol=2**-8, atol=0)
+
+
+@pytest.mark.parametrize("frozen", ["weight", "hidden"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_partial_grads(reduction, frozen):
+    """With a frozen input only the other gradients are computed, and they are right."""
+    inputs = make(SHAPES["37x64x131"], torch.bfloat16, {"reduction": reduction, "with_bias": True})
+    compare(inputs, torch.bfloat16, live=tuple(n for n in GRAD_NAMES if n != frozen))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_no_grad_forward_matches(reduction):
+    """Under no_grad (loss and lse only) the values equal those of the gradient-computing run."""
+    inputs = make(SHAPES["37x64x131"], torch.bfloat16, {"reduction": reduction, "return_lse": True})
+    with torch.no_grad():
+        loss, lse = triton_fn(inputs)
+    inputs["hidden"].requires_grad_(True)
+    g_loss, g_lse = triton_fn(inputs)
+    assert torch.equal(loss, g_loss.detach()) and torch.equal(lse, g_lse)
+
+
+def test_second_backward_raises():
+    """mean/sum scale the stored gradients in place: a second backward must fail loudly."""
+    inputs = make(SHAPES["37x64x131"], torch.float32, {})
+    inputs["hidden"].requires_grad_(True)
+    loss = triton_fn(inputs)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored(reduction):
+    inputs = make(SHAPES["37x64x131"], torch.bfloat16, {"reduction": reduction, "ignore_fraction": 1.0})
+    loss, _, grads = run(triton_fn, inputs)
+    assert (loss == 0).all()
+    assert all((g == 0).all() for g in grads.values())
+
+
+@pytest.mark.parametrize("with_class_weight", [False, True], ids=["no-cw", "cw"])
+def test_out_of_range_target_gives_nan(monkeypatch, with_class_weight):
+    monkeypatch.setenv("LMKERNELS_CHECK_VALUES", "0")
+    shape = SHAPES["37x64x131"]
+    inputs = make(shape, torch.float32, {"reduction": "none", "with_class_weight": with_class_weight})
+    bad = torch.zeros(shape["BT"], dtype=torch.bool, device=DEVICE)
+    bad[[3, 20]] = True
+    inputs["target"][3] = shape["V"] + 1000
+    inputs["target"][20] = -5
+    inputs["target"][5] = -100  # still ignored, not out of range
+    loss, _, grads = run(triton_fn, inputs)
+    assert loss[bad].isnan().all()
+    assert torch.isfinite(loss[~bad]).all() and loss[5] == 0
+    assert grads["hidden"][bad].isnan().all()  # the gradient of a nan loss is nan too
+    loss_mean = lmkernels.fused_linear_cross_entropy(**{**inputs, "reduction": "mean"}, backend="triton")
+    assert loss_mean.isnan()
+
+
+def test_unsupported_class_weight_grad():
+    inputs = make(SHAPES["37x64x131"], torch.float32, {"with_class_weight": True})
+    inputs["class_weight"].requires_grad_(True)
+    with pytest.raises(lmkernels.BackendNotSupportedError, match="class_weight"):
+        lmkernels.fused_linear_cross_entropy(**inputs, backend="triton")
+
+
+def _forward_args(inputs, reduction, grads):
+    H = inputs["weight"].shape[1]
+    return (
+        inputs["hidden"].reshape(-1, H),
+        inputs["weight"],
+        inputs["target"].reshape(-1),
+        inputs.get("bias"),
+        inputs.get("class_weight"),
+        -100,
+        reduction,
+        0.1,
+        20.0,
+        1e-4,
+        grads,
+        grads,
+        grads and inputs.get("bias") is not None,
+        True,
+    )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_opcheck_forward(reduction):
+    inputs = make({"BT": 12, "H": 16, "V": 40}, torch.float32, {"with_bias": True, "with_class_weight": True})
+    for name in GRAD_NAMES:
+        inputs[name].requires_grad_(True)
+    torch.library.opcheck(
+        torch.ops.lmkernels.flce_triton_forward.default, _forward_args(inputs, reduction, True)
+    )
+    args = _forward_args(
+        {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}, reduction, False
+    )
+    torch.library.opcheck(torch.ops.lmkernels.flce_triton_forward.default, args)
+
+
+def test_opcheck_backward():
+    inputs = make({"BT": 12, "H": 16, "V": 40}, torch.bfloat16, {"with_bias": True})
+    lse = torch.logsumexp(inputs["hidden"].float() @ inputs["weight"].float().T + inputs["bias"].float(), -1)
+    args = (
+        torch.randn(12, generator=torch.Generator().manual_seed(0)).to(DEVICE),
+        inputs["hidden"],
+        inputs["weight"],
+        inputs["target"],
+        inputs["bias"],
+        None,
+        lse,
+        -100,
+        0.0,
+        None,
+        0.0,
+        True,
+        True,
+        True,
+        False,
+    )
+    torch.library.opcheck(torch.ops.lmkernels.flce_triton_backward.default, args)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compile_fullgraph_matches_eager(reduction):
+    torch._dynamo.reset()
+    inputs = make(SHAPES["2x5x40_V500"], torch.bfloat16, {"reduction": reduction, "with_bias": True})
+
+    def fn(i):
+        return lmkernels.fused_linear_cross_entropy(**i, backend="triton")
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    loss, _, grads = run(fn, inputs)
+    c_loss, _, c_grads = run(compiled, inputs)
+    torch.testing.assert_close(c_loss, loss, rtol=0, atol=0)
+    for name in grads:
+        torch.testing.assert_close(c_grads[name], grads[name], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="peak GPU memory needs a CUDA device and compiled kernels (TRITON_INTERPRET=0)",
+)
+@pytest.mark.parametrize("accum", [torch.bfloat16, None], ids=["lean", "fp32-accum"])
+def test_peak_memory_cuda(monkeypatch, accum):
+    monkeypatch.setattr(tflce, "CHUNK_TOKENS", None)
+    BT, H, V = 8192, 1024, 32000
+    inputs = make({"BT": BT, "H": H, "V": V}, torch.bfloat16, {"grad_accum_dtype": accum})
+    inputs["hidden"].requires_grad_(True)
+    inputs["weight"].requires_grad_(True)
+    lmkernels.fused_linear_cross_entropy(**inputs, backend="triton").backward()  # warm-up, autotune
+    inputs["hidden"].grad = inputs["weight"].grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    lmkernels.fused_linear_cross_entropy(**inputs, backend="triton").backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    grads = (BT * H + V * H) * 2 + (V * H * 4 if accum is None else 0)
+    chunk = tflce.flce_chunk_tokens(BT, V, wide_accumulator=accum is None) * V * 4
+    assert peak < BT * V * 4  # below the fp32 logits that eager materializes
+    assert peak <= grads + chunk + 32 * 2**20, f"peak {peak / 2**20:.0f} MiB"

@@ -1,0 +1,581 @@
+"""The Triton RMSNorm and LayerNorm kernels: values and gradients against an fp64 truth (error
+policy of DESIGN.md), the torch.library registration (opcheck, torch.compile), the in-place
+backward of RMSNorm (memory saved when safe, no corruption when the gradient is shared) and,
+on a GPU, 64-bit offsets on tensors of more than 2^31 elements."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import lmkernels  # noqa: E402
+from lmkernels.ops.layer_norm import layer_norm_reference  # noqa: E402
+from lmkernels.ops.rms_norm import rms_norm_reference  # noqa: E402
+from lmkernels.registry.core import DEFAULT_TOLERANCES  # noqa: E402
+from lmkernels.utils import poison_outputs  # noqa: E402
+
+ln_mod = pytest.importorskip("lmkernels.backends.triton.layer_norm", reason="needs triton")
+rms_mod = pytest.importorskip("lmkernels.backends.triton.rms_norm", reason="needs triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(3, 5), (37, 96), (4, 1000), (2, 3, 17)]
+DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _randn(shape, dtype, seed, scale=1.0, shift=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale + shift).to(device=DEVICE, dtype=dtype)
+
+
+def _rel_err(out: torch.Tensor, truth: torch.Tensor) -> float:
+    diff = (out.double() - truth).norm()
+    return (diff / truth.norm().clamp_min(1e-30)).item()
+
+
+def _assert_close(name, out, eager, truth, dtype):
+    """Pass when err(impl) <= factor * err(eager, same dtype) + floor and err(impl) <= bound."""
+    assert out.dtype == eager.dtype, f"{name}: dtype {out.dtype}, eager gives {eager.dtype}"
+    assert out.shape == eager.shape, f"{name}: shape {tuple(out.shape)}, eager {tuple(eager.shape)}"
+    assert torch.isfinite(out).all(), f"{name}: NaN or Inf (an element never written?)"
+    tol = DEFAULT_TOLERANCES[dtype]
+    err, err_eager = _rel_err(out, truth), _rel_err(eager, truth)
+    limit = tol.factor * err_eager + tol.floor
+    assert err <= limit and err <= tol.bound, (
+        f"{name}: rel err {err:.3g} vs fp64, eager {dtype} {err_eager:.3g}, limit {limit:.3g}"
+    )
+
+
+def _rms_truth(x, weight, eps, offset):
+    """Exact RMSNorm in fp64: what every casting mode approximates."""
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * (weight + offset)
+
+
+def _ln_truth(x, weight=None, bias=None, eps=1e-5):
+    mean = x.mean(-1, keepdim=True)
+    y = (x - mean) * torch.rsqrt((x - mean).pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight
+    return y if bias is None else y + bias
+
+
+def _compare_three_ways(name, triton_fn, reference, truth_fn, inputs, grad_names):
+    """Run the Triton op, the eager reference in the same dtypes and the fp64 truth on the same
+    input values and upstream gradient; check the output and every gradient."""
+    dtype = inputs["x"].dtype
+    present = [k for k in grad_names if inputs.get(k) is not None]
+
+    def run(fn, to64):
+        args = {}
+        for k, v in inputs.items():
+            if isinstance(v, torch.Tensor):
+                v = v.detach().double() if to64 else v.detach().clone()
+                v.requires_grad_(k in present)
+            args[k] = v
+        out = fn(**args)
+        dy = _randn(out.shape, dtype, 99).to(out.dtype)  # the same values for all three runs
+        grads = torch.autograd.grad(out, [args[k] for k in present], dy)
+        return out, dict(zip(present, grads))
+
+    with poison_outputs():  # outputs start as NaN: an element the kernels skip fails
+        out, grads = run(triton_fn, False)
+    eager_out, eager_grads = run(reference, False)
+    truth_out, truth_grads = run(truth_fn, True)
+    _assert_close(f"{name} y", out, eager_out, truth_out, dtype)
+    for k in present:
+        # x's dtype sets the tolerance: an fp32 dweight of a bf16 x carries bf16 rounding.
+        _assert_close(f"{name} d{k}", grads[k], eager_grads[k], truth_grads[k], dtype)
+
+
+# --- RMSNorm values and gradients ---------------------------------------------------------------
+
+RMS_CASES = {
+    "llama": dict(casting_mode="llama"),
+    "llama-offset": dict(casting_mode="llama", offset=0.5),
+    "gemma": dict(casting_mode="gemma", offset=1.0),
+    "none": dict(casting_mode="none"),
+    "none-offset": dict(casting_mode="none", offset=1.0),
+    "no-weight": dict(weight=None),
+    "no-weight-none": dict(weight=None, casting_mode="none"),
+}
+
+
+def _rms_inputs(shape, dtype, weight_dtype=None, **options):
+    inputs = {
+        "x": _randn(shape, dtype, 0),
+        "weight": _randn(shape[-1:], weight_dtype or dtype, 1, scale=0.5, shift=1.0),
+        "eps": 1e-6,
+        "offset": 0.0,
+        "casting_mode": "llama",
+    }
+    inputs.update(options)
+    return inputs
+
+
+def _check_rms(shape, dtype, name, weight_dtype=None, **options):
+    inputs = _rms_inputs(shape, dtype, weight_dtype, **options)
+
+    def triton_fn(**kw):
+        return lmkernels.rms_norm(**kw, backend="triton")
+
+    def truth_fn(x, weight, eps, offset, casting_mode):
+        return _rms_truth(x, weight, eps, offset)
+
+    _compare_three_ways(name, triton_fn, rms_norm_reference, truth_fn, inputs, ("x", "weight"))
+
+
+@pytest.mark.parametrize("case", list(RMS_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_rms_norm_values_and_grads(shape, dtype, case):
+    _check_rms(shape, dtype, f"rms_norm {case}", **RMS_CASES[case])
+
+
+@pytest.mark.parametrize("mode", ["llama", "gemma", "none"])
+def test_rms_norm_fp32_weight_with_bf16_x(mode):
+    """Output in x's dtype, dweight in the weight's dtype (fp32)."""
+    _check_rms(
+        (37, 96),
+        torch.bfloat16,
+        f"rms_norm mixed {mode}",
+        weight_dtype=torch.float32,
+        casting_mode=mode,
+        offset=1.0 if mode == "gemma" else 0.0,
+    )
+
+
+@pytest.mark.parametrize("mode", ["llama", "none"])
+def test_rms_norm_fp16(mode):
+    _check_rms((9, 200), torch.float16, f"rms_norm fp16 {mode}", casting_mode=mode)
+
+
+def test_rms_norm_non_contiguous_input():
+    x = _randn((96, 37), torch.bfloat16, 0).t()  # (37, 96), column-major
+    assert not x.is_contiguous()
+    _check_rms((37, 96), torch.bfloat16, "rms_norm non-contiguous", x=x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("case", ["llama", "none-offset", "no-weight"])
+def test_rms_norm_wide_rows_loop_over_blocks(monkeypatch, case, dtype):
+    """Rows wider than MAX_FUSED_N take the blocked path (shrunk here so the interpreter stays fast)."""
+    monkeypatch.setattr(rms_mod, "MAX_FUSED_N", 64)
+    monkeypatch.setattr(rms_mod, "WIDE_BLOCK", 32)
+    assert not rms_mod.row_config(300).single_block
+    _check_rms((7, 300), dtype, f"rms_norm wide {case}", **RMS_CASES[case])
+
+
+def test_rms_norm_wide_rows_default_config():
+    assert not rms_mod.row_config(16411).single_block
+    _check_rms((2, 16411), torch.bfloat16, "rms_norm 16411 wide", casting_mode="gemma", offset=1.0)
+
+
+def _round_bf16(t):
+    return t.to(torch.bfloat16).float()
+
+
+def _rms_none_rounded_like_gpu_eager(x, weight, eps, offset):
+    """Casting mode "none" spelled out: every eager op in bf16 is an fp32 op, rounded once."""
+    xf = x.float()
+    mean_sq = _round_bf16(_round_bf16(xf * xf).sum(-1, keepdim=True) / x.shape[-1])
+    rstd = _round_bf16(torch.rsqrt(_round_bf16(mean_sq + eps)))
+    factor = _round_bf16(_round_bf16(weight.float()) + offset)
+    return _round_bf16(_round_bf16(xf * rstd) * factor).to(torch.bfloat16)
+
+
+def test_rms_norm_rounds_where_each_casting_mode_says():
+    """The error policy cannot tell the modes apart (each approximates the same exact value), so
+    check the roundings themselves: bf16 outputs equal the mode's own rounding sequence (up to
+    rare ties that another summation order flips), and the modes do give different outputs."""
+    x = _randn((32, 256), torch.bfloat16, 0)
+    w = _randn((256,), torch.bfloat16, 1, scale=0.5, shift=1.0)
+    outputs = {}
+    for mode in ("llama", "gemma", "none"):
+        y = lmkernels.rms_norm(x, w, offset=1.0, casting_mode=mode, backend="triton")
+        if mode == "none":
+            expected = _rms_none_rounded_like_gpu_eager(x, w, 1e-6, 1.0)
+        else:
+            expected = rms_norm_reference(x, w, offset=1.0, casting_mode=mode)
+        same = (y == expected).float().mean().item()
+        assert same >= 0.96, f"{mode}: only {same:.1%} of elements round as the mode says"
+        outputs[mode] = y
+    for a, b in (("llama", "gemma"), ("llama", "none"), ("gemma", "none")):
+        assert (outputs[a] == outputs[b]).float().mean().item() < 0.9, f"{a} and {b} round alike"
+
+
+def test_rms_norm_backward_is_deterministic():
+    x = _randn((37, 96), torch.bfloat16, 0).requires_grad_()
+    w = _randn((96,), torch.bfloat16, 1).requires_grad_()
+    dy = _randn((37, 96), torch.bfloat16, 2)
+    grads = [torch.autograd.grad(lmkernels.rms_norm(x, w, backend="triton"), (x, w), dy) for _ in range(2)]
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_rms_norm_saves_fp32_rstd():
+    x = _randn((5, 33), torch.bfloat16, 0)
+    y, rstd = torch.ops.lmkernels.rms_norm_fwd(x, None, 1e-6, 0.0, "gemma")
+    assert rstd.dtype == torch.float32 and rstd.shape == (5,)
+    expected = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
+    torch.testing.assert_close(rstd, expected, rtol=1e-6, atol=0)
+
+
+# --- LayerNorm values and gradients -------------------------------------------------------------
+
+LN_CASES = {
+    "weight-bias": {},
+    "no-bias": dict(bias=None),
+    "no-weight": dict(weight=None),
+    "neither": dict(weight=None, bias=None),
+}
+
+
+def _check_ln(shape, dtype, name, weight_dtype=None, bias_dtype=None, **options):
+    inputs = {
+        "x": _randn(shape, dtype, 0, shift=0.5),
+        "weight": _randn(shape[-1:], weight_dtype or dtype, 1, scale=0.5, shift=1.0),
+        "bias": _randn(shape[-1:], bias_dtype or dtype, 2, scale=0.5),
+        "eps": 1e-5,
+    }
+    inputs.update(options)
+
+    def triton_fn(**kw):
+        return lmkernels.layer_norm(**kw, backend="triton")
+
+    _compare_three_ways(name, triton_fn, layer_norm_reference, _ln_truth, inputs, ("x", "weight", "bias"))
+
+
+@pytest.mark.parametrize("case", list(LN_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_layer_norm_values_and_grads(shape, dtype, case):
+    _check_ln(shape, dtype, f"layer_norm {case}", **LN_CASES[case])
+
+
+def test_layer_norm_mixed_parameter_dtypes():
+    """fp32 weight, bf16 bias, bf16 x: dweight fp32, dbias bf16, y bf16."""
+    _check_ln((37, 96), torch.bfloat16, "layer_norm mixed", weight_dtype=torch.float32)
+    _check_ln((37, 96), torch.bfloat16, "layer_norm mixed bias", bias_dtype=torch.float32)
+
+
+def test_layer_norm_fp16_and_non_contiguous():
+    _check_ln((9, 200), torch.float16, "layer_norm fp16")
+    x = _randn((96, 37), torch.bfloat16, 0, shift=0.5).t()
+    _check_ln((37, 96), torch.bfloat16, "layer_norm non-contiguous", x=x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("case", ["weight-bias", "no-weight"])
+def test_layer_norm_wide_rows_loop_over_blocks(monkeypatch, case, dtype):
+    monkeypatch.setattr(rms_mod, "MAX_FUSED_N", 64)
+    monkeypatch.setattr(rms_mod, "WIDE_BLOCK", 32)
+    _check_ln((7, 300), dtype, f"layer_norm wide {case}", **LN_CASES[case])
+
+
+def test_layer_norm_wide_rows_default_config():
+    _check_ln((2, 16411), torch.bfloat16, "layer_norm 16411 wide")
+
+
+def test_layer_norm_large_mean_is_stable():
+    """Two-pass variance: a row mean 1000x its spread does not cancel catastrophically."""
+    x = _randn((8, 512), torch.float32, 0, shift=1000.0)
+    _check_ln((8, 512), torch.float32, "layer_norm shifted", x=x)
+
+
+@pytest.mark.parametrize(
+    "shape", [(7,), (0, 5), (3, 0, 4), (4, 1)], ids=["1d", "no-rows", "no-rows-3d", "N=1"]
+)
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_edge_shapes(op, shape):
+    x = _randn(shape, torch.float32, 0).requires_grad_()
+    w = _randn(shape[-1:], torch.float32, 1).requires_grad_()
+    reference = rms_norm_reference if op == "rms_norm" else layer_norm_reference
+    outputs = []
+    for fn in (lambda *a: getattr(lmkernels, op)(*a, backend="triton"), reference):
+        with poison_outputs():
+            y = fn(x, w)
+            outputs.append((y, *torch.autograd.grad(y, (x, w), torch.ones_like(y))))
+    for got, expected in zip(*outputs):
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+# --- registration: opcheck, torch.compile, supports ---------------------------------------------
+
+
+def _opcheck(op, args):
+    # schema, fake tensor, autograd registration and AOT dispatch (static and dynamic shapes).
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("weighted", [True, False], ids=["weight", "no-weight"])
+def test_rms_norm_opcheck(weighted):
+    x = _randn((2, 3, 17), torch.float32, 0).requires_grad_()
+    w = _randn((17,), torch.float32, 1).requires_grad_() if weighted else None
+    _opcheck(torch.ops.lmkernels.rms_norm_fwd.default, (x, w, 1e-6, 1.0, "none"))
+    y, rstd = torch.ops.lmkernels.rms_norm_fwd(x.detach(), w, 1e-6, 0.0, "llama")
+    dy = _randn(y.shape, y.dtype, 2)
+    w = w.detach() if w is not None else None
+    _opcheck(torch.ops.lmkernels.rms_norm_bwd.default, (dy, x.detach(), w, rstd, 0.0, "llama"))
+    _opcheck(
+        torch.ops.lmkernels.rms_norm_bwd_inplace.default, (dy.clone(), x.detach(), w, rstd, 0.0, "llama")
+    )
+
+
+@pytest.mark.parametrize("params", ["weight-bias", "bias-only"])
+def test_layer_norm_opcheck(params):
+    x = _randn((2, 3, 17), torch.float32, 0).requires_grad_()
+    w = _randn((17,), torch.float32, 1).requires_grad_() if params == "weight-bias" else None
+    b = _randn((17,), torch.float32, 2).requires_grad_()
+    _opcheck(torch.ops.lmkernels.layer_norm_fwd.default, (x, w, b, 1e-5))
+    y, mean, rstd = torch.ops.lmkernels.layer_norm_fwd(x.detach(), w, b, 1e-5)
+    dy = _randn(y.shape, y.dtype, 3)
+    w = w.detach() if w is not None else None
+    _opcheck(torch.ops.lmkernels.layer_norm_bwd.default, (dy, x.detach(), w, mean, rstd, torch.float32))
+    _opcheck(torch.ops.lmkernels.layer_norm_bwd.default, (dy, x.detach(), w, mean, rstd, None))
+
+
+def _compiled_matches_eager(fn, tensors):
+    """fullgraph torch.compile (aot_eager: AOTAutograd traces forward and backward) runs the
+    same kernels as eager: results and gradients are bitwise equal."""
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        out = f(*leaves)
+        out.backward(_randn(out.shape, out.dtype, 5))
+        results.append((out.detach(), [t.grad for t in leaves]))
+    (out, grads), (c_out, c_grads) = results
+    assert torch.equal(out, c_out)
+    for g, c in zip(grads, c_grads):
+        assert torch.equal(g, c)
+
+
+def test_rms_norm_fullgraph_compile(monkeypatch):
+    # In-place backward on: the compiled backward must still be correct (it stays functional).
+    monkeypatch.setattr(rms_mod, "IN_PLACE_BACKWARD", True)
+    torch._dynamo.reset()
+
+    def fn(x, w):
+        return lmkernels.rms_norm(x * 2.0, w, casting_mode="gemma", offset=1.0, backend="triton") + 1.0
+
+    _compiled_matches_eager(fn, [_randn((2, 5, 24), torch.float32, 0), _randn((24,), torch.float32, 1)])
+
+
+def test_layer_norm_fullgraph_compile():
+    torch._dynamo.reset()
+
+    def fn(x, w, b):
+        return lmkernels.layer_norm(x * 2.0, w, b, backend="triton") + 1.0
+
+    shapes = [(2, 5, 24), (24,), (24,)]
+    _compiled_matches_eager(fn, [_randn(s, torch.float32, i) for i, s in enumerate(shapes)])
+
+
+def test_supports_reports_shape_limits():
+    wide = torch.empty(2, 2**31, device="meta")
+    many_rows = torch.empty(2**31, 1, device="meta")
+    assert any("columns" in r for r in rms_mod._supports(wide))
+    assert any("rows" in r for r in ln_mod._supports(many_rows))
+    assert rms_mod._supports(torch.empty(4, 8, device="meta")) == []
+
+
+# --- in-place backward of RMSNorm ---------------------------------------------------------------
+
+
+def _rms_leaves(seed=0, shape=(37, 96), dtype=torch.bfloat16):
+    x = _randn(shape, dtype, seed).requires_grad_()
+    w = _randn(shape[-1:], dtype, seed + 1, scale=0.5, shift=1.0).requires_grad_()
+    return x, w
+
+
+def _rms_grads_out_of_place(scale):
+    x, w = _rms_leaves()
+    (lmkernels.rms_norm(x, w, backend="triton") * scale).sum().backward()
+    return x.grad, w.grad
+
+
+@pytest.fixture
+def in_place(monkeypatch):
+    monkeypatch.setattr(rms_mod, "IN_PLACE_BACKWARD", True)
+
+
+def test_in_place_backward_reuses_the_gradient_buffer(in_place):
+    """Safe case: dy is a fresh tensor only this backward sees, so dx lands in dy's memory
+    (x.grad then takes that buffer over) and no M x N buffer is allocated for dx."""
+    scale = _randn((37, 96), torch.bfloat16, 7)
+    x, w = _rms_leaves()
+    y = lmkernels.rms_norm(x, w, backend="triton")
+    dy_address = []
+    y.register_hook(lambda grad: dy_address.append(grad.data_ptr()))  # keeps no reference
+    (y * scale).sum().backward()
+    assert x.grad.data_ptr() == dy_address[0]
+    expected_dx, expected_dw = _rms_grads_out_of_place(scale)
+    assert torch.equal(x.grad, expected_dx) and torch.equal(w.grad, expected_dw)
+
+
+def test_out_of_place_backward_allocates_dx():
+    """Control for the test above: with the switch off, dx is a new buffer."""
+    assert not rms_mod.IN_PLACE_BACKWARD
+    x, w = _rms_leaves()
+    y = lmkernels.rms_norm(x, w, backend="triton")
+    dy_address = []
+    y.register_hook(lambda grad: dy_address.append(grad.data_ptr()))
+    (y * _randn((37, 96), torch.bfloat16, 7)).sum().backward()
+    assert x.grad.data_ptr() != dy_address[0]
+
+
+def _shared_gradient_case():
+    """z = rms_norm(x) + a where a = 3 * x2 was recorded first: autograd hands the SAME gradient
+    tensor to both branches and runs the RMSNorm backward first (higher sequence number), while
+    the other branch still has to read that gradient."""
+    scale = _randn((37, 96), torch.bfloat16, 7)
+    x, w = _rms_leaves()
+    x2 = _randn((37, 96), torch.bfloat16, 8).requires_grad_()
+    a = x2 * 3.0
+    z = lmkernels.rms_norm(x, w, backend="triton") + a
+    (z * scale).sum().backward()
+    return x, w, x2, scale
+
+
+def test_in_place_backward_leaves_a_shared_gradient_alone(in_place):
+    x, w, x2, scale = _shared_gradient_case()
+    assert torch.equal(x2.grad, scale * 3.0), "the other branch read a corrupted gradient"
+    expected_dx, expected_dw = _rms_grads_out_of_place(scale)
+    assert torch.equal(x.grad, expected_dx) and torch.equal(w.grad, expected_dw)
+
+
+def test_shared_gradient_case_does_catch_an_unsafe_in_place_write(in_place, monkeypatch):
+    """The case above can fail: skipping the safety check corrupts the other branch's gradient."""
+    monkeypatch.setattr(rms_mod, "_grad_is_exclusive", lambda dy, control: True)
+    _, _, x2, scale = _shared_gradient_case()
+    assert not torch.equal(x2.grad, scale * 3.0)
+
+
+def test_in_place_backward_other_holders_of_the_gradient(in_place):
+    expected_dx, expected_dw = _rms_grads_out_of_place(
+        torch.ones(37, 96, dtype=torch.bfloat16, device=DEVICE)
+    )
+
+    # The caller's own gradient tensor (y.backward(dy)) is never overwritten.
+    x, w = _rms_leaves()
+    dy = torch.ones(37, 96, dtype=torch.bfloat16, device=DEVICE)
+    lmkernels.rms_norm(x, w, backend="triton").backward(dy)
+    assert torch.equal(dy, torch.ones_like(dy))
+    assert torch.equal(x.grad, expected_dx) and torch.equal(w.grad, expected_dw)
+
+    # A hook that keeps the gradient sees it unchanged.
+    x, w = _rms_leaves()
+    y = lmkernels.rms_norm(x, w, backend="triton")
+    kept = []
+    y.register_hook(kept.append)
+    (y * 1.0).sum().backward()
+    assert torch.equal(kept[0], torch.ones_like(kept[0]))
+    assert torch.equal(x.grad, expected_dx)
+
+    # A hook that keeps another tensor on the same memory (detach() shares the storage).
+    x, w = _rms_leaves()
+    y = lmkernels.rms_norm(x, w, backend="triton")
+    kept = []
+    y.register_hook(lambda grad: kept.append(grad.detach()))
+    (y * 1.0).sum().backward()
+    assert torch.equal(kept[0], torch.ones_like(kept[0]))
+    assert torch.equal(x.grad, expected_dx)
+
+    # y.retain_grad(): y.grad is the upstream gradient, not dx.
+    x, w = _rms_leaves()
+    y = lmkernels.rms_norm(x, w, backend="triton")
+    y.retain_grad()
+    (y * 1.0).sum().backward()
+    assert torch.equal(y.grad, torch.ones_like(y.grad))
+    assert torch.equal(x.grad, expected_dx)
+
+    # The gradient is a view of a larger buffer (torch.cat's backward): its storage is shared.
+    x, w = _rms_leaves()
+    other = _randn((5, 96), torch.bfloat16, 9).requires_grad_()
+    (torch.cat([lmkernels.rms_norm(x, w, backend="triton"), other]) * 1.0).sum().backward()
+    assert torch.equal(other.grad, torch.ones_like(other.grad))
+    assert torch.equal(x.grad, expected_dx)
+
+
+def test_in_place_backward_with_expanded_gradient(in_place):
+    """y.sum() hands an expanded (stride 0) gradient: the contiguous copy is ours to overwrite."""
+    ones = torch.ones(37, 96, dtype=torch.bfloat16, device=DEVICE)
+    expected_dx, expected_dw = _rms_grads_out_of_place(ones)
+    x, w = _rms_leaves()
+    lmkernels.rms_norm(x, w, backend="triton").sum().backward()
+    assert torch.equal(x.grad, expected_dx) and torch.equal(w.grad, expected_dw)
+
+
+def test_in_place_switch_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("LMKERNELS_RMSNORM_INPLACE_BWD", "1")
+    assert rms_mod.in_place_backward_from_env()
+    monkeypatch.setenv("LMKERNELS_RMSNORM_INPLACE_BWD", "0")
+    assert not rms_mod.in_place_backward_from_env()
+    monkeypatch.delenv("LMKERNELS_RMSNORM_INPLACE_BWD")
+    assert not rms_mod.in_place_backward_from_env()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (peak memory)")
+def test_in_place_backward_lowers_peak_memory(monkeypatch):
+    M, N = 8192, 4096
+
+    def peak_of_backward(in_place):
+        monkeypatch.setattr(rms_mod, "IN_PLACE_BACKWARD", in_place)
+        x, w = _rms_leaves(shape=(M, N))
+        scale = _randn((M, N), torch.bfloat16, 7)
+        # dy = scale * 1: a fresh bf16 tensor only the RMSNorm backward sees.
+        loss = (lmkernels.rms_norm(x, w, backend="triton") * scale).sum()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss.backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    saved = peak_of_backward(False) - peak_of_backward(True)
+    assert saved >= M * N * 2 * 0.9, f"in-place backward saved only {saved} bytes"
+
+
+# --- GPU: more than 2^31 elements ---------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tensors of > 2^31 elements)")
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("N", [16384, 32768], ids=["fused", "wide"])
+def test_more_than_2_31_elements(op, N):
+    """Rows past element 2^31 are only right with 64-bit offsets: check the last rows."""
+    M = 2**31 // N + 1
+    assert M * N > 2**31
+    torch.manual_seed(0)
+    x = torch.randn(M, N, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    w = (torch.rand(N, device="cuda") + 0.5).to(torch.bfloat16).requires_grad_()
+    fn = getattr(lmkernels, op)
+    ref = rms_norm_reference if op == "rms_norm" else layer_norm_reference
+    y = fn(x, w, backend="triton")
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    rows = torch.tensor([0, 1, M // 2, M - 2, M - 1], device="cuda")
+    xs = x.detach()[rows].requires_grad_()
+    ws = w.detach().clone().requires_grad_()
+    y_ref = ref(xs, ws)
+    y_ref.backward(dy[rows])
+    bound = DEFAULT_TOLERANCES[torch.bfloat16].bound
+    assert _rel_err(y.detach()[rows], y_ref.double()) < bound
+    assert _rel_err(x.grad[rows], xs.grad.double()) < bound
+    # dweight sums over every row: compare with an fp32 chunked reference.
+    dw = torch.zeros(N, device="cuda", dtype=torch.float32)
+    for start in range(0, M, 8192):
+        xc = x.detach()[start : start + 8192].float()
+        if op == "rms_norm":
+            x_hat = (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16).float()
+        else:
+            mean = xc.mean(-1, keepdim=True)
+            x_hat = (xc - mean) * torch.rsqrt((xc - mean).pow(2).mean(-1, keepdim=True) + 1e-5)
+        dw += (dy[start : start + 8192].float() * x_hat).sum(0)
+    assert _rel_err(w.grad, dw.double()) < bound
