@@ -399,6 +399,7 @@ for _op, (_fn, _supports) in _LIGER.items():
         "liger",
         _fn,
         priority=PRIORITY,
+        external=True,
         devices=("cuda",),
         available=liger_unavailable,
         supports=_supports,
@@ -413,6 +414,7 @@ for _name, _filter in (("cce", None), ("cce_filtered", "high")):
         _name,
         _make_cce(_filter),
         priority=PRIORITY,
+        external=True,
         dtypes=(torch.bfloat16, torch.float16),  # CCE's backward asserts bf16/fp16 embeddings
         devices=("cuda",),
         min_capability=(8, 0),  # bf16 tensor-core dots
@@ -433,6 +435,7 @@ register(
     "torch_native",
     torch_native_flce,
     priority=PRIORITY,
+    external=True,
     available=torch_native_unavailable,
     supports=_torch_native_supports,
     # A GPU comparison like the other adapters; its bf16 loss (see the module docstring) fails

@@ -306,6 +306,26 @@ def time_ms(
     ).tolist()
 
 
+def kernel_time_ms(run: Callable[[], Any], grad_tensors: Sequence[torch.Tensor], iters: int = 5) -> float:
+    """Device time of the kernels one call launches (torch.profiler, summed over kernels).
+
+    do_bench's wall time also counts the gaps while the host is still launching; on a slow host
+    (the H200 VM: ~0.3-1 ms of Python per fwd+bwd) small ops measure the host, not the GPU. In
+    training the host runs ahead of the GPU behind the large matmuls, so both numbers matter:
+    the wall time says what a lone call costs, the kernel time what the GPU spends.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            _zero_grads(grad_tensors)
+            run()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+    return total_us / iters / 1e3
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
@@ -323,7 +343,9 @@ def _measure(op, backend, inputs, mode, warmup, rep, grad_tensors, device):
     run = _mode_fn(fn, inputs, mode)  # its first forward also compiles / autotunes
     run()  # one more warm-up call, outside the memory measurement (e.g. bwd's first backward)
     peak = peak_memory_bytes(run, grad_tensors, device)
-    return peak, time_ms(run, grad_tensors, device, warmup, rep)
+    times = time_ms(run, grad_tensors, device, warmup, rep)
+    kernel_ms = kernel_time_ms(run, grad_tensors) if device.startswith("cuda") else None
+    return peak, times, kernel_ms
 
 
 def measure(
@@ -348,11 +370,12 @@ def measure(
         "ms_p20": None,
         "ms_p80": None,
         "peak_mib": None,
+        "kernel_ms": None,
         "note": "",
     }
     grad_tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
     try:
-        peak, (row["ms"], row["ms_p20"], row["ms_p80"]) = _measure(
+        peak, (row["ms"], row["ms_p20"], row["ms_p80"]), row["kernel_ms"] = _measure(
             op, backend, inputs, mode, warmup, rep, grad_tensors, device
         )
         row["peak_mib"] = None if peak is None else peak / 2**20
@@ -403,17 +426,21 @@ def add_rooflines(
 ) -> None:
     """GB/s and TFLOP/s for `full` rows (the OpSpecs' byte and flop models are fwd+bwd)."""
     for row in rows:
-        row.update(gbps=None, pct_copy_bw=None, tflops=None, pct_matmul=None)
-        if row["mode"] != "full" or row["ms"] is None:
-            continue
-        spec = get_op(row["op"])
-        seconds = row["ms"] * 1e-3
-        if spec.bytes_moved is not None:
-            row["gbps"] = spec.bytes_moved(row["dims"], dtype) / seconds / 1e9
-            row["pct_copy_bw"] = 100 * row["gbps"] / copy_gbps if copy_gbps else None
-        if spec.flops is not None:
-            row["tflops"] = spec.flops(row["dims"]) / seconds / 1e12
-            row["pct_matmul"] = 100 * row["tflops"] / mm_tflops if mm_tflops else None
+        for suffix, ms in (("", row["ms"]), ("_kernel", row.get("kernel_ms"))):
+            row.update({f"gbps{suffix}": None, f"pct_copy_bw{suffix}": None})
+            row.update({f"tflops{suffix}": None, f"pct_matmul{suffix}": None})
+            if row["mode"] != "full" or ms is None:
+                continue
+            spec = get_op(row["op"])
+            seconds = ms * 1e-3
+            if spec.bytes_moved is not None:
+                gbps = spec.bytes_moved(row["dims"], dtype) / seconds / 1e9
+                row[f"gbps{suffix}"] = gbps
+                row[f"pct_copy_bw{suffix}"] = 100 * gbps / copy_gbps if copy_gbps else None
+            if spec.flops is not None:
+                tflops = spec.flops(row["dims"]) / seconds / 1e12
+                row[f"tflops{suffix}"] = tflops
+                row[f"pct_matmul{suffix}"] = 100 * tflops / mm_tflops if mm_tflops else None
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -428,6 +455,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             ref = group.get(base)
             ok = ref is not None and ref["ms"] and row["ms"]
             row[f"speedup_vs_{base}"] = ref["ms"] / row["ms"] if ok else None
+            ok = ref is not None and ref.get("kernel_ms") and row.get("kernel_ms")
+            row[f"kernel_speedup_vs_{base}"] = ref["kernel_ms"] / row["kernel_ms"] if ok else None
             ok = ref is not None and ref["peak_mib"] and row["peak_mib"] is not None
             row[f"mem_vs_{base}"] = row["peak_mib"] / ref["peak_mib"] if ok else None
 
@@ -488,7 +517,7 @@ def environment() -> dict[str, Any]:
 
 
 def _failed_rows(backend: str, modes: Sequence[str], status: str, note: str) -> list[dict[str, Any]]:
-    empty = {"ms": None, "ms_p20": None, "ms_p80": None, "peak_mib": None}
+    empty = {"ms": None, "ms_p20": None, "ms_p80": None, "peak_mib": None, "kernel_ms": None}
     return [{"backend": backend, "mode": m, "status": status, **empty, "note": note} for m in modes]
 
 
@@ -618,7 +647,13 @@ CSV_FIELDS = [
     "pct_copy_bw",
     "tflops",
     "pct_matmul",
+    "kernel_ms",
+    "gbps_kernel",
+    "pct_copy_bw_kernel",
+    "tflops_kernel",
+    "pct_matmul_kernel",
     *(f"speedup_vs_{b}" for b in BASELINES),
+    *(f"kernel_speedup_vs_{b}" for b in BASELINES),
     *(f"mem_vs_{b}" for b in BASELINES),
     "note",
 ]
@@ -634,21 +669,21 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
-def _rate(row: dict[str, Any]) -> str:
-    if row.get("tflops") is not None:
-        pct = f" ({row['pct_matmul']:.0f}% mm)" if row.get("pct_matmul") is not None else ""
-        return f"{row['tflops']:.1f} TFLOP/s{pct}"
-    if row.get("gbps") is not None:
-        pct = f" ({row['pct_copy_bw']:.0f}% copy)" if row.get("pct_copy_bw") is not None else ""
-        return f"{row['gbps']:.0f} GB/s{pct}"
+def _rate(row: dict[str, Any], suffix: str = "") -> str:
+    if row.get(f"tflops{suffix}") is not None:
+        pct = row.get(f"pct_matmul{suffix}")
+        return f"{row[f'tflops{suffix}']:.1f} TFLOP/s" + (f" ({pct:.0f}% mm)" if pct is not None else "")
+    if row.get(f"gbps{suffix}") is not None:
+        pct = row.get(f"pct_copy_bw{suffix}")
+        return f"{row[f'gbps{suffix}']:.0f} GB/s" + (f" ({pct:.0f}% copy)" if pct is not None else "")
     return "-"
 
 
-def _ratios(row: dict[str, Any]) -> str:
+def _ratios(row: dict[str, Any], prefix: str = "") -> str:
     parts = [
-        f"{_fmt(row[f'speedup_vs_{b}'])}x {b}"
+        f"{_fmt(row[f'{prefix}speedup_vs_{b}'])}x {b}"
         for b in BASELINES
-        if row.get(f"speedup_vs_{b}") is not None and row["backend"] != b
+        if row.get(f"{prefix}speedup_vs_{b}") is not None and row["backend"] != b
     ]
     return ", ".join(parts) or "-"
 
@@ -677,6 +712,7 @@ def rich_table(rows: list[dict[str, Any]]):
         "mode",
         "backend",
         "ms (p20-p80)",
+        "kernel ms",
         "peak MiB",
         "rate",
         "speedup",
@@ -692,6 +728,7 @@ def rich_table(rows: list[dict[str, Any]]):
             r["mode"],
             r["backend"],
             ms,
+            _fmt(r.get("kernel_ms"), 4),
             _fmt(r["peak_mib"], 4),
             _rate(r),
             _ratios(r),
@@ -736,20 +773,24 @@ def summary_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines.append("")
     lines.append(
         "Speedup vs X = time(X) / time(backend): above 1 is faster than X. "
+        "Wall: triton.testing.do_bench median (includes host launch gaps); kernel: device time of "
+        "the kernels per call (torch.profiler). "
         "Peak: max_memory_allocated above the inputs. Rates for fwd+bwd (mode full) only."
     )
     for op in dict.fromkeys(r["op"] for r in rows):
         op_rows = _unique([r for r in rows if r["op"] == op])
         lines += ["", f"## {op}", ""]
         lines.append(
-            "| shape | options | mode | backend | ms (p20-p80) | peak MiB | rate | speedup | peak vs | status |"
+            "| shape | options | mode | backend | wall ms (p20-p80) | wall rate | wall speedup "
+            "| kernel ms | kernel rate | kernel speedup | peak MiB | peak vs | status |"
         )
-        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in op_rows:
             ms = f"{r['ms']:.3f} ({r['ms_p20']:.3f}-{r['ms_p80']:.3f})" if r["ms"] is not None else "-"
             lines.append(
-                f"| {r['shape']} | {r['options']} | {r['mode']} | {r['backend']} | {ms} | "
-                f"{_fmt(r['peak_mib'], 4)} | {_rate(r)} | {_ratios(r)} | {_mem_ratios(r)} | "
+                f"| {r['shape']} | {r['options']} | {r['mode']} | {r['backend']} | {ms} | {_rate(r)} | "
+                f"{_ratios(r)} | {_fmt(r.get('kernel_ms'), 4)} | {_rate(r, '_kernel')} | "
+                f"{_ratios(r, 'kernel_')} | {_fmt(r['peak_mib'], 4)} | {_mem_ratios(r)} | "
                 f"{_status(r).replace('|', '/')} |"
             )
     if meta.get("not_run"):

@@ -112,6 +112,9 @@ class Impl:
     # Op-specific reasons for given inputs (unsupported option, shape limit, ...).
     supports: Callable[..., list[str]] = _no_extra_reasons
     description: str = ""
+    # Another project's kernels registered for comparison (liger, cce, torch_native): validated
+    # and benchmarked like ours, but their failures are reported, not treated as our test failures.
+    external: bool = False
 
     def unavailable_reason(self) -> str | None:
         # Cached by hand: functools.cached_property takes a lock that torch.compile cannot trace.

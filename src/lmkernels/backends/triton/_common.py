@@ -1,0 +1,131 @@
+"""What the Triton op files share: the eager fast path around their torch.library ops, and the
+small launcher helpers every op needs.
+
+Each op is registered with torch.library.custom_op (+ register_fake, register_autograd) so that
+torch.compile sees an opaque op with a known output shape and gradient. Calling a custom op
+eagerly costs host time, though: on the H200 machine (torch 2.11) about 0.1-0.3 ms per call in
+the dispatcher and its per-call checks, more than the kernels of a 16384x4096 RMSNorm take.
+So eager calls go through a plain torch.autograd.Function that runs the same Python launchers
+and the same setup_context/backward, and only code being traced calls the custom op.
+
+An op file therefore reads: kernels; raw launchers (plain Python functions, type-annotated);
+`op = torch.library.custom_op("lmkernels::name", raw_launcher, mutates_args=...)` with
+register_fake; setup_context and backward, registered on the op with register_autograd and
+turned into the eager Function with `eager_function`; the impl, `call(op, Function, *args)`.
+Inside a backward, launchers run through `op_or_raw(op, raw)(*args)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# Tensor types the raw launchers take as they are. nn.Parameter is a plain tensor for them; any
+# other subclass (FakeTensor, FunctionalTensor, DTensor, ...) is left to the custom op's dispatch.
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def traced(args: tuple) -> bool:
+    """True when a call with these arguments must go through the registered custom op.
+
+    That is under torch.compile / torch.export (is_compiling), under any other tracer or fake
+    tensor mode (make_fx, FakeTensorMode, the modes AOTAutograd traces under: a torch dispatch
+    mode is active), under functorch transforms, and for tensor subclasses: the raw launchers
+    hand real memory to Triton and would fail (or read garbage) on any of those.
+    """
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._are_functorch_transforms_active()
+    ):
+        return True
+    for a in args:
+        if type(a) not in _PLAIN_TENSOR_TYPES and isinstance(a, torch.Tensor):
+            return True
+    return False
+
+
+def eager_function(
+    name: str,
+    forward: Callable[..., Any],
+    setup_context: Callable[[Any, tuple, Any], None],
+    backward: Callable[..., Any],
+) -> type[torch.autograd.Function]:
+    """An autograd.Function running `forward` (the custom op's raw launcher) with the custom op's
+    own setup_context and backward, for eager calls.
+
+    forward takes ctx and calls setup_context itself: a Function that defines setup_context as a
+    separate staticmethod pays an inspect.signature() bind on every apply(), which is host time
+    this path exists to save. (The separate form is only needed for functorch transforms, and
+    those calls go to the custom op: see `traced`.)
+    """
+
+    def forward_with_ctx(ctx, *args):
+        output = forward(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(forward_with_ctx),
+            "backward": staticmethod(backward),
+            "raw_forward": staticmethod(forward),
+        },
+    )
+
+
+def call(op: Callable[..., Any], function: Any, *args: Any) -> Any:
+    """Run a differentiable op: the custom op when traced, else the eager Function, or the raw
+    launcher alone when no gradient will be taken (no graph to record)."""
+    if traced(args):
+        return op(*args)
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        return function.apply(*args)
+    return function.raw_forward(*args)
+
+
+def op_or_raw(op: Callable[..., Any], raw: Callable[..., Any]) -> Callable[..., Any]:
+    """For a launcher with no autograd formula of its own (a backward kernel): a function that
+    runs the custom op or the raw launcher, as the arguments it gets call for.
+
+    The custom op when traced (AOTAutograd traces the registered backward, so the compiled graph
+    calls the op), and also when grad mode is on (backward(create_graph=True)): the op then
+    refuses to be differentiated with a clear error, where the raw launcher would hand back
+    gradients silently cut from the graph. The raw launcher otherwise.
+    """
+
+    def run(*args: Any) -> Any:
+        if torch.is_grad_enabled() or traced(args):
+            return op(*args)
+        return raw(*args)
+
+    return run
+
+
+# --- launcher helpers ------------------------------------------------------------------------------
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host code: triton.cdiv is a constexpr-function wrapper that costs a few
+    microseconds per call outside a kernel, on every launch."""
+    return -(-a // b)
+
+
+_NO_GUARD = contextlib.nullcontext()
+
+
+def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: switch to t's device, only if it is another."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NO_GUARD
+
+
+def soft_bf16(t: torch.Tensor) -> bool:
+    """Round fp32 -> bf16 in software (see _norms.to_dtype): the CPU interpreter truncates."""
+    return not t.is_cuda
