@@ -12,6 +12,10 @@ os.environ.pop("LMKERNELS_BACKEND", None)
 
 import pytest  # noqa: E402
 
+# The compile backend must really compile in tests: past dynamo's recompile limit it would
+# otherwise run the function eagerly without a word.
+torch._dynamo.config.fail_on_recompile_limit_hit = True
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

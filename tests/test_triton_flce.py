@@ -11,6 +11,8 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -211,13 +213,15 @@ def test_chunk_sizes(monkeypatch, chunk):
 def test_chunk_size_rule(monkeypatch):
     monkeypatch.setattr(tflce, "CHUNK_TOKENS", None)
     monkeypatch.delenv(tflce.CHUNK_ENV, raising=False)
-    assert tflce.flce_chunk_tokens(8192, 128256) == 512  # 256 MiB of fp32 logits, 128-aligned
-    assert tflce.flce_chunk_tokens(8192, 128256, wide_accumulator=True) == 1024
-    assert tflce.flce_chunk_tokens(8192, 32000) == 2048
+    assert tflce.flce_chunk_tokens(8192, 128256) == 2048  # <= 1 GiB of fp32 logits, 128-aligned
+    assert tflce.flce_chunk_tokens(65536, 32000) == 8320
+    assert tflce.flce_chunk_tokens(8192, 32000) == 8192  # never more than the tokens
     assert tflce.flce_chunk_tokens(10**6, 10**7) == 128  # never below one GEMM tile
-    assert tflce.flce_chunk_tokens(37, 131) == 37  # never more than the tokens
+    assert tflce.flce_chunk_tokens(37, 131) == 37
     monkeypatch.setenv(tflce.CHUNK_ENV, "200")
     assert tflce.flce_chunk_tokens(8192, 128256) == 200
+    monkeypatch.setattr(tflce, "CHUNK_TOKENS", 300)  # the module constant wins over the variable
+    assert tflce.flce_chunk_tokens(8192, 128256) == 300
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])  # grads in the forward / recomputed
@@ -228,17 +232,78 @@ def test_grad_accum_dtype(accum, reduction):
     compare(inputs, torch.bfloat16)
 
 
-def test_scaled_in_place_without_copy():
-    """The forward's grad_W buffer is scaled in place and becomes weight.grad: no V x H copy."""
-    inputs = make(SHAPES["37x64x131"], torch.bfloat16, {"grad_accum_dtype": torch.bfloat16})
+@pytest.mark.parametrize("accum", [torch.bfloat16, None], ids=["lean", "fp32-accum"])
+def test_scaled_in_place_without_copy(accum):
+    """The forward's grad_W and grad_hidden buffers are scaled in place and become weight.grad
+    and hidden.grad: no copy, on the eager path (a plain autograd.Function, not the custom op)."""
+    inputs = make(SHAPES["37x64x131"], torch.bfloat16, {"grad_accum_dtype": accum})
+    hidden = inputs["hidden"].requires_grad_(True)
     weight = inputs["weight"].requires_grad_(True)
     loss = lmkernels.fused_linear_cross_entropy(**inputs, backend="triton")
+    assert type(loss.grad_fn).__name__ == "FlceTritonFunctionBackward"
     saved = loss.grad_fn.saved_tensors
-    ptr, expected = saved[1].data_ptr(), saved[1].float() * 3.0
+    ptrs = [g.data_ptr() for g in saved[:2]]
+    expected = [g.float() * 3.0 for g in saved[:2]]
     del saved
     loss.backward(torch.tensor(3.0, device=loss.device))
-    assert weight.grad.data_ptr() == ptr
-    torch.testing.assert_close(weight.grad.float(), expected, rtol=2**-8, atol=0)
+    assert [hidden.grad.data_ptr(), weight.grad.data_ptr()] == ptrs
+    torch.testing.assert_close(hidden.grad.float(), expected[0], rtol=2**-8, atol=0)
+    torch.testing.assert_close(weight.grad.float(), expected[1], rtol=2**-8, atol=0)
+
+
+def _profile_step(inputs):
+    """One eager forward + backward under the profiler: (the bytes of each allocation, the bytes
+    still allocated afterwards, the names of the recorded calls).
+
+    Not a TorchDispatchMode: under one, calls go to the custom op (_common.traced), and the
+    point is the eager path. Each allocation is attributed to the innermost op (an empty /
+    empty_strided), so an event's self memory is one allocation; frees land on enclosing events.
+    """
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if DEVICE == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        loss = lmkernels.fused_linear_cross_entropy(**inputs, backend="triton")
+        loss.sum().backward()
+        del loss
+        # Triton's CPU interpreter keeps the storages of a launch's arguments in a reference
+        # cycle (a recursive closure in GridExecutor._init_args_hst) until the next collection.
+        gc.collect()
+    events = prof.events()
+    usage = [e.self_device_memory_usage if DEVICE == "cuda" else e.self_cpu_memory_usage for e in events]
+    return [u for u in usage if u > 0], sum(usage), {e.name for e in events}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])  # grads in the forward / recomputed
+@pytest.mark.parametrize(
+    ("dtype", "accum"),
+    [(torch.float32, None), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, None)],
+    ids=["fp32", "bf16-lean", "bf16-fp32-accum"],
+)
+def test_allocations_per_step(dtype, accum, reduction):
+    """A training step allocates grad_W and grad_hidden once each and nothing else of their
+    size (no zero-filled gradients for the unused outputs, no copy into .grad), everything but
+    those two is freed by the end (the fp32 accumulator included), and the eager call never
+    goes through the custom op."""
+    BT, H, V = 37, 64, 131  # V*H*2, V*H*4, BT*H*2, BT*H*4 bytes: no other allocation has these
+    inputs = make({"BT": BT, "H": H, "V": V}, dtype, {"reduction": reduction, "grad_accum_dtype": accum})
+    hidden = inputs["hidden"].requires_grad_(True)
+    weight = inputs["weight"].requires_grad_(True)
+    allocations, remaining, names = _profile_step(inputs)
+    size = dtype.itemsize
+    counts = {n: allocations.count(n) for n in (V * H * size, BT * H * size, V * H * 4)}
+    expected = {V * H * size: 1, BT * H * size: 1}
+    if dtype != torch.float32:
+        # fp32 V x H: the accumulator (fp32 mode, gradients only) and, without fp32-output GEMMs
+        # for 16-bit inputs (CPU), one weight upcast per chunk loop ("none": the forward's and
+        # the backward's).
+        upcasts = 0 if tflce._cuda_fp32_out(hidden) else (1 if reduction == "mean" else 2)
+        expected[V * H * 4] = (accum is None) + upcasts
+    assert counts == expected
+    assert remaining == (V * H + BT * H) * size  # hidden.grad and weight.grad
+    assert weight.grad.shape == (V, H) and hidden.grad.shape == (BT, H)
+    assert "FlceTritonFunction" in names
+    assert not any(n.startswith("lmkernels::") for n in names), sorted(n for n in names if "::" in n)
 
 
 @pytest.mark.parametrize("frozen", ["weight", "hidden"])
@@ -380,22 +445,35 @@ def test_compile_fullgraph_matches_eager(reduction):
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
     reason="peak GPU memory needs a CUDA device and compiled kernels (TRITON_INTERPRET=0)",
 )
+@pytest.mark.parametrize("chunk", [None, 256], ids=["default-chunk", "chunk256"])
 @pytest.mark.parametrize("accum", [torch.bfloat16, None], ids=["lean", "fp32-accum"])
-def test_peak_memory_cuda(monkeypatch, accum):
-    monkeypatch.setattr(tflce, "CHUNK_TOKENS", None)
-    BT, H, V = 8192, 1024, 32000
+def test_peak_memory_cuda(monkeypatch, accum, chunk):
+    """Peak memory above the inputs is the module docstring's formula; the backward of a
+    "mean" loss allocates nothing (the forward's gradients become .grad)."""
+    monkeypatch.setattr(tflce, "CHUNK_TOKENS", chunk)
+    BT, H, V = 8192, 1024, 128256
     inputs = make({"BT": BT, "H": H, "V": V}, torch.bfloat16, {"grad_accum_dtype": accum})
-    inputs["hidden"].requires_grad_(True)
-    inputs["weight"].requires_grad_(True)
+    hidden = inputs["hidden"].requires_grad_(True)
+    weight = inputs["weight"].requires_grad_(True)
     lmkernels.fused_linear_cross_entropy(**inputs, backend="triton").backward()  # warm-up, autotune
-    inputs["hidden"].grad = inputs["weight"].grad = None
+    hidden.grad = weight.grad = None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    lmkernels.fused_linear_cross_entropy(**inputs, backend="triton").backward()
+    loss = lmkernels.fused_linear_cross_entropy(**inputs, backend="triton")
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    grads = (BT * H + V * H) * 2 + (V * H * 4 if accum is None else 0)
-    chunk = tflce.flce_chunk_tokens(BT, V, wide_accumulator=accum is None) * V * 4
-    assert peak < BT * V * 4  # below the fp32 logits that eager materializes
-    assert peak <= grads + chunk + 32 * 2**20, f"peak {peak / 2**20:.0f} MiB"
+    before_backward = torch.cuda.memory_allocated()
+    peak_forward = torch.cuda.max_memory_allocated() - base
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    torch.cuda.synchronize()
+    peak_backward = torch.cuda.max_memory_allocated() - before_backward
+    logits = tflce.flce_chunk_tokens(BT, V) * V * 4
+    grad_h, grad_w = BT * H * 2, V * H * 2
+    if accum is None:  # the fp32 accumulator, then the conversion's result next to it
+        expected = grad_h + 2 * grad_w + max(logits, grad_w)
+    else:
+        expected = grad_h + grad_w + logits
+    assert peak_forward < BT * V * 4  # below the fp32 logits that eager materializes
+    assert peak_forward <= expected + 32 * 2**20, f"forward peak {peak_forward / 2**20:.0f} MiB"
+    assert peak_backward <= 2**20, f"backward allocated {peak_backward / 2**20:.0f} MiB"

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from torch._dynamo.testing import AotEagerAndRecordGraphs  # noqa: E402
 
 import lmkernels  # noqa: E402
 from lmkernels.ops.layer_norm import layer_norm_reference  # noqa: E402
@@ -20,6 +21,7 @@ from lmkernels.utils import poison_outputs  # noqa: E402
 
 ln_mod = pytest.importorskip("lmkernels.backends.triton.layer_norm", reason="needs triton")
 rms_mod = pytest.importorskip("lmkernels.backends.triton.rms_norm", reason="needs triton")
+norms_mod = pytest.importorskip("lmkernels.backends.triton._norms", reason="needs triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(3, 5), (37, 96), (4, 1000), (2, 3, 17)]
@@ -163,14 +165,14 @@ def test_rms_norm_non_contiguous_input():
 @pytest.mark.parametrize("case", ["llama", "none-offset", "no-weight"])
 def test_rms_norm_wide_rows_loop_over_blocks(monkeypatch, case, dtype):
     """Rows wider than MAX_FUSED_N take the blocked path (shrunk here so the interpreter stays fast)."""
-    monkeypatch.setattr(rms_mod, "MAX_FUSED_N", 64)
-    monkeypatch.setattr(rms_mod, "WIDE_BLOCK", 32)
-    assert not rms_mod.row_config(300).single_block
+    monkeypatch.setattr(norms_mod, "MAX_FUSED_N", 64)
+    monkeypatch.setattr(norms_mod, "WIDE_BLOCK", 32)
+    assert not norms_mod.row_config(300).single_block
     _check_rms((7, 300), dtype, f"rms_norm wide {case}", **RMS_CASES[case])
 
 
 def test_rms_norm_wide_rows_default_config():
-    assert not rms_mod.row_config(16411).single_block
+    assert not norms_mod.row_config(16411).single_block
     _check_rms((2, 16411), torch.bfloat16, "rms_norm 16411 wide", casting_mode="gemma", offset=1.0)
 
 
@@ -270,8 +272,9 @@ def test_layer_norm_fp16_and_non_contiguous():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", ["weight-bias", "no-weight"])
 def test_layer_norm_wide_rows_loop_over_blocks(monkeypatch, case, dtype):
-    monkeypatch.setattr(rms_mod, "MAX_FUSED_N", 64)
-    monkeypatch.setattr(rms_mod, "WIDE_BLOCK", 32)
+    monkeypatch.setattr(norms_mod, "MAX_FUSED_N", 64)
+    monkeypatch.setattr(norms_mod, "WIDE_BLOCK", 32)
+    assert not norms_mod.row_config(300).single_block
     _check_ln((7, 300), dtype, f"layer_norm wide {case}", **LN_CASES[case])
 
 
@@ -320,9 +323,6 @@ def test_rms_norm_opcheck(weighted):
     dy = _randn(y.shape, y.dtype, 2)
     w = w.detach() if w is not None else None
     _opcheck(torch.ops.lmkernels.rms_norm_bwd.default, (dy, x.detach(), w, rstd, 0.0, "llama"))
-    _opcheck(
-        torch.ops.lmkernels.rms_norm_bwd_inplace.default, (dy.clone(), x.detach(), w, rstd, 0.0, "llama")
-    )
 
 
 @pytest.mark.parametrize("params", ["weight-bias", "bias-only"])
@@ -372,6 +372,64 @@ def test_layer_norm_fullgraph_compile():
 
     shapes = [(2, 5, 24), (24,), (24,)]
     _compiled_matches_eager(fn, [_randn(s, torch.float32, i) for i, s in enumerate(shapes)])
+
+
+def _forbid_custom_ops(monkeypatch, module, *names):
+    """Replace the module's custom op objects by functions that fail the test when called."""
+
+    def forbidden(*args):
+        raise AssertionError("an eager call went through a torch.library custom op")
+
+    for name in names:
+        monkeypatch.setattr(module, name, forbidden)
+
+
+def _lmkernels_ops(graphs) -> set[str]:
+    return {str(n.target) for g in graphs for n in g.graph.nodes if str(n.target).startswith("lmkernels.")}
+
+
+@pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd:UserWarning")
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_eager_calls_skip_the_custom_ops_compiled_calls_use_them(monkeypatch, op):
+    """Eager calls run the launchers through an autograd.Function (the custom op's dispatch costs
+    host time); the graphs torch.compile traces, forward and backward, call the custom ops."""
+    module = rms_mod if op == "rms_norm" else ln_mod
+
+    def fn(x, w):
+        return getattr(lmkernels, op)(x, w, backend="triton")
+
+    def leaves():
+        return _randn((2, 5, 24), torch.float32, 0).requires_grad_(), _randn(
+            (24,), torch.float32, 1
+        ).requires_grad_()
+
+    torch._dynamo.reset()
+    graphs = AotEagerAndRecordGraphs()
+    x, w = leaves()
+    torch.compile(fn, backend=graphs, fullgraph=True)(x, w).sum().backward()
+    assert _lmkernels_ops(graphs.fw_graphs) == {f"lmkernels.{op}_fwd.default"}
+    assert _lmkernels_ops(graphs.bw_graphs) == {f"lmkernels.{op}_bwd.default"}
+    compiled_grads = (x.grad, w.grad)
+
+    _forbid_custom_ops(monkeypatch, module, f"{op}_fwd", f"{op}_bwd")
+    x, w = leaves()
+    y = fn(x, w)
+    y.sum().backward()
+    assert torch.equal(x.grad, compiled_grads[0]) and torch.equal(w.grad, compiled_grads[1])
+    with torch.no_grad():  # no graph to record: the raw launcher alone
+        assert torch.equal(fn(x, w), y)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_double_backward_fails_clearly(op):
+    """The backward kernels have no derivative: create_graph=True runs the custom op, whose
+    missing autograd formula is an error, not gradients silently cut from the graph."""
+    x = _randn((3, 8), torch.float32, 0).requires_grad_()
+    w = _randn((8,), torch.float32, 1).requires_grad_()
+    y = getattr(lmkernels, op)(x, w, backend="triton")
+    (dx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        dx.sum().backward()
 
 
 def test_supports_reports_shape_limits():
@@ -449,7 +507,7 @@ def test_in_place_backward_leaves_a_shared_gradient_alone(in_place):
 
 def test_shared_gradient_case_does_catch_an_unsafe_in_place_write(in_place, monkeypatch):
     """The case above can fail: skipping the safety check corrupts the other branch's gradient."""
-    monkeypatch.setattr(rms_mod, "_grad_is_exclusive", lambda dy, control: True)
+    monkeypatch.setattr(rms_mod, "_grad_is_exclusive", lambda excess, device: True)
     _, _, x2, scale = _shared_gradient_case()
     assert not torch.equal(x2.grad, scale * 3.0)
 
@@ -507,6 +565,31 @@ def test_in_place_backward_with_expanded_gradient(in_place):
     x, w = _rms_leaves()
     lmkernels.rms_norm(x, w, backend="triton").sum().backward()
     assert torch.equal(x.grad, expected_dx) and torch.equal(w.grad, expected_dw)
+
+
+def test_in_place_rule_is_relative_to_an_exclusive_gradient(in_place, monkeypatch):
+    """dy's holders are compared with those of the control gradient, and the difference with the
+    difference an exclusive gradient shows in this torch build on this device (measured once by
+    a probe): a gradient only the RMSNorm backward sees shows exactly that difference."""
+    seen = []
+    check = rms_mod._grad_is_exclusive
+    monkeypatch.setattr(
+        rms_mod, "_grad_is_exclusive", lambda excess, device: seen.append(excess) or check(excess, device)
+    )
+    x, w = _rms_leaves()
+    (lmkernels.rms_norm(x, w, backend="triton") * _randn((37, 96), torch.bfloat16, 7)).sum().backward()
+    assert seen == [rms_mod._exclusive_excess(x.device)] and seen[0] is not None
+
+
+def test_in_place_backward_without_a_baseline_stays_out_of_place(in_place, monkeypatch):
+    """No baseline (the probe failed, say): no in-place write."""
+    monkeypatch.setitem(rms_mod._EXCLUSIVE_EXCESS, torch.device(DEVICE).type, None)
+    x, w = _rms_leaves()
+    y = lmkernels.rms_norm(x, w, backend="triton")
+    dy_address = []
+    y.register_hook(lambda grad: dy_address.append(grad.data_ptr()))
+    (y * _randn((37, 96), torch.bfloat16, 7)).sum().backward()
+    assert x.grad.data_ptr() != dy_address[0]
 
 
 def test_in_place_switch_reads_the_environment(monkeypatch):

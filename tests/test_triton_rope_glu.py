@@ -20,10 +20,12 @@ import zlib  # noqa: E402
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch._dynamo.testing import AotEagerAndRecordGraphs  # noqa: E402
 
 pytest.importorskip("triton", reason="the Triton backend needs triton")
 
 import lmkernels  # noqa: E402
+from lmkernels.backends.triton import glu as glu_mod  # noqa: E402
 from lmkernels.backends.triton import rope as rope_mod  # noqa: E402
 from lmkernels.ops.glu import geglu_reference, swiglu_reference  # noqa: E402
 from lmkernels.ops.rope import rope_reference, rope_tables  # noqa: E402
@@ -323,6 +325,110 @@ def test_compile_fullgraph_matches_eager():
     eager = run(f)
     for c, e in zip(compiled, eager):
         torch.testing.assert_close(c, e, rtol=1e-6, atol=1e-6)
+
+
+# --- eager path around the custom ops ---------------------------------------------------------------
+
+
+def _forbid_custom_ops(monkeypatch, module, *names):
+    """Replace the module's custom op objects by functions that fail the test when called."""
+
+    def forbidden(*args):
+        raise AssertionError("an eager call went through a torch.library custom op")
+
+    for name in names:
+        monkeypatch.setattr(module, name, forbidden)
+
+
+def _lmkernels_ops(graphs) -> set[str]:
+    return {str(n.target) for g in graphs for n in g.graph.nodes if str(n.target).startswith("lmkernels.")}
+
+
+def _rope_case():
+    i = rope_inputs(ROPE_SHAPES["gqa"], torch.float32, positions="ids", layout="interleaved")
+
+    def fn(q, k):
+        q_out, k_out = lmkernels.rope(
+            q, k, i["cos"], i["sin"], i["position_ids"], "interleaved", backend="triton"
+        )
+        return q_out * 2 + 1, k_out
+
+    return fn, (i["q"], i["k"])
+
+
+def _glu_case():
+    g = torch.Generator().manual_seed(3)
+    gate, up = (torch.randn(7, 40, generator=g).to(DEVICE) for _ in range(2))
+    return (lambda a, b: (lmkernels.swiglu(a, b, backend="triton") * 2,)), (gate, up)
+
+
+EAGER_CASES = {
+    "rope": (_rope_case, rope_mod, {"rope_rotate"}, {"rope_rotate"}),
+    "swiglu": (_glu_case, glu_mod, {"glu_forward"}, {"glu_backward"}),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd:UserWarning")
+@pytest.mark.parametrize("case", EAGER_CASES)
+def test_eager_calls_skip_the_custom_ops_compiled_calls_use_them(monkeypatch, case):
+    """Eager calls run the launchers through an autograd.Function (the custom op's dispatch costs
+    host time); the graphs torch.compile traces, forward and backward, call the custom ops."""
+    make, module, fw_ops, bw_ops = EAGER_CASES[case]
+    fn, tensors = make()
+
+    def run(f):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        outs = f(*leaves)
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        return [o.detach() for o in outs] + [t.grad for t in leaves]
+
+    torch._dynamo.reset()
+    graphs = AotEagerAndRecordGraphs()
+    compiled = run(torch.compile(fn, backend=graphs, fullgraph=True))
+    assert _lmkernels_ops(graphs.fw_graphs) == {f"lmkernels.{op}.default" for op in fw_ops}
+    assert _lmkernels_ops(graphs.bw_graphs) == {f"lmkernels.{op}.default" for op in bw_ops}
+
+    _forbid_custom_ops(monkeypatch, module, *fw_ops, *bw_ops)
+    eager = run(fn)
+    for c, e in zip(compiled, eager):
+        assert torch.equal(c, e)
+    with torch.no_grad():  # no graph to record: the raw launcher alone
+        for c, e in zip(fn(*tensors), compiled):
+            assert torch.equal(c, e)
+
+
+def test_rope_double_backward():
+    """The backward of the rotation is the inverse rotation, itself differentiable: second-order
+    gradients (create_graph=True) match the eager reference's."""
+    inputs = rope_inputs(ROPE_SHAPES["gqa"], torch.float32, tables="random", layout="interleaved")
+    g = torch.Generator().manual_seed(5)
+    weights = [torch.randn(t.shape, generator=g).to(DEVICE) for t in (inputs["q"], inputs["k"])]
+
+    def second_order(fn):
+        q, k = (inputs[n].detach().clone().requires_grad_() for n in ("q", "k"))
+        w = [t.clone().requires_grad_() for t in weights]
+        q_out, k_out = fn(**{**inputs, "q": q, "k": k})
+        loss = (q_out * w[0]).sum() + (k_out * w[1]).sum()
+        dq, dk = torch.autograd.grad(loss, (q, k), create_graph=True)
+        ((dq * dq).sum() + (dk * dk).sum()).backward()
+        return w[0].grad, w[1].grad
+
+    got = second_order(lambda **kw: lmkernels.rope(**kw, backend="triton"))
+    expected = second_order(rope_reference)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_glu_double_backward_fails_clearly():
+    """The backward kernel has no derivative: create_graph=True runs the custom op, whose
+    missing autograd formula is an error, not gradients silently cut from the graph."""
+    gate = torch.randn(5, 33, device=DEVICE, requires_grad=True)
+    up = torch.randn(5, 33, device=DEVICE, requires_grad=True)
+    (d_gate,) = torch.autograd.grad(
+        lmkernels.swiglu(gate, up, backend="triton").sum(), gate, create_graph=True
+    )
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        d_gate.sum().backward()
 
 
 # --- > 2^31 elements (GPU) ------------------------------------------------------------------------

@@ -27,6 +27,14 @@ from lmkernels.registry.core import _OPS, register
 
 _COMPILED: dict[str, object] = {}
 
+# Each op's compiled reference is one code object for dynamo, recompiled per dtype, rank and
+# option set (casting mode, layout, ...): a validation grid needs a few dozen variants, more
+# than dynamo's default limit of 8, past which it silently runs the function eagerly. Raised
+# (never lowered) here for the whole process; a training job compiles a handful of variants.
+_RECOMPILE_LIMIT = 64
+if torch._dynamo.config.recompile_limit < _RECOMPILE_LIMIT:
+    torch._dynamo.config.recompile_limit = _RECOMPILE_LIMIT
+
 
 def _compiled_reference(name: str):
     fn = _COMPILED.get(name)

@@ -81,6 +81,9 @@ def run_validation(
     plans: Sequence[Plan], device: str, console: Console | None = None, progress: bool = True
 ) -> list[CaseResult]:
     console = console or Console()
+    # A compile backend that hit dynamo's recompile limit would silently run eagerly: make it
+    # an error the check reports instead.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     results = []
     columns = [
         TextColumn("[bold]validate"),

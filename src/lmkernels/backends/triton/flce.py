@@ -21,22 +21,48 @@ needed: the forward keeps only the logsumexp and the backward recomputes each ch
 grad_accum_dtype None / fp32 accumulates grad_W across chunks in an fp32 buffer (cuBLAS adds
 each chunk's bf16 x bf16 product into it with fp32 output), converted once at the end and then
 freed; weight.dtype accumulates straight into the result (lean: saves V*H*4 bytes, one rounding
-per chunk). Peak memory above the inputs: grad_hidden + grad_W (+ the fp32 accumulator) + one
-chunk of fp32 logits + O(tokens + V) floats.
+per chunk). Peak memory above the inputs, + O(tokens + V) floats, reached in the chunk loop
+(the forward's for "mean"/"sum", the backward's for "none"): lean: grad_hidden + grad_W + one
+chunk of fp32 logits; fp32 accumulator: grad_hidden + the accumulator + the larger of one chunk
+and grad_W (the final conversion). Nothing else of those sizes is allocated: the backward of
+"mean"/"sum" only scales, and grad_W and grad_hidden become weight.grad and hidden.grad as they
+are (tests/test_triton_flce.py counts the allocations).
 
-Chunk size (tokens): CHUNK_BYTES of fp32 logits per chunk, i.e. CHUNK_BYTES / (4 V) tokens,
-rounded down to a multiple of 128 (cuBLAS tile height) and at least 128, never more than the
-number of tokens; twice that when a bf16/fp16 grad_W accumulates in fp32. 256 MiB gives 512
-tokens for Llama 3 (V = 128256; 1024 with the fp32 accumulator) and 2048 for V = 32000. It does
-not grow with the batch. Why not smaller: every chunk's logits and dlogits @ W GEMMs read all of
-W, and its dlogits.T @ h GEMM reads and writes all of grad_W with depth = the chunk size, so
-below ~512 tokens (H100/H200 ridge: ~240-160 flop/byte) those GEMMs turn memory-bound; an fp32
-accumulator doubles the grad_W traffic, hence twice the tokens. Smaller chunks trade time for
-memory: set the module constant CHUNK_TOKENS or the environment variable
+Chunk size (tokens): at most CHUNK_BYTES = 1 GiB of fp32 logits, i.e. CHUNK_BYTES / (4 V)
+tokens rounded down to a multiple of 128 (cuBLAS tile height), at least 128 and never more than
+the tokens present: 2048 for Llama 3 (V = 128256), 8320 for V = 32000. Measured on an H200
+(torch 2.11, triton 3.6), BT = 8192, H = 4096, V = 128256, bf16, forward + backward kernel
+time / peak memory above the inputs:
+
+    chunk   fp32 accumulation   lean (grad_accum_dtype=bf16)
+     512                        55   ms               (the previous lean default)
+    1024    47.6 ms, 3070 MiB   43.7 ms, 2132 MiB *
+    2048    44.5 ms, 3070 MiB   42.2 ms, 2132 MiB *
+    4096    43.2 ms, 4072 MiB   42.3 ms, 3070 MiB
+    torch.compile of the eager reference 40.2 ms, 3070 MiB; Liger (lean) 55.0 ms, 1129 MiB;
+    CCE 137 ms, 1067 MiB.
+    * measured while the backward still received zero-filled gradients for the gradient
+      outputs (see _setup_context); by the rule above the lean peak is now 1567 MiB at 1024
+      and 2068 MiB at 2048 (computed, not yet re-measured).
+
+Every chunk's logits and dlogits @ W GEMMs read all of W, and its dlogits.T @ h GEMM reads and
+writes all of grad_W, so the traffic grows with the number of chunks: 55 ms at 512 tokens
+against 42-45 ms at 2048. Past 2048 a doubling saves at most 3% for one more GiB; with the fp32
+accumulator 1024 does not even lower the peak (the final conversion sets it). Smaller chunks
+trade time for memory: set the module constant CHUNK_TOKENS or the environment variable
 LMKERNELS_FLCE_CHUNK_TOKENS (tests use tiny chunks so that several run).
+
+Not done, to measure first: at chunk 1024 the fp32 addmm into the accumulator took 15.5 ms
+against 11.2 ms for the logits GEMM of the same size. One plain fp32-output mm per chunk into a
+temporary and an add would cost another V*H*4 bytes and move more bytes (write the temporary,
+then read it and the accumulator, write the accumulator), so it can only win if cuBLAS's
+beta = 1 kernel is slow rather than the read of C.
 
 Backward twice (retain_graph=True) with reduction "mean"/"sum": the first backward scaled the
 stored gradients in place, so autograd's saved-tensor version check raises on the second.
+
+Eager calls run the launchers through a plain autograd.Function (_common.call); only code that
+torch.compile traces calls the torch.library custom ops, which share its context and backward.
 
 No host synchronization anywhere: denominators, scales and the logsumexp stay on the device.
 Out-of-range targets (possible only when LMKERNELS_CHECK_VALUES=0 skipped the input check) are
@@ -51,10 +77,11 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
+from lmkernels.backends.triton._common import call, eager_function, op_or_raw, traced
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
 
-CHUNK_BYTES = 256 << 20
+CHUNK_BYTES = 1 << 30
 CHUNK_TOKENS: int | None = None  # overrides CHUNK_BYTES when set
 CHUNK_ENV = "LMKERNELS_FLCE_CHUNK_TOKENS"
 
@@ -217,15 +244,10 @@ def _flce_rows_kernel(
 # --- launchers -----------------------------------------------------------------------------------
 
 
-def flce_chunk_tokens(BT: int, V: int, wide_accumulator: bool = False) -> int:
-    """Tokens per chunk: see the module docstring. wide_accumulator: a 16-bit grad_W
-    accumulates in fp32 (twice the grad_W traffic per chunk, so twice the tokens)."""
+def flce_chunk_tokens(BT: int, V: int) -> int:
+    """Tokens per chunk: see the module docstring."""
     override = CHUNK_TOKENS or int(os.environ.get(CHUNK_ENV, "0") or 0)
-    if override > 0:
-        rows = override
-    else:
-        budget = CHUNK_BYTES * (2 if wide_accumulator else 1)
-        rows = max(128, budget // (4 * V) // 128 * 128)
+    rows = override if override > 0 else max(128, CHUNK_BYTES // (4 * V) // 128 * 128)
     return max(1, min(rows, BT))
 
 
@@ -349,7 +371,7 @@ def _run_chunks(
         grad_w = empty((V, H), torch.float32 if accum_fp32 else weight.dtype, device)
     grad_b = torch.zeros(V, dtype=torch.float32, device=device) if write_grad and need_bias else None
 
-    chunk = flce_chunk_tokens(BT, V, grad_w is not None and grad_w.dtype != weight.dtype)
+    chunk = flce_chunk_tokens(BT, V)
     buffer = torch.empty((chunk, V), dtype=torch.float32, device=device)
     # Without fp32-output GEMMs for low-precision inputs (CPU) upcast the weight once, not per chunk.
     w_fp32 = weight if dtype == torch.float32 or _cuda_fp32_out(hidden) else weight.float()
@@ -425,8 +447,7 @@ def _grads_in_forward(reduction, grad_hidden, grad_weight, grad_bias):
     return reduction != "none" and (grad_hidden or grad_weight or grad_bias)
 
 
-@torch.library.custom_op("lmkernels::flce_triton_forward", mutates_args=())
-def _forward_op(
+def _forward_raw(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
@@ -483,6 +504,9 @@ def _forward_op(
     return loss, lse, gh, gw, gb
 
 
+_forward_op = torch.library.custom_op("lmkernels::flce_triton_forward", _forward_raw, mutates_args=())
+
+
 @_forward_op.register_fake
 def _forward_fake(
     hidden,
@@ -511,8 +535,7 @@ def _forward_fake(
     return loss, lse, gh, gw, gb
 
 
-@torch.library.custom_op("lmkernels::flce_triton_backward", mutates_args=())
-def _backward_op(
+def _backward_raw(
     grad_loss: torch.Tensor,
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -557,6 +580,9 @@ def _backward_op(
     return gh, gw, gb
 
 
+_backward_op = torch.library.custom_op("lmkernels::flce_triton_backward", _backward_raw, mutates_args=())
+
+
 @_backward_op.register_fake
 def _backward_fake(
     grad_loss,
@@ -581,11 +607,19 @@ def _backward_fake(
     return gh, gw, gb
 
 
+# The backward's chunk loop for reduction "none": the custom op when traced, else the launcher.
+_recompute = op_or_raw(_backward_op, _backward_raw)
+
+
 def _setup_context(ctx, inputs, output):
     hidden, weight, target, bias, class_weight, ignore_index, reduction = inputs[:7]
     label_smoothing, softcap, z_loss_scale, grad_h, grad_w, grad_b, accum_fp32 = inputs[7:]
     loss, lse, gh, gw, gb = output
     ctx.mark_non_differentiable(lse, gh, gw, gb)
+    # Autograd would otherwise hand the backward zero-filled gradients for the four outputs
+    # nothing differentiates: zeros the size of grad_W and grad_hidden, allocated while the real
+    # ones are alive (on the H200 that doubled grad_W + grad_hidden: the lean mode's peak).
+    ctx.set_materialize_grads(False)
     ctx.flags = (grad_h, grad_w, grad_b and bias is not None)
     ctx.precomputed = reduction != "none"
     if ctx.precomputed:
@@ -597,18 +631,18 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb):
     if ctx.precomputed:
-        gh, gw, gb = ctx.saved_tensors
         # The forward computed the gradients of the reduced loss; only the upstream scalar is
-        # missing. Scale in place: these buffers are ours (no one else holds them), and a copy
-        # of grad_W would double the peak memory. A traced backward (torch.compile, AOT
-        # autograd, opcheck: the tensors are fake/functional subclasses) must not mutate the
-        # forward's outputs, so it scales out of place.
-        traced = torch.compiler.is_compiling() or type(gw) is not torch.Tensor
-        grads = [g * grad_loss if traced else g.mul_(grad_loss) for g in (gh, gw, gb)]
+        # missing. Eagerly they are scaled in place: the buffers are ours (the impl drops the
+        # forward's outputs) and the unpacked saved tensors are their only references, so
+        # AccumulateGrad adopts them as .grad without a copy. A traced graph (torch.compile,
+        # opcheck: fake or functional tensors) must not mutate the op's outputs: out of place.
+        gh, gw, gb = ctx.saved_tensors
+        in_place = not traced((gh, gw, gb, grad_loss))
+        grads = [g.mul_(grad_loss) if in_place else g * grad_loss for g in (gh, gw, gb)]
     else:
         hidden, weight, target, bias, class_weight, lse = ctx.saved_tensors
         ignore_index, label_smoothing, softcap, z_loss_scale, accum_fp32 = ctx.options
-        grads = _backward_op(
+        grads = _recompute(
             grad_loss,
             hidden,
             weight,
@@ -628,6 +662,8 @@ def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb):
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+# Eager calls: the same forward, context and backward, without the custom op's per-call cost.
+_FlceFunction = eager_function("FlceTritonFunction", _forward_raw, _setup_context, _backward)
 
 
 # --- the impl ------------------------------------------------------------------------------------
@@ -649,7 +685,10 @@ def fused_linear_cross_entropy_triton(
 ):
     H = weight.shape[1]
     grad_on = torch.is_grad_enabled()
-    loss, lse, _, _, _ = _forward_op(
+    # The gradient outputs are dropped here: the backward's saved tensors are their only owners.
+    loss, lse, _, _, _ = call(
+        _forward_op,
+        _FlceFunction,
         hidden.reshape(-1, H),
         weight,
         target.reshape(-1),

@@ -10,13 +10,12 @@ its peak is the two gradients and nothing else (no intermediate is kept).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
+from lmkernels.backends.triton._common import call, cdiv, device_guard, eager_function, op_or_raw
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
 
@@ -80,20 +79,14 @@ def _glu_bwd_kernel(
     tl.store(d_gate_ptr + offs, (g * b * d_act).to(d_gate_ptr.dtype.element_ty), mask=mask)
 
 
-def _device_ctx(t: torch.Tensor):
-    # Triton launches on the current CUDA device; make it the tensors' one.
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def _grid(n: int):
-    return (triton.cdiv(n, BLOCK),)
+    return (cdiv(n, BLOCK),)
 
 
-# --- torch.library registration ------------------------------------------------------------------
+# --- launchers -------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("lmkernels::glu_forward", mutates_args=())
-def glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+def _glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up, contiguous, in gate's dtype. activation: silu, gelu_tanh or gelu."""
     act = _ACTIVATIONS[activation]
     # The kernel indexes flat memory: strided inputs are copied (a no-op when contiguous).
@@ -101,18 +94,12 @@ def glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
     out = empty(gate.shape, gate.dtype, gate.device)
     n = gate.numel()
     if n:
-        with _device_ctx(gate):
+        with device_guard(gate):
             _glu_fwd_kernel[_grid(n)](gate, up, out, n, ACT=act, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return out
 
 
-@glu_forward.register_fake
-def _(gate, up, activation):
-    return gate.new_empty(gate.shape)
-
-
-@torch.library.custom_op("lmkernels::glu_backward", mutates_args=())
-def glu_backward(
+def _glu_backward(
     grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_gate, d_up) of act(gate) * up for the upstream gradient grad, in fresh tensors."""
@@ -123,11 +110,22 @@ def glu_backward(
     d_up = empty(up.shape, up.dtype, up.device)
     n = gate.numel()
     if n:
-        with _device_ctx(gate):
+        with device_guard(gate):
             _glu_bwd_kernel[_grid(n)](
                 grad, gate, up, d_gate, d_up, n, ACT=act, BLOCK=BLOCK, num_warps=NUM_WARPS
             )
     return d_gate, d_up
+
+
+# --- torch.library ops and autograd ----------------------------------------------------------------
+
+glu_forward = torch.library.custom_op("lmkernels::glu_forward", _glu_forward, mutates_args=())
+glu_backward = torch.library.custom_op("lmkernels::glu_backward", _glu_backward, mutates_args=())
+
+
+@glu_forward.register_fake
+def _(gate, up, activation):
+    return gate.new_empty(gate.shape)
 
 
 @glu_backward.register_fake
@@ -144,22 +142,23 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad):
     gate, up = ctx.saved_tensors
-    d_gate, d_up = torch.ops.lmkernels.glu_backward(grad, gate, up, ctx.activation)
+    d_gate, d_up = op_or_raw(glu_backward, _glu_backward)(grad, gate, up, ctx.activation)
     return d_gate, d_up, None
 
 
 glu_forward.register_autograd(_backward, setup_context=_setup_context)
+_GLUFunction = eager_function("_GLUFunction", _glu_forward, _setup_context, _backward)
 
 
 # --- lmkernels impls -------------------------------------------------------------------------------
 
 
 def swiglu_triton(gate, up):
-    return torch.ops.lmkernels.glu_forward(gate, up, "silu")
+    return call(glu_forward, _GLUFunction, gate, up, "silu")
 
 
 def geglu_triton(gate, up, approximate="tanh"):
-    return torch.ops.lmkernels.glu_forward(gate, up, _GELU_BY_APPROXIMATE[approximate])
+    return call(glu_forward, _GLUFunction, gate, up, _GELU_BY_APPROXIMATE[approximate])
 
 
 def _supports(**inputs) -> list[str]:

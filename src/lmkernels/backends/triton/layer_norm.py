@@ -1,9 +1,9 @@
-"""LayerNorm in Triton: forward and backward kernels, torch.library ops, registration.
+"""LayerNorm in Triton: forward and backward kernels, launchers, torch.library ops, registration.
 
 Semantics are those of `lmkernels.ops.layer_norm.layer_norm_reference`: fp32 math, one rounding
-of y to x.dtype; weight and bias are optional and independent. The work is laid out as for
-RMSNorm (see rms_norm.py, whose shared helpers this module uses): one row per program forward,
-a persistent backward that keeps the weight and bias gradient partial sums in fp32 registers.
+of y to x.dtype; weight and bias are optional and independent. The work is laid out as
+_norms.py describes: one row per program forward, a persistent backward that keeps the weight
+and bias gradient partial sums in fp32 registers.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton.rms_norm import (
-    device_guard,
+from lmkernels.backends.triton._common import call, device_guard, eager_function, op_or_raw, soft_bf16
+from lmkernels.backends.triton._norms import (
+    partial_buffer,
     persistent_programs,
     row_config,
-    soft_bf16,
     sum_partials,
     to_dtype,
 )
@@ -192,10 +192,13 @@ def _num_rows(x: torch.Tensor) -> int:
     return math.prod(x.shape[:-1])
 
 
-def _layer_norm_fwd(x, weight, bias, eps):
+def _layer_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns y (x's shape and dtype, contiguous), mean and rstd (fp32, one per row)."""
     N = x.shape[-1]
-    x2d = x.contiguous().view(-1, N)
-    M = x2d.shape[0]
+    x = x.contiguous()  # the kernels read rows of N elements from flat memory
+    M = _num_rows(x)
     y = empty(x.shape, x.dtype, x.device)
     mean = empty((M,), torch.float32, x.device)
     rstd = empty((M,), torch.float32, x.device)
@@ -204,9 +207,9 @@ def _layer_norm_fwd(x, weight, bias, eps):
     cfg = row_config(N)
     with device_guard(x):
         _layer_norm_fwd_kernel[(M,)](
-            x2d,
-            weight.contiguous() if weight is not None else x2d,  # x2d: placeholder, never read
-            bias.contiguous() if bias is not None else x2d,
+            x,
+            weight.contiguous() if weight is not None else x,  # x: placeholder, never read
+            bias.contiguous() if bias is not None else x,
             y,
             mean,
             rstd,
@@ -222,10 +225,18 @@ def _layer_norm_fwd(x, weight, bias, eps):
     return y, mean, rstd
 
 
-def _layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype):
+def _layer_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    bias_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns dx, dw and db; dw is empty without weight, db is empty when bias_dtype is None."""
     N = x.shape[-1]
-    x2d = x.contiguous().view(-1, N)
-    M = x2d.shape[0]
+    x = x.contiguous()  # the kernels read rows of N elements from flat memory
+    M = _num_rows(x)
     dx = empty(x.shape, x.dtype, x.device)
     dw = empty((N,), weight.dtype, x.device) if weight is not None else x.new_empty((0,))
     db = empty((N,), bias_dtype, x.device) if bias_dtype is not None else x.new_empty((0,))
@@ -233,15 +244,13 @@ def _layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype):
         return dx, dw.zero_(), db.zero_()
     cfg = row_config(N, backward=True)
     P = persistent_programs(M, cfg.num_warps, x.device)
-    # The fused path writes every partial row in full; the wide path accumulates into it.
-    alloc = empty if cfg.single_block else torch.zeros
-    dw_partial = alloc((P, N), dtype=torch.float32, device=x.device) if weight is not None else None
-    db_partial = alloc((P, N), dtype=torch.float32, device=x.device) if bias_dtype is not None else None
+    dw_partial = partial_buffer(P, N, cfg.single_block, x.device) if weight is not None else None
+    db_partial = partial_buffer(P, N, cfg.single_block, x.device) if bias_dtype is not None else None
     with device_guard(x):
         _layer_norm_bwd_kernel[(P,)](
-            dy.contiguous().view(-1, N),
-            x2d,
-            weight.contiguous() if weight is not None else x2d,  # placeholders, never touched
+            dy.contiguous(),
+            x,
+            weight.contiguous() if weight is not None else x,  # placeholders, never touched
             mean,
             rstd,
             dx,
@@ -265,13 +274,8 @@ def _layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype):
 
 # --- torch.library ops -----------------------------------------------------------------------
 
-
-@torch.library.custom_op("lmkernels::layer_norm_fwd", mutates_args=())
-def layer_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns y (x's shape and dtype, contiguous), mean and rstd (fp32, one per row)."""
-    return _layer_norm_fwd(x, weight, bias, eps)
+layer_norm_fwd = torch.library.custom_op("lmkernels::layer_norm_fwd", _layer_norm_fwd, mutates_args=())
+layer_norm_bwd = torch.library.custom_op("lmkernels::layer_norm_bwd", _layer_norm_bwd, mutates_args=())
 
 
 @layer_norm_fwd.register_fake
@@ -284,19 +288,6 @@ def _(x, weight, bias, eps):
     )
 
 
-@torch.library.custom_op("lmkernels::layer_norm_bwd", mutates_args=())
-def layer_norm_bwd(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    bias_dtype: torch.dtype | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns dx, dw and db; dw is empty without weight, db is empty when bias_dtype is None."""
-    return _layer_norm_bwd(dy, x, weight, mean, rstd, bias_dtype)
-
-
 @layer_norm_bwd.register_fake
 def _(dy, x, weight, mean, rstd, bias_dtype):
     N = x.shape[-1]
@@ -305,17 +296,25 @@ def _(dy, x, weight, mean, rstd, bias_dtype):
     return x.new_empty(x.shape), dw, db
 
 
+# --- autograd ----------------------------------------------------------------------------------
+
+
 def _setup_context(ctx, inputs, output):
     x, weight, bias, eps = inputs
     _, mean, rstd = output
     ctx.mark_non_differentiable(mean, rstd)
     ctx.save_for_backward(x, weight, mean, rstd)
     ctx.bias_dtype = bias.dtype if bias is not None else None
+    # No zero gradients for mean and rstd, which the backward never reads (an allocation and a
+    # fill kernel each per backward otherwise).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, dmean, drstd):
+    if dy is None:  # y got no gradient
+        return None, None, None, None
     x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = torch.ops.lmkernels.layer_norm_bwd(dy, x, weight, mean, rstd, ctx.bias_dtype)
+    dx, dw, db = op_or_raw(layer_norm_bwd, _layer_norm_bwd)(dy, x, weight, mean, rstd, ctx.bias_dtype)
     return (
         dx if ctx.needs_input_grad[0] else None,
         dw if weight is not None and ctx.needs_input_grad[1] else None,
@@ -325,13 +324,14 @@ def _backward(ctx, dy, dmean, drstd):
 
 
 layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+_LayerNormFunction = eager_function("_LayerNormFunction", _layer_norm_fwd, _setup_context, _backward)
 
 
 # --- the impl ----------------------------------------------------------------------------------
 
 
 def layer_norm_triton(x, weight=None, bias=None, eps=1e-5):
-    y, _, _ = torch.ops.lmkernels.layer_norm_fwd(x, weight, bias, float(eps))
+    y, _, _ = call(layer_norm_fwd, _LayerNormFunction, x, weight, bias, float(eps))
     return y
 
 

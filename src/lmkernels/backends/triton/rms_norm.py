@@ -1,29 +1,19 @@
-"""RMSNorm in Triton: forward and backward kernels, torch.library ops, registration.
+"""RMSNorm in Triton: forward and backward kernels, launchers, torch.library ops, registration.
 
 Semantics are those of `lmkernels.ops.rms_norm.rms_norm_reference`, casting modes included:
 "llama" rounds the normalized row to x.dtype before the weight multiply, "gemma" rounds once at
 the end, "none" rounds after every step as eager PyTorch does in x.dtype (emulated in-kernel).
 
-Layout of the work:
-- forward: one row per program; the row stays in registers when it fits (N <= MAX_FUSED_N),
-  wider rows loop over blocks of WIDE_BLOCK and read x twice (the second read mostly from L2).
-- backward: a persistent grid (a few programs per SM), each program loops over rows
-  pid, pid + P, ... and keeps its weight-gradient partial sum in fp32 registers; it writes one
-  partial row at the end, and a small kernel sums the P partial rows (deterministic, no atomics).
+The work is laid out as _norms.py describes: one row per program forward, a persistent backward
+that keeps the weight-gradient partial sums in fp32 registers.
 
 In-place backward (off by default): with IN_PLACE_BACKWARD = True (or the environment variable
 LMKERNELS_RMSNORM_INPLACE_BWD=1 at import) dx is written into the incoming gradient buffer when
 nothing else can see that buffer, which saves one M x N allocation. See _grad_is_exclusive.
-
-This module also holds helpers the other norm kernels share (exact bf16 rounding, SM count,
-row configuration, the partial-sum reduction).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
 import math
 import os
 import sys
@@ -33,6 +23,15 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
+from lmkernels.backends.triton._common import call, device_guard, eager_function, op_or_raw, soft_bf16, traced
+from lmkernels.backends.triton._norms import (
+    partial_buffer,
+    persistent_programs,
+    round_as,
+    row_config,
+    sum_partials,
+    to_dtype,
+)
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
 
@@ -44,115 +43,9 @@ def in_place_backward_from_env() -> bool:
 # Write dx into the incoming gradient buffer when that is provably safe (see _grad_is_exclusive).
 IN_PLACE_BACKWARD = in_place_backward_from_env()
 
-# Rows up to this width are kept in registers; wider rows loop over blocks of WIDE_BLOCK.
-# (sm_90, from ptxas: the fused backward fits 64 registers per thread up to N = 8192; at 16384
-# it spills ~100-200 bytes per thread, which the wide path avoids at the cost of a second read
-# and a read-modify-write of the dweight partials. Which is faster there is for the benchmark.)
-MAX_FUSED_N = 16384
-WIDE_BLOCK = 4096
-# Resident warps per SM the persistent backward aims for (half of the 64 an SM can hold).
-TARGET_WARPS_PER_SM = 32
-# Programs of the backward under the CPU interpreter: few, so each one loops over several rows.
-INTERPRETER_PROGRAMS = 3
-
 _MODES = {"llama": 0, "gemma": 1, "none": 2}  # casting_mode -> MODE of the kernels
 GEMMA: tl.constexpr = tl.constexpr(1)
 NONE: tl.constexpr = tl.constexpr(2)
-
-
-# --- shared jit helpers ----------------------------------------------------------------------
-
-
-@triton.jit
-def to_dtype(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """fp32 `v` rounded to nearest-even in `dtype`.
-
-    The GPU converts with round-to-nearest-even. The CPU interpreter truncates fp32 -> bf16, so
-    there (SOFT_BF16) the rounding is done on the bits: add half an ulp (ties to even), clear the
-    low 16 bits; the conversion that follows is then exact. Only the interpreter takes this path.
-    """
-    if SOFT_BF16 and dtype == tl.bfloat16:
-        bits = v.to(tl.int32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        v = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-    return v.to(dtype)
-
-
-@triton.jit
-def round_as(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """fp32 `v` as if stored in `dtype` and loaded back: emulates one eager op in `dtype`."""
-    return to_dtype(v, dtype, SOFT_BF16).to(tl.float32)
-
-
-@triton.jit
-def _sum_partials_kernel(
-    partial_ptr, out_ptr, P, N, SOFT_BF16: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """out[c] = sum over p of partial[p, c] (fp32), rounded to out's dtype. One column block each."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    acc = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
-    for start in range(0, P, BLOCK_P):
-        rows = start + tl.arange(0, BLOCK_P)
-        mask = (rows[:, None] < P) & col_mask[None, :]
-        acc += tl.load(partial_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0)
-    total = tl.sum(acc, axis=0)
-    tl.store(out_ptr + cols, to_dtype(total, out_ptr.dtype.element_ty, SOFT_BF16), mask=col_mask)
-
-
-# --- shared launcher helpers -----------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RowConfig:
-    block: int  # columns a program handles at once
-    single_block: bool  # the whole row fits in one block (kept in registers)
-    num_warps: int
-
-
-def row_config(N: int, backward: bool = False) -> RowConfig:
-    single = N <= MAX_FUSED_N
-    block = triton.next_power_of_2(N) if single else WIDE_BLOCK
-    # Registers per thread grow with the elements each thread holds. About 16 elements per thread
-    # forward (x only) and 8 backward (x, dy, dw partial, ...) keep the fused kernels near 64
-    # registers per thread on sm_90 at N = 4096, so two programs fit on an SM.
-    elements_per_thread = 8 if backward else 16
-    num_warps = min(32 if backward else 16, max(1, block // (32 * elements_per_thread)))
-    return RowConfig(block, single, num_warps)
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def persistent_programs(M: int, num_warps: int, device: torch.device) -> int:
-    """Number of programs of a persistent kernel: enough to fill the GPU, at most one per row."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        programs = _sm_count(index) * max(1, TARGET_WARPS_PER_SM // num_warps)
-    else:
-        programs = INTERPRETER_PROGRAMS
-    return max(1, min(M, programs))
-
-
-def device_guard(t: torch.Tensor):
-    """Triton launches on the current CUDA device: make it t's device."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
-def soft_bf16(t: torch.Tensor) -> bool:
-    return not t.is_cuda
-
-
-def sum_partials(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out (1-D, any float dtype) = partial.sum(0), with one fp32 accumulation per column."""
-    P, N = partial.shape
-    BLOCK_N = 64
-    _sum_partials_kernel[(triton.cdiv(N, BLOCK_N),)](
-        partial, out, P, N, SOFT_BF16=soft_bf16(out), BLOCK_P=32, BLOCK_N=BLOCK_N, num_warps=4
-    )
-    return out
 
 
 # --- RMSNorm kernels ---------------------------------------------------------------------------
@@ -326,10 +219,13 @@ def _num_rows(x: torch.Tensor) -> int:
     return math.prod(x.shape[:-1])
 
 
-def _rms_norm_fwd(x, weight, eps, offset, casting_mode):
+def _rms_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns y (x's shape and dtype, contiguous) and rstd (fp32, one per row)."""
     N = x.shape[-1]
-    x2d = x.contiguous().view(-1, N)
-    M = x2d.shape[0]
+    x = x.contiguous()  # the kernels read rows of N elements from flat memory
+    M = _num_rows(x)
     y = empty(x.shape, x.dtype, x.device)
     rstd = empty((M,), torch.float32, x.device)
     if M == 0:
@@ -337,8 +233,8 @@ def _rms_norm_fwd(x, weight, eps, offset, casting_mode):
     cfg = row_config(N)
     with device_guard(x):
         _rms_norm_fwd_kernel[(M,)](
-            x2d,
-            weight.contiguous() if weight is not None else x2d,  # x2d: placeholder, never read
+            x,
+            weight.contiguous() if weight is not None else x,  # x: placeholder, never read
             y,
             rstd,
             N,
@@ -354,29 +250,25 @@ def _rms_norm_fwd(x, weight, eps, offset, casting_mode):
     return y, rstd
 
 
-def _rms_norm_bwd(dy, x, weight, rstd, offset, casting_mode, dx):
-    """Writes dx (which may be dy itself) and returns dw (empty when weight is None)."""
+def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.Tensor:
+    """Writes dx and returns dw (empty when weight is None). dy and dx are contiguous; dx may be
+    dy itself (in-place backward)."""
     N = x.shape[-1]
-    x2d = x.contiguous().view(-1, N)
-    M = x2d.shape[0]
-    if weight is None:
-        dw = x.new_empty((0,))
-    else:
-        dw = empty((N,), weight.dtype, x.device)
+    x = x.contiguous()  # the kernels read rows of N elements from flat memory
+    M = _num_rows(x)
+    dw = empty((N,), weight.dtype, x.device) if weight is not None else x.new_empty((0,))
     if M == 0:
         return dw.zero_()
     cfg = row_config(N, backward=True)
     P = persistent_programs(M, cfg.num_warps, x.device)
-    # The fused path writes every partial row in full; the wide path accumulates into it.
-    alloc = empty if cfg.single_block else torch.zeros
-    partial = alloc((P, N), dtype=torch.float32, device=x.device) if weight is not None else None
+    partial = partial_buffer(P, N, cfg.single_block, x.device) if weight is not None else None
     with device_guard(x):
         _rms_norm_bwd_kernel[(P,)](
-            dy.view(-1, N),
-            x2d,
-            weight.contiguous() if weight is not None else x2d,  # placeholders when no weight
+            dy,
+            x,
+            weight.contiguous() if weight is not None else x,  # placeholders when no weight
             rstd,
-            dx.view(-1, N),
+            dx,
             partial if partial is not None else rstd,
             M,
             N,
@@ -388,29 +280,12 @@ def _rms_norm_bwd(dy, x, weight, rstd, offset, casting_mode, dx):
             SOFT_BF16=soft_bf16(x),
             num_warps=cfg.num_warps,
         )
-        if weight is not None:
+        if partial is not None:
             sum_partials(partial, dw)
     return dw
 
 
-# --- torch.library ops -----------------------------------------------------------------------
-
-
-@torch.library.custom_op("lmkernels::rms_norm_fwd", mutates_args=())
-def rms_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns y (x's shape and dtype, contiguous) and rstd (fp32, one per row)."""
-    return _rms_norm_fwd(x, weight, eps, offset, casting_mode)
-
-
-@rms_norm_fwd.register_fake
-def _(x, weight, eps, offset, casting_mode):
-    return x.new_empty(x.shape), x.new_empty((_num_rows(x),), dtype=torch.float32)
-
-
-@torch.library.custom_op("lmkernels::rms_norm_bwd", mutates_args=())
-def rms_norm_bwd(
+def _rms_norm_bwd(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -418,11 +293,21 @@ def rms_norm_bwd(
     offset: float,
     casting_mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns dx and dw (dw is empty when weight is None)."""
-    dy = dy.contiguous()
+    """Returns dx (x's shape and dtype) and dw (empty when weight is None)."""
     dx = empty(x.shape, x.dtype, x.device)
-    dw = _rms_norm_bwd(dy, x, weight, rstd, offset, casting_mode, dx)
+    dw = _rms_norm_bwd_into(dy.contiguous(), x, weight, rstd, offset, casting_mode, dx)
     return dx, dw
+
+
+# --- torch.library ops -----------------------------------------------------------------------
+
+rms_norm_fwd = torch.library.custom_op("lmkernels::rms_norm_fwd", _rms_norm_fwd, mutates_args=())
+rms_norm_bwd = torch.library.custom_op("lmkernels::rms_norm_bwd", _rms_norm_bwd, mutates_args=())
+
+
+@rms_norm_fwd.register_fake
+def _(x, weight, eps, offset, casting_mode):
+    return x.new_empty(x.shape), x.new_empty((_num_rows(x),), dtype=torch.float32)
 
 
 @rms_norm_bwd.register_fake
@@ -432,29 +317,7 @@ def _(dy, x, weight, rstd, offset, casting_mode):
     return x.new_empty(x.shape), x.new_empty(dw_shape, dtype=dw_dtype)
 
 
-@torch.library.custom_op("lmkernels::rms_norm_bwd_inplace", mutates_args=("dy",))
-def rms_norm_bwd_inplace(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    rstd: torch.Tensor,
-    offset: float,
-    casting_mode: str,
-) -> torch.Tensor:
-    """Overwrites dy (contiguous, x's dtype) with dx; returns dw (empty when weight is None)."""
-    if not dy.is_contiguous() or dy.dtype != x.dtype or dy.shape != x.shape:
-        raise ValueError("rms_norm_bwd_inplace: dy must be contiguous with x's shape and dtype")
-    return _rms_norm_bwd(dy, x, weight, rstd, offset, casting_mode, dy)
-
-
-@rms_norm_bwd_inplace.register_fake
-def _(dy, x, weight, rstd, offset, casting_mode):
-    dw_shape = (0,) if weight is None else weight.shape
-    dw_dtype = x.dtype if weight is None else weight.dtype
-    return x.new_empty(dw_shape, dtype=dw_dtype)
-
-
-# --- autograd ----------------------------------------------------------------------------------
+# --- in-place backward: is the incoming gradient ours to overwrite? ------------------------------
 
 
 def _reference_counts(t: torch.Tensor) -> tuple[int, int, int]:
@@ -468,29 +331,91 @@ def _reference_counts(t: torch.Tensor) -> tuple[int, int, int]:
     return t._use_count(), storage_count, sys.getrefcount(t)
 
 
-def _grad_is_exclusive(dy, control) -> bool:
-    """True when nobody but this backward can see dy's memory, so dx may be written into it.
+def _excess_holders(dy, control) -> tuple[int, ...] | None:
+    """How many more holders dy has than `control`, per count of _reference_counts.
 
-    Called first thing in the backward. `control` is the gradient autograd materializes for the
-    non-differentiable rstd output: a fresh tensor handed over exactly like dy, so its Python
-    reference count is the baseline of an unshared gradient. dy is exclusive when:
-    - its TensorImpl has one holder (autograd passing the same gradient to two consumers, e.g.
-      both inputs of an add, keeps a second holder until the other consumer has run);
-    - its storage has no other TensorImpl (views, detach(), .data, a retained copy sharing it);
-    - it has no more Python references than `control` (the caller's tensor in
-      y.backward(grad), a tensor hook keeping the gradient, ...).
-    Any doubt (a tensor subclass, tracing, a missing torch API, no control) answers False.
+    `control` is the gradient autograd materializes for the non-differentiable rstd output: a
+    fresh tensor handed to the backward next to dy (same Python tuples and frames), so counting
+    both in the same place cancels every reference the calling machinery takes to both of them.
+    None where the counts mean nothing: a tensor subclass, a functorch wrapper, a missing API.
     """
     try:
         if type(dy) is not torch.Tensor or type(control) is not torch.Tensor:
-            return False
+            return None
         if torch._C._functorch.is_functorch_wrapped_tensor(dy):
-            return False
-        impl_count, storage_count, py_count = _reference_counts(dy)
-        *_, control_py_count = _reference_counts(control)
+            return None
+        return tuple(a - b for a, b in zip(_reference_counts(dy), _reference_counts(control)))
     except (AttributeError, RuntimeError):
+        return None
+
+
+class _ExclusiveGradientProbe(torch.autograd.Function):
+    """Shaped like the RMSNorm Function (a differentiable output and a non-differentiable one)
+    to measure, in its backward, the excess holders of a gradient known to be exclusive."""
+
+    @staticmethod
+    def forward(ctx, x):
+        stats = x.new_zeros(x.shape[:-1])
+        ctx.mark_non_differentiable(stats)
+        return x.clone(), stats
+
+    @staticmethod
+    def backward(ctx, dy, control):
+        ctx.excess = _excess_holders(dy, control)
+        return dy
+
+
+_EXCLUSIVE_EXCESS: dict[str, tuple[int, ...] | None] = {}
+
+
+def _exclusive_excess(device: torch.device) -> tuple[int, ...] | None:
+    """_excess_holders of an exclusive gradient on this device type with this torch build.
+
+    Autograd itself may keep a reference to the gradient while a backward runs, and not to the
+    control (torch 2.11 on CUDA showed dy with one more TensorImpl holder and one more Python
+    reference than the control for a gradient nobody else could see; torch 2.13 on CPU shows
+    none). So the baseline is measured, once per device type, on a gradient that is exclusive by
+    construction: (probe * 2).sum() hands the probe a product only it receives.
+    """
+    if device.type not in _EXCLUSIVE_EXCESS:
+        excess = None
+        try:
+            with torch.enable_grad():
+                x = torch.zeros(2, 4, device=device, requires_grad=True)
+                y, _ = _ExclusiveGradientProbe.apply(x)
+                torch.autograd.grad((y * 2.0).sum(), x)
+                excess = y.grad_fn.excess
+        except (AttributeError, RuntimeError):
+            pass
+        _EXCLUSIVE_EXCESS[device.type] = excess
+    return _EXCLUSIVE_EXCESS[device.type]
+
+
+def _grad_is_exclusive(excess: tuple[int, ...] | None, device: torch.device) -> bool:
+    """True when nobody but this backward can see dy's memory, so dx may be written into it.
+
+    `excess` is _excess_holders(dy, control), taken first thing in the backward. dy is
+    exclusive when it has no more holders than an exclusive gradient has (_exclusive_excess):
+    - no other TensorImpl holder: autograd passing the same gradient to two consumers (e.g.
+      both inputs of an add) keeps one until the other consumer has run;
+    - no other holder of its storage: views, detach(), .data, a retained copy sharing it;
+    - no other Python reference: the caller's tensor in y.backward(grad), a tensor hook keeping
+      the gradient, y.retain_grad(), ...
+    Any doubt (counts unavailable, no baseline) answers False.
+    """
+    baseline = _exclusive_excess(device) if excess is not None else None
+    if baseline is None:
         return False
-    return impl_count <= 1 and storage_count <= 2 and py_count <= control_py_count
+    return all(e <= b for e, b in zip(excess, baseline))
+
+
+def _rms_norm_bwd_in_place(dy, x, weight, rstd, offset, casting_mode) -> torch.Tensor:
+    """Overwrites dy (contiguous, x's shape and dtype) with dx; returns dw (empty without weight).
+    Eager only: a compiled graph stays functional and reuses buffers itself."""
+    return _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dy)
+
+
+# --- autograd ----------------------------------------------------------------------------------
 
 
 def _setup_context(ctx, inputs, output):
@@ -500,41 +425,47 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, rstd)
     ctx.offset = offset
     ctx.casting_mode = casting_mode
+    # Autograd would materialize a zero gradient for rstd (an allocation and a fill kernel per
+    # backward); only the in-place check uses it, as its control.
+    ctx.set_materialize_grads(IN_PLACE_BACKWARD)
 
 
 def _backward(ctx, dy, drstd):
     # First, before anything else takes a reference to dy.
-    exclusive = IN_PLACE_BACKWARD and _grad_is_exclusive(dy, drstd)
+    excess = _excess_holders(dy, drstd) if IN_PLACE_BACKWARD else None
+    if dy is None:  # y got no gradient (grads are not materialized)
+        return None, None, None, None, None
     x, weight, rstd = ctx.saved_tensors
+    args = (x, weight, rstd, ctx.offset, ctx.casting_mode)
     in_place = (
         IN_PLACE_BACKWARD
         and dy.dtype == x.dtype
         and not torch.is_grad_enabled()  # create_graph=True: dy may be part of a graph
-        and not torch.compiler.is_compiling()
-        and type(dy) is torch.Tensor
+        and not traced((dy, *args))
     )
     if in_place and not dy.is_contiguous():
         dy = dy.contiguous()  # a fresh copy: ours to overwrite
     elif in_place:
-        in_place = exclusive
+        in_place = _grad_is_exclusive(excess, dy.device)
     if in_place:
-        dw = torch.ops.lmkernels.rms_norm_bwd_inplace(dy, x, weight, rstd, ctx.offset, ctx.casting_mode)
+        dw = _rms_norm_bwd_in_place(dy, *args)
         dx = dy
     else:
-        dx, dw = torch.ops.lmkernels.rms_norm_bwd(dy, x, weight, rstd, ctx.offset, ctx.casting_mode)
+        dx, dw = op_or_raw(rms_norm_bwd, _rms_norm_bwd)(dy, *args)
     dx = dx if ctx.needs_input_grad[0] else None
     dw = dw if weight is not None and ctx.needs_input_grad[1] else None
     return dx, dw, None, None, None
 
 
 rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+_RMSNormFunction = eager_function("_RMSNormFunction", _rms_norm_fwd, _setup_context, _backward)
 
 
 # --- the impl ----------------------------------------------------------------------------------
 
 
 def rms_norm_triton(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
-    y, _ = torch.ops.lmkernels.rms_norm_fwd(x, weight, float(eps), float(offset), casting_mode)
+    y, _ = call(rms_norm_fwd, _RMSNormFunction, x, weight, float(eps), float(offset), casting_mode)
     return y
 
 

@@ -19,13 +19,14 @@ Dims R..D are copied. q and k are read through their strides (e.g. the transpose
 
 from __future__ import annotations
 
-import contextlib
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
+from lmkernels.backends.triton._common import call, cdiv, device_guard, eager_function
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
 
@@ -182,11 +183,6 @@ def _rope_kernel(
             )  # fmt: skip
 
 
-def _device_ctx(t: torch.Tensor):
-    # Triton launches on the current CUDA device; make it the tensors' one.
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     # The kernels assume stride 1 along the last dim (contiguous vector loads); any other
     # stride (rare: an expanded gradient, a column slice) is copied once.
@@ -194,17 +190,38 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_config(n_pos: int, n_q_heads: int, n_k_heads: int, rot_dim: int, head_dim: int):
+    # The module constants are arguments of the cached function so that changing them (tests,
+    # tuning) takes effect; the cache spares the triton helpers' host cost on every launch.
+    return _cached_launch_config(n_pos, n_q_heads, n_k_heads, rot_dim, head_dim, TILE_ELEMENTS, MIN_PROGRAMS)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_launch_config(n_pos, n_q_heads, n_k_heads, rot_dim, head_dim, tile_elements, min_programs):
     block_half = triton.next_power_of_2(rot_dim // 2)
     rest = head_dim - rot_dim
     block_rest = triton.next_power_of_2(rest) if rest else 1
     max_heads = triton.next_power_of_2(max(n_q_heads, n_k_heads))
-    block_h = max(1, min(max_heads, TILE_ELEMENTS // (2 * block_half)))
-    n_groups = triton.cdiv(n_q_heads, block_h) + triton.cdiv(n_k_heads, block_h)
-    splits = max(1, min(n_groups, triton.cdiv(MIN_PROGRAMS, max(n_pos, 1))))
+    block_h = max(1, min(max_heads, tile_elements // (2 * block_half)))
+    n_groups = cdiv(n_q_heads, block_h) + cdiv(n_k_heads, block_h)
+    splits = max(1, min(n_groups, cdiv(min_programs, max(n_pos, 1))))
     return block_h, block_half, block_rest, splits
 
 
-def _rope_apply(q, k, cos, sin, position_ids, interleaved, rotary_dim, inverse):
+def _rope_rotate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    interleaved: bool,
+    rotary_dim: int,
+    inverse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q (B, Hq, T, D) and k (B, Hkv, T, D); inverse=True applies the transpose.
+
+    Returns fresh contiguous tensors in q's dtype. The backward of the rotation is the inverse
+    rotation, so gradients (of any order) go through this same launcher.
+    """
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     q, k, cos, sin = (_unit_last_stride(t) for t in (q, k, cos, sin))
@@ -225,7 +242,7 @@ def _rope_apply(q, k, cos, sin, position_ids, interleaved, rotary_dim, inverse):
     has_pos = position_ids is not None
     stride_pb, stride_pt = position_ids.stride() if has_pos else (0, 0)
     block_h, block_half, block_rest, splits = _launch_config(n_pos, Hq, Hkv, rotary_dim, D)
-    with _device_ctx(q):
+    with device_guard(q):
         _rope_kernel[(n_pos, splits)](
             q, k, q_out, k_out, cos, sin, position_ids if has_pos else cos,
             T, Hq, Hkv, D, rotary_dim // 2, T * D,
@@ -238,26 +255,9 @@ def _rope_apply(q, k, cos, sin, position_ids, interleaved, rotary_dim, inverse):
     return q_out, k_out
 
 
-# --- torch.library registration ------------------------------------------------------------------
+# --- torch.library op and autograd ----------------------------------------------------------------
 
-
-@torch.library.custom_op("lmkernels::rope_rotate", mutates_args=())
-def rope_rotate(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    interleaved: bool,
-    rotary_dim: int,
-    inverse: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q (B, Hq, T, D) and k (B, Hkv, T, D); inverse=True applies the transpose.
-
-    Returns fresh contiguous tensors in q's dtype. The backward of the rotation is the inverse
-    rotation, so gradients (of any order) go through this same op.
-    """
-    return _rope_apply(q, k, cos, sin, position_ids, interleaved, rotary_dim, inverse)
+rope_rotate = torch.library.custom_op("lmkernels::rope_rotate", _rope_rotate, mutates_args=())
 
 
 @rope_rotate.register_fake
@@ -277,13 +277,14 @@ def _backward(ctx, grad_q, grad_k):
         raise RuntimeError("lmkernels::rope_rotate: gradients for cos/sin are not implemented")
     cos, sin, position_ids = ctx.saved_tensors
     interleaved, rotary_dim, inverse = ctx.options
-    dq, dk = torch.ops.lmkernels.rope_rotate(
-        grad_q, grad_k, cos, sin, position_ids, interleaved, rotary_dim, not inverse
-    )
+    args = (grad_q, grad_k, cos, sin, position_ids, interleaved, rotary_dim, not inverse)
+    # The inverse rotation, itself differentiable (create_graph=True): run like the forward.
+    dq, dk = call(rope_rotate, _RopeFunction, *args)
     return dq, dk, None, None, None, None, None, None
 
 
 rope_rotate.register_autograd(_backward, setup_context=_setup_context)
+_RopeFunction = eager_function("_RopeFunction", _rope_rotate, _setup_context, _backward)
 
 
 # --- lmkernels impl --------------------------------------------------------------------------------
@@ -291,7 +292,9 @@ rope_rotate.register_autograd(_backward, setup_context=_setup_context)
 
 def rope_triton(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None):
     rdim = q.shape[-1] if rotary_dim is None else rotary_dim
-    return torch.ops.lmkernels.rope_rotate(q, k, cos, sin, position_ids, layout == "interleaved", rdim, False)
+    return call(
+        rope_rotate, _RopeFunction, q, k, cos, sin, position_ids, layout == "interleaved", rdim, False
+    )
 
 
 def _supports(q=None, k=None, cos=None, sin=None, **options) -> list[str]:
