@@ -7,6 +7,7 @@ import ast
 import datetime
 import importlib
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -121,16 +122,24 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if not plans:
         console.print("[red]nothing to validate for these filters[/]")
         return 2
-    results = runner.run_validation(plans, args.device, console, progress=not args.no_progress)
     meta = runner.environment() | {
         "grid": grid,
         "command": " ".join(sys.argv),
         "compile_backend": compile_backend,
     }
+    out = Path(args.out or f"lmkernels-results/validate-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    last_write = [time.monotonic()]
+
+    def checkpoint(so_far):
+        # Rewrite the reports every 30 s: a run stopped by a time limit keeps what it checked.
+        if time.monotonic() - last_write[0] > 30:
+            runner.write_reports(so_far, out, meta | {"partial": f"{len(so_far)} of {len(plans)} cases"})
+            last_write[0] = time.monotonic()
+
+    results = runner.run_validation(plans, args.device, console, not args.no_progress, checkpoint)
     console.print(runner.summary_table(results))
     for line in runner.failure_lines(results):
         console.print(f"[red]FAIL[/] {line}")
-    out = Path(args.out or f"lmkernels-results/validate-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     paths = runner.write_reports(results, out, meta)
     n_bad = sum(r.status in ("fail", "error") for r in results)
     n_pass = sum(r.status == "pass" for r in results)

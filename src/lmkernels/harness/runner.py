@@ -6,7 +6,7 @@ import csv
 import dataclasses
 import json
 import platform
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +78,14 @@ def environment() -> dict[str, Any]:
 
 
 def run_validation(
-    plans: Sequence[Plan], device: str, console: Console | None = None, progress: bool = True
+    plans: Sequence[Plan],
+    device: str,
+    console: Console | None = None,
+    progress: bool = True,
+    on_result: Callable[[list[CaseResult]], None] | None = None,
 ) -> list[CaseResult]:
+    """Run the plans; on_result(results so far) after each case (e.g. to rewrite the reports,
+    so a run stopped by a time limit keeps what it checked)."""
     console = console or Console()
     # A compile backend that hit dynamo's recompile limit would silently run eagerly: make it
     # an error the check reports instead.
@@ -109,6 +115,8 @@ def run_validation(
                 )
             )
             bar.advance(task)
+            if on_result is not None:
+                on_result(results)
     return results
 
 

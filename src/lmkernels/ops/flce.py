@@ -202,10 +202,19 @@ SPEC = register_op(
         # fp32: the logits matmul sums H products, so a different blocking of that sum moves
         # the result by more ulps than an elementwise op; 4x eager's error still catches any
         # real bug (those are O(1) relative).
+        # bf16/fp16: a fused kernel feeds the tensor cores dlogits rounded to the input dtype
+        # (every fused CE must: Liger and CCE do the same), one more rounding of every term of
+        # the V-long sums behind grad_hidden and grad_weight on top of the final rounding that
+        # is eager's whole error: sqrt(2)-sqrt(3)x eager by itself, more where class weights
+        # make terms uneven. Measured: 1.4-1.8x on the CPU, up to 2.6x on the H200 full grid
+        # (class-weighted label smoothing at V=128k). A wrong gradient formula is O(1) off.
+        # fp16 bound: a mean loss over 8192 tokens has gradients ~1e-4, at the edge of fp16's
+        # normal range, so eager fp16 itself lands at 5e-3 there (fp16 training needs a loss
+        # scale); the bound only has to exclude garbage.
         tolerances={
             torch.float32: Tolerance(factor=4.0, floor=1e-5, bound=1e-4),
-            torch.bfloat16: Tolerance(factor=2.0, floor=1e-3, bound=2e-2),
-            torch.float16: Tolerance(factor=2.0, floor=2e-4, bound=5e-3),
+            torch.bfloat16: Tolerance(factor=3.0, floor=1e-3, bound=2e-2),
+            torch.float16: Tolerance(factor=3.0, floor=2e-4, bound=2e-2),
         },
         flops=lambda s: 6 * s["BT"] * s["H"] * s["V"],
         description="lm_head matmul + cross entropy without materializing the logits",

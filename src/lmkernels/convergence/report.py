@@ -1,0 +1,155 @@
+"""Showing a convergence Report: a rich table, a JSON file and a PNG of the loss curves."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from lmkernels.convergence.compare import METRICS, Report
+
+
+def table(report: Report):
+    """One row per run; each metric cell is the error, under a header with its fp32 limit (bf16
+    limits depend on the bf16 baseline's own error, so bf16 cells show "error / limit")."""
+    from rich.table import Table
+
+    from lmkernels.convergence.compare import TOLERANCES_FP32
+
+    cfg = report.config
+    fp32 = cfg.dtype == "fp32"
+    t = Table(
+        title=f"convergence: {report.backend} vs transformers, {cfg.dtype}, {cfg.steps} steps, "
+        f"batch {cfg.batch_size}x{cfg.seq_len}, {cfg.device}"
+    )
+    t.add_column("family")
+    t.add_column("variant")
+    t.add_column("ops", overflow="fold")
+    t.add_column("final loss", justify="right")
+    for metric in METRICS:
+        t.add_column(f"{metric}\n<= {TOLERANCES_FP32[metric]:.0e}" if fp32 else metric, justify="right")
+    t.add_column("verdict")
+    short = {"rms_norm": "norm", "rope": "rope", "mlp": "mlp", "flce": "flce"}
+    for fam in report.families:
+        t.add_row(fam.family, "baseline", "none", f"{fam.baseline.losses[-1]:.4f}", *[""] * len(METRICS), "")
+        for case in fam.cases:
+            cells = []
+            for check in case.checks:
+                text = f"{check.value:.1e}" if fp32 else f"{check.value:.1e}/{check.limit:.1e}"
+                cells.append(text if check.passed else f"[bold red]{text}[/]")
+            verdict = "[green]PASS[/]" if case.passed else "[bold red]FAIL[/]"
+            ops = ",".join(short[o] for o in case.ops) or "-"
+            t.add_row("", case.variant, ops, f"{case.losses[-1]:.4f}", *cells, verdict)
+    return t
+
+
+def print_report(report: Report, console=None) -> None:
+    from rich.console import Console
+
+    console = console or Console()
+    console.print(table(report))
+    for case in report.cases:
+        if case.notes:
+            console.print(f"{case.family} {case.variant}: {case.notes}")
+        for check in case.checks:
+            if not check.passed:
+                console.print(
+                    f"[red]{case.family} {case.variant}: {check.metric} {check.value:.3g} > limit "
+                    f"{check.limit:.3g} ({check.detail})[/]"
+                )
+    verdict = "[green]PASS[/]" if report.passed else "[bold red]FAIL[/]"
+    console.print(f"convergence verdict: {verdict}")
+
+
+def to_dict(report: Report) -> dict:
+    def run(r):
+        if r is None:
+            return None
+        return {
+            "label": r.label,
+            "dtype": r.dtype,
+            "losses": r.losses,
+            "grad_norms": r.grad_norms,
+            "eval_loss": r.eval_loss,
+            "seconds": r.seconds,
+        }
+
+    return {
+        "backend": report.backend,
+        "passed": report.passed,
+        "config": {k: v for k, v in dataclasses.asdict(report.config).items() if k != "family"},
+        "families": [
+            {
+                "family": fam.family,
+                "baseline": run(fam.baseline),
+                "reference_fp32": run(fam.reference),
+                "cases": [
+                    {
+                        "variant": c.variant,
+                        "ops": list(c.ops),
+                        "passed": c.passed,
+                        "notes": c.notes,
+                        "losses": c.losses,
+                        "eval_loss": c.eval_loss,
+                        "seconds": c.seconds,
+                        "checks": [dataclasses.asdict(ch) for ch in c.checks],
+                    }
+                    for c in fam.cases
+                ],
+            }
+            for fam in report.families
+        ],
+    }
+
+
+def write_json(report: Report, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_dict(report), indent=2))
+    return path
+
+
+def plot(report: Report, path: str | Path) -> Path:
+    """Top row: loss curves per family. Bottom row: each variant's relative loss difference
+    from the baseline per step (log scale; exact zeros are drawn at the axis floor)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    n = len(report.families)
+    fig, axes = plt.subplots(2, n, figsize=(4.5 * n, 7), squeeze=False, sharex="col")
+    floor = 1e-9
+    for col, fam in enumerate(report.families):
+        top, bottom = axes[0][col], axes[1][col]
+        steps = range(len(fam.baseline.losses))
+        top.plot(steps, fam.baseline.losses, color="black", lw=2, label=f"transformers {fam.baseline.dtype}")
+        if fam.reference is not None:
+            top.plot(steps, fam.reference.losses, color="gray", lw=1, label="transformers fp32")
+        highest = floor
+        for case in fam.cases:
+            label = f"{case.backend} {case.variant}"
+            top.plot(steps, case.losses, ls="--", label=label)
+            rel = [max(abs(c - b) / abs(b), floor) for c, b in zip(case.losses, fam.baseline.losses)]
+            bottom.semilogy(steps, rel, label=label)
+            highest = max(highest, *rel)
+        top.set_title(fam.family)
+        top.set_ylabel("training loss")
+        top.legend(fontsize=7)
+        bottom.set_xlabel("step")
+        bottom.set_ylabel("|loss - baseline| / baseline")
+        if report.config.dtype == "fp32":
+            from lmkernels.convergence.compare import TOLERANCES_FP32
+
+            limit = TOLERANCES_FP32["loss curve"]
+            bottom.axhline(limit, color="red", ls=":", lw=1, label="fp32 limit")
+            highest = max(highest, limit)
+        bottom.set_ylim(floor / 2, highest * 5)
+        bottom.legend(fontsize=7)
+    fig.suptitle(f"lmkernels convergence: {report.backend} vs transformers ({report.config.dtype})")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

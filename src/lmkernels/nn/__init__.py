@@ -1,0 +1,233 @@
+"""nn.Module wrappers around the lmkernels ops, for models written from scratch.
+
+Each module owns its parameters and calls the public op, so dispatch (the `backend` argument,
+use_backend(), LMKERNELS_BACKEND, auto) works as for the functions. Attribute names follow
+transformers (weight, gate_proj/up_proj/down_proj) so state dicts load into either.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import lmkernels
+from lmkernels.ops.flce import REDUCTIONS
+from lmkernels.ops.glu import GELU_APPROXIMATIONS
+from lmkernels.ops.rms_norm import CASTING_MODES
+from lmkernels.utils import check_choice, fail
+
+__all__ = ["GeGLUMLP", "LayerNorm", "LinearCrossEntropyLoss", "RMSNorm", "SwiGLUMLP"]
+
+
+def _check_size(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        fail(f"{name}: expected a positive int, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def _check_eps(eps: object) -> float:
+    if not isinstance(eps, (int, float)) or not eps >= 0:
+        fail(f"eps: expected a non-negative number, got {eps!r}")
+    return float(eps)  # type: ignore[arg-type]
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * (weight + offset) over the last dim.
+
+    The weight starts at 1 - offset so the initial scale is 1 (ones for Llama; zeros for Gemma's
+    offset 1.0, as Gemma initializes it). casting_mode: see lmkernels.rms_norm.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        offset: float = 0.0,
+        casting_mode: str = "llama",
+        elementwise_affine: bool = True,
+        backend: str | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.hidden_size = _check_size("hidden_size", hidden_size)
+        self.eps = _check_eps(eps)
+        check_choice("casting_mode", casting_mode, CASTING_MODES)
+        self.offset = float(offset)
+        self.casting_mode = casting_mode
+        self.backend = backend
+        if elementwise_affine:
+            self.weight = nn.Parameter(
+                torch.full((hidden_size,), 1.0 - self.offset, device=device, dtype=dtype)
+            )
+        else:
+            self.register_parameter("weight", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return lmkernels.rms_norm(
+            x,
+            self.weight,
+            eps=self.eps,
+            offset=self.offset,
+            casting_mode=self.casting_mode,
+            backend=self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, offset={self.offset}, casting_mode={self.casting_mode!r}"
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim, with optional weight (ones) and bias (zeros)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        backend: str | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.hidden_size = _check_size("hidden_size", hidden_size)
+        self.eps = _check_eps(eps)
+        self.backend = backend
+        factory = {"device": device, "dtype": dtype}
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(hidden_size, **factory))
+            self.bias = nn.Parameter(torch.zeros(hidden_size, **factory)) if bias else None
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return lmkernels.layer_norm(x, self.weight, self.bias, eps=self.eps, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+class _GLUMLP(nn.Module):
+    def __init__(self, hidden_size, intermediate_size, bias, backend, device, dtype):
+        super().__init__()
+        _check_size("hidden_size", hidden_size)
+        _check_size("intermediate_size", intermediate_size)
+        factory = {"bias": bias, "device": device, "dtype": dtype}
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **factory)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **factory)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **factory)
+        self.backend = backend
+
+
+class SwiGLUMLP(_GLUMLP):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)), the Llama/Mistral/Qwen2 MLP."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        backend: str | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(hidden_size, intermediate_size, bias, backend, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(lmkernels.swiglu(self.gate_proj(x), self.up_proj(x), backend=self.backend))
+
+
+class GeGLUMLP(_GLUMLP):
+    """down_proj(gelu(gate_proj(x), approximate) * up_proj(x)), the Gemma MLP ("tanh")."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        approximate: str = "tanh",
+        bias: bool = False,
+        backend: str | None = None,
+        device=None,
+        dtype=None,
+    ):
+        check_choice("approximate", approximate, GELU_APPROXIMATIONS)
+        super().__init__(hidden_size, intermediate_size, bias, backend, device, dtype)
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = lmkernels.geglu(
+            self.gate_proj(x), self.up_proj(x), approximate=self.approximate, backend=self.backend
+        )
+        return self.down_proj(h)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """loss = cross_entropy(softcap(hidden @ weight.T + bias), target) without the logits.
+
+    Like nn.CrossEntropyLoss, the options are set once here; forward(hidden, weight, target,
+    bias=None) takes the lm_head weight (V, H) so the module can be used with a tied embedding.
+    class_weight (V,) is kept as a buffer (moves with .to()). See lmkernels.fused_linear_cross_entropy.
+    """
+
+    def __init__(
+        self,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+        softcap: float | None = None,
+        z_loss_scale: float = 0.0,
+        class_weight: torch.Tensor | None = None,
+        return_lse: bool = False,
+        grad_accum_dtype: torch.dtype | None = None,
+        backend: str | None = None,
+    ):
+        super().__init__()
+        check_choice("reduction", reduction, REDUCTIONS)
+        if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+            fail(f"label_smoothing: expected a number in [0, 1], got {label_smoothing!r}")
+        if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+            fail(f"softcap: expected None or a positive number, got {softcap!r}")
+        if not isinstance(z_loss_scale, (int, float)) or not z_loss_scale >= 0:
+            fail(f"z_loss_scale: expected a non-negative number, got {z_loss_scale!r}")
+        if class_weight is not None and not isinstance(class_weight, torch.Tensor):
+            fail(f"class_weight: expected None or a tensor, got {type(class_weight).__name__}")
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = float(label_smoothing)
+        self.softcap = softcap
+        self.z_loss_scale = float(z_loss_scale)
+        self.return_lse = return_lse
+        self.grad_accum_dtype = grad_accum_dtype
+        self.backend = backend
+        self.register_buffer("class_weight", class_weight)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        target: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ):
+        return lmkernels.fused_linear_cross_entropy(
+            hidden,
+            weight,
+            target,
+            bias=bias,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+            softcap=self.softcap,
+            z_loss_scale=self.z_loss_scale,
+            class_weight=self.class_weight,
+            return_lse=self.return_lse,
+            grad_accum_dtype=self.grad_accum_dtype,
+            backend=self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, softcap={self.softcap}"

@@ -1,0 +1,393 @@
+"""lmkernels.integrations.transformers: patched models compute what transformers computes.
+
+Tiny random models of every supported family (lmkernels.convergence.models), fp32 on the CPU.
+Tolerances: the loss and every parameter gradient of the patched model must match the unpatched
+one to 1e-5 relative (gradients: ||g_patched - g|| / ||g|| per tensor). Measured differences are
+~2e-7 (loss) and ~1e-6 (gradients): the fused loss sums in another order (logsumexp over the
+vocabulary, then over 512 tokens), about 100 ulps of fp32 through a 2-layer model at most. A
+wrong op (missing offset, swapped rope halves, wrong shift) is off by O(1).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the transformers integration needs the hf extra")
+
+import transformers  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import lmkernels  # noqa: E402
+from lmkernels.convergence.models import FAMILIES, build_model  # noqa: E402
+from lmkernels.integrations import transformers as lk_hf  # noqa: E402
+from lmkernels.registry import LMKernelsError  # noqa: E402
+
+B, T, V = 8, 64, 512  # the convergence test's shapes, so compiled kernels are shared
+RTOL = 1e-5
+
+
+def tiny(family: str, seed: int = 0):
+    return build_model(family, V, T, seed=seed)
+
+
+def batch(seed: int = 0, ignore: bool = True, b: int = B, t: int = T):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (b, t), generator=g)
+    labels = ids.clone()
+    if ignore:  # padding-like ignored tails and a few ignored tokens inside
+        labels[0, -10:] = -100
+        labels[-1, 5] = -100
+    return ids, labels
+
+
+def loss_and_grads(model, **inputs):
+    model.train()
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def assert_same_training_step(reference, patched, **inputs):
+    ref_out, ref_grads = loss_and_grads(reference, **inputs)
+    out, grads = loss_and_grads(patched, **inputs)
+    assert out.logits is None, "the fused path must not return logits"
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=RTOL, atol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        err = ((grads[name] - g).norm() / g.norm().clamp_min(1e-30)).item()
+        assert err <= RTOL, f"{name}: relative gradient error {err:.2e} > {RTOL}"
+
+
+def _triton_covered_ops():
+    """Patch ops the triton backend can run here, or a skip reason."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        return None, "triton runs on the CPU only under TRITON_INTERPRET=1 (set it for the whole session)"
+    from lmkernels.convergence.compare import covered_ops
+
+    try:
+        ops, note = covered_ops("triton", tiny("llama"), "cpu")
+    except LMKernelsError as e:
+        return None, f"triton backend not usable here: {e}"
+    return ops, note
+
+
+BACKENDS = [
+    pytest.param("eager", id="eager"),
+    pytest.param("compile", id="compile"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patched_model_matches_transformers(family, backend):
+    reference = tiny(family)
+    patched = lk_hf.apply(copy.deepcopy(reference), backend=backend)
+    ids, labels = batch()
+    assert_same_training_step(reference, patched, input_ids=ids, labels=labels)
+
+
+# The interpreter runs every kernel program in numpy: two families (both norm casting modes, SwiGLU
+# and GeGLU, the final-logit softcap) and a 2 x 16 batch keep it to seconds.
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_patched_model_matches_transformers_triton(family):
+    ops, reason = _triton_covered_ops()
+    if ops is None:
+        pytest.skip(reason)
+    reference = tiny(family)
+    patched = lk_hf.apply(copy.deepcopy(reference), backend="triton", ops=ops)
+    ids, labels = batch(b=2, t=16)
+    assert_same_training_step(reference, patched, input_ids=ids, labels=labels)
+
+
+def test_batched_position_ids_and_per_op_backends():
+    """cos/sin with a batch dim (per-row offsets), and a backend spec mixing backends per op."""
+    reference = tiny("llama")
+    patched = lk_hf.apply(copy.deepcopy(reference), backend="eager,flce=compile,rope=compile")
+    ids, labels = batch()
+    position_ids = torch.arange(T)[None] + torch.arange(B)[:, None] * 3
+    assert_same_training_step(reference, patched, input_ids=ids, labels=labels, position_ids=position_ids)
+
+
+def test_num_items_in_batch_like_transformers():
+    """The Trainer passes num_items_in_batch (tokens over all accumulated micro-batches): the loss
+    is then sum / num_items_in_batch, not the micro-batch mean."""
+    reference = tiny("llama")
+    patched = lk_hf.apply(copy.deepcopy(reference), backend="eager")
+    ids, labels = batch()
+    n_items = torch.tensor(3 * int((labels[:, 1:] != -100).sum()))  # as if 3 micro-batches
+    assert_same_training_step(reference, patched, input_ids=ids, labels=labels, num_items_in_batch=n_items)
+    mean_loss = patched(input_ids=ids, labels=labels).loss
+    sum_loss = patched(input_ids=ids, labels=labels, num_items_in_batch=n_items).loss
+    torch.testing.assert_close(sum_loss * 3, mean_loss, rtol=RTOL, atol=0)
+
+
+def test_shift_labels_and_logits_to_keep():
+    reference = tiny("qwen2")
+    patched = lk_hf.apply(copy.deepcopy(reference), backend="eager")
+    ids, labels = batch()
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    shift[:, :7] = -100  # different from what labels would give, so shift_labels must win
+    assert_same_training_step(reference, patched, input_ids=ids, labels=labels, shift_labels=shift)
+    # logits_to_keep=k with labels for the last k positions: transformers' loss on the kept logits.
+    k = 20
+    assert_same_training_step(reference, patched, input_ids=ids, labels=labels[:, -k:], logits_to_keep=k)
+
+
+def test_without_labels_or_in_eval_logits_are_returned():
+    reference = tiny("gemma2")
+    patched = lk_hf.apply(copy.deepcopy(reference), backend="eager")
+    ids, labels = batch()
+    for mode in ("train", "eval"):
+        getattr(reference, mode)()
+        getattr(patched, mode)()
+        with torch.no_grad():
+            ref = reference(input_ids=ids)
+            out = patched(input_ids=ids)
+        assert out.logits is not None and out.logits.shape == (B, T, V)
+        torch.testing.assert_close(out.logits, ref.logits, rtol=RTOL, atol=1e-5)
+    reference.eval()
+    patched.eval()
+    with torch.no_grad():
+        ref = reference(input_ids=ids, labels=labels)
+        out = patched(input_ids=ids, labels=labels)
+    assert out.logits is not None  # evaluation keeps logits for metrics
+    torch.testing.assert_close(out.loss, ref.loss, rtol=RTOL, atol=0)
+
+
+def test_return_dict_false():
+    patched = lk_hf.apply(tiny("llama"), backend="eager")
+    ids, labels = batch()
+    patched.train()
+    out = patched(input_ids=ids, labels=labels, return_dict=False)
+    assert isinstance(out, tuple)
+    torch.testing.assert_close(out[0], patched(input_ids=ids, labels=labels).loss, rtol=0, atol=0)
+
+
+class MaxNumel(TorchDispatchMode):
+    """Records the largest tensor any aten op returns (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+def test_training_step_never_materializes_logits():
+    """With labels in training no tensor of B*T*V elements exists: the fused loss (the chunked
+    compile backend here; the eager reference would build the logits itself) gets the hidden
+    states, lm_head never runs. The same recorder on the unpatched model sees the logits."""
+    reference = tiny("llama")
+    patched = lk_hf.apply(copy.deepcopy(reference), backend="eager,flce=compile")
+    ids, labels = batch()
+    lm_head_calls = []
+    patched.lm_head.register_forward_hook(lambda *a: lm_head_calls.append(1))
+    # warm up outside the recorder (compilation allocates nothing of interest, but is slow)
+    loss_and_grads(patched, input_ids=ids, labels=labels)
+    lm_head_calls.clear()
+
+    seen = MaxNumel()
+    with seen:
+        out, _ = loss_and_grads(patched, input_ids=ids, labels=labels)
+    assert out.logits is None
+    assert not lm_head_calls, "lm_head ran: the logits were computed"
+    assert seen.max_numel < B * T * V, (
+        f"a tensor of {seen.max_numel} >= B*T*V = {B * T * V} elements was created"
+    )
+
+    control = MaxNumel()
+    with control:
+        loss_and_grads(reference, input_ids=ids, labels=labels)
+    assert control.max_numel >= B * T * V  # the recorder does see the logits of the plain model
+
+
+def _forwards(model):
+    return {name: vars(m).get("forward") for name, m in model.named_modules()}
+
+
+def test_instance_patch_and_revert_restore_exactly():
+    # Start clean: models other tests patched (and may still hold, e.g. in a failure's traceback)
+    # share the module-level rope patch.
+    for other_model in lk_hf.patched_models():
+        lk_hf.revert(other_model)
+    gc.collect()
+    module = lk_hf.FAMILIES["llama"].module()
+    original_rope = module.apply_rotary_pos_emb
+    assert not getattr(original_rope, "_lmkernels_patch", False)
+    model = tiny("llama")
+    other = tiny("llama", seed=1)
+    ids, labels = batch()
+    before, _ = loss_and_grads(model, input_ids=ids, labels=labels)
+    assert all(f is None for f in _forwards(model).values())
+
+    lk_hf.apply(model, backend="eager")
+    assert lk_hf.is_patched(model) and not lk_hf.is_patched(other)
+    patched_names = {n for n, f in _forwards(model).items() if f is not None}
+    assert "" in patched_names and "model.norm" in patched_names and "model.layers.0.mlp" in patched_names
+    assert all(f is None for f in _forwards(other).values()), "another instance was patched"
+    assert module.apply_rotary_pos_emb is not original_rope  # rope is module-level (documented)
+
+    lk_hf.apply(model, backend="compile", ops=("rms_norm",))  # re-apply replaces the first patch
+    assert {n for n, f in _forwards(model).items() if f is not None} < patched_names
+    assert module.apply_rotary_pos_emb is original_rope
+
+    lk_hf.revert(model)
+    assert not lk_hf.is_patched(model)
+    assert all(f is None for f in _forwards(model).values())
+    assert module.apply_rotary_pos_emb is original_rope
+    after, _ = loss_and_grads(model, input_ids=ids, labels=labels)
+    assert torch.equal(after.loss, before.loss) and torch.equal(after.logits, before.logits)
+    lk_hf.revert(model)  # reverting twice is harmless
+
+    lk_hf.apply(model, backend="eager")  # a patched model that is dropped releases rope
+    del model
+    gc.collect()
+    assert module.apply_rotary_pos_emb is original_rope
+
+
+def test_class_patch_before_construction():
+    family = lk_hf.FAMILIES["gemma"]
+    classes = [family.cls("RMSNorm"), family.cls("MLP"), family.cls("ForCausalLM")]
+    originals = [vars(c)["forward"] for c in classes]
+    original_rope = family.module().apply_rotary_pos_emb
+    ids, labels = batch()
+    ref_out, ref_grads = loss_and_grads(tiny("gemma"), input_ids=ids, labels=labels)
+    try:
+        lk_hf.apply(transformers.GemmaForCausalLM, backend="eager")
+        assert all(getattr(vars(c)["forward"], "_lmkernels_patch", False) for c in classes)
+        model = tiny("gemma")  # built after patching the class: same seed, same weights
+        assert not lk_hf.is_patched(model) and lk_hf.is_patched("gemma")
+        out, grads = loss_and_grads(model, input_ids=ids, labels=labels)
+    finally:
+        lk_hf.revert(transformers.GemmaForCausalLM)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=RTOL, atol=0)
+    for name, g in ref_grads.items():
+        assert ((grads[name] - g).norm() / g.norm()).item() <= RTOL, name
+    assert all(vars(c)["forward"] is o for c, o in zip(classes, originals))
+    assert family.module().apply_rotary_pos_emb is original_rope
+    assert not lk_hf.is_patched("gemma")
+
+
+def test_unsupported_model_type_raises():
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)
+    )
+    for target in (gpt2, transformers.GPT2LMHeadModel, "bert"):
+        with pytest.raises(
+            LMKernelsError, match=r"is not supported.*\['gemma', 'gemma2', 'llama', 'mistral', 'qwen2'\]"
+        ):
+            lk_hf.apply(target)
+    with pytest.raises(LMKernelsError, match="'gpt2'"):
+        lk_hf.apply(gpt2)
+    with pytest.raises(LMKernelsError, match="^ops: unknown"):
+        lk_hf.apply(tiny("llama"), ops=("rms_norm", "attention"))
+    with pytest.raises(LMKernelsError, match="backend"):
+        lk_hf.apply(tiny("llama"), backend="no_such_backend")
+    with pytest.raises(LMKernelsError, match="model_or_class"):
+        lk_hf.apply(42)
+
+
+def test_unsupported_activation_and_custom_loss_raise_before_patching():
+    model = build_model("llama", V, T, hidden_act="relu")
+    with pytest.raises(LMKernelsError, match="activation ReLU has no lmkernels GLU op"):
+        lk_hf.apply(model)
+    assert not lk_hf.is_patched(model) and all(f is None for f in _forwards(model).values())
+    lk_hf.apply(model, ops=("rms_norm", "rope", "flce"))  # fine without the MLP
+    lk_hf.revert(model)
+
+    model = tiny("llama")
+    model.loss_function = lambda *a, **k: 0.0
+    with pytest.raises(LMKernelsError, match="custom loss_function"):
+        lk_hf.apply(model)
+
+
+def test_transformers_version_check():
+    lk_hf.check_transformers_version()  # the installed version is supported
+    for version in ("4.49.0", "4.57.1", "6.0.0"):
+        with pytest.raises(LMKernelsError, match=f"transformers {version} is not supported"):
+            lk_hf.check_transformers_version(version)
+    lk_hf.check_transformers_version("5.17.0")
+
+
+def test_lmkernels_ops_are_really_called():
+    """Not vacuous: the patched model dispatches to the op impls (counted through a spy backend)."""
+    calls = {}
+
+    def spy(op):
+        reference = lmkernels.get_op(op).reference
+
+        def fn(**inputs):
+            calls[op] = calls.get(op, 0) + 1
+            return reference(**inputs)
+
+        return fn
+
+    ops = ("rms_norm", "rope", "geglu", "fused_linear_cross_entropy")
+    for op in ops:
+        lmkernels.register(op, "spy", spy(op), priority=-1000)
+    try:
+        model = lk_hf.apply(tiny("gemma2"), backend="spy")
+        ids, labels = batch()
+        loss_and_grads(model, input_ids=ids, labels=labels)
+    finally:
+        for op in ops:
+            lmkernels.registry.unregister(op, "spy")
+    # 2 layers: 4 norms each + the final norm; one rope per layer; one MLP per layer; one loss.
+    assert calls == {"rms_norm": 9, "rope": 2, "geglu": 2, "fused_linear_cross_entropy": 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="peak GPU memory needs a CUDA device")
+def test_gpu_peak_memory_below_logits_size():
+    """A patched Llama with Llama 3's vocabulary trains a step with labels using less memory above
+    its inputs than its bf16 logits alone would take (2.1 GB); the plain model needs more.
+
+    8192 tokens: more than the Triton FLCE's largest chunk (1 GiB of fp32 logits, 2048 tokens
+    at this vocabulary), so the chunking is what keeps the peak down."""
+    vocab, batch_size, seq = 128_256, 4, 2048
+    logits_bytes = batch_size * seq * vocab * 2
+
+    def peak_step(patch: bool) -> int:
+        gc.collect()
+        torch.cuda.empty_cache()
+        model = build_model("llama", vocab, seq, hidden_size=256, intermediate_size=704)
+        model = model.to("cuda", torch.bfloat16)
+        if patch:
+            lk_hf.apply(model)  # backend None: dispatch picks the best available (Triton on CUDA)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, vocab, (batch_size, seq), device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - start
+        opt.step()
+        assert torch.isfinite(loss)
+        if patch:
+            lk_hf.revert(model)
+        return peak
+
+    peak_step(True)  # warm-up: compilation and autotuning allocate scratch memory once
+    patched_peak = peak_step(True)
+    plain_peak = peak_step(False)
+    assert plain_peak > logits_bytes, "the measurement should see the plain model's logits"
+    assert patched_peak < logits_bytes, (
+        f"patched step used {patched_peak / 2**20:.0f} MiB above its inputs; the bf16 logits alone "
+        f"are {logits_bytes / 2**20:.0f} MiB"
+    )
