@@ -58,6 +58,19 @@ temporary and an add would cost another V*H*4 bytes and move more bytes (write t
 then read it and the accumulator, write the accumulator), so it can only win if cuBLAS's
 beta = 1 kernel is slow rather than the read of C.
 
+fp16 dlogits are kept in fp16's normal range (>= 6.1e-5). Unscaled they are a probability
+(~1/V: 1e-5 at V = 128k) times the token's gradient scale (1/tokens for "mean": 1e-4), far
+below it: subnormal or zero, which made the fp16 gradients several times less accurate than
+eager's. So the kernel gets the upstream gradient times K = FP16_DLOGITS_SCALE / 2^e, with 2^e
+the power of two of max |upstream| (one device scalar for "mean"/"sum", the batch's max for
+"none"; no host sync), and grad_hidden, grad_W and grad_bias are multiplied by 1/K after the
+chunk loop: a power of two, so exact. Every |dlogit| is then at most about
+FP16_DLOGITS_SCALE * (2 (1-e) w_t + (e/V) sum(w) + 2 s |lse|), far below fp16's 65504 for
+sane class weights. Not with a grad_W accumulated in fp16 (grad_accum_dtype=fp16): it sums
+dlogits over all tokens, so there the scale is 1 (K = 1/2^e, about the token count for "mean",
+leaving room for |grad_W| up to 65504 / tokens before overflow). bf16 has fp32's exponent
+range and fp32 needs neither.
+
 Backward twice (retain_graph=True) with reduction "mean"/"sum": the first backward scaled the
 stored gradients in place, so autograd's saved-tensor version check raises on the second.
 
@@ -84,6 +97,7 @@ from lmkernels.utils import empty
 CHUNK_BYTES = 1 << 30
 CHUNK_TOKENS: int | None = None  # overrides CHUNK_BYTES when set
 CHUNK_ENV = "LMKERNELS_FLCE_CHUNK_TOKENS"
+FP16_DLOGITS_SCALE = 2.0**8  # fp16 dlogits are scaled up by this (module docstring)
 
 
 # --- kernels -------------------------------------------------------------------------------------
@@ -328,6 +342,15 @@ def _mean_scale(target, class_weight, ignore_index, V):
     return 1.0 / torch.where(denom == 0, 1.0, denom)
 
 
+def _fp16_grad_factor(grad, headroom):
+    """(grad * K, 1 / K) with K = headroom / 2^e, max |grad| = m * 2^e (m in [0.5, 1)): powers of
+    two, so the unscaling is exact. A zero or non-finite max gives e = 0."""
+    _, e = torch.frexp(grad.abs().max())
+    e = e.clamp(-100, 100)  # K and 1 / K stay finite in fp32
+    one = torch.ones((), dtype=torch.float32, device=grad.device)
+    return grad * torch.ldexp(one * headroom, -e), torch.ldexp(one / headroom, e)
+
+
 def _run_chunks(
     hidden,
     weight,
@@ -370,6 +393,11 @@ def _run_chunks(
     if write_grad and need_weight:
         grad_w = empty((V, H), torch.float32 if accum_fp32 else weight.dtype, device)
     grad_b = torch.zeros(V, dtype=torch.float32, device=device) if write_grad and need_bias else None
+
+    unscale = None  # fp16: the factor taken out of the dlogits (module docstring)
+    if write_grad and dtype == torch.float16:
+        headroom = 1.0 if need_weight and not accum_fp32 else FP16_DLOGITS_SCALE
+        grad, unscale = _fp16_grad_factor(grad, headroom)
 
     chunk = flce_chunk_tokens(BT, V)
     buffer = torch.empty((chunk, V), dtype=torch.float32, device=device)
@@ -433,9 +461,13 @@ def _run_chunks(
             if grad_b is not None:
                 grad_b += dlogits.sum(0, dtype=torch.float32)
     buffer = logits = dlogits = None  # free the chunk before grad_W's conversion below
+    if grad_w is not None and BT == 0:
+        grad_w.zero_()
+    if unscale is not None:
+        for x in (grad_h, grad_w, grad_b):
+            if x is not None:
+                x.mul_(unscale)
     if grad_w is not None:
-        if BT == 0:
-            grad_w.zero_()
         grad_w = grad_w.to(weight.dtype)  # the fp32 accumulator is freed on return
     return loss, lse, grad_h, grad_w, grad_b
 
