@@ -403,7 +403,7 @@ for _op, (_fn, _supports) in _LIGER.items():
         devices=("cuda",),
         available=liger_unavailable,
         supports=_supports,
-        # Liger's FLCE syncs with the host (.item()) in its forward: no fullgraph compile.
+        # Liger's FLCE reads a value back to the host in its forward: no fullgraph compile.
         compile_safe=_op != "fused_linear_cross_entropy",
         description="Liger Kernel (liger-kernel), for comparison",
     )
