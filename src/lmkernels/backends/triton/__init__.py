@@ -21,9 +21,21 @@ def triton_unavailable_reason() -> str | None:
         return f"triton is not importable ({e.__class__.__name__}: {e})"
     import torch
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter)"
+    if not torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter)"
+        if _version(triton.__version__) < (3, 7):
+            # Seen with triton 3.6: its interpreter fails on the row loops of the norm, rope and
+            # FLCE kernels ("only 0-dimensional arrays can be converted to Python scalars"); the
+            # same kernels compile and pass on the GPU with 3.6.
+            return (
+                f"the CPU interpreter of triton {triton.__version__} cannot run these kernels (needs >= 3.7)"
+            )
     return None
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split("+")[0].split(".")[:2] if p.isdigit())
 
 
 def triton_devices() -> tuple[str, ...]:
