@@ -211,19 +211,9 @@ def liger_flce(
 
 
 def _liger_flce_supports(
-    hidden,
-    weight,
-    target,
-    bias=None,
-    ignore_index=-100,
-    reduction="mean",
-    label_smoothing=0.0,
-    softcap=None,
-    z_loss_scale=0.0,
-    class_weight=None,
-    return_lse=False,
-    grad_accum_dtype=None,
+    hidden, weight, bias=None, reduction="mean", z_loss_scale=0.0, class_weight=None, return_lse=False, **_
 ):
+    # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
     if return_lse:
         reasons.append("return_lse=True: Liger's FLCE does not return the logsumexp")
@@ -278,19 +268,16 @@ def _make_cce(filter_eps):
 
 
 def _cce_supports(
-    hidden,
     weight,
-    target,
     bias=None,
-    ignore_index=-100,
-    reduction="mean",
     label_smoothing=0.0,
-    softcap=None,
     z_loss_scale=0.0,
     class_weight=None,
     return_lse=False,
     grad_accum_dtype=None,
+    **_,
 ):
+    # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
     if bias is not None:
         reasons.append("bias: CCE has no bias")
@@ -356,20 +343,8 @@ def torch_native_flce(
     return loss
 
 
-def _torch_native_supports(
-    hidden,
-    weight,
-    target,
-    bias=None,
-    ignore_index=-100,
-    reduction="mean",
-    label_smoothing=0.0,
-    softcap=None,
-    z_loss_scale=0.0,
-    class_weight=None,
-    return_lse=False,
-    grad_accum_dtype=None,
-):
+def _torch_native_supports(softcap=None, z_loss_scale=0.0, return_lse=False, label_smoothing=0.0, **_):
+    # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
     if softcap is not None:
         reasons.append("softcap: torch's linear_cross_entropy has no logit softcapping")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 import triton
@@ -133,3 +134,17 @@ def sum_partials(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         partial, out, P, N, SOFT_BF16=soft_bf16(out), BLOCK_P=32, BLOCK_N=BLOCK_N, num_warps=4
     )
     return out
+
+
+def num_rows(x: torch.Tensor) -> int:
+    return math.prod(x.shape[:-1])
+
+
+def row_limit_reasons(x: torch.Tensor, **_) -> list[str]:
+    """The norms' supports(): the only inputs they refuse are beyond their index ranges."""
+    reasons = []
+    if x.shape[-1] >= 2**31:
+        reasons.append(f"x: rows of {x.shape[-1]} elements; the kernels index columns with int32")
+    if num_rows(x) >= 2**31:
+        reasons.append(f"x: {num_rows(x)} rows; the forward launches one program per row (< 2^31)")
+    return reasons

@@ -8,8 +8,6 @@ and bias gradient partial sums in fp32 registers.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -17,9 +15,11 @@ import triton.language as tl
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import call, device_guard, eager_function, op_or_raw, soft_bf16
 from lmkernels.backends.triton._norms import (
+    num_rows,
     partial_buffer,
     persistent_programs,
     row_config,
+    row_limit_reasons,
     sum_partials,
     to_dtype,
 )
@@ -188,17 +188,13 @@ def _layer_norm_bwd_kernel(
 # --- launchers -------------------------------------------------------------------------------
 
 
-def _num_rows(x: torch.Tensor) -> int:
-    return math.prod(x.shape[:-1])
-
-
 def _layer_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns y (x's shape and dtype, contiguous), mean and rstd (fp32, one per row)."""
     N = x.shape[-1]
     x = x.contiguous()  # the kernels read rows of N elements from flat memory
-    M = _num_rows(x)
+    M = num_rows(x)
     y = empty(x.shape, x.dtype, x.device)
     mean = empty((M,), torch.float32, x.device)
     rstd = empty((M,), torch.float32, x.device)
@@ -236,7 +232,7 @@ def _layer_norm_bwd(
     """Returns dx, dw and db; dw is empty without weight, db is empty when bias_dtype is None."""
     N = x.shape[-1]
     x = x.contiguous()  # the kernels read rows of N elements from flat memory
-    M = _num_rows(x)
+    M = num_rows(x)
     dx = empty(x.shape, x.dtype, x.device)
     dw = empty((N,), weight.dtype, x.device) if weight is not None else x.new_empty((0,))
     db = empty((N,), bias_dtype, x.device) if bias_dtype is not None else x.new_empty((0,))
@@ -280,7 +276,7 @@ layer_norm_bwd = torch.library.custom_op("lmkernels::layer_norm_bwd", _layer_nor
 
 @layer_norm_fwd.register_fake
 def _(x, weight, bias, eps):
-    stats = (_num_rows(x),)
+    stats = (num_rows(x),)
     return (
         x.new_empty(x.shape),
         x.new_empty(stats, dtype=torch.float32),
@@ -335,15 +331,6 @@ def layer_norm_triton(x, weight=None, bias=None, eps=1e-5):
     return y
 
 
-def _supports(x, weight=None, bias=None, eps=1e-5, **_) -> list[str]:
-    reasons = []
-    if x.shape[-1] >= 2**31:
-        reasons.append(f"x: rows of {x.shape[-1]} elements; the kernels index columns with int32")
-    if _num_rows(x) >= 2**31:
-        reasons.append(f"x: {_num_rows(x)} rows; the forward launches one program per row (< 2^31)")
-    return reasons
-
-
 register(
     "layer_norm",
     "triton",
@@ -352,6 +339,6 @@ register(
     devices=triton_devices(),
     auto_devices=("cuda",),
     available=triton_unavailable_reason,
-    supports=_supports,
+    supports=row_limit_reasons,
     description="Triton: one row per program forward, persistent backward with fp32 dw/db partials",
 )

@@ -14,7 +14,6 @@ nothing else can see that buffer, which saves one M x N allocation. See _grad_is
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -25,10 +24,12 @@ import triton.language as tl
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import call, device_guard, eager_function, op_or_raw, soft_bf16, traced
 from lmkernels.backends.triton._norms import (
+    num_rows,
     partial_buffer,
     persistent_programs,
     round_as,
     row_config,
+    row_limit_reasons,
     sum_partials,
     to_dtype,
 )
@@ -215,17 +216,13 @@ def _rms_norm_bwd_kernel(
 # --- launchers -------------------------------------------------------------------------------
 
 
-def _num_rows(x: torch.Tensor) -> int:
-    return math.prod(x.shape[:-1])
-
-
 def _rms_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns y (x's shape and dtype, contiguous) and rstd (fp32, one per row)."""
     N = x.shape[-1]
     x = x.contiguous()  # the kernels read rows of N elements from flat memory
-    M = _num_rows(x)
+    M = num_rows(x)
     y = empty(x.shape, x.dtype, x.device)
     rstd = empty((M,), torch.float32, x.device)
     if M == 0:
@@ -255,7 +252,7 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
     dy itself (in-place backward)."""
     N = x.shape[-1]
     x = x.contiguous()  # the kernels read rows of N elements from flat memory
-    M = _num_rows(x)
+    M = num_rows(x)
     dw = empty((N,), weight.dtype, x.device) if weight is not None else x.new_empty((0,))
     if M == 0:
         return dw.zero_()
@@ -307,7 +304,7 @@ rms_norm_bwd = torch.library.custom_op("lmkernels::rms_norm_bwd", _rms_norm_bwd,
 
 @rms_norm_fwd.register_fake
 def _(x, weight, eps, offset, casting_mode):
-    return x.new_empty(x.shape), x.new_empty((_num_rows(x),), dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty((num_rows(x),), dtype=torch.float32)
 
 
 @rms_norm_bwd.register_fake
@@ -469,15 +466,6 @@ def rms_norm_triton(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
     return y
 
 
-def _supports(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama", **_) -> list[str]:
-    reasons = []
-    if x.shape[-1] >= 2**31:
-        reasons.append(f"x: rows of {x.shape[-1]} elements; the kernels index columns with int32")
-    if _num_rows(x) >= 2**31:
-        reasons.append(f"x: {_num_rows(x)} rows; the forward launches one program per row (< 2^31)")
-    return reasons
-
-
 register(
     "rms_norm",
     "triton",
@@ -486,6 +474,6 @@ register(
     devices=triton_devices(),
     auto_devices=("cuda",),
     available=triton_unavailable_reason,
-    supports=_supports,
+    supports=row_limit_reasons,
     description="Triton: one row per program forward, persistent backward with fp32 dw partials",
 )
