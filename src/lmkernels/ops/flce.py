@@ -157,9 +157,11 @@ def make_inputs(
     with_bias=False,
     with_class_weight=False,
     ignore_fraction=0.1,
+    lean=False,
     **options,
 ):
-    """hidden (BT, H) scaled so the logits have std ~2 (a realistic spread for trained LMs)."""
+    """hidden (BT, H) scaled so the logits have std ~2 (a realistic spread for trained LMs).
+    lean: grad_accum_dtype = the weight's dtype (what Liger does by default and all CCE can do)."""
     g = generator(seed)
     BT, H, V = shape["BT"], shape["H"], shape["V"]
     hidden = randn((BT, H), dtype, device, g)
@@ -171,6 +173,8 @@ def make_inputs(
         out["bias"] = randn((V,), dtype, device, g, scale=0.5)
     if with_class_weight:
         out["class_weight"] = (torch.rand(V, generator=g) + 0.5).to(device, dtype)
+    if lean:
+        out["grad_accum_dtype"] = dtype
     return out
 
 
@@ -198,6 +202,7 @@ SPEC = register_op(
             {"label_smoothing": 0.1, "with_class_weight": True},
             {"softcap": 30.0, "z_loss_scale": 1e-4, "ignore_index": 3},
             {"return_lse": True, "ignore_fraction": 1.0},
+            {"lean": True},
         ],
         # fp32: the logits matmul sums H products, so a different blocking of that sum moves
         # the result by more ulps than an elementwise op; 4x eager's error still catches any

@@ -15,7 +15,6 @@ nothing else can see that buffer, which saves one M x N allocation. See _grad_is
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import triton
@@ -23,6 +22,10 @@ import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import call, device_guard, eager_function, op_or_raw, soft_bf16, traced
+from lmkernels.backends.triton._exclusive import EXCLUSIVE_GRAD_EXCESS as _EXCLUSIVE_EXCESS  # noqa: F401
+from lmkernels.backends.triton._exclusive import excess_holders as _excess_holders
+from lmkernels.backends.triton._exclusive import exclusive_grad_excess as _exclusive_excess  # noqa: F401
+from lmkernels.backends.triton._exclusive import grad_is_exclusive as _grad_is_exclusive
 from lmkernels.backends.triton._norms import (
     num_rows,
     partial_buffer,
@@ -315,95 +318,8 @@ def _(dy, x, weight, rstd, offset, casting_mode):
 
 
 # --- in-place backward: is the incoming gradient ours to overwrite? ------------------------------
-
-
-def _reference_counts(t: torch.Tensor) -> tuple[int, int, int]:
-    """(holders of t's TensorImpl, holders of its storage, Python references to t).
-
-    The storage count includes the temporary Python storage object made here.
-    """
-    storage = t.untyped_storage()
-    storage_count = torch._C._storage_Use_Count(storage._cdata)
-    del storage
-    return t._use_count(), storage_count, sys.getrefcount(t)
-
-
-def _excess_holders(dy, control) -> tuple[int, ...] | None:
-    """How many more holders dy has than `control`, per count of _reference_counts.
-
-    `control` is the gradient autograd materializes for the non-differentiable rstd output: a
-    fresh tensor handed to the backward next to dy (same Python tuples and frames), so counting
-    both in the same place cancels every reference the calling machinery takes to both of them.
-    None where the counts mean nothing: a tensor subclass, a functorch wrapper, a missing API.
-    """
-    try:
-        if type(dy) is not torch.Tensor or type(control) is not torch.Tensor:
-            return None
-        if torch._C._functorch.is_functorch_wrapped_tensor(dy):
-            return None
-        return tuple(a - b for a, b in zip(_reference_counts(dy), _reference_counts(control)))
-    except (AttributeError, RuntimeError):
-        return None
-
-
-class _ExclusiveGradientProbe(torch.autograd.Function):
-    """Shaped like the RMSNorm Function (a differentiable output and a non-differentiable one)
-    to measure, in its backward, the excess holders of a gradient known to be exclusive."""
-
-    @staticmethod
-    def forward(ctx, x):
-        stats = x.new_zeros(x.shape[:-1])
-        ctx.mark_non_differentiable(stats)
-        return x.clone(), stats
-
-    @staticmethod
-    def backward(ctx, dy, control):
-        ctx.excess = _excess_holders(dy, control)
-        return dy
-
-
-_EXCLUSIVE_EXCESS: dict[str, tuple[int, ...] | None] = {}
-
-
-def _exclusive_excess(device: torch.device) -> tuple[int, ...] | None:
-    """_excess_holders of an exclusive gradient on this device type with this torch build.
-
-    Autograd itself may keep a reference to the gradient while a backward runs, and not to the
-    control (torch 2.11 on CUDA showed dy with one more TensorImpl holder and one more Python
-    reference than the control for a gradient nobody else could see; torch 2.13 on CPU shows
-    none). So the baseline is measured, once per device type, on a gradient that is exclusive by
-    construction: (probe * 2).sum() hands the probe a product only it receives.
-    """
-    if device.type not in _EXCLUSIVE_EXCESS:
-        excess = None
-        try:
-            with torch.enable_grad():
-                x = torch.zeros(2, 4, device=device, requires_grad=True)
-                y, _ = _ExclusiveGradientProbe.apply(x)
-                torch.autograd.grad((y * 2.0).sum(), x)
-                excess = y.grad_fn.excess
-        except (AttributeError, RuntimeError):
-            pass
-        _EXCLUSIVE_EXCESS[device.type] = excess
-    return _EXCLUSIVE_EXCESS[device.type]
-
-
-def _grad_is_exclusive(excess: tuple[int, ...] | None, device: torch.device) -> bool:
-    """True when nobody but this backward can see dy's memory, so dx may be written into it.
-
-    `excess` is _excess_holders(dy, control), taken first thing in the backward. dy is
-    exclusive when it has no more holders than an exclusive gradient has (_exclusive_excess):
-    - no other TensorImpl holder: autograd passing the same gradient to two consumers (e.g.
-      both inputs of an add) keeps one until the other consumer has run;
-    - no other holder of its storage: views, detach(), .data, a retained copy sharing it;
-    - no other Python reference: the caller's tensor in y.backward(grad), a tensor hook keeping
-      the gradient, y.retain_grad(), ...
-    Any doubt (counts unavailable, no baseline) answers False.
-    """
-    baseline = _exclusive_excess(device) if excess is not None else None
-    if baseline is None:
-        return False
-    return all(e <= b for e, b in zip(excess, baseline))
+# Decided from reference counts by the helpers of _exclusive.py, imported above under this
+# module's names (_backward looks _grad_is_exclusive up here, so tests can patch it).
 
 
 def _rms_norm_bwd_in_place(dy, x, weight, rstd, offset, casting_mode) -> torch.Tensor:
