@@ -61,6 +61,8 @@ def plot_bench(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
         groups.setdefault((r["op"], r["options"], r["sweep"], r["mode"]), []).append(r)
     paths = []
     for (op, options, sweep, mode), group in groups.items():
+        if not any(r["status"] == "ok" and r.get("ms") for r in group):
+            continue  # nothing measured (all skipped by the budget, unsupported, ...): no plot
         backends = list(dict.fromkeys(r["backend"] for r in group))
         fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
         title = f"{op} ({options}), {mode}"
