@@ -161,7 +161,9 @@ def run_rope_check(shape, dtype, case):
     ):
         check_close(name, a, b, c)
         assert a.dtype == dtype, name
-    assert all(o.is_contiguous() for o in outs)
+    # Outputs in the inputs' layout: a (B, T, H, D) transpose stays one, anything else contiguous.
+    for o, t in zip(outs, (q, k)):
+        assert o.stride() == t.stride() if rope_mod.is_bthd(t) else o.is_contiguous()
     # Fresh outputs; the caller's tensors are untouched.
     assert all(o.data_ptr() not in (q.data_ptr(), k.data_ptr()) for o in outs)
     assert torch.equal(q, q_before) and torch.equal(k, k_before)
@@ -222,9 +224,28 @@ def test_rope_opcheck():
         R = i["rotary_dim"] or i["q"].shape[-1]
         args = (
             i["q"].requires_grad_(), i["k"].requires_grad_(), i["cos"], i["sin"], i.get("position_ids"),
-            i["layout"] == "interleaved", R, False,
+            i["layout"] == "interleaved", R, False, rope_mod.is_bthd(i["q"]), rope_mod.is_bthd(i["k"]),
         )  # fmt: skip
         torch.library.opcheck(torch.ops.lmkernels.rope_rotate.default, args)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["bhtd", "bthd"])
+def test_rope_outputs_and_grads_keep_the_input_layout(transposed):
+    """q/k that are transposes of (B, T, H, D) projections (transformers' attention) get outputs
+    and gradients in that layout: the projection's view then takes its gradient without a copy.
+    Values against the reference."""
+    inputs = rope_inputs(ROPE_SHAPES["gqa"], torch.float32, transposed=transposed)
+    q, k = inputs["q"].detach().requires_grad_(), inputs["k"].detach().requires_grad_()
+    q_out, k_out = lmkernels.rope(q, k, inputs["cos"], inputs["sin"], backend="triton")
+    grads = torch.randn_like(q_out), torch.randn_like(k_out)  # contiguous, as sdpa's backward gives
+    dq, dk = torch.autograd.grad((q_out, k_out), (q, k), grads)
+    for out, grad, inp in ((q_out, dq, q), (k_out, dk, k)):
+        assert rope_mod.is_bthd(out) == transposed and rope_mod.is_bthd(grad) == transposed
+        assert out.stride() == inp.stride() and grad.stride() == inp.stride()
+    ref_q, ref_k = rope_reference(q, k, inputs["cos"], inputs["sin"])
+    ref_dq, ref_dk = torch.autograd.grad((ref_q, ref_k), (q, k), grads)
+    for got, want in ((q_out, ref_q), (k_out, ref_k), (dq, ref_dq), (dk, ref_dk)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 # --- SwiGLU / GeGLU ------------------------------------------------------------------------------

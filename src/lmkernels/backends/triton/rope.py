@@ -14,7 +14,8 @@ full-width tables (c_a, c_b, s_a, s_b) at the pair's two dims, as in the referen
 
 so the backward is the forward with (s_a, s_b) -> (-s_b, -s_a): the same kernel, one flag.
 Dims R..D are copied. q and k are read through their strides (e.g. the transpose of a
-(B, T, H, D) projection is not copied); outputs are fresh contiguous (B, H, T, D) tensors.
+(B, T, H, D) projection is not copied); outputs are fresh tensors in the layout of the
+inputs (see _rope_rotate).
 """
 
 from __future__ import annotations
@@ -110,7 +111,12 @@ def _rope_kernel(
     n_k_heads,
     head_dim,
     half,
-    stride_out_h,
+    stride_oqb,
+    stride_oqh,
+    stride_oqt,
+    stride_okb,
+    stride_okh,
+    stride_okt,
     stride_qb,
     stride_qh,
     stride_qt,
@@ -162,22 +168,22 @@ def _rope_kernel(
         # The transpose of the rotation (see the module docstring).
         sin_a, sin_b = -sin_b, -sin_a
     rot_dim = 2 * half
-    # Outputs are contiguous (B, H, T, D): position (b, t) of head h starts at
-    # ((b * H + h) * T + t) * D; the head stride T * D comes from the host (64-bit if need be).
+    # Outputs are dense with unit stride along D, laid out (B, H, T, D) or (B, T, H, D) (see
+    # _rope_rotate); their strides come from the host (64-bit if need be).
     n_q_groups = tl.cdiv(n_q_heads, BLOCK_H)
     n_groups = n_q_groups + tl.cdiv(n_k_heads, BLOCK_H)
     for g in range(tl.program_id(1), n_groups, splits):
         if g < n_q_groups:
             _rotate_heads(
                 q_ptr, q_out_ptr, b * stride_qb + t * stride_qt,
-                (b * n_q_heads * T + t) * head_dim, stride_qh, stride_out_h,
+                b * stride_oqb + t * stride_oqt, stride_qh, stride_oqh,
                 g * BLOCK_H, n_q_heads, cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
                 BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
             )  # fmt: skip
         else:
             _rotate_heads(
                 k_ptr, k_out_ptr, b * stride_kb + t * stride_kt,
-                (b * n_k_heads * T + t) * head_dim, stride_kh, stride_out_h,
+                b * stride_okb + t * stride_okt, stride_kh, stride_okh,
                 (g - n_q_groups) * BLOCK_H, n_k_heads, cos_a, cos_b, sin_a, sin_b, half, rot_dim,
                 head_dim, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
             )  # fmt: skip
@@ -187,6 +193,20 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     # The kernels assume stride 1 along the last dim (contiguous vector loads); any other
     # stride (rare: an expanded gradient, a column slice) is copied once.
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def is_bthd(t: torch.Tensor) -> bool:
+    """t (B, H, T, D) is the transpose of a contiguous (B, T, H, D) tensor: the layout of
+    q_proj(x).view(B, T, H, D).transpose(1, 2) in transformers' attention."""
+    return t.dim() == 4 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
+
+
+def _empty_in_layout(shape, bthd: bool, like: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, D) output, stored as (B, T, H, D) when bthd (see _rope_rotate)."""
+    B, H, T, D = shape
+    if bthd:
+        return empty((B, T, H, D), like.dtype, like.device).transpose(1, 2)
+    return empty((B, H, T, D), like.dtype, like.device)
 
 
 def _launch_config(n_pos: int, n_q_heads: int, n_k_heads: int, rot_dim: int, head_dim: int):
@@ -216,17 +236,23 @@ def _rope_rotate(
     interleaved: bool,
     rotary_dim: int,
     inverse: bool,
+    q_bthd: bool,
+    k_bthd: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q (B, Hq, T, D) and k (B, Hkv, T, D); inverse=True applies the transpose.
 
-    Returns fresh contiguous tensors in q's dtype. The backward of the rotation is the inverse
-    rotation, so gradients (of any order) go through this same launcher.
+    Returns fresh tensors in q's dtype, (B, H, T, D) views of contiguous (B, T, H, D) memory
+    where q_bthd / k_bthd, contiguous (B, H, T, D) otherwise. The forward passes the layout of
+    its inputs (is_bthd) and the backward the same flags, so that in transformers' attention
+    (q_proj output viewed and transposed) the gradient reaches the projection's view without the
+    strided copy that a contiguous (B, H, T, D) gradient costs there. The backward of the rotation is the inverse rotation, so gradients
+    (of any order) go through this same launcher.
     """
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     q, k, cos, sin = (_unit_last_stride(t) for t in (q, k, cos, sin))
-    q_out = empty((B, Hq, T, D), q.dtype, q.device)
-    k_out = empty((B, Hkv, T, D), k.dtype, k.device)
+    q_out = _empty_in_layout((B, Hq, T, D), q_bthd, q)
+    k_out = _empty_in_layout((B, Hkv, T, D), k_bthd, k)
     n_pos = B * T
     if n_pos == 0 or (Hq == 0 and Hkv == 0) or D == 0:
         return q_out, k_out
@@ -245,7 +271,9 @@ def _rope_rotate(
     with device_guard(q):
         _rope_kernel[(n_pos, splits)](
             q, k, q_out, k_out, cos, sin, position_ids if has_pos else cos,
-            T, Hq, Hkv, D, rotary_dim // 2, T * D,
+            T, Hq, Hkv, D, rotary_dim // 2,
+            q_out.stride(0), q_out.stride(1), q_out.stride(2),
+            k_out.stride(0), k_out.stride(1), k_out.stride(2),
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             stride_cb, stride_ct, stride_sb, stride_st, stride_pb, stride_pt, splits,
             BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_REST=block_rest,
@@ -261,26 +289,26 @@ rope_rotate = torch.library.custom_op("lmkernels::rope_rotate", _rope_rotate, mu
 
 
 @rope_rotate.register_fake
-def _(q, k, cos, sin, position_ids, interleaved, rotary_dim, inverse):
-    # new_empty: contiguous like the real outputs (empty_like would keep a transpose's strides).
-    return q.new_empty(q.shape), k.new_empty(k.shape)
+def _(q, k, cos, sin, position_ids, interleaved, rotary_dim, inverse, q_bthd, k_bthd):
+    return _empty_in_layout(q.shape, q_bthd, q), _empty_in_layout(k.shape, k_bthd, k)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, cos, sin, position_ids, interleaved, rotary_dim, inverse = inputs
+    q, k, cos, sin, position_ids, interleaved, rotary_dim, inverse, q_bthd, k_bthd = inputs
     ctx.save_for_backward(cos, sin, position_ids)
-    ctx.options = (interleaved, rotary_dim, inverse)
+    ctx.options = (interleaved, rotary_dim, inverse, q_bthd, k_bthd)
 
 
 def _backward(ctx, grad_q, grad_k):
     if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
         raise RuntimeError("lmkernels::rope_rotate: gradients for cos/sin are not implemented")
     cos, sin, position_ids = ctx.saved_tensors
-    interleaved, rotary_dim, inverse = ctx.options
-    args = (grad_q, grad_k, cos, sin, position_ids, interleaved, rotary_dim, not inverse)
+    interleaved, rotary_dim, inverse, q_bthd, k_bthd = ctx.options
+    # dq, dk in the layouts of q and k (see _rope_rotate).
+    args = (grad_q, grad_k, cos, sin, position_ids, interleaved, rotary_dim, not inverse, q_bthd, k_bthd)
     # The inverse rotation, itself differentiable (create_graph=True): run like the forward.
     dq, dk = call(rope_rotate, _RopeFunction, *args)
-    return dq, dk, None, None, None, None, None, None
+    return dq, dk, None, None, None, None, None, None, None, None
 
 
 rope_rotate.register_autograd(_backward, setup_context=_setup_context)
@@ -293,7 +321,18 @@ _RopeFunction = eager_function("_RopeFunction", _rope_rotate, _setup_context, _b
 def rope_triton(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None):
     rdim = q.shape[-1] if rotary_dim is None else rotary_dim
     return call(
-        rope_rotate, _RopeFunction, q, k, cos, sin, position_ids, layout == "interleaved", rdim, False
+        rope_rotate,
+        _RopeFunction,
+        q,
+        k,
+        cos,
+        sin,
+        position_ids,
+        layout == "interleaved",
+        rdim,
+        False,
+        is_bthd(q),
+        is_bthd(k),
     )
 
 
