@@ -19,7 +19,8 @@ Each configuration runs in a fresh subprocess (patches are process-wide and peak
 between configurations); inside it, the model and optimizer are built once and the points run
 in order, memory freed and the peak counter reset between them. A point that runs out of memory
 is recorded as OOM and the larger points of its sweep are skipped. After warmup steps, N steps
-are timed with CUDA events: tokens/s = batch * seq * N / time. Peak memory is
+are timed with CUDA events (N = --steps, raised for short steps so that at least MIN_TIMED_S
+seconds are timed): tokens/s = batch * seq * N / time. Peak memory is
 torch.cuda.max_memory_allocated() over those steps: parameters, gradients, optimizer states and
 activations. At one point (--timeline-batch, sequence 1024) each configuration also records
 the allocated memory over one step (torch.cuda.memory._record_memory_history).
@@ -36,6 +37,7 @@ import argparse
 import csv
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -46,6 +48,8 @@ from typing import Any
 BATCHES = [4, 8, 16, 32, 64]
 SEQS = [512, 1024, 2048, 4096, 8192, 16384]
 DEFAULT_CONFIGS = ["plain", "lmk", "liger", "lmk-noflce", "lmk:compile"]
+MIN_TIMED_S = 1.5  # time at least this many seconds of steps per point (see run_point)
+MAX_STEPS = 40
 GRACE_S = 30.0  # a worker may run this long past its deadline before it is stopped
 ALL_OPS = ("rms_norm", "rope", "mlp", "flce")
 
@@ -174,7 +178,7 @@ def memory_timeline(step, device: str, max_points: int = 4000) -> dict[str, Any]
 
 
 def run_point(model, optimizer, spec: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
-    """Warmup steps, then spec["steps"] timed steps of one (batch, seq); the result row."""
+    """Warmup steps, then at least spec["steps"] timed steps of one (batch, seq); the result row."""
     import torch
 
     device, batch, seq = spec["device"], point["batch"], point["seq"]
@@ -193,14 +197,23 @@ def run_point(model, optimizer, spec: dict[str, Any], point: dict[str, Any]) -> 
     }
     input_ids = torch.randint(0, spec["model"]["vocab_size"], (batch, seq), device=device)
     for _ in range(spec["warmup_steps"]):
+        t_step = time.perf_counter()
         train_step(model, optimizer, input_ids)
+        if cuda:
+            torch.cuda.synchronize()
+        t_step = time.perf_counter() - t_step
+    # Short steps are timed over more of them (at least MIN_TIMED_S): a few 70 ms steps
+    # varied by 1.6x between runs on the H200's host.
+    steps = spec["steps"]
+    if spec["warmup_steps"]:
+        steps = min(MAX_STEPS, max(steps, math.ceil(MIN_TIMED_S / max(t_step, 1e-3))))
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     t0 = time.perf_counter()
-    for _ in range(spec["steps"]):
+    for _ in range(steps):
         loss = train_step(model, optimizer, input_ids)
     if cuda:
         end.record()
@@ -209,8 +222,9 @@ def run_point(model, optimizer, spec: dict[str, Any], point: dict[str, Any]) -> 
         row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     else:
         elapsed_ms = (time.perf_counter() - t0) * 1e3
-    row["step_ms"] = elapsed_ms / spec["steps"]
-    row["tokens_per_s"] = batch * seq * spec["steps"] / (elapsed_ms / 1e3)
+    row["step_ms"] = elapsed_ms / steps
+    row["tokens_per_s"] = batch * seq * steps / (elapsed_ms / 1e3)
+    row["steps"] = steps
     row["loss"] = float(loss)  # a sanity check: about ln(vocab) = 11.8 at random init
     if cuda and point.get("timeline"):
         tl = memory_timeline(lambda: train_step(model, optimizer, input_ids), device)
@@ -390,6 +404,7 @@ FIELDS = [
     "tokens_per_s",
     "peak_gib",
     "step_ms",
+    "steps",
     "loss",
     "speedup_vs_plain",
     "speedup_vs_liger",

@@ -386,7 +386,13 @@ def measure(
         if _is_oom(e):
             row.update(status="OOM", note=first[:200])
         else:
-            row.update(status="error", note=f"{type(e).__name__}: {first}"[:300])
+            note = f"{type(e).__name__}: {first}"[:300]
+            if mode == "bwd":  # name the cause: the mode, not the kernel, is what is refused
+                note = (
+                    "backward over a retained graph, repeated: this impl computes or overwrites its "
+                    f"gradients in the forward and refuses a second backward ({note})"
+                )
+            row.update(status="error", note=note)
     _zero_grads(grad_tensors)
     _cleanup(device)
     return row
