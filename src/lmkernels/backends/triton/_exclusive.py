@@ -224,7 +224,36 @@ def saved_is_exclusive(t: torch.Tensor, counts: Counts | None) -> bool:
             return False
     except (AttributeError, RuntimeError):
         return False
-    return _within(counts, exclusive_saved_counts(t.device))
+    baseline = exclusive_saved_counts(t.device)
+    if _within(counts, baseline):
+        return True
+    return _within(counts, _remeasured_saved_counts(t.device, counts, baseline))
+
+
+# Count patterns above the baseline seen since it was last measured, per device type.
+_SAVED_MISMATCHES: dict[str, set[Counts]] = {}
+
+
+def _remeasured_saved_counts(device: torch.device, counts: Counts, baseline: Counts | None) -> Counts | None:
+    """The baseline measured again, once per new pattern of counts above it.
+
+    Counts above the baseline mean a real holder, or a process-wide shift since the baseline was
+    measured: after a long pytest session (torch 2.13, CPU), every unpacked saved tensor showed
+    one more Python reference, the probe's own included, with nothing in gc.get_referrers, so
+    the in-place backward stopped engaging. A fresh probe measures the shift under the same
+    conditions as this backward, so a real holder still shows above it; a pattern already seen
+    against this baseline is not measured again (a caller that keeps its tensors costs one
+    probe run, not one per call).
+    """
+    seen = _SAVED_MISMATCHES.setdefault(device.type, set())
+    if baseline is None or counts in seen:  # None: this torch cannot be measured
+        return baseline
+    EXCLUSIVE_SAVED_COUNTS.pop(device.type, None)
+    fresh = exclusive_saved_counts(device)
+    if fresh != baseline:
+        seen.clear()
+    seen.add(counts)
+    return fresh
 
 
 def graph_is_retained() -> bool | None:
