@@ -16,6 +16,7 @@ pytest.importorskip("triton", reason="the Triton backend needs triton")
 import lmkernels  # noqa: E402
 from lmkernels.backends.triton import _exclusive  # noqa: E402
 from lmkernels.backends.triton import glu as glu_mod  # noqa: E402
+from lmkernels.harness.bench import peak_memory_bytes  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -378,12 +379,7 @@ def test_in_place_backward_lowers_peak_memory(monkeypatch):
         w = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
         # gate and up: temporaries only the GLU holds; the product's gradient is fresh too.
         loss = (swiglu(a.expand(M, N) * 2, a.expand(M, N) * 3) * w).sum()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        loss.backward()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+        return peak_memory_bytes(loss.backward, [], "cuda")
 
     saved = peak_of_backward(False) - peak_of_backward(True)
     assert saved >= 2 * M * N * 2 * 0.9, f"in-place backward saved only {saved} bytes"

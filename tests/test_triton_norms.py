@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 from torch._dynamo.testing import AotEagerAndRecordGraphs  # noqa: E402
 
 import lmkernels  # noqa: E402
+from lmkernels.harness.bench import peak_memory_bytes  # noqa: E402
 from lmkernels.ops.layer_norm import layer_norm_reference  # noqa: E402
 from lmkernels.ops.rms_norm import rms_norm_reference  # noqa: E402
 from lmkernels.registry.core import DEFAULT_TOLERANCES  # noqa: E402
@@ -614,12 +615,7 @@ def test_in_place_backward_lowers_peak_memory(monkeypatch):
         scale = _randn((M, N), torch.bfloat16, 7)
         # dy = scale * 1: a fresh bf16 tensor only the RMSNorm backward sees.
         loss = (lmkernels.rms_norm(x, w, backend="triton") * scale).sum()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        loss.backward()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+        return peak_memory_bytes(loss.backward, [], "cuda")
 
     saved = peak_of_backward(False) - peak_of_backward(True)
     assert saved >= M * N * 2 * 0.9, f"in-place backward saved only {saved} bytes"
