@@ -56,11 +56,10 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
 import lmkernels
+from lmkernels.integrations.lm_head_loss import causal_lm_loss, keep_hidden, lm_head_loss  # noqa: F401
 from lmkernels.registry import LMKernelsError, canonical_op, parse_backend_spec
 
 SUPPORTED_OPS = ("rms_norm", "rope", "mlp", "flce")
@@ -276,73 +275,6 @@ def _rope_function(family: Family, original):
     return _mark(apply_rotary_pos_emb)
 
 
-def keep_hidden(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
-    """The hidden states the original forward would feed lm_head, for this transformers version."""
-    if isinstance(logits_to_keep, int) and logits_to_keep == 0:
-        return hidden
-    try:  # newer transformers: also boolean masks and per-sample positions
-        from transformers.modeling_utils import slice_logits_to_keep
-    except ImportError:
-        index = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        return hidden[:, index, :]
-    return slice_logits_to_keep(hidden, logits_to_keep)
-
-
-def causal_lm_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor | None,
-    *,
-    bias: torch.Tensor | None = None,
-    softcap: float | None = None,
-    num_items_in_batch: torch.Tensor | int | None = None,
-    ignore_index: int = -100,
-    shift_labels: torch.Tensor | None = None,
-    backend: str | None = None,
-) -> torch.Tensor:
-    """transformers' ForCausalLMLoss of the logits hidden @ weight.T (+ bias, softcap), fused.
-
-    Labels are shifted left by padding one ignore_index at the end (so hidden needs no slicing or
-    copy), unless `shift_labels` is given. Mean over non-ignored tokens, or sum / num_items_in_batch.
-    """
-    if shift_labels is None:
-        if labels is None:
-            raise LMKernelsError("labels: expected a tensor of token ids (or shift_labels), got None")
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    H = weight.shape[-1]
-    h = hidden.reshape(-1, H)
-    target = shift_labels.reshape(-1).to(h.device)
-    if target.shape[0] != h.shape[0]:
-        raise LMKernelsError(
-            f"labels: {target.shape[0]} labels for {h.shape[0]} hidden states (shape "
-            f"{tuple(hidden.shape)}); with logits_to_keep the labels must match the kept positions"
-        )
-    device_type = h.device.type
-    # Under autocast transformers' lm_head would run in the autocast dtype; do the same, then turn
-    # autocast off so the backends' own fp32 upcasts inside FLCE are not cast back down.
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-    else:
-        dtype = weight.dtype
-    with torch.autocast(device_type, enabled=False):
-        reduction = "mean" if num_items_in_batch is None else "sum"
-        loss = lmkernels.fused_linear_cross_entropy(
-            h.to(dtype),
-            weight.to(dtype),
-            target,
-            bias=None if bias is None else bias.to(dtype),
-            ignore_index=ignore_index,
-            reduction=reduction,
-            softcap=softcap,
-            backend=backend,
-        )
-    if num_items_in_batch is not None:
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
-    return loss
-
-
 def _check_loss_is_causal_lm(model: nn.Module) -> None:
     """FLCE computes ForCausalLMLoss; a model set up with another loss must not be patched."""
     custom = "_loss_function" in vars(model)
@@ -395,11 +327,10 @@ def _flce_forward(self, backend, labels, logits_to_keep=0, return_dict=None, **k
     # The original forward passes every extra kwarg (loss kwargs included) to the base model.
     outputs = self.model(**kwargs)
     hidden = keep_hidden(outputs.last_hidden_state, logits_to_keep)
-    loss = causal_lm_loss(
+    loss = lm_head_loss(
+        self.lm_head,
         hidden,
-        self.lm_head.weight,
         labels,
-        bias=self.lm_head.bias,
         softcap=getattr(self.config, "final_logit_softcapping", None),
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         ignore_index=kwargs.get("ignore_index", -100),
