@@ -22,8 +22,9 @@ nan), so a fully padded micro-batch does not poison a training run.
 
 return_lse=True returns (loss, lse) with lse (shape of target, fp32, not differentiable).
 grad_accum_dtype: the dtype backends may accumulate the weight gradient in across chunks of
-tokens; None means fp32 (exact within the policy); weight.dtype saves V*H*2 bytes of memory at
-the cost of one rounding per chunk. The eager reference ignores it (it has no chunks).
+tokens. torch.float32: rounded once; weight.dtype: the leanest (one rounding per chunk); None:
+the backend's documented default, always within the correctness policy. The eager reference
+ignores it (it has no chunks).
 """
 
 from __future__ import annotations

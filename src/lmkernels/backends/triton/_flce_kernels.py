@@ -1,0 +1,548 @@
+"""Fused linear cross entropy, Triton backend: the kernel and the GEMM loops around it.
+
+flce.py (the op, its autograd and the design notes) calls two loops:
+
+- `run_chunks`: token chunks over the whole vocabulary. Per chunk cuBLAS writes fp32 logits,
+  `_flce_rows_kernel` turns each row into logsumexp + loss and (when a gradient is given)
+  d loss / d logits in the input dtype over the logits, and cuBLAS takes grad_hidden / grad_W /
+  grad_bias from those. The forward uses it: the "fast" mode computes every gradient here
+  (6*BT*H*V flops in all), the "lean" mode only the logsumexp.
+- `run_blocks`: the recomputing backward, blocked over (token super-chunk x vocabulary block)
+  so that its memory is a budget, not a function of V: each block's logits are recomputed,
+  turned into dlogits with the saved logsumexp, and cuBLAS writes that block's grad_W rows
+  once (one fp32-accumulated GEMM over the super-chunk's tokens) and adds its share of
+  grad_hidden into an fp32 accumulator of the super-chunk.
+
+No host synchronization: denominators, scales and the logsumexp stay on the device.
+"""
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from lmkernels.backends.triton._common import cdiv
+from lmkernels.utils import empty
+
+# Token chunks of run_chunks: at most CHUNK_BYTES of fp32 logits (the "fast" mode), or the
+# lean budget below when that is smaller. CHUNK_TOKENS / the environment variable override it.
+CHUNK_BYTES = 1 << 30
+CHUNK_TOKENS: int | None = None
+CHUNK_ENV = "LMKERNELS_FLCE_CHUNK_TOKENS"
+# Memory the lean mode may use beyond the gradients it returns, as a fraction of their bytes
+# (grad_W + grad_hidden): the recomputed logits block plus the fp32 grad_hidden accumulator.
+LEAN_EXTRA_FRACTION = 0.08
+# Smallest blocks the budget may shrink to: below these the GEMMs lose their efficiency.
+MIN_SUPER_CHUNK = 256
+MIN_VOCAB_BLOCK = 512
+# grad_W rows summed over super-chunks in the weight's dtype round once per super-chunk: at most
+# this many (measured on the CPU, bf16, 2048 tokens: grad_W error 1.2x eager's with one
+# super-chunk, 1.7x with 4, 2.2x with 8, 2.9x with 16; the policy allows 3x).
+MAX_SUPER_CHUNKS = 8
+BLOCK_OVERRIDE: tuple[int, int] | None = None  # (super-chunk tokens, vocab block): tests, tuning
+FP16_DLOGITS_SCALE = 2.0**8  # fp16 dlogits are scaled up by this (flce.py's docstring)
+
+
+# --- kernels -------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x):
+    # libdevice's tanh does not run under TRITON_INTERPRET. (1 - e) / (1 + e) with e = exp(-2|x|)
+    # loses relative precision as |x| -> 0 (1 - e cancels), so small |x| use the Taylor series,
+    # whose first dropped term is below 1e-8 relative for |x| < 0.25.
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    far = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    near = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    r = tl.where(ax < 0.25, near, far)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _to_output_dtype(x, dtype: tl.constexpr):
+    if dtype == tl.bfloat16:
+        # Round to nearest even by hand: the CPU interpreter truncates fp32 -> bf16 casts, which
+        # doubles the error of the dlogits (the GPU rounds; for it the final cast is then exact).
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # keep nans nan
+    return x.to(dtype)
+
+
+@triton.jit
+def _flce_rows_kernel(
+    logits_ptr,  # (rows, V) fp32, row stride stride_logits
+    dlogits_ptr,  # the same memory seen in the gradient dtype, row stride stride_dlogits
+    target_ptr,
+    bias_ptr,
+    class_weight_ptr,
+    class_weight_sum_ptr,  # 0-dim fp32: sum of the class weights
+    grad_ptr,  # upstream gradient per token; grad_stride 0 broadcasts one scalar
+    lse_ptr,  # written (LSE_GIVEN False) or read (True)
+    loss_ptr,  # per-token loss, written when LSE_GIVEN is False
+    V,
+    col_start,  # the window's first column in the full vocabulary
+    n_cols,  # the window's width (V for a full row; pass 1 needs full rows)
+    stride_logits,
+    stride_dlogits,
+    grad_stride,
+    ignore_index,
+    label_smoothing,
+    softcap,
+    z_loss_scale,
+    HAS_BIAS: tl.constexpr,
+    HAS_CLASS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_Z_LOSS: tl.constexpr,
+    LSE_GIVEN: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = logits_ptr + row * stride_logits
+    cols = tl.arange(0, BLOCK_V)
+
+    t = tl.load(target_ptr + row).to(tl.int64)
+    valid = t != ignore_index
+    t_ok = valid & (t >= 0) & (t < V)
+    bad_target = valid & ((t < 0) | (t >= V))
+    # Weight of the target class: 0 on ignored tokens, nan on an out-of-range target (never
+    # read), which makes that token's loss and gradients nan.
+    if HAS_CLASS_WEIGHT:
+        w_t = tl.load(class_weight_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
+        w_sum = tl.load(class_weight_sum_ptr)
+    else:
+        w_t = tl.where(t_ok, 1.0, 0.0)
+        w_sum = V * 1.0
+    w_t = tl.where(bad_target, float("nan"), w_t)
+    smooth_v = label_smoothing / V
+
+    if LSE_GIVEN:
+        lse = tl.load(lse_ptr + row)
+    else:
+        # Pass 1: online max and sum of exp over blocks of the row.
+        m = tl.full((), float("-inf"), tl.float32)
+        s = tl.zeros((), tl.float32)
+        zw = tl.zeros((), tl.float32)  # sum_c w_c z_c for label smoothing
+        for start in range(0, n_cols, BLOCK_V):
+            c = start + cols  # col_start is 0 here
+            mask = c < n_cols
+            z = tl.load(z_row + c, mask=mask, other=0.0)
+            if HAS_BIAS:
+                z += tl.load(bias_ptr + c, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                z = softcap * _tanh(z / softcap)
+            if HAS_SMOOTHING:
+                if HAS_CLASS_WEIGHT:
+                    w_c = tl.load(class_weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
+                    zw += tl.sum(tl.where(mask, w_c * z, 0.0), 0)
+                else:
+                    zw += tl.sum(tl.where(mask, z, 0.0), 0)
+            z = tl.where(mask, z, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, 0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+            m = m_new
+        lse = m + tl.log(s)
+
+        z_t = tl.load(z_row + t, mask=t_ok, other=0.0)
+        if HAS_BIAS:
+            z_t += tl.load(bias_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            z_t = softcap * _tanh(z_t / softcap)
+        loss = (1.0 - label_smoothing) * w_t * (lse - z_t)
+        if HAS_SMOOTHING:
+            loss += smooth_v * (w_sum * lse - zw)
+        if HAS_Z_LOSS:
+            loss += z_loss_scale * lse * lse
+        tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+        tl.store(lse_ptr + row, lse)
+
+    if WRITE_GRAD:
+        # Pass 2: d loss / d z_c = g * (p_c * coef - (1-e) w_t [c == t] - (e/V) w_c), with
+        # coef = (1-e) w_t + (e/V) sum(w) + 2 s lse, times 1 - tanh^2 through the softcap.
+        g = tl.load(grad_ptr + row * grad_stride).to(tl.float32)
+        g = tl.where(valid, g, 0.0)
+        coef = (1.0 - label_smoothing) * w_t
+        if HAS_SMOOTHING:
+            coef += smooth_v * w_sum
+        if HAS_Z_LOSS:
+            coef += 2.0 * z_loss_scale * lse
+        a = coef * g
+        b = (1.0 - label_smoothing) * w_t * g
+        d_row = dlogits_ptr + row * stride_dlogits
+        for start in range(0, n_cols, BLOCK_V):
+            local = start + cols
+            mask = local < n_cols
+            c = col_start + local  # column in the full vocabulary
+            z = tl.load(z_row + local, mask=mask, other=0.0)
+            # dlogits overwrite the logits in place. With a 2-byte dtype, column c lands on the
+            # bytes of fp32 column c // 2, which another warp loads: wait until every warp has
+            # loaded this block (and so all earlier ones) before any store. Pass 1's
+            # reductions already synchronize the warps before pass 2 starts.
+            tl.debug_barrier()
+            if HAS_BIAS:
+                z += tl.load(bias_ptr + c, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                th = _tanh(z / softcap)
+                z = softcap * th
+            d = tl.exp(z - lse) * a
+            d = tl.where(c == t, d - b, d)
+            if HAS_SMOOTHING:
+                if HAS_CLASS_WEIGHT:
+                    w_c = tl.load(class_weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
+                    d -= (smooth_v * g) * w_c
+                else:
+                    d -= smooth_v * g
+            if HAS_SOFTCAP:
+                d = d * (1.0 - th * th)
+            tl.store(d_row + local, _to_output_dtype(d, dlogits_ptr.dtype.element_ty), mask=mask)
+
+
+# --- sizes ---------------------------------------------------------------------------------------
+
+
+def _round_down(x: int, multiple: int) -> int:
+    return x // multiple * multiple
+
+
+def lean_budget_bytes(BT: int, H: int, V: int, itemsize: int) -> int:
+    """Bytes the lean mode may use beyond its gradients (LEAN_EXTRA_FRACTION of them)."""
+    return int(LEAN_EXTRA_FRACTION * (V + BT) * H * itemsize)
+
+
+def flce_chunk_tokens(BT: int, V: int, max_bytes: int | None = None) -> int:
+    """Tokens per run_chunks chunk: CHUNK_BYTES (or max_bytes, if smaller) of fp32 logits,
+    rounded down to a multiple of 128 (cuBLAS tile height), at least 128, at most BT."""
+    override = CHUNK_TOKENS or int(os.environ.get(CHUNK_ENV, "0") or 0)
+    if override > 0:
+        rows = override
+    else:
+        budget = CHUNK_BYTES if max_bytes is None else min(CHUNK_BYTES, max_bytes)
+        rows = max(128, _round_down(budget // (4 * V), 128))
+    return max(1, min(rows, BT))
+
+
+def flce_blocks(
+    BT: int, H: int, V: int, budget: int, whole_tokens: bool, accumulate_h: bool
+) -> tuple[int, int]:
+    """(tokens per super-chunk, vocabulary columns per block) of run_blocks within `budget` bytes.
+
+    The budget pays for the fp32 logits block (super-chunk x block x 4) and, with accumulate_h,
+    the super-chunk's fp32 grad_hidden accumulator (super-chunk x H x 4). whole_tokens: one
+    super-chunk of all BT tokens (grad_W rounded once: each block written once); otherwise the
+    super-chunks split the tokens evenly, with half the budget for the accumulator, and at
+    most MAX_SUPER_CHUNKS of them (accuracy wins over the budget there).
+    """
+    if BLOCK_OVERRIDE is not None:
+        tokens = BT if whole_tokens else min(BLOCK_OVERRIDE[0], BT)
+        return max(1, tokens), max(1, min(BLOCK_OVERRIDE[1], V))
+    acc_per_token = 4 * H if accumulate_h else 0
+    if whole_tokens or BT <= MIN_SUPER_CHUNK:
+        tokens = BT
+    else:
+        tokens = max(MIN_SUPER_CHUNK, _round_down(budget // 2 // max(acc_per_token, 1), 128))
+        tokens = min(max(tokens, cdiv(BT, MAX_SUPER_CHUNKS)), BT)
+        n = cdiv(BT, tokens)
+        tokens = min(BT, cdiv(cdiv(BT, n), 128) * 128)  # even super-chunks
+    left = budget - tokens * acc_per_token
+    cols = _round_down(max(left, 0) // (4 * max(tokens, 1)), 128)
+    return max(1, tokens), max(1, min(V, max(MIN_VOCAB_BLOCK, cols)))
+
+
+# --- GEMM helpers ----------------------------------------------------------------------------------
+
+
+_MM_FP32_OUT = hasattr(torch.ops.aten.mm, "dtype_out")  # torch.mm(..., out_dtype=) exists
+_ADDMM_FP32_ACC: bool | None = None  # cuBLAS adds bf16 x bf16 into an fp32 C (probed once)
+
+
+def _cuda_fp32_out(x: torch.Tensor) -> bool:
+    """Whether torch.mm can give fp32 output for x's low-precision inputs (CUDA only)."""
+    return x.is_cuda and x.dtype != torch.float32 and _MM_FP32_OUT
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out (fp32) = a @ b accumulated in fp32."""
+    if a.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+    elif _cuda_fp32_out(a):
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    else:  # CPU (or an old torch): upcast; only the CPU test path and old versions get here
+        torch.mm(a.float(), b.float(), out=out)
+
+
+def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc (fp32) += a @ b for a, b of any float dtype, without an fp32 copy of the product."""
+    global _ADDMM_FP32_ACC
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if _cuda_fp32_out(a) and _ADDMM_FP32_ACC is not False:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _ADDMM_FP32_ACC = True
+            return
+        except RuntimeError:  # older torch: self must have the inputs' dtype
+            _ADDMM_FP32_ACC = False
+    acc.addmm_(a.float(), b.float())
+
+
+@contextlib.contextmanager
+def _precise_matmuls(dtype: torch.dtype, device: torch.device):
+    """cuBLAS as precise as the correctness policy needs, whatever the global settings.
+
+    fp32 inputs get IEEE fp32 GEMMs (no TF32). bf16/fp16 GEMMs reduce split-K partial sums in
+    fp32: PyTorch's default lets cuBLAS round them to 16 bits, an extra rounding per split of
+    the K = V sum of dlogits @ W. Restored on exit.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    m = torch.backends.cuda.matmul
+    if dtype == torch.float32:
+        # torch >= 2.9 raises on reading the legacy flag once the new one was set: prefer the new.
+        name, value = ("fp32_precision", "ieee") if hasattr(m, "fp32_precision") else ("allow_tf32", False)
+        previous = getattr(m, name)
+    else:
+        name = f"allow_{'bf16' if dtype == torch.bfloat16 else 'fp16'}_reduced_precision_reduction"
+        previous, value = getattr(m, name), False
+        if hasattr(m, f"{name}_split_k"):  # (reduced precision, split-K) pairs: keep split-K
+            previous = (previous, getattr(m, f"{name}_split_k"))
+            value = (False, previous[1])
+    setattr(m, name, value)
+    try:
+        yield
+    finally:
+        setattr(m, name, previous)
+
+
+def mean_scale(target, class_weight, ignore_index, V):
+    """1 / (sum of the non-ignored target weights) as a 0-dim fp32 device tensor (1 if zero)."""
+    valid = target != ignore_index
+    if class_weight is None:
+        denom = valid.sum(dtype=torch.float32)
+    else:
+        ok = valid & (target >= 0) & (target < V)
+        w_t = class_weight.float()[torch.where(ok, target, 0)]
+        w_t = torch.where(valid & ~ok, float("nan"), w_t)  # out-of-range target: nan, not a read
+        denom = torch.where(valid, w_t, 0.0).sum()
+    return 1.0 / torch.where(denom == 0, 1.0, denom)
+
+
+def _fp16_grad_factor(grad, headroom):
+    """(grad * K, 1 / K) with K = headroom / 2^e, max |grad| = m * 2^e (m in [0.5, 1)): powers of
+    two, so the unscaling is exact. A zero or non-finite max gives e = 0."""
+    _, e = torch.frexp(grad.abs().max())
+    e = e.clamp(-100, 100)  # K and 1 / K stay finite in fp32
+    one = torch.ones((), dtype=torch.float32, device=grad.device)
+    return grad * torch.ldexp(one * headroom, -e), torch.ldexp(one / headroom, e)
+
+
+# --- the loops ------------------------------------------------------------------------------------
+
+
+class Rows:
+    """What every launch of _flce_rows_kernel shares for one FLCE call."""
+
+    def __init__(self, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, V):
+        self.target = target.contiguous()
+        self.bias = bias.contiguous() if bias is not None else None
+        self.class_weight = class_weight.contiguous() if class_weight is not None else None
+        self.cw_sum = self.class_weight.float().sum() if class_weight is not None else None
+        self.options = (int(ignore_index), float(label_smoothing), softcap, float(z_loss_scale))
+        self.V = V
+
+    def launch(self, logits, dlogits, rows, lse, loss, grad, col_start, lse_given):
+        """One program per row of `logits` (rows = slice of the tokens, columns from col_start)."""
+        ignore_index, label_smoothing, softcap, z_loss_scale = self.options
+        n_rows, n_cols = logits.shape
+        dummy = lse  # stands in for absent optional pointers (never read: constexpr flags)
+        g = grad if grad is None or grad.dim() == 0 else grad[rows]
+        block_v = min(4096, triton.next_power_of_2(n_cols))
+        _flce_rows_kernel[(n_rows,)](
+            logits,
+            dlogits if dlogits is not None else logits,
+            self.target[rows],
+            self.bias if self.bias is not None else dummy,
+            self.class_weight if self.class_weight is not None else dummy,
+            self.cw_sum if self.cw_sum is not None else dummy,
+            g if g is not None else dummy,
+            lse[rows],
+            loss[rows] if loss is not None else dummy,
+            self.V,
+            col_start,
+            n_cols,
+            logits.stride(0),
+            dlogits.stride(0) if dlogits is not None else logits.stride(0),
+            g.stride(0) if g is not None and g.dim() else 0,
+            ignore_index,
+            label_smoothing,
+            softcap if softcap is not None else 1.0,
+            z_loss_scale,
+            HAS_BIAS=self.bias is not None,
+            HAS_CLASS_WEIGHT=self.class_weight is not None,
+            HAS_SMOOTHING=label_smoothing != 0.0,
+            HAS_SOFTCAP=softcap is not None,
+            HAS_Z_LOSS=z_loss_scale != 0.0,
+            LSE_GIVEN=lse_given,
+            WRITE_GRAD=grad is not None,
+            BLOCK_V=block_v,
+            num_warps=8 if block_v >= 2048 else 4,
+        )
+
+
+def _dlogits_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The input-dtype dlogits the kernel writes over fp32 `logits` (rows, n): the same bytes
+    per row start, so a 16-bit row has stride 2n elements; cuBLAS takes that leading dimension."""
+    return logits if dtype == torch.float32 else logits.view(dtype)[:, : logits.shape[1]]
+
+
+def _fp16_scaling(grad, dtype, need_weight, accum_fp32):
+    """fp16 only: the upstream gradient scaled into fp16's normal range and the factor to undo."""
+    if grad is None or dtype != torch.float16:
+        return grad, None
+    headroom = 1.0 if need_weight and not accum_fp32 else FP16_DLOGITS_SCALE
+    return _fp16_grad_factor(grad, headroom)
+
+
+def _finish(grad_h, grad_w, grad_b, unscale, weight_dtype):
+    if unscale is not None:
+        for x in (grad_h, grad_w, grad_b):
+            if x is not None:
+                x.mul_(unscale)
+    if grad_w is not None and grad_w.dtype != weight_dtype:
+        grad_w = grad_w.to(weight_dtype)  # the fp32 accumulator is freed on return
+    return grad_h, grad_w, grad_b
+
+
+def run_chunks(hidden, weight, rows, grad, need_hidden, need_weight, need_bias, accum_fp32, max_bytes=None):
+    """Token chunks over the whole vocabulary (the forward; "fast" mode computes gradients).
+
+    rows: a Rows. grad: upstream gradient per token ((BT,) or 0-dim), or None for loss and
+    logsumexp only. Returns loss (BT,), lse (BT,), grad hidden / weight / bias (None where not
+    asked). Peak beyond the results: one chunk of fp32 logits (at most max_bytes), plus the fp32
+    grad_W accumulator with accum_fp32.
+    """
+    BT, H = hidden.shape
+    V = weight.shape[0]
+    dtype, device = hidden.dtype, hidden.device
+    write_grad = grad is not None and (need_hidden or need_weight or need_bias)
+    grad = grad if write_grad else None
+    loss = empty((BT,), torch.float32, device)
+    lse = empty((BT,), torch.float32, device)
+    grad_h = empty((BT, H), dtype, device) if write_grad and need_hidden else None
+    grad_w = None
+    if write_grad and need_weight:
+        grad_w = empty((V, H), torch.float32 if accum_fp32 else weight.dtype, device)
+    grad_b = torch.zeros(V, dtype=torch.float32, device=device) if write_grad and need_bias else None
+    grad, unscale = _fp16_scaling(grad, dtype, need_weight, accum_fp32)
+
+    chunk = flce_chunk_tokens(BT, V, max_bytes)
+    buffer = torch.empty((chunk, V), dtype=torch.float32, device=device)
+    # Without fp32-output GEMMs for low-precision inputs (CPU) upcast the weight once, not per chunk.
+    w_fp32 = weight if dtype == torch.float32 or _cuda_fp32_out(hidden) else weight.float()
+    with _precise_matmuls(dtype, device):
+        for start in range(0, BT, chunk):
+            stop = min(start + chunk, BT)
+            h = hidden[start:stop]
+            logits = buffer[: stop - start]
+            _mm_fp32(h, w_fp32.T, out=logits)
+            dlogits = _dlogits_view(logits, dtype)
+            rows.launch(logits, dlogits, slice(start, stop), lse, loss, grad, 0, lse_given=False)
+            if not write_grad:
+                continue
+            if grad_h is not None:
+                torch.mm(dlogits, weight, out=grad_h[start:stop])
+            if grad_w is not None:
+                if start == 0:  # the first chunk writes grad_W: no zero fill
+                    if accum_fp32:
+                        _mm_fp32(dlogits.T, h, out=grad_w)
+                    else:
+                        torch.mm(dlogits.T, h, out=grad_w)
+                elif accum_fp32:
+                    _addmm_fp32_(grad_w, dlogits.T, h)
+                else:
+                    grad_w.addmm_(dlogits.T, h)
+            if grad_b is not None:
+                grad_b += dlogits.sum(0, dtype=torch.float32)
+    buffer = logits = dlogits = None  # free the chunk before grad_W's conversion
+    if grad_w is not None and BT == 0:
+        grad_w.zero_()
+    return (loss, lse, *_finish(grad_h, grad_w, grad_b, unscale, weight.dtype))
+
+
+def run_blocks(hidden, weight, rows, lse, grad, need_hidden, need_weight, need_bias, accum_fp32, budget):
+    """The recomputing backward: gradients of sum_i grad[i] * loss_i from the saved logsumexp.
+
+    Blocked over (token super-chunk x vocabulary block), sized by flce_blocks within `budget`
+    bytes beyond the results. Per block: fp32 logits (cuBLAS), dlogits over them (the kernel,
+    LSE given), grad_W rows = dlogits.T @ h (written by the super-chunk's GEMM; with several
+    super-chunks, later ones add into them, one rounding each in the accumulation dtype), the
+    fp32 grad_hidden accumulator += dlogits @ W rows, grad_bias += column sums. accum_fp32
+    asks for grad_W rounded once: one super-chunk of all tokens, so no V x H accumulator.
+    """
+    BT, H = hidden.shape
+    V = weight.shape[0]
+    dtype, device = hidden.dtype, hidden.device
+    grad_h = empty((BT, H), dtype, device) if need_hidden else None
+    grad_w = empty((V, H), weight.dtype, device) if need_weight else None
+    grad_b = torch.zeros(V, dtype=torch.float32, device=device) if need_bias else None
+    # fp16: grad_W blocks go through an fp32 block and are unscaled there, so the dlogits can
+    # keep the full headroom even though grad_W itself is stored in fp16.
+    grad, unscale = _fp16_scaling(grad, dtype, False, True)
+    w_block = torch.empty((0,), dtype=torch.float32, device=device)
+    # fp32 inputs accumulate straight into grad_hidden; 16-bit ones in an fp32 accumulator.
+    separate_acc = need_hidden and dtype != torch.float32
+    tokens, cols = flce_blocks(BT, H, V, budget, whole_tokens=accum_fp32, accumulate_h=separate_acc)
+    block = torch.empty(tokens * cols, dtype=torch.float32, device=device)
+    acc = torch.empty((tokens, H), dtype=torch.float32, device=device) if separate_acc else None
+    w_fp32 = weight if dtype == torch.float32 or _cuda_fp32_out(hidden) else weight.float()
+    w_mm = weight if dtype == torch.float32 or _cuda_fp32_out(hidden) else w_fp32
+    with _precise_matmuls(dtype, device):
+        for s0 in range(0, BT, tokens):
+            s1 = min(s0 + tokens, BT)
+            h = hidden[s0:s1]
+            h_acc = acc[: s1 - s0] if separate_acc else (grad_h[s0:s1] if need_hidden else None)
+            for v0 in range(0, V, cols):
+                v1 = min(v0 + cols, V)
+                logits = block[: (s1 - s0) * (v1 - v0)].view(s1 - s0, v1 - v0)
+                _mm_fp32(h, w_fp32[v0:v1].T, out=logits)
+                dlogits = _dlogits_view(logits, dtype)
+                rows.launch(logits, dlogits, slice(s0, s1), lse, None, grad, v0, lse_given=True)
+                if grad_w is not None and unscale is not None:
+                    w_block = w_block.new_empty((v1 - v0, H)) if w_block.shape[0] != v1 - v0 else w_block
+                    _mm_fp32(dlogits.T, h, out=w_block)
+                    w_block.mul_(unscale)
+                    if s0 == 0:
+                        grad_w[v0:v1].copy_(w_block)
+                    else:
+                        grad_w[v0:v1].add_(w_block)
+                elif grad_w is not None:
+                    if s0 == 0:
+                        torch.mm(dlogits.T, h, out=grad_w[v0:v1])
+                    else:
+                        grad_w[v0:v1].addmm_(dlogits.T, h)
+                if h_acc is not None:
+                    if v0 == 0:
+                        _mm_fp32(dlogits, w_mm[v0:v1], out=h_acc)
+                    else:
+                        _addmm_fp32_(h_acc, dlogits, w_mm[v0:v1])
+                if grad_b is not None:
+                    grad_b[v0:v1] += dlogits.sum(0, dtype=torch.float32)
+            if separate_acc:
+                grad_h[s0:s1].copy_(h_acc)
+    block = acc = w_block = None
+    if BT == 0:
+        for x in (grad_h, grad_w):
+            if x is not None:
+                x.zero_()
+    if unscale is not None:
+        for x in (grad_h, grad_b):  # grad_W was unscaled block by block
+            if x is not None:
+                x.mul_(unscale)
+    return grad_h, grad_w, grad_b
