@@ -177,6 +177,24 @@ def test_create_graph_is_functional(writes):
     assert writes == [(False, False)] and torch.equal(gate.detach(), before)
 
 
+@pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd:UserWarning")
+def test_compiled_graphs_accept_the_flag_and_stay_functional(writes):
+    """Under torch.compile(fullgraph=True) the flag is a constant that changes nothing: the
+    graph calls the functional custom ops, whose gradients equal the eager consuming ones."""
+    torch._dynamo.reset()
+
+    def fn(a):
+        return lmkernels.swiglu(a * 2, a * 3, consume_inputs=True, backend="triton") * 2
+
+    grads = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        a = _randn(5, H, seed=13).requires_grad_()
+        f(a).backward(_randn(5, H, seed=14))
+        grads.append(a.grad)
+    assert writes == [(True, True), (False, False)]
+    _assert_bitwise([grads[1]], [grads[0]])
+
+
 def test_consume_inputs_must_be_a_bool():
     gate, up = _randn(2, 3, seed=0), _randn(2, 3, seed=1)
     with pytest.raises(LMKernelsError, match="consume_inputs: expected a bool"):
@@ -208,6 +226,20 @@ def test_second_backward_under_saved_tensor_hooks_raises():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="already wrote its gradients over gate and up"):
         loss.backward()
+
+
+def test_retain_graph_under_non_reentrant_checkpointing_recomputes():
+    """Non-reentrant checkpointing recomputes gate and up for each backward: a second one runs
+    on fresh tensors and is right."""
+    torch.manual_seed(0)
+    mlp = lmkernels.nn.SwiGLUMLP(D, H, backend="triton").to(DEVICE)
+    x = _randn(2, 5, D, seed=12)
+    expected = _module_grads(mlp, "plain", x)
+    x = x.detach().clone().requires_grad_()
+    loss = checkpoint(mlp, x, use_reentrant=False).float().square().sum() / 2
+    loss.backward(retain_graph=True)
+    loss.backward()
+    _assert_bitwise([x.grad] + [p.grad for p in mlp.parameters()], [2 * g for g in expected])
 
 
 def test_another_node_that_saved_gate_raises_instead_of_reading_gradients():
@@ -272,9 +304,9 @@ def tiny_llama():
     from lmkernels.convergence.models import build_model
     from lmkernels.integrations import transformers as lk_hf
 
-    model = lk_hf.apply(build_model("llama", 128, 16), backend="triton", ops=("mlp",))
+    model = lk_hf.apply(build_model("llama", 128, 16).to(DEVICE), backend="triton", ops=("mlp",))
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    return model, ids
+    return model, ids.to(DEVICE)
 
 
 def _llama_grads(model, ids, mode):

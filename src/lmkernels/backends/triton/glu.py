@@ -229,15 +229,18 @@ class _GLUFunction(torch.autograd.Function):
         out = _glu_forward(gate, up, activation)
         _setup_context(ctx, (gate, up, activation), out)
         ctx.consume_inputs = consume_inputs
-        ctx.consumed = False
+        ctx.overwritten = {}  # data_ptr -> version of each saved tensor a backward wrote over
         return out
 
     @staticmethod
     def backward(ctx, grad):
         # Unpacked first: after a consuming backward, a retained graph fails here with autograd's
-        # version-counter error. ctx.consumed covers saved-tensor hooks, which skip that check.
+        # version-counter error. Saved-tensor hooks skip that check: a hook handing back the
+        # memory written over (same address, version counter at least the bumped one) is caught
+        # below; one handing back new tensors (recomputed by non-reentrant checkpointing, copied
+        # back from the CPU: version 0) runs as usual.
         gate, up = ctx.saved_tensors
-        if ctx.consumed:
+        if any(ctx.overwritten.get(t.data_ptr(), float("inf")) <= t._version for t in (gate, up)):
             raise RuntimeError(_CONSUMED)
         args = (grad, gate, up, ctx.activation)
         # create_graph=True or tracing: the functional op (whose missing derivative is an error).
@@ -247,12 +250,11 @@ class _GLUFunction(torch.autograd.Function):
         d_gate, d_up = _consumed_targets(grad, gate, up)
         written = [t for t in (d_gate, d_up) if t is not None]
         d_gate, d_up = _glu_backward_to(*args, d_gate, d_up)
-        if written:
-            ctx.consumed = True
-            # The kernel wrote through pointers: tell autograd, so that anything that saved
-            # gate or up (this node, if its graph is retained) refuses to read them again.
-            for t in written:
-                torch.autograd.graph.increment_version(t)
+        # The kernel wrote through pointers: tell autograd, so that anything that saved gate or
+        # up (this node, if its graph is retained; another node) refuses to read them again.
+        for t in written:
+            torch.autograd.graph.increment_version(t)
+            ctx.overwritten[t.data_ptr()] = t._version
         # detach(): the same memory and version counter, without gate's autograd history.
         return d_gate.detach(), d_up.detach(), None, None
 
