@@ -1,6 +1,11 @@
-"""The in-place backward of the Triton SwiGLU/GeGLU: d_gate over gate, d_up over up (or over the
-incoming gradient), only where nobody else can see that memory. See glu.py and _exclusive.py."""
+"""Who owns gate and up in the Triton SwiGLU/GeGLU backward (backends/triton/glu.py).
 
+consume_inputs=True: the caller hands gate and up over, the backward writes d_gate and d_up over
+their memory and allocates nothing. consume_inputs=False (the default): they are never written.
+The gradients are bitwise the same either way.
+"""
+
+import functools
 import os
 
 import torch
@@ -9,360 +14,349 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 pytest.importorskip("triton", reason="the Triton backend needs triton")
 
 import lmkernels  # noqa: E402
-from lmkernels.backends.triton import _exclusive  # noqa: E402
+import lmkernels.nn  # noqa: E402
 from lmkernels.backends.triton import glu as glu_mod  # noqa: E402
 from lmkernels.harness.bench import peak_memory_bytes  # noqa: E402
+from lmkernels.harness.checks import check_case  # noqa: E402
+from lmkernels.registry import LMKernelsError, get_op, register, unregister  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
 D, H = 16, 40  # model and MLP widths: tiny, the interpreter is slow
+ACTS = {
+    "swiglu": lambda g, u, consume: lmkernels.swiglu(g, u, consume_inputs=consume, backend="triton"),
+    "geglu": lambda g, u, consume: lmkernels.geglu(
+        g, u, approximate="none", consume_inputs=consume, backend="triton"
+    ),
+}
 
 
-def swiglu(gate, up):
-    return lmkernels.swiglu(gate, up, backend="triton")
-
-
-class MLP(torch.nn.Module):
-    """Llama's MLP: down(swiglu(gate_proj(x), up_proj(x))), gate and up temporaries."""
-
-    def __init__(self, dtype, fused=False):
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        make = lambda i, o: torch.nn.Parameter(  # noqa: E731
-            (torch.randn(o, i, generator=g) / i**0.5).to(DEVICE, dtype)
-        )
-        self.fused = fused
-        if fused:  # one gate_up projection, chunked: gate and up are views of one buffer
-            self.gate_up = make(D, 2 * H)
-        else:
-            self.gate, self.up = make(D, H), make(D, H)
-        self.down = make(H, D)
-
-    def forward(self, x, act=swiglu):
-        if self.fused:
-            gate, up = torch.nn.functional.linear(x, self.gate_up).chunk(2, dim=-1)
-            return torch.nn.functional.linear(act(gate, up), self.down)
-        linear = torch.nn.functional.linear
-        return linear(act(linear(x, self.gate), linear(x, self.up)), self.down)
-
-
-def _x(dtype, seed=1):
+def _randn(*shape, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(2, 5, D, generator=g).to(DEVICE, dtype).requires_grad_()
+    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
 
 
-def _grads(mlp, dtype, checkpointed=False, act=swiglu):
-    x = _x(dtype)
-    y = checkpoint(mlp, x, act, use_reentrant=False) if checkpointed else mlp(x, act)
-    (y.float().square().sum() / 2).backward()
-    grads = [x.grad] + [p.grad for p in mlp.parameters()]
-    mlp.zero_grad(set_to_none=True)
-    return grads
+def _gate_up(dtype=torch.float32, seed=0):
+    """gate and up as a forward creates them: non-leaf products of a leaf."""
+    a = _randn(5, H, seed=seed, dtype=dtype).requires_grad_()
+    return a * 2, a * 3
+
+
+def _large_allocations(fn, nbytes: int) -> list[int]:
+    """Sizes of the allocations of at least nbytes that fn makes (profiler memory events)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = prof.profiler.kineto_results.events()
+    return [e.nbytes() for e in events if e.name() == "[memory]" and e.nbytes() >= nbytes]
 
 
 @pytest.fixture
-def out_of_place(monkeypatch):
-    """A function computing the same gradients with the in-place backward switched off."""
+def writes(monkeypatch):
+    """Records, per backward, whether d_gate went over the saved gate and d_up over the saved up."""
+    seen = []
+    backward_to = glu_mod._glu_backward_to
 
-    def run(*args, **kwargs):
+    def spy(grad, gate, up, *args):
+        d_gate, d_up = backward_to(grad, gate, up, *args)
+        seen.append((d_gate.data_ptr() == gate.data_ptr(), d_up.data_ptr() == up.data_ptr()))
+        return d_gate, d_up
+
+    monkeypatch.setattr(glu_mod, "_glu_backward_to", spy)
+    return seen
+
+
+def _assert_bitwise(got, expected):
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+# --- the op: consumed when declared, untouched when not --------------------------------------------
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_consumed_when_declared_untouched_when_not(act, dtype):
+    """The same backward, both ways: with consume_inputs the gradients are gate's and up's own
+    memory and no gate/up-sized buffer is allocated; without, gate and up keep their values and
+    the backward allocates the two gradients. Bitwise equal results."""
+    grad = _randn(5, H, seed=9, dtype=dtype)
+    results = {}
+    for consume in (False, True):
+        gate, up = _gate_up(dtype)
+        before = gate.detach().clone(), up.detach().clone()
+        out = ACTS[act](gate, up, consume)
+        grads = []
+        big = _large_allocations(
+            lambda: grads.extend(torch.autograd.grad(out, (gate, up), grad)),  # noqa: B023
+            gate.numel() * gate.element_size(),
+        )
+        d_gate, d_up = grads
+        if consume:
+            assert big == []
+            assert d_gate.data_ptr() == gate.data_ptr() and d_up.data_ptr() == up.data_ptr()
+            assert torch.equal(gate.detach(), d_gate) and torch.equal(up.detach(), d_up)
+        else:
+            assert len(big) == 2  # the counter sees the two gradients allocated
+            _assert_bitwise([gate.detach(), up.detach()], list(before))
+        results[consume] = (out.detach(), d_gate.clone(), d_up.clone())
+    _assert_bitwise(results[True], results[False])
+
+
+def test_default_never_writes_the_callers_leaves():
+    gate, up = _randn(5, H, seed=1), _randn(5, H, seed=2)
+    before = gate.clone(), up.clone()
+    gate.requires_grad_(), up.requires_grad_()
+    lmkernels.swiglu(gate, up, backend="triton").backward(_randn(5, H, seed=3))
+    _assert_bitwise([gate.detach(), up.detach()], list(before))
+    assert gate.grad.data_ptr() != gate.data_ptr()
+
+
+def test_chunks_of_a_fused_projection_are_never_written(writes):
+    """gate and up as chunk(2, dim=-1) of one gate_up buffer are strided: the backward copies them
+    for the kernel and writes the gradients into those copies, consume_inputs or not. The fused
+    buffer keeps its values; only the two copies are allocated."""
+    grad = _randn(5, H, seed=4)
+    results = []
+    for consume in (False, True):
+        gate_up = _randn(5, 2 * H, seed=5).requires_grad_() * 1.0
+        gate, up = gate_up.chunk(2, dim=-1)
+        before = gate_up.detach().clone()
+        out = lmkernels.swiglu(gate, up, consume_inputs=consume, backend="triton")
+        grads = []
+        big = _large_allocations(
+            lambda: grads.extend(torch.autograd.grad(out, (gate, up), grad)),  # noqa: B023
+            gate.numel() * gate.element_size(),
+        )
+        assert len(big) == 2
+        assert torch.equal(gate_up.detach(), before)
+        results.append(grads)
+    assert writes == [(False, False), (False, False)]
+    _assert_bitwise(results[1], results[0])
+
+
+def test_same_tensor_as_gate_and_up(writes):
+    """gate is up: only one of the two results may go over it."""
+    grads = []
+    for consume in (False, True):
+        a = _randn(5, H, seed=6).requires_grad_()
+        gate = a * 2
+        lmkernels.swiglu(gate, gate, consume_inputs=consume, backend="triton").backward(_randn(5, H, seed=7))
+        grads.append(a.grad)
+    assert writes == [(False, False), (True, False)]
+    _assert_bitwise([grads[1]], [grads[0]])
+
+
+def test_gradient_sharing_memory_with_gate_is_not_written_over(writes):
+    """The caller's gradient is gate itself: gate may not be written while it is still read as
+    the gradient of other elements, and the gradient is not the caller's to hand over."""
+    gate, up = _gate_up()
+    out = lmkernels.swiglu(gate, up, consume_inputs=True, backend="triton")
+    grad = gate.detach()
+    before = grad.clone()
+    (d_gate,) = torch.autograd.grad(out, gate, grad)
+    assert writes == [(False, True)] and torch.equal(grad, before)
+    gate2, up2 = _gate_up()
+    (expected,) = torch.autograd.grad(lmkernels.swiglu(gate2, up2, backend="triton"), gate2, before)
+    assert torch.equal(d_gate, expected)
+
+
+def test_create_graph_is_functional(writes):
+    gate, up = _gate_up()
+    before = gate.detach().clone()
+    out = lmkernels.swiglu(gate, up, consume_inputs=True, backend="triton")
+    torch.autograd.grad(out.sum(), gate, create_graph=True)
+    assert writes == [(False, False)] and torch.equal(gate.detach(), before)
+
+
+@pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd:UserWarning")
+def test_compiled_graphs_accept_the_flag_and_stay_functional(writes):
+    """Under torch.compile(fullgraph=True) the flag is a constant that changes nothing: the
+    graph calls the functional custom ops, whose gradients equal the eager consuming ones."""
+    torch._dynamo.reset()
+
+    def fn(a):
+        return lmkernels.swiglu(a * 2, a * 3, consume_inputs=True, backend="triton") * 2
+
+    grads = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        a = _randn(5, H, seed=13).requires_grad_()
+        f(a).backward(_randn(5, H, seed=14))
+        grads.append(a.grad)
+    assert writes == [(True, True), (False, False)]
+    _assert_bitwise([grads[1]], [grads[0]])
+
+
+def test_consume_inputs_must_be_a_bool():
+    gate, up = _randn(2, 3, seed=0), _randn(2, 3, seed=1)
+    with pytest.raises(LMKernelsError, match="consume_inputs: expected a bool"):
+        lmkernels.swiglu(gate, up, consume_inputs="yes", backend="triton")
+    with pytest.raises(LMKernelsError, match="consume_inputs: expected a bool"):
+        lmkernels.geglu(gate, up, consume_inputs=None)
+
+
+# --- after a consuming backward, nothing reads gate and up again -----------------------------------
+
+
+def _consumed_loss():
+    gate, up = _gate_up()
+    return (lmkernels.swiglu(gate, up, consume_inputs=True, backend="triton") * _randn(5, H, seed=8)).sum()
+
+
+def test_retain_graph_second_backward_raises_autograds_error(writes):
+    loss = _consumed_loss()
+    loss.backward(retain_graph=True)
+    assert writes == [(True, True)]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_second_backward_under_saved_tensor_hooks_raises():
+    """Saved-tensor hooks skip autograd's version check: the Function refuses by itself."""
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        loss = _consumed_loss()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="already wrote its gradients over gate and up"):
+        loss.backward()
+
+
+def test_retain_graph_under_non_reentrant_checkpointing_recomputes():
+    """Non-reentrant checkpointing recomputes gate and up for each backward: a second one runs
+    on fresh tensors and is right."""
+    torch.manual_seed(0)
+    mlp = lmkernels.nn.SwiGLUMLP(D, H, backend="triton").to(DEVICE)
+    x = _randn(2, 5, D, seed=12)
+    expected = _module_grads(mlp, "plain", x)
+    x = x.detach().clone().requires_grad_()
+    loss = checkpoint(mlp, x, use_reentrant=False).float().square().sum() / 2
+    loss.backward(retain_graph=True)
+    loss.backward()
+    _assert_bitwise([x.grad] + [p.grad for p in mlp.parameters()], [2 * g for g in expected])
+
+
+def test_another_node_that_saved_gate_raises_instead_of_reading_gradients():
+    """gate = exp(z): exp's backward reads gate, which a (wrong) consume_inputs=True handed over.
+    The bumped version counter turns that into autograd's error, not a wrong gradient."""
+    z = _randn(5, H, seed=10).requires_grad_()
+    gate, up = z.exp(), _randn(5, H, seed=11)
+    loss = lmkernels.swiglu(gate, up, consume_inputs=True, backend="triton").sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+# --- the owners: nn modules and the transformers integration ---------------------------------------
+
+
+@pytest.fixture
+def never_consume(monkeypatch):
+    """Runs a function with every lmkernels.swiglu / geglu call forced to consume_inputs=False."""
+
+    def forced(op, *args, **kwargs):
+        return op(*args, **{**kwargs, "consume_inputs": False})
+
+    def run(fn, *args):
         with monkeypatch.context() as m:
-            m.setattr(glu_mod, "IN_PLACE_BACKWARD", False)
-            grads = _grads(*args, **kwargs)
-            assert glu_mod.last_backward_buffers() == ("new", "new")
-        return grads
+            for name in ("swiglu", "geglu"):
+                m.setattr(lmkernels, name, functools.partial(forced, getattr(lmkernels, name)))
+            return fn(*args)
 
     return run
 
 
-def _assert_equal(got, expected):
-    for a, b in zip(got, expected, strict=True):
-        assert torch.equal(a, b)
+def _module_grads(module, mode, x):
+    x = x.detach().clone().requires_grad_()
+    if mode == "plain":
+        y = module(x)
+    else:
+        y = checkpoint(module, x, use_reentrant=mode == "reentrant")
+    (y.float().square().sum() / 2).backward()
+    grads = [x.grad] + [p.grad for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    return grads
 
 
-# --- engages where it is safe --------------------------------------------------------------------
+MODES = ["plain", "non_reentrant", "reentrant"]
 
 
-@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpoint"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_mlp_backward_writes_over_gate_and_up(checkpointed, dtype, out_of_place):
-    """gate and up are temporaries only autograd holds (under non-reentrant checkpointing: the
-    recomputed ones, handed over by the unpack hook): d_gate and d_up go over them, and the
-    gradients are bitwise those of the out-of-place backward."""
-    assert glu_mod.IN_PLACE_BACKWARD  # on by default
-    mlp = MLP(dtype)
-    got = _grads(mlp, dtype, checkpointed)
-    assert glu_mod.last_backward_buffers() == ("gate", "up")
-    _assert_equal(got, out_of_place(mlp, dtype, checkpointed))
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cls", [lmkernels.nn.SwiGLUMLP, lmkernels.nn.GeGLUMLP], ids=["swiglu", "geglu"])
+def test_nn_modules_consume_their_gate_and_up(cls, mode, writes, never_consume):
+    torch.manual_seed(0)
+    mlp = cls(D, H, backend="triton").to(DEVICE)
+    x = _randn(2, 5, D, seed=12)
+    got = _module_grads(mlp, mode, x)
+    assert writes == [(True, True)]
+    _assert_bitwise(got, never_consume(_module_grads, mlp, mode, x))
+    assert writes[1:] == [(False, False)]
 
 
-def test_geglu_in_place(out_of_place):
-    mlp = MLP(torch.float32)
-    act = lambda a, b: lmkernels.geglu(a, b, approximate="none", backend="triton")  # noqa: E731
-    got = _grads(mlp, torch.float32, act=act)
-    assert glu_mod.last_backward_buffers() == ("gate", "up")
-    _assert_equal(got, out_of_place(mlp, torch.float32, act=act))
+@pytest.fixture(scope="module")
+def tiny_llama():
+    pytest.importorskip("transformers", reason="the transformers integration needs the hf extra")
+    from lmkernels.convergence.models import build_model
+    from lmkernels.integrations import transformers as lk_hf
+
+    model = lk_hf.apply(build_model("llama", 128, 16).to(DEVICE), backend="triton", ops=("mlp",))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    return model, ids.to(DEVICE)
 
 
-def test_gradients_land_in_the_memory_of_gate_and_up():
-    """No allocation for d_gate and d_up: they are gate's and up's memory."""
-    mlp = MLP(torch.float32)
-    addresses = {}
-
-    def act(gate, up):
-        addresses.update(gate=gate.data_ptr(), up=up.data_ptr())  # ints: no reference kept
-        gate.register_hook(lambda g: addresses.update(d_gate=g.data_ptr()))
-        up.register_hook(lambda g: addresses.update(d_up=g.data_ptr()))
-        return swiglu(gate, up)
-
-    _grads(mlp, torch.float32, act=act)
-    assert addresses["d_gate"] == addresses["gate"] and addresses["d_up"] == addresses["up"]
+def _llama_grads(model, ids, mode):
+    if mode == "plain":
+        model.gradient_checkpointing_disable()
+    else:
+        kwargs = {"use_reentrant": mode == "reentrant"}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def test_uses_the_baseline_of_an_exclusive_saved_tensor(monkeypatch):
-    """The counts of gate and up in the MLP are exactly those the probe measures on tensors only
-    its saved-tensor slots hold."""
-    seen = []
-    counts = _exclusive.saved_tensors_and_counts
-    monkeypatch.setattr(glu_mod, "saved_tensors_and_counts", lambda ctx: seen.append(counts(ctx)) or seen[-1])
-    _grads(MLP(torch.float32), torch.float32)
-    baseline = _exclusive.exclusive_saved_counts(torch.device(DEVICE))
-    assert baseline is not None and seen[0][1] == [baseline, baseline]
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_.* is deprecated:FutureWarning")
+@pytest.mark.parametrize("mode", MODES)
+def test_patched_llama_mlp_consumes_gate_and_up(tiny_llama, mode, writes, never_consume):
+    model, ids = tiny_llama
+    got = _llama_grads(model, ids, mode)
+    layers = model.config.num_hidden_layers
+    assert writes == [(True, True)] * layers
+    _assert_bitwise(got, never_consume(_llama_grads, model, ids, mode))
+    assert writes[layers:] == [(False, False)] * layers
 
 
-def test_a_shifted_baseline_is_measured_again(monkeypatch):
-    """Counts above the baseline make the probe measure again, once per pattern: a process-wide
-    shift of the counts (seen after long pytest sessions) is absorbed, a real holder is not."""
-    device = torch.device(DEVICE)
-    true = _exclusive.exclusive_saved_counts(device)
-    stale = (true[0], true[1], true[2] - 1)  # as if every count had grown since it was measured
-    monkeypatch.setitem(_exclusive.EXCLUSIVE_SAVED_COUNTS, device.type, stale)
-    monkeypatch.setitem(_exclusive._SAVED_MISMATCHES, device.type, set())
-    _grads(MLP(torch.float32), torch.float32)
-    assert glu_mod.last_backward_buffers() == ("gate", "up")
-    assert _exclusive.EXCLUSIVE_SAVED_COUNTS[device.type] == true
-
-    probe_runs = []  # True for each call that measures (nothing cached for the device)
-    measure = _exclusive.exclusive_saved_counts
-    monkeypatch.setattr(
-        _exclusive,
-        "exclusive_saved_counts",
-        lambda d: probe_runs.append(d.type not in _exclusive.EXCLUSIVE_SAVED_COUNTS) or measure(d),
-    )
-    gate, up, grad = _inputs()
-    gate_before = gate.clone()
-    for _ in range(3):  # the caller keeps gate and up: one more probe run at most, never in place
-        kept = [t.detach().requires_grad_() * 1.0 for t in (gate, up)]  # non-leaves we hold
-        torch.autograd.grad(swiglu(*kept), kept, grad)
-        assert glu_mod.last_backward_buffers() != ("gate", "up")
-    assert sum(probe_runs) <= 1 and torch.equal(gate, gate_before)
+# --- the harness still flags a backend that writes the caller's tensors ----------------------------
 
 
-def test_without_a_baseline_nothing_is_overwritten(monkeypatch):
-    monkeypatch.setitem(_exclusive.EXCLUSIVE_SAVED_COUNTS, torch.device(DEVICE).type, None)
-    _grads(MLP(torch.float32), torch.float32)
-    assert glu_mod.last_backward_buffers()[1] != "up"
+def test_harness_flags_writing_inputs_unless_they_are_handed_over():
+    """A backend that always consumes (as Liger's GLU does) fails the default case, where the
+    inputs are the caller's, and passes the consume_inputs=True case; ours passes both."""
 
+    def always_consumes(gate, up, consume_inputs=False):
+        return glu_mod.swiglu_triton(gate, up, consume_inputs=True)
 
-# --- stays away from memory others can see -------------------------------------------------------
+    spec, shape = get_op("swiglu"), {"M": 37, "N": 96}
+    impl = register("swiglu", "toy_always_consumes", always_consumes, priority=-100)
+    try:
+        kept = check_case(spec, impl, shape, torch.float32, {}, device=DEVICE)
+        handed_over = check_case(spec, impl, shape, torch.float32, {"consume_inputs": True}, device=DEVICE)
+    finally:
+        unregister("swiglu", "toy_always_consumes")
+    assert kept.status == "fail" and "input gate was modified" in kept.reason
+    assert "input up was modified" in kept.reason
+    assert handed_over.status == "pass", handed_over.reason
 
-
-def _inputs(seed=2, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(5, H, generator=g).to(DEVICE, dtype) for _ in range(3)]
-
-
-def test_leaves_are_not_overwritten():
-    """Leaves requiring grad are the caller's (and their AccumulateGrad nodes hold them). The
-    gradient from the caller (out.backward(grad)) is not overwritten either."""
-    gate, up, grad = _inputs()
-    before = [t.clone() for t in (gate, up, grad)]
-    gate.requires_grad_(), up.requires_grad_()
-    swiglu(gate, up).backward(grad)
-    assert glu_mod.last_backward_buffers() == ("new", "new")
-    for t, b in zip((gate, up, grad), before):
-        assert torch.equal(t, b)
-    expected = [t.detach().clone().requires_grad_() for t in before[:2]]
-    swiglu(*expected).backward(before[2])
-    assert torch.equal(gate.grad, expected[0].grad) and torch.equal(up.grad, expected[1].grad)
-
-
-def test_tensors_the_caller_keeps_are_not_overwritten(out_of_place):
-    """Non-leaf gate and up the caller still holds: untouched. d_gate goes into the incoming
-    gradient (the product's gradient, a fresh tensor only this backward sees), d_up is new."""
-    a, b, w = _inputs()
-    a.requires_grad_()
-    gate, up = a * 2, a * 3
-    kept = gate.clone(), up.clone()
-    (swiglu(gate, up) * w).sum().backward()
-    assert glu_mod.last_backward_buffers() == ("grad", "new")
-    assert torch.equal(gate, kept[0]) and torch.equal(up, kept[1])
-    a2 = a.detach().clone().requires_grad_()
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(glu_mod, "IN_PLACE_BACKWARD", False)
-        (swiglu(a2 * 2, a2 * 3) * w).sum().backward()
-    assert torch.equal(a.grad, a2.grad)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_chunks_of_a_fused_projection(dtype, out_of_place):
-    """gate and up as chunk(2, dim=-1) of one gate_up buffer: strided views, never written; the
-    backward copies them for the kernel, and those copies (its own) take d_gate and d_up."""
-    mlp = MLP(dtype, fused=True)
-    got = _grads(mlp, dtype)
-    assert glu_mod.last_backward_buffers() == ("copy", "copy")
-    _assert_equal(got, out_of_place(mlp, dtype))
-
-
-def test_contiguous_views_are_not_overwritten_the_gradient_buffer_is():
-    """gate and up contiguous views of one larger buffer: not overwritten (the storage is more
-    than they are); the incoming gradient, a fresh product only this backward sees, takes
-    d_gate, so one allocation instead of two."""
-    a, _, w = _inputs()
-    a.requires_grad_()
-    gate_up = torch.stack([a * 2, a * 3])
-    before = gate_up.detach().clone()
-    (swiglu(gate_up[0], gate_up[1]) * w).sum().backward()
-    assert glu_mod.last_backward_buffers() == ("grad", "new")
-    assert torch.equal(gate_up, before)
-    b = a.detach().clone().requires_grad_()
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(glu_mod, "IN_PLACE_BACKWARD", False)
-        (swiglu(b * 2, b * 3) * w).sum().backward()
-    assert torch.equal(a.grad, b.grad)
-
-
-def _saved_by_another_node():
-    """gate = exp(z): exp's backward reads its saved result, i.e. gate's memory, after the GLU
-    backward ran (it runs later). up is also read by a product's backward."""
-    z, u0, w = _inputs()
-    z.requires_grad_(), u0.requires_grad_()
-    gate = z.exp()
-    up = u0 * 1.5
-    loss = (swiglu(gate, up) * w).sum() + (up * w).sum()
-    del gate, up
-    loss.backward()
-    return z.grad, u0.grad
-
-
-def test_tensors_other_nodes_saved_are_not_overwritten(monkeypatch):
-    z_grad, u_grad = _saved_by_another_node()
-    assert glu_mod.last_backward_buffers()[0] != "gate"
-    monkeypatch.setattr(glu_mod, "IN_PLACE_BACKWARD", False)
-    expected = _saved_by_another_node()
-    assert torch.equal(z_grad, expected[0]) and torch.equal(u_grad, expected[1])
-
-
-def test_other_node_case_does_catch_an_unsafe_write(monkeypatch):
-    """The case above can fail: skipping the exclusivity check corrupts exp's gradient."""
-    monkeypatch.setattr(glu_mod, "saved_is_exclusive", lambda t, counts: True)
-    z_grad, _ = _saved_by_another_node()
-    assert glu_mod.last_backward_buffers()[0] == "gate"
-    monkeypatch.setattr(glu_mod, "IN_PLACE_BACKWARD", False)
-    assert not torch.equal(z_grad, _saved_by_another_node()[0])
-
-
-def test_same_tensor_as_gate_and_up():
-    a, _, w = _inputs()
-    a.requires_grad_()
-    (swiglu(a * 2, a * 2) * w).sum().backward()  # two products: each exclusive
-    assert glu_mod.last_backward_buffers() == ("gate", "up")
-    got = a.grad
-    b = a.detach().clone().requires_grad_()
-    twice = lambda t: swiglu(t, t)  # noqa: E731
-    (twice(b * 2) * w).sum().backward()  # one product saved twice: not exclusive
-    assert glu_mod.last_backward_buffers() == ("grad", "new")
-    torch.testing.assert_close(b.grad, got, rtol=0, atol=0)
-
-
-def test_tensors_a_pack_hook_keeps_are_not_overwritten(out_of_place):
-    """A saved-tensor pack hook that keeps what it saves holds gate and up."""
-    mlp = MLP(torch.float32)
-    kept = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
-        y = mlp(_x(torch.float32))
-    copies = [t.clone() for t in kept]
-    (y.square().sum() / 2).backward()
-    assert glu_mod.last_backward_buffers()[0] != "gate"
-    assert all(torch.equal(t, c) for t, c in zip(kept, copies, strict=True))
-    got = [p.grad for p in mlp.parameters()]
-    mlp.zero_grad(set_to_none=True)
-    _assert_equal(got, out_of_place(mlp, torch.float32)[1:])
-
-
-# --- backward twice, create_graph, the switch ----------------------------------------------------
-
-
-@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpoint"])
-def test_retain_graph_keeps_gate_and_up(checkpointed, out_of_place):
-    """retain_graph=True: a later backward reads gate and up again, so they are not overwritten
-    and both backwards are right. (The incoming gradient is not used either: here it is a view
-    of the 2-D matmul result of down's backward, and a view's storage has two holders.)"""
-    mlp = MLP(torch.float32)
-    expected = out_of_place(mlp, torch.float32)
-    x = _x(torch.float32)
-    y = checkpoint(mlp, x, swiglu, use_reentrant=False) if checkpointed else mlp(x)
-    loss = y.float().square().sum() / 2
-    loss.backward(retain_graph=True)
-    assert glu_mod.last_backward_buffers() == ("new", "new")
-    first = [t.grad.clone() for t in (x, *mlp.parameters())]
-    loss.backward()
-    _assert_equal(first, expected)
-    _assert_equal([t.grad for t in (x, *mlp.parameters())], [2 * e for e in expected])
-
-
-def test_unknown_retain_graph_keeps_gate_and_up(monkeypatch):
-    """A torch that cannot say whether the graph is retained: the saved tensors are kept."""
-    monkeypatch.setattr(glu_mod, "graph_is_retained", lambda: None)
-    _grads(MLP(torch.float32), torch.float32)
-    assert glu_mod.last_backward_buffers() == ("new", "new")
-
-
-def test_backward_after_an_in_place_backward_raises(monkeypatch):
-    """Should gate and up be overwritten anyway while the graph lives on (here by faking the
-    retain_graph answer), a second backward refuses to read them."""
-    monkeypatch.setattr(glu_mod, "graph_is_retained", lambda: False)
-    mlp = MLP(torch.float32)
-    loss = mlp(_x(torch.float32)).square().sum()
-    loss.backward(retain_graph=True)
-    assert glu_mod.last_backward_buffers() == ("gate", "up")
-    with pytest.raises(RuntimeError, match="already wrote its gradients over the saved gate"):
-        loss.backward()
-
-
-def test_second_backward_without_retain_graph_is_autograds_error():
-    loss = MLP(torch.float32)(_x(torch.float32)).square().sum()
-    loss.backward()
-    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
-        loss.backward()
-
-
-def test_create_graph_is_functional():
-    a, _, w = _inputs()
-    a.requires_grad_()
-    (d_a,) = torch.autograd.grad((swiglu(a * 2, a * 3) * w).sum(), a, create_graph=True)
-    assert glu_mod.last_backward_buffers() == ("new", "new")
-
-
-def test_switch_reads_the_environment(monkeypatch):
-    monkeypatch.delenv("LMKERNELS_GLU_INPLACE_BWD", raising=False)
-    assert glu_mod.in_place_backward_from_env()
-    monkeypatch.setenv("LMKERNELS_GLU_INPLACE_BWD", "0")
-    assert not glu_mod.in_place_backward_from_env()
-    monkeypatch.setenv("LMKERNELS_GLU_INPLACE_BWD", "1")
-    assert glu_mod.in_place_backward_from_env()
-
-
-def test_switched_off_allocates(monkeypatch):
-    monkeypatch.setattr(glu_mod, "IN_PLACE_BACKWARD", False)
-    _grads(MLP(torch.float32), torch.float32)
-    assert glu_mod.last_backward_buffers() == ("new", "new")
+    triton = lmkernels.get_impl("swiglu", "triton")
+    for case in ({}, {"consume_inputs": True}):
+        result = check_case(spec, triton, shape, torch.float32, case, device=DEVICE)
+        assert result.status == "pass", result.reason
 
 
 # --- GPU: memory ---------------------------------------------------------------------------------
@@ -370,16 +364,16 @@ def test_switched_off_allocates(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA GPU (peak memory)")
-def test_in_place_backward_lowers_peak_memory(monkeypatch):
+def test_consuming_backward_lowers_peak_memory():
     M, N = 8192, 8192
 
-    def peak_of_backward(in_place):
-        monkeypatch.setattr(glu_mod, "IN_PLACE_BACKWARD", in_place)
+    def peak_of_backward(consume):
         a = torch.randn(M, 1, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        # gate and up: temporaries only the GLU holds; the product's gradient is fresh too.
-        loss = (swiglu(a.expand(M, N) * 2, a.expand(M, N) * 3) * w).sum()
+        gate, up = a.expand(M, N) * 2, a.expand(M, N) * 3
+        loss = (lmkernels.swiglu(gate, up, consume_inputs=consume, backend="triton") * w).sum()
+        del gate, up
         return peak_memory_bytes(loss.backward, [], "cuda")
 
     saved = peak_of_backward(False) - peak_of_backward(True)
-    assert saved >= 2 * M * N * 2 * 0.9, f"in-place backward saved only {saved} bytes"
+    assert saved >= 2 * M * N * 2 * 0.9, f"the consuming backward saved only {saved} bytes"

@@ -14,7 +14,6 @@ import pytest  # noqa: E402
 from torch._dynamo.testing import AotEagerAndRecordGraphs  # noqa: E402
 
 import lmkernels  # noqa: E402
-from lmkernels.harness.bench import peak_memory_bytes  # noqa: E402
 from lmkernels.ops.layer_norm import layer_norm_reference  # noqa: E402
 from lmkernels.ops.rms_norm import rms_norm_reference  # noqa: E402
 from lmkernels.registry.core import DEFAULT_TOLERANCES  # noqa: E402
@@ -354,9 +353,7 @@ def _compiled_matches_eager(fn, tensors):
         assert torch.equal(g, c)
 
 
-def test_rms_norm_fullgraph_compile(monkeypatch):
-    # In-place backward on: the compiled backward must still be correct (it stays functional).
-    monkeypatch.setattr(rms_mod, "IN_PLACE_BACKWARD", True)
+def test_rms_norm_fullgraph_compile():
     torch._dynamo.reset()
 
     def fn(x, w):
@@ -441,184 +438,6 @@ def test_supports_reports_shape_limits():
     assert any("columns" in r for r in rms_supports(x=wide))
     assert any("rows" in r for r in ln_supports(x=many_rows))
     assert rms_supports(x=torch.empty(4, 8, device="meta")) == []
-
-
-# --- in-place backward of RMSNorm ---------------------------------------------------------------
-
-
-def _rms_leaves(seed=0, shape=(37, 96), dtype=torch.bfloat16):
-    x = _randn(shape, dtype, seed).requires_grad_()
-    w = _randn(shape[-1:], dtype, seed + 1, scale=0.5, shift=1.0).requires_grad_()
-    return x, w
-
-
-def _rms_grads_out_of_place(scale):
-    x, w = _rms_leaves()
-    (lmkernels.rms_norm(x, w, backend="triton") * scale).sum().backward()
-    return x.grad, w.grad
-
-
-@pytest.fixture
-def in_place(monkeypatch):
-    monkeypatch.setattr(rms_mod, "IN_PLACE_BACKWARD", True)
-
-
-def test_in_place_backward_reuses_the_gradient_buffer(in_place):
-    """Safe case: dy is a fresh tensor only this backward sees, so dx lands in dy's memory
-    (x.grad then takes that buffer over) and no M x N buffer is allocated for dx."""
-    scale = _randn((37, 96), torch.bfloat16, 7)
-    x, w = _rms_leaves()
-    y = lmkernels.rms_norm(x, w, backend="triton")
-    dy_address = []
-    y.register_hook(lambda grad: dy_address.append(grad.data_ptr()))  # keeps no reference
-    (y * scale).sum().backward()
-    assert x.grad.data_ptr() == dy_address[0]
-    expected_dx, expected_dw = _rms_grads_out_of_place(scale)
-    assert torch.equal(x.grad, expected_dx) and torch.equal(w.grad, expected_dw)
-
-
-def test_out_of_place_backward_allocates_dx():
-    """Control for the test above: with the switch off, dx is a new buffer."""
-    assert not rms_mod.IN_PLACE_BACKWARD
-    x, w = _rms_leaves()
-    y = lmkernels.rms_norm(x, w, backend="triton")
-    dy_address = []
-    y.register_hook(lambda grad: dy_address.append(grad.data_ptr()))
-    (y * _randn((37, 96), torch.bfloat16, 7)).sum().backward()
-    assert x.grad.data_ptr() != dy_address[0]
-
-
-def _shared_gradient_case():
-    """z = rms_norm(x) + a where a = 3 * x2 was recorded first: autograd hands the SAME gradient
-    tensor to both branches and runs the RMSNorm backward first (higher sequence number), while
-    the other branch still has to read that gradient."""
-    scale = _randn((37, 96), torch.bfloat16, 7)
-    x, w = _rms_leaves()
-    x2 = _randn((37, 96), torch.bfloat16, 8).requires_grad_()
-    a = x2 * 3.0
-    z = lmkernels.rms_norm(x, w, backend="triton") + a
-    (z * scale).sum().backward()
-    return x, w, x2, scale
-
-
-def test_in_place_backward_leaves_a_shared_gradient_alone(in_place):
-    x, w, x2, scale = _shared_gradient_case()
-    assert torch.equal(x2.grad, scale * 3.0), "the other branch read a corrupted gradient"
-    expected_dx, expected_dw = _rms_grads_out_of_place(scale)
-    assert torch.equal(x.grad, expected_dx) and torch.equal(w.grad, expected_dw)
-
-
-def test_shared_gradient_case_does_catch_an_unsafe_in_place_write(in_place, monkeypatch):
-    """The case above can fail: skipping the safety check corrupts the other branch's gradient."""
-    monkeypatch.setattr(rms_mod, "_grad_is_exclusive", lambda excess, device: True)
-    _, _, x2, scale = _shared_gradient_case()
-    assert not torch.equal(x2.grad, scale * 3.0)
-
-
-def test_in_place_backward_other_holders_of_the_gradient(in_place):
-    expected_dx, expected_dw = _rms_grads_out_of_place(
-        torch.ones(37, 96, dtype=torch.bfloat16, device=DEVICE)
-    )
-
-    # The caller's own gradient tensor (y.backward(dy)) is never overwritten.
-    x, w = _rms_leaves()
-    dy = torch.ones(37, 96, dtype=torch.bfloat16, device=DEVICE)
-    lmkernels.rms_norm(x, w, backend="triton").backward(dy)
-    assert torch.equal(dy, torch.ones_like(dy))
-    assert torch.equal(x.grad, expected_dx) and torch.equal(w.grad, expected_dw)
-
-    # A hook that keeps the gradient sees it unchanged.
-    x, w = _rms_leaves()
-    y = lmkernels.rms_norm(x, w, backend="triton")
-    kept = []
-    y.register_hook(kept.append)
-    (y * 1.0).sum().backward()
-    assert torch.equal(kept[0], torch.ones_like(kept[0]))
-    assert torch.equal(x.grad, expected_dx)
-
-    # A hook that keeps another tensor on the same memory (detach() shares the storage).
-    x, w = _rms_leaves()
-    y = lmkernels.rms_norm(x, w, backend="triton")
-    kept = []
-    y.register_hook(lambda grad: kept.append(grad.detach()))
-    (y * 1.0).sum().backward()
-    assert torch.equal(kept[0], torch.ones_like(kept[0]))
-    assert torch.equal(x.grad, expected_dx)
-
-    # y.retain_grad(): y.grad is the upstream gradient, not dx.
-    x, w = _rms_leaves()
-    y = lmkernels.rms_norm(x, w, backend="triton")
-    y.retain_grad()
-    (y * 1.0).sum().backward()
-    assert torch.equal(y.grad, torch.ones_like(y.grad))
-    assert torch.equal(x.grad, expected_dx)
-
-    # The gradient is a view of a larger buffer (torch.cat's backward): its storage is shared.
-    x, w = _rms_leaves()
-    other = _randn((5, 96), torch.bfloat16, 9).requires_grad_()
-    (torch.cat([lmkernels.rms_norm(x, w, backend="triton"), other]) * 1.0).sum().backward()
-    assert torch.equal(other.grad, torch.ones_like(other.grad))
-    assert torch.equal(x.grad, expected_dx)
-
-
-def test_in_place_backward_with_expanded_gradient(in_place):
-    """y.sum() hands an expanded (stride 0) gradient: the contiguous copy is ours to overwrite."""
-    ones = torch.ones(37, 96, dtype=torch.bfloat16, device=DEVICE)
-    expected_dx, expected_dw = _rms_grads_out_of_place(ones)
-    x, w = _rms_leaves()
-    lmkernels.rms_norm(x, w, backend="triton").sum().backward()
-    assert torch.equal(x.grad, expected_dx) and torch.equal(w.grad, expected_dw)
-
-
-def test_in_place_rule_is_relative_to_an_exclusive_gradient(in_place, monkeypatch):
-    """dy's holders are compared with those of the control gradient, and the difference with the
-    difference an exclusive gradient shows in this torch build on this device (measured once by
-    a probe): a gradient only the RMSNorm backward sees shows exactly that difference."""
-    seen = []
-    check = rms_mod._grad_is_exclusive
-    monkeypatch.setattr(
-        rms_mod, "_grad_is_exclusive", lambda excess, device: seen.append(excess) or check(excess, device)
-    )
-    x, w = _rms_leaves()
-    (lmkernels.rms_norm(x, w, backend="triton") * _randn((37, 96), torch.bfloat16, 7)).sum().backward()
-    assert seen == [rms_mod._exclusive_excess(x.device)] and seen[0] is not None
-
-
-def test_in_place_backward_without_a_baseline_stays_out_of_place(in_place, monkeypatch):
-    """No baseline (the probe failed, say): no in-place write."""
-    monkeypatch.setitem(rms_mod._EXCLUSIVE_EXCESS, torch.device(DEVICE).type, None)
-    x, w = _rms_leaves()
-    y = lmkernels.rms_norm(x, w, backend="triton")
-    dy_address = []
-    y.register_hook(lambda grad: dy_address.append(grad.data_ptr()))
-    (y * _randn((37, 96), torch.bfloat16, 7)).sum().backward()
-    assert x.grad.data_ptr() != dy_address[0]
-
-
-def test_in_place_switch_reads_the_environment(monkeypatch):
-    monkeypatch.setenv("LMKERNELS_RMSNORM_INPLACE_BWD", "1")
-    assert rms_mod.in_place_backward_from_env()
-    monkeypatch.setenv("LMKERNELS_RMSNORM_INPLACE_BWD", "0")
-    assert not rms_mod.in_place_backward_from_env()
-    monkeypatch.delenv("LMKERNELS_RMSNORM_INPLACE_BWD")
-    assert not rms_mod.in_place_backward_from_env()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (peak memory)")
-def test_in_place_backward_lowers_peak_memory(monkeypatch):
-    M, N = 8192, 4096
-
-    def peak_of_backward(in_place):
-        monkeypatch.setattr(rms_mod, "IN_PLACE_BACKWARD", in_place)
-        x, w = _rms_leaves(shape=(M, N))
-        scale = _randn((M, N), torch.bfloat16, 7)
-        # dy = scale * 1: a fresh bf16 tensor only the RMSNorm backward sees.
-        loss = (lmkernels.rms_norm(x, w, backend="triton") * scale).sum()
-        return peak_memory_bytes(loss.backward, [], "cuda")
-
-    saved = peak_of_backward(False) - peak_of_backward(True)
-    assert saved >= M * N * 2 * 0.9, f"in-place backward saved only {saved} bytes"
 
 
 # --- GPU: more than 2^31 elements ---------------------------------------------------------------

@@ -149,23 +149,25 @@ def _liger_rope_supports(q, k, cos, sin, position_ids=None, layout="neox", rotar
     return []
 
 
-def liger_swiglu(gate, up):
+# consume_inputs is accepted and ignored: Liger's GLU backward always writes its gradients over
+# gate and up (its own behaviour, which validation reports on the cases that keep the inputs).
+def liger_swiglu(gate, up, consume_inputs=False):
     from liger_kernel.transformers.functional import liger_swiglu as swiglu
 
     return swiglu(gate, up)
 
 
-def _liger_swiglu_supports(gate, up):
+def _liger_swiglu_supports(gate, up, consume_inputs=False):
     return _wide_rows(gate)
 
 
-def liger_geglu(gate, up, approximate="tanh"):
+def liger_geglu(gate, up, approximate="tanh", consume_inputs=False):
     from liger_kernel.transformers.functional import liger_geglu as geglu
 
     return geglu(gate, up)
 
 
-def _liger_geglu_supports(gate, up, approximate="tanh"):
+def _liger_geglu_supports(gate, up, approximate="tanh", consume_inputs=False):
     reasons = _wide_rows(gate)
     if approximate != "tanh":
         reasons.append(f"approximate={approximate!r}: Liger's GeGLU implements only the tanh approximation")

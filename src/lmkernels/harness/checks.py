@@ -9,7 +9,9 @@ For a case (op, impl, shape, dtype, option set) the harness
 5. for every output and every input gradient, computes the relative RMS error
    ||x - ref|| / ||ref|| of the impl and of eager, and passes when the impl's error is finite,
    <= factor * eager's + floor, and <= the dtype's bound (OpSpec.tolerances).
-It also checks the impl left its inputs untouched and matched eager's output shapes and dtypes.
+It also checks the impl left its inputs untouched (unless the case hands them over with
+consume_inputs=True: their memory may then hold gradients) and matched eager's output shapes
+and dtypes.
 Optionally it runs the impl through torch.compile(fullgraph=True) and checks that too.
 """
 
@@ -274,7 +276,9 @@ def _check(spec, impl, shape, dtype, case, device, seed, compile_backend, result
     if impl.has_backward is False:
         got.update({k: v for k, v in eager.items() if k.startswith("grad_")})
     errors, problems = _compare(got, eager, ref, tol)
-    for k, v in _snapshot(impl_inputs).items():
+    # consume_inputs=True: the caller hands its tensors over, the impl may write over them.
+    kept = {} if inputs.get("consume_inputs") is True else _snapshot(impl_inputs)
+    for k, v in kept.items():
         if not torch.equal(v, before[k]):
             problems.append(f"input {k} was modified by the impl")
     result.errors = errors

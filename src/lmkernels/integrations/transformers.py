@@ -241,9 +241,9 @@ def _mlp_forward(table: dict[str, str]):
             raise _unsupported_activation(self)
         gate, up = self.gate_proj(x), self.up_proj(x)
         if kind[0] == "swiglu":
-            h = lmkernels.swiglu(gate, up, backend=backends["swiglu"])
+            h = lmkernels.swiglu(gate, up, consume_inputs=True, backend=backends["swiglu"])
         else:
-            h = lmkernels.geglu(gate, up, approximate=kind[1], backend=backends["geglu"])
+            h = lmkernels.geglu(gate, up, approximate=kind[1], consume_inputs=True, backend=backends["geglu"])
         return self.down_proj(h)
 
     return _mark(forward)

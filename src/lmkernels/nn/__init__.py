@@ -122,7 +122,11 @@ class _GLUMLP(nn.Module):
 
 
 class SwiGLUMLP(_GLUMLP):
-    """down_proj(silu(gate_proj(x)) * up_proj(x)), the Llama/Mistral/Qwen2 MLP."""
+    """down_proj(silu(gate_proj(x)) * up_proj(x)), the Llama/Mistral/Qwen2 MLP.
+
+    The outputs of gate_proj and up_proj are handed over to the GLU (consume_inputs=True): its
+    backward may write the gradients over them. A forward hook that keeps them sees that.
+    """
 
     def __init__(
         self,
@@ -136,11 +140,15 @@ class SwiGLUMLP(_GLUMLP):
         super().__init__(hidden_size, intermediate_size, bias, backend, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(lmkernels.swiglu(self.gate_proj(x), self.up_proj(x), backend=self.backend))
+        # gate and up are created here and read by nothing else: handed over to the GLU, whose
+        # backward may then write the gradients over them (see lmkernels.swiglu).
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(lmkernels.swiglu(gate, up, consume_inputs=True, backend=self.backend))
 
 
 class GeGLUMLP(_GLUMLP):
-    """down_proj(gelu(gate_proj(x), approximate) * up_proj(x)), the Gemma MLP ("tanh")."""
+    """down_proj(gelu(gate_proj(x), approximate) * up_proj(x)), the Gemma MLP ("tanh").
+    gate_proj's and up_proj's outputs are handed over as in SwiGLUMLP."""
 
     def __init__(
         self,
@@ -157,9 +165,8 @@ class GeGLUMLP(_GLUMLP):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = lmkernels.geglu(
-            self.gate_proj(x), self.up_proj(x), approximate=self.approximate, backend=self.backend
-        )
+        gate, up = self.gate_proj(x), self.up_proj(x)  # handed over: see SwiGLUMLP.forward
+        h = lmkernels.geglu(gate, up, self.approximate, consume_inputs=True, backend=self.backend)
         return self.down_proj(h)
 
     def extra_repr(self) -> str:

@@ -4,6 +4,12 @@ swiglu(gate, up) = silu(gate) * up
 geglu(gate, up, approximate) = gelu(gate, approximate) * up   ("tanh" for Gemma, "none" exact)
 Computed in fp32, one rounding to the inputs' dtype. gate and up have one shape and dtype.
 Gradients: gate and up.
+
+consume_inputs is not part of the math: it is who owns gate and up. True means the caller
+hands them over for good (an MLP's forward that has just created them), so a backward may
+write d_gate and d_up over their memory instead of allocating; the caller must not read gate
+or up afterwards, nor backward through them twice. False (the default) promises the caller's
+tensors are never written. References and backends that have no use for it ignore it.
 """
 
 from __future__ import annotations
@@ -18,15 +24,17 @@ from lmkernels.utils import check_choice, check_same_device, check_same_dtype, c
 GELU_APPROXIMATIONS = ("tanh", "none")
 
 
-def swiglu_reference(gate, up):
+def swiglu_reference(gate, up, consume_inputs=False):
     return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
-def geglu_reference(gate, up, approximate="tanh"):
+def geglu_reference(gate, up, approximate="tanh", consume_inputs=False):
     return (F.gelu(gate.float(), approximate=approximate) * up.float()).to(gate.dtype)
 
 
-def _check_pair(gate, up):
+def _check_pair(gate, up, consume_inputs):
+    if not isinstance(consume_inputs, bool):
+        fail(f"consume_inputs: expected a bool, got {consume_inputs!r}")
     check_tensor("gate", gate)
     check_tensor("up", up)
     if gate.shape != up.shape:
@@ -35,12 +43,12 @@ def _check_pair(gate, up):
     check_same_device(gate=gate, up=up)
 
 
-def check_swiglu(gate, up):
-    _check_pair(gate, up)
+def check_swiglu(gate, up, consume_inputs=False):
+    _check_pair(gate, up, consume_inputs)
 
 
-def check_geglu(gate, up, approximate="tanh"):
-    _check_pair(gate, up)
+def check_geglu(gate, up, approximate="tanh", consume_inputs=False):
+    _check_pair(gate, up, consume_inputs)
     check_choice("approximate", approximate, GELU_APPROXIMATIONS)
 
 
@@ -74,6 +82,9 @@ SWIGLU = register_op(
         check_inputs=check_swiglu,
         grad_inputs=("gate", "up"),
         shapes=GLU_SHAPES,
+        # consume_inputs=True: the harness checks values and gradients as usual and allows the
+        # inputs to change (their memory may hold the gradients).
+        cases=[{}, {"consume_inputs": True}],
         bytes_moved=_glu_bytes,
         description="silu(gate) * up",
     )
@@ -87,18 +98,24 @@ GEGLU = register_op(
         check_inputs=check_geglu,
         grad_inputs=("gate", "up"),
         shapes=GLU_SHAPES,
-        cases=[{}, {"approximate": "none"}],
+        cases=[{}, {"approximate": "none"}, {"consume_inputs": True}],
         bytes_moved=_glu_bytes,
         description="gelu(gate) * up, tanh or exact gelu",
     )
 )
 
 
-def swiglu(gate, up, *, backend=None) -> torch.Tensor:
-    """silu(gate) * up."""
-    return dispatch("swiglu", backend, gate=gate, up=up)
+def swiglu(gate, up, *, consume_inputs=False, backend=None) -> torch.Tensor:
+    """silu(gate) * up.
+
+    consume_inputs=True hands gate and up over for good: the backward may write the gradients
+    over them (no allocation). Set it only on tensors nothing else reads afterwards.
+    """
+    return dispatch("swiglu", backend, gate=gate, up=up, consume_inputs=consume_inputs)
 
 
-def geglu(gate, up, approximate="tanh", *, backend=None) -> torch.Tensor:
-    """gelu(gate, approximate) * up."""
-    return dispatch("geglu", backend, gate=gate, up=up, approximate=approximate)
+def geglu(gate, up, approximate="tanh", *, consume_inputs=False, backend=None) -> torch.Tensor:
+    """gelu(gate, approximate) * up. consume_inputs: as for swiglu."""
+    return dispatch(
+        "geglu", backend, gate=gate, up=up, approximate=approximate, consume_inputs=consume_inputs
+    )

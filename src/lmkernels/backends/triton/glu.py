@@ -8,25 +8,23 @@ The backward saves only gate and up and recomputes the activation and its deriva
 the program that then writes d_gate and d_up at the same element, so the results may be written
 over any of those three buffers.
 
-Memory of the backward. Out of place, d_gate and d_up are fresh tensors: the peak is the two
-gradients on top of grad, gate and up (plus contiguous copies of strided inputs). In place
-(IN_PLACE_BACKWARD, on by default; the environment variable LMKERNELS_GLU_INPLACE_BWD=0 at
-import turns it off), eager calls write d_gate over the saved gate and d_up over the saved up
-when nobody else can see them, as Liger Kernel does: in a Llama MLP,
-down(swiglu(gate_proj(x), up_proj(x))), gate and up are temporaries only autograd holds, also
-under non-reentrant activation checkpointing (the recomputed ones), and the backward allocates
-nothing. Otherwise a result goes into the contiguous copy the backward made of a strided input
-(chunk(2, dim=-1) of a fused gate_up), or into the incoming gradient when that one is exclusive
-(not a view, e.g.), or into a fresh tensor. Exclusivity is proved from reference counts
-(_exclusive.py): the caller's tensors, leaves, tensors other nodes saved, views of a larger
-buffer and the saved tensors of a retained graph (retain_graph=True: a later backward reads gate
-and up again) are never written. torch.compile'd code calls the functional custom ops.
-last_backward_buffers() says where the last eager backward wrote.
+Where the gradients go (eager calls; torch.compile'd code calls the functional custom ops):
+- consume_inputs=True (the caller hands gate and up over for good: the nn modules and the
+  transformers integration, which create them in the MLP's forward): d_gate is written over
+  gate and d_up over up, as Liger Kernel does, and the backward allocates nothing. The saved
+  gate and up then get their autograd version bumped, so a later backward that would read them
+  (retain_graph=True, or another node that saved them) fails with autograd's "modified by an
+  inplace operation" error instead of computing with gradients. Not over a strided input
+  (chunk(2, dim=-1) of a fused gate_up projection: the other half and the caller's buffer live
+  there; the backward's contiguous copy takes the result instead), not over up when it shares
+  memory with gate, not where the incoming gradient shares memory with either.
+- consume_inputs=False (the default, a plain call on the caller's tensors): gate and up are
+  never written; the results go into the contiguous copies the backward makes of strided
+  inputs or of an expanded gradient (its own), else into fresh tensors.
+The incoming gradient itself is never written: nothing here knows who else holds it.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -34,24 +32,8 @@ import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import cdiv, device_guard, op_or_raw, traced
-from lmkernels.backends.triton._exclusive import (
-    excess_holders,
-    grad_is_exclusive,
-    graph_is_retained,
-    saved_is_exclusive,
-    saved_tensors_and_counts,
-)
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
-
-
-def in_place_backward_from_env() -> bool:
-    return os.environ.get("LMKERNELS_GLU_INPLACE_BWD", "1").strip().lower() not in ("0", "false", "no")
-
-
-# Write d_gate and d_up over buffers the backward received when that is provably safe (see the
-# module docstring). On by default: it only engages where nobody else can see the memory.
-IN_PLACE_BACKWARD = in_place_backward_from_env()
 
 # Activation names in the custom op schemas -> the constexpr the kernels branch on.
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu": 2}
@@ -146,16 +128,37 @@ def _glu_backward_into(grad, gate, up, activation, d_gate, d_up) -> None:
             )
 
 
+def _glu_backward_to(grad, gate, up, activation, d_gate=None, d_up=None):
+    """(d_gate, d_up) of act(gate) * up for the upstream gradient grad.
+
+    d_gate / d_up, when given, are written over: contiguous, gate's shape and dtype, each gate,
+    up or memory nobody reads afterwards. The missing ones go into the contiguous copies made
+    here of strided arguments (ours: chunk() halves of a fused projection, an expanded
+    gradient), else into fresh tensors.
+    """
+    # The kernel indexes flat memory: strided arguments are copied (a no-op when contiguous).
+    copies = []
+    flat = []
+    for t in (gate, up, grad):
+        c = t.contiguous()
+        flat.append(c)
+        if c is not t:
+            copies.append(c)
+    if d_gate is None:
+        d_gate = copies.pop(0) if copies else empty(gate.shape, gate.dtype, gate.device)
+    if d_up is None:
+        d_up = copies.pop(0) if copies else empty(up.shape, up.dtype, up.device)
+    gate, up, grad = flat
+    _glu_backward_into(grad, gate, up, activation, d_gate, d_up)
+    return d_gate, d_up
+
+
 def _glu_backward(
     grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_gate, d_up) of act(gate) * up for the upstream gradient grad, in fresh tensors."""
-    # Autograd may hand an expanded (stride 0) gradient: make everything flat-indexable.
-    grad, gate, up = grad.contiguous(), gate.contiguous(), up.contiguous()
-    d_gate = empty(gate.shape, gate.dtype, gate.device)
-    d_up = empty(up.shape, up.dtype, up.device)
-    _glu_backward_into(grad, gate, up, activation, d_gate, d_up)
-    return d_gate, d_up
+    """(d_gate, d_up) of act(gate) * up for the upstream gradient grad; gate, up and grad are
+    left as they are."""
+    return _glu_backward_to(grad, gate, up, activation)
 
 
 # --- torch.library ops and autograd ----------------------------------------------------------------
@@ -182,7 +185,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    """The custom op's backward (compiled code): functional, fresh d_gate and d_up."""
+    """The custom op's backward (compiled code): functional, gate and up are never written."""
     gate, up = ctx.saved_tensors
     d_gate, d_up = op_or_raw(glu_backward, _glu_backward)(grad, gate, up, ctx.activation)
     return d_gate, d_up, None
@@ -191,114 +194,91 @@ def _backward(ctx, grad):
 glu_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-# --- eager autograd, with the in-place backward ------------------------------------------------------
+# --- eager autograd, with the consuming backward -----------------------------------------------------
 
-_OVERWRITTEN = (
-    "lmkernels GLU: this backward already wrote its gradients over the saved gate and up (the "
-    "in-place backward), so it cannot run again. Set LMKERNELS_GLU_INPLACE_BWD=0 to keep them."
+_CONSUMED = (
+    "lmkernels GLU: this backward already wrote its gradients over gate and up, which the caller "
+    "handed over with consume_inputs=True, so it cannot run again (e.g. with retain_graph=True). "
+    "Call it with consume_inputs=False to keep them."
 )
 
-# Where the last eager backward wrote (d_gate, d_up): see last_backward_buffers().
-_last_buffers: tuple[str, str] | None = None
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Conservative: any two tensors on one storage count as sharing memory."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def last_backward_buffers() -> tuple[str, str] | None:
-    """(where d_gate went, where d_up went) in the last eager GLU backward: "gate" / "up" (over
-    the saved input), "grad" (over the incoming gradient), "copy" (over the contiguous copy of
-    a strided saved input) or "new" (a fresh tensor)."""
-    return _last_buffers
+def _consumed_targets(grad, gate, up):
+    """Which of gate and up the consuming backward may write its results over (None: not that
+    one): contiguous (the kernel's flat indexing is their own elements, nothing else of the
+    storage), up not sharing memory with gate (both results would land on the same elements),
+    and neither sharing memory with the incoming gradient (not handed over)."""
+    d_gate = gate if gate.is_contiguous() and not _shares_memory(gate, grad) else None
+    d_up = up if up.is_contiguous() and not _shares_memory(up, grad) else None
+    if d_up is not None and _shares_memory(up, gate):
+        d_up = None
+    return d_gate, d_up
 
 
 class _GLUFunction(torch.autograd.Function):
-    """The eager path: the forward launcher and a backward that may work in place.
-
-    With IN_PLACE_BACKWARD the forward also returns a non-differentiable empty `control`, whose
-    gradient autograd materializes next to grad: the reference for grad's holders (see
-    _exclusive.excess_holders). Otherwise it returns (out,) and materializes nothing.
-    """
+    """The eager path: the forward launcher, and a backward that writes over gate and up when
+    the caller handed them over (consume_inputs)."""
 
     @staticmethod
-    def forward(ctx, gate, up, activation):
+    def forward(ctx, gate, up, activation, consume_inputs):
         out = _glu_forward(gate, up, activation)
         _setup_context(ctx, (gate, up, activation), out)
-        ctx.set_materialize_grads(IN_PLACE_BACKWARD)
-        if not IN_PLACE_BACKWARD:
-            return (out,)
-        control = out.new_empty((0,))
-        ctx.mark_non_differentiable(control)
-        return out, control
+        ctx.consume_inputs = consume_inputs
+        ctx.overwritten = {}  # data_ptr -> version of each saved tensor a backward wrote over
+        return out
 
     @staticmethod
-    def backward(ctx, grad, control=None):
-        global _last_buffers
-        # First, before anything else takes a reference to grad.
-        excess = excess_holders(grad, control) if control is not None else None
-        if getattr(ctx, "overwritten", False):
-            raise RuntimeError(_OVERWRITTEN)
-        if not IN_PLACE_BACKWARD or grad is None:
-            gate, up = ctx.saved_tensors
-            if grad is None:  # out got no gradient (grads are not materialized)
-                return None, None, None
-            d_gate, d_up = op_or_raw(glu_backward, _glu_backward)(grad, gate, up, ctx.activation)
-            _last_buffers = ("new", "new")
-            return d_gate, d_up, None
-        (gate, up), counts = saved_tensors_and_counts(ctx)
-        args = (grad, gate, up)
-        if torch.is_grad_enabled() or traced(args):  # create_graph=True, or tracing: functional
-            d_gate, d_up = op_or_raw(glu_backward, _glu_backward)(grad, gate, up, ctx.activation)
-            _last_buffers = ("new", "new")
-            return d_gate, d_up, None
-
-        # Candidate buffers: the saved inputs (only while the graph is not retained: a later
-        # backward would read them) and the incoming gradient.
-        retained = graph_is_retained() is not False
-        gate_free = not retained and saved_is_exclusive(gate, counts[0])
-        up_free = not retained and gate is not up and saved_is_exclusive(up, counts[1])
-        if grad.is_contiguous():
-            grad_free = grad_is_exclusive(excess, grad.device)
-        else:  # an expanded gradient (out.sum()): the contiguous copy is ours
-            grad, grad_free = grad.contiguous(), True
-        # A strided saved input is copied for the kernel: the copy is ours to write into.
-        gate_c, up_c = gate.contiguous(), up.contiguous()
-        gate_free, up_free = gate_free or gate_c is not gate, up_free or up_c is not up
-
-        def target(own_free, own, saved, own_name):
-            nonlocal grad_free
-            if own_free:
-                return own.detach(), own_name if own is saved else "copy"
-            if grad_free and grad.dtype == own.dtype and grad.shape == own.shape:
-                grad_free = False
-                return grad, "grad"
-            return empty(own.shape, own.dtype, own.device), "new"
-
-        d_gate, gate_to = target(gate_free, gate_c, gate, "gate")
-        d_up, up_to = target(up_free, up_c, up, "up")
-        if gate_to == "gate" or up_to == "up":
-            ctx.overwritten = True  # see _OVERWRITTEN; the graph is not retained anyway
-        _glu_backward_into(grad, gate_c, up_c, ctx.activation, d_gate, d_up)
-        _last_buffers = (gate_to, up_to)
-        return d_gate, d_up, None
+    def backward(ctx, grad):
+        # Unpacked first: after a consuming backward, a retained graph fails here with autograd's
+        # version-counter error. Saved-tensor hooks skip that check: a hook handing back the
+        # memory written over (same address, version counter at least the bumped one) is caught
+        # below; one handing back new tensors (recomputed by non-reentrant checkpointing, copied
+        # back from the CPU: version 0) runs as usual.
+        gate, up = ctx.saved_tensors
+        if any(ctx.overwritten.get(t.data_ptr(), float("inf")) <= t._version for t in (gate, up)):
+            raise RuntimeError(_CONSUMED)
+        args = (grad, gate, up, ctx.activation)
+        # create_graph=True or tracing: the functional op (whose missing derivative is an error).
+        if not ctx.consume_inputs or torch.is_grad_enabled() or traced(args[:3]):
+            d_gate, d_up = op_or_raw(glu_backward, _glu_backward)(*args)
+            return d_gate, d_up, None, None
+        d_gate, d_up = _consumed_targets(grad, gate, up)
+        written = [t for t in (d_gate, d_up) if t is not None]
+        d_gate, d_up = _glu_backward_to(*args, d_gate, d_up)
+        # The kernel wrote through pointers: tell autograd, so that anything that saved gate or
+        # up (this node, if its graph is retained; another node) refuses to read them again.
+        for t in written:
+            torch.autograd.graph.increment_version(t)
+            ctx.overwritten[t.data_ptr()] = t._version
+        # detach(): the same memory and version counter, without gate's autograd history.
+        return d_gate.detach(), d_up.detach(), None, None
 
 
 # --- lmkernels impls -------------------------------------------------------------------------------
 
 
-def _glu(gate, up, activation):
-    """As _common.call, for the eager Function's extra control output."""
+def _glu(gate, up, activation, consume_inputs):
+    """As _common.call, with the eager Function's extra consume_inputs argument (not part of the
+    custom op: compiled graphs are functional and plan their own buffers)."""
     args = (gate, up, activation)
     if traced(args):
         return glu_forward(*args)
     if torch.is_grad_enabled() and torch._C._any_requires_grad(gate, up):
-        return _GLUFunction.apply(*args)[0]
+        return _GLUFunction.apply(*args, consume_inputs)
     return _glu_forward(*args)
 
 
-def swiglu_triton(gate, up):
-    return _glu(gate, up, "silu")
+def swiglu_triton(gate, up, consume_inputs=False):
+    return _glu(gate, up, "silu", consume_inputs)
 
 
-def geglu_triton(gate, up, approximate="tanh"):
-    return _glu(gate, up, _GELU_BY_APPROXIMATE[approximate])
+def geglu_triton(gate, up, approximate="tanh", consume_inputs=False):
+    return _glu(gate, up, _GELU_BY_APPROXIMATE[approximate], consume_inputs)
 
 
 def _supports(**inputs) -> list[str]:

@@ -6,26 +6,16 @@ the end, "none" rounds after every step as eager PyTorch does in x.dtype (emulat
 
 The work is laid out as _norms.py describes: one row per program forward, a persistent backward
 that keeps the weight-gradient partial sums in fp32 registers.
-
-In-place backward (off by default): with IN_PLACE_BACKWARD = True (or the environment variable
-LMKERNELS_RMSNORM_INPLACE_BWD=1 at import) dx is written into the incoming gradient buffer when
-nothing else can see that buffer, which saves one M x N allocation. See _grad_is_exclusive.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import call, device_guard, eager_function, op_or_raw, soft_bf16, traced
-from lmkernels.backends.triton._exclusive import EXCLUSIVE_GRAD_EXCESS as _EXCLUSIVE_EXCESS  # noqa: F401
-from lmkernels.backends.triton._exclusive import excess_holders as _excess_holders
-from lmkernels.backends.triton._exclusive import exclusive_grad_excess as _exclusive_excess  # noqa: F401
-from lmkernels.backends.triton._exclusive import grad_is_exclusive as _grad_is_exclusive
+from lmkernels.backends.triton._common import call, device_guard, eager_function, op_or_raw, soft_bf16
 from lmkernels.backends.triton._norms import (
     num_rows,
     partial_buffer,
@@ -38,14 +28,6 @@ from lmkernels.backends.triton._norms import (
 )
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
-
-
-def in_place_backward_from_env() -> bool:
-    return os.environ.get("LMKERNELS_RMSNORM_INPLACE_BWD", "0").strip().lower() in ("1", "true", "yes")
-
-
-# Write dx into the incoming gradient buffer when that is provably safe (see _grad_is_exclusive).
-IN_PLACE_BACKWARD = in_place_backward_from_env()
 
 _MODES = {"llama": 0, "gemma": 1, "none": 2}  # casting_mode -> MODE of the kernels
 GEMMA: tl.constexpr = tl.constexpr(1)
@@ -317,17 +299,6 @@ def _(dy, x, weight, rstd, offset, casting_mode):
     return x.new_empty(x.shape), x.new_empty(dw_shape, dtype=dw_dtype)
 
 
-# --- in-place backward: is the incoming gradient ours to overwrite? ------------------------------
-# Decided from reference counts by the helpers of _exclusive.py, imported above under this
-# module's names (_backward looks _grad_is_exclusive up here, so tests can patch it).
-
-
-def _rms_norm_bwd_in_place(dy, x, weight, rstd, offset, casting_mode) -> torch.Tensor:
-    """Overwrites dy (contiguous, x's shape and dtype) with dx; returns dw (empty without weight).
-    Eager only: a compiled graph stays functional and reuses buffers itself."""
-    return _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dy)
-
-
 # --- autograd ----------------------------------------------------------------------------------
 
 
@@ -339,32 +310,16 @@ def _setup_context(ctx, inputs, output):
     ctx.offset = offset
     ctx.casting_mode = casting_mode
     # Autograd would materialize a zero gradient for rstd (an allocation and a fill kernel per
-    # backward); only the in-place check uses it, as its control.
-    ctx.set_materialize_grads(IN_PLACE_BACKWARD)
+    # backward) that nothing reads.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, drstd):
-    # First, before anything else takes a reference to dy.
-    excess = _excess_holders(dy, drstd) if IN_PLACE_BACKWARD else None
     if dy is None:  # y got no gradient (grads are not materialized)
         return None, None, None, None, None
     x, weight, rstd = ctx.saved_tensors
     args = (x, weight, rstd, ctx.offset, ctx.casting_mode)
-    in_place = (
-        IN_PLACE_BACKWARD
-        and dy.dtype == x.dtype
-        and not torch.is_grad_enabled()  # create_graph=True: dy may be part of a graph
-        and not traced((dy, *args))
-    )
-    if in_place and not dy.is_contiguous():
-        dy = dy.contiguous()  # a fresh copy: ours to overwrite
-    elif in_place:
-        in_place = _grad_is_exclusive(excess, dy.device)
-    if in_place:
-        dw = _rms_norm_bwd_in_place(dy, *args)
-        dx = dy
-    else:
-        dx, dw = op_or_raw(rms_norm_bwd, _rms_norm_bwd)(dy, *args)
+    dx, dw = op_or_raw(rms_norm_bwd, _rms_norm_bwd)(dy, *args)
     dx = dx if ctx.needs_input_grad[0] else None
     dw = dw if weight is not None and ctx.needs_input_grad[1] else None
     return dx, dw, None, None, None
