@@ -21,7 +21,6 @@ pytest.importorskip("triton", reason="the Triton backend needs triton")
 
 import lmkernels  # noqa: E402
 from lmkernels.backends.triton import _flce_kernels as kernels  # noqa: E402
-from lmkernels.backends.triton import flce as tflce  # noqa: E402
 from lmkernels.backends.triton import triton_unavailable_reason  # noqa: E402
 from lmkernels.ops.flce import SPEC, fused_linear_cross_entropy_reference  # noqa: E402
 
@@ -39,14 +38,17 @@ def small_chunks(monkeypatch):
     vocabulary blocks of 48 columns: V=131 runs 48 + 48 + 35."""
     monkeypatch.setattr(kernels, "CHUNK_TOKENS", 16)
     monkeypatch.setattr(kernels, "BLOCK_OVERRIDE", (16, 48))
-    monkeypatch.delenv(tflce.MODE_ENV, raising=False)
 
 
-@pytest.fixture(params=tflce.MODES)
+BACKENDS = {"lean": "triton", "fast": "triton_fast"}
+BACKEND = {"name": "triton"}  # what triton_fn runs; the `mode` fixture switches it
+
+
+@pytest.fixture(params=list(BACKENDS))
 def mode(request, monkeypatch):
     """Both memory modes (lean: logsumexp-only forward, blocked backward; fast: gradients in
     the forward for mean/sum)."""
-    monkeypatch.setattr(tflce, "MODE", request.param)
+    monkeypatch.setitem(BACKEND, "name", BACKENDS[request.param])
     return request.param
 
 
@@ -142,7 +144,7 @@ def check(name, impl, eager, truth, dtype):
 
 
 def triton_fn(inputs):
-    return lmkernels.fused_linear_cross_entropy(**inputs, backend="triton")
+    return lmkernels.fused_linear_cross_entropy(**inputs, backend=BACKEND["name"])
 
 
 def eager_fn(inputs):
@@ -186,7 +188,7 @@ def test_matches_fp64(dtype, shape, case):
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in CASES])
 def test_fast_mode_matches_fp64(monkeypatch, case):
     """The fast mode (gradients in the forward for mean/sum) on every OpSpec case."""
-    monkeypatch.setattr(tflce, "MODE", "fast")
+    monkeypatch.setitem(BACKEND, "name", "triton_fast")
     compare(make(SHAPES["37x64x131"], torch.bfloat16, CASES[case]), torch.bfloat16)
 
 
@@ -282,11 +284,11 @@ def test_grad_accum_dtype(accum, reduction, mode):
 def test_scaled_in_place_without_copy(monkeypatch, accum):
     """Fast mode: the forward's grad_W and grad_hidden buffers are scaled in place and become weight.grad
     and hidden.grad: no copy, on the eager path (a plain autograd.Function, not the custom op)."""
-    monkeypatch.setattr(tflce, "MODE", "fast")
+    monkeypatch.setitem(BACKEND, "name", "triton_fast")
     inputs = make(SHAPES["37x64x131"], torch.bfloat16, {"grad_accum_dtype": accum})
     hidden = inputs["hidden"].requires_grad_(True)
     weight = inputs["weight"].requires_grad_(True)
-    loss = lmkernels.fused_linear_cross_entropy(**inputs, backend="triton")
+    loss = triton_fn(inputs)
     assert type(loss.grad_fn).__name__ == "FlceTritonFunctionBackward"
     saved = loss.grad_fn.saved_tensors
     ptrs = [g.data_ptr() for g in saved[:2]]
@@ -310,7 +312,7 @@ def _profile_step(inputs):
     if DEVICE == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        loss = lmkernels.fused_linear_cross_entropy(**inputs, backend="triton")
+        loss = lmkernels.fused_linear_cross_entropy(**inputs, backend=BACKEND["name"])
         loss.sum().backward()
         del loss
         # Triton's CPU interpreter keeps the storages of a launch's arguments in a reference
@@ -381,7 +383,7 @@ def test_no_grad_forward_matches(reduction):
 
 def test_second_backward_raises(monkeypatch):
     """Fast mode: mean/sum scale the stored gradients in place: a second backward must fail loudly."""
-    monkeypatch.setattr(tflce, "MODE", "fast")
+    monkeypatch.setitem(BACKEND, "name", "triton_fast")
     inputs = make(SHAPES["37x64x131"], torch.float32, {})
     inputs["hidden"].requires_grad_(True)
     loss = triton_fn(inputs)
@@ -505,7 +507,7 @@ def test_compile_fullgraph_matches_eager(reduction, mode):
     inputs = make(SHAPES["2x5x40_V500"], torch.bfloat16, {"reduction": reduction, "with_bias": True})
 
     def fn(i):
-        return lmkernels.fused_linear_cross_entropy(**i, backend="triton")
+        return lmkernels.fused_linear_cross_entropy(**i, backend=BACKEND["name"])
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     loss, _, grads = run(fn, inputs)
@@ -534,12 +536,12 @@ def test_peak_memory_cuda(monkeypatch, accum, mode):
     inputs = make({"BT": BT, "H": H, "V": V}, torch.bfloat16, {"grad_accum_dtype": accum})
     hidden = inputs["hidden"].requires_grad_(True)
     weight = inputs["weight"].requires_grad_(True)
-    lmkernels.fused_linear_cross_entropy(**inputs, backend="triton").backward()  # warm-up, autotune
+    lmkernels.fused_linear_cross_entropy(**inputs, backend=BACKEND["name"]).backward()  # warm-up, autotune
     hidden.grad = weight.grad = None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    loss = lmkernels.fused_linear_cross_entropy(**inputs, backend="triton")
+    loss = lmkernels.fused_linear_cross_entropy(**inputs, backend=BACKEND["name"])
     torch.cuda.synchronize()
     before_backward = torch.cuda.memory_allocated()
     peak_forward = torch.cuda.max_memory_allocated() - base

@@ -4,16 +4,16 @@ The (tokens x V) logits are never materialized. cuBLAS computes logits in pieces
 output (bf16/fp16 inputs, fp32 accumulation: rounding logits to bf16 before the softmax would
 shift every probability by up to |z| * 2^-9, far outside the correctness policy), and one
 Triton kernel turns each row of a piece into logsumexp, loss and d loss / d logits (written in
-the input dtype over the logits). Two modes trade memory for time:
+the input dtype over the logits). Two impls trade memory for time:
 
-- "lean" (the default): the forward computes only the logsumexp and the loss (token chunks of
+- backend "triton", the lean mode (the default): the forward computes only the logsumexp and the loss (token chunks of
   fp32 logits no larger than the backward's own peak). The backward recomputes the logits in
   blocks of (token super-chunk x vocabulary columns) sized by a budget of LEAN_EXTRA_FRACTION
   (8%) of the gradients' bytes: per block, grad_W's rows come from one GEMM over the
   super-chunk's tokens and grad_hidden accumulates in fp32. Peak memory above the inputs:
   grad_W + grad_hidden + the budget, i.e. about Cut Cross-Entropy's (its gradients alone).
   Cost: the logits are computed twice, 8*BT*H*V flops instead of 6 (the GEMMs are cuBLAS's).
-- "fast": for "mean"/"sum" the forward computes every gradient (the upstream gradient is one
+- backend "triton_fast", the fast mode: for "mean"/"sum" the forward computes every gradient (the upstream gradient is one
   scalar, applied in the backward by scaling in place): 6*BT*H*V flops, but a chunk of fp32
   logits (CHUNK_BYTES, 1 GiB) and, by default, an fp32 grad_W accumulator live at the peak.
 
@@ -23,7 +23,7 @@ lets the lean mode split the tokens into at most MAX_SUPER_CHUNKS (8) super-chun
 rows are summed in the weight's dtype (one rounding each: measured 2.2x eager's error at 8, the
 policy allows 3x) and the fast mode accumulate in it (one rounding per chunk). None is the
 mode's default: lean sums in the weight's dtype, fast accumulates in fp32.
-Choose the mode with LMKERNELS_FLCE_MODE=lean|fast or the module constant MODE.
+Choose the fast mode like any backend: backend="triton_fast", or LMKERNELS_BACKEND="triton,flce=triton_fast".
 
 reduction "none" (a gradient per token) or no gradient needed: both modes keep only the
 logsumexp and the backward recomputes (the budget is CHUNK_BYTES in fast mode).
@@ -45,27 +45,12 @@ Out-of-range targets (possible only when LMKERNELS_CHECK_VALUES=0 skipped the in
 never read: their loss, and the gradients, are nan.
 """
 
-import os
-
 import torch
 
 from lmkernels.backends.triton import _flce_kernels as kernels
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import call, eager_function, op_or_raw, traced
 from lmkernels.registry.core import register
-
-MODES = ("lean", "fast")
-MODE = "lean"
-MODE_ENV = "LMKERNELS_FLCE_MODE"
-
-
-def flce_mode() -> str:
-    """The memory mode of this call: LMKERNELS_FLCE_MODE, else the module constant MODE."""
-    mode = os.environ.get(MODE_ENV) or MODE
-    if mode not in MODES:
-        raise ValueError(f"{MODE_ENV}: expected one of {MODES}, got {mode!r}")
-    return mode
-
 
 # --- torch.library registration ------------------------------------------------------------------
 
@@ -311,10 +296,11 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 _FlceFunction = eager_function("FlceTritonFunction", _forward_raw, _setup_context, _backward)
 
 
-# --- the impl ------------------------------------------------------------------------------------
+# --- the impls -----------------------------------------------------------------------------------
 
 
-def fused_linear_cross_entropy_triton(
+def _flce(
+    lean,
     hidden,
     weight,
     target,
@@ -329,7 +315,6 @@ def fused_linear_cross_entropy_triton(
     grad_accum_dtype=None,
 ):
     H = weight.shape[1]
-    mode = flce_mode()
     grad_on = torch.is_grad_enabled()
     # The gradient outputs are dropped here: the backward's saved tensors are their only owners.
     loss, lse, _, _, _ = call(
@@ -348,8 +333,8 @@ def fused_linear_cross_entropy_triton(
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
-        _accum_fp32(grad_accum_dtype, mode),
-        mode == "lean",
+        _accum_fp32(grad_accum_dtype, lean),
+        lean,
     )
     if reduction == "none":
         loss = loss.view(target.shape)
@@ -358,12 +343,22 @@ def fused_linear_cross_entropy_triton(
     return loss
 
 
-def _accum_fp32(grad_accum_dtype, mode) -> bool:
+def fused_linear_cross_entropy_triton(hidden, weight, target, **options):
+    """The lean mode (module docstring): memory about the gradients alone."""
+    return _flce(True, hidden, weight, target, **options)
+
+
+def fused_linear_cross_entropy_triton_fast(hidden, weight, target, **options):
+    """The fast mode (module docstring): gradients in the forward, a chunk of logits held."""
+    return _flce(False, hidden, weight, target, **options)
+
+
+def _accum_fp32(grad_accum_dtype, lean) -> bool:
     """Whether grad_W is rounded once (fp32 accumulation) rather than summed in its own dtype.
     None: fast mode accumulates in fp32; lean mode sums at most MAX_SUPER_CHUNKS super-chunks
     in the weight's dtype (within the correctness policy, and no memory for a bigger chunk)."""
     if grad_accum_dtype is None:
-        return mode == "fast"
+        return not lean
     return grad_accum_dtype == torch.float32
 
 
@@ -374,14 +369,25 @@ def _supports(class_weight=None, **inputs) -> list[str]:
     return reasons
 
 
+_CAPABILITIES = dict(
+    devices=triton_devices(),
+    auto_devices=("cuda",),
+    available=triton_unavailable_reason,
+    supports=_supports,
+)
 register(
     "fused_linear_cross_entropy",
     "triton",
     fused_linear_cross_entropy_triton,
     priority=100,
-    devices=triton_devices(),
-    auto_devices=("cuda",),
-    available=triton_unavailable_reason,
-    supports=_supports,
-    description="cuBLAS GEMMs in bounded pieces + one Triton softmax/loss/dlogits kernel; lean or fast mode",
+    description="lean: logsumexp forward, blocked recomputing backward; peak ~ the gradients + 8%",
+    **_CAPABILITIES,
+)
+register(
+    "fused_linear_cross_entropy",
+    "triton_fast",
+    fused_linear_cross_entropy_triton_fast,
+    priority=90,
+    description="fast: gradients computed in the forward from 1 GiB chunks of fp32 logits",
+    **_CAPABILITIES,
 )
