@@ -16,7 +16,7 @@ FLCE = "fused_linear_cross_entropy"
 EXPECTED = {
     "liger": ["rms_norm", "layer_norm", "rope", "swiglu", "geglu", FLCE],
     "cce": [FLCE],
-    "cce_filtered": [FLCE],
+    "cce_exact": [FLCE],
     "torch_native": [FLCE],
 }
 
@@ -42,7 +42,7 @@ def test_listed_by_backend_names():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
-@pytest.mark.parametrize("backend", ["liger", "cce", "cce_filtered"])
+@pytest.mark.parametrize("backend", ["liger", "cce", "cce_exact"])
 def test_unavailable_without_cuda(backend):
     reason = get_impl(FLCE, backend).unavailable_reason()
     assert reason and ("CUDA" in reason or "not installed" in reason)
@@ -127,6 +127,45 @@ UNSUPPORTED = [
 def test_unsupported_options_give_reasons(backend, op, overrides, match):
     reasons = _reasons(op, backend, **overrides)
     assert any(match in r for r in reasons), reasons
+
+
+def _fake_module(monkeypatch, name, fn_name, calls):
+    """A stand-in module `name` whose `fn_name` records its keyword arguments."""
+    import sys
+    import types
+
+    def fn(*args, **kwargs):
+        calls.append(kwargs)
+        return args[0].float().sum() * 0 + 1.0
+
+    module = types.ModuleType(name)
+    setattr(module, fn_name, fn)
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_cce_is_the_default_call_and_cce_exact_unfiltered(monkeypatch):
+    calls = []
+    _fake_module(monkeypatch, "cut_cross_entropy", "linear_cross_entropy", calls)
+    inputs = _inputs(FLCE, dtype=torch.bfloat16, grad=False)
+    get_impl(FLCE, "cce").fn(**inputs)
+    get_impl(FLCE, "cce_exact").fn(**inputs)
+    # cce: CCE's defaults (filter_eps "high", impl "cce") left to CCE; cce_exact: filter_eps=None.
+    assert "filter_eps" not in calls[0] and "impl" not in calls[0]
+    assert calls[1]["filter_eps"] is None
+    assert "default call" in get_impl(FLCE, "cce").description
+    assert "filter_eps=None" in get_impl(FLCE, "cce_exact").description
+
+
+def test_liger_flce_default_accumulation_when_lean(monkeypatch):
+    calls = []
+    _fake_module(
+        monkeypatch, "liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy", calls
+    )
+    get_impl(FLCE, "liger").fn(**_inputs(FLCE, dtype=torch.bfloat16, grad=False, lean=True))
+    get_impl(FLCE, "liger").fn(**_inputs(FLCE, dtype=torch.bfloat16, grad=False))
+    assert calls[0]["accum_dtype"] is None  # Liger's default
+    assert calls[1]["accum_dtype"] is torch.float32  # our default fp32 accumulation
+    assert "accum_dtype=None" in get_impl(FLCE, "liger").description
 
 
 def test_liger_flce_reduction_none_and_sum_supported():
