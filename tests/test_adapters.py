@@ -223,10 +223,10 @@ def test_measure_on_cpu(mode):
     assert row["peak_mib"] is None  # no allocator statistics on the CPU
 
 
-def test_measure_naive_compile_and_unsupported():
-    row = bench.measure(FLCE, "naive_compile", _inputs(FLCE), "full", warmup=1, rep=2)
+def test_measure_compile_naive_and_unsupported():
+    row = bench.measure(FLCE, "compile_naive", _inputs(FLCE), "full", warmup=1, rep=2)
     assert row["status"] == "ok", row["note"]
-    row = bench.measure(FLCE, "naive_compile", _inputs(FLCE, softcap=30.0), "full", warmup=1, rep=2)
+    row = bench.measure(FLCE, "compile_naive", _inputs(FLCE, softcap=30.0), "full", warmup=1, rep=2)
     assert row["status"] == "unsupported" and "softcap" in row["note"]
     row = bench.measure("rms_norm", "liger", _inputs("rms_norm"), "full", warmup=1, rep=2)
     assert row["status"] == "unsupported" and row["note"]
@@ -298,7 +298,7 @@ def test_rooflines_and_ratios():
     assert math.isclose(triton["pct_copy_bw"], 100 * triton["gbps"] / 3000)
     assert triton["speedup_vs_compile"] == 2.0 and triton["speedup_vs_liger"] == pytest.approx(1.6)
     assert triton["mem_vs_liger"] == pytest.approx(50 / 60)
-    assert triton["speedup_vs_naive_compile"] is None  # not measured
+    assert triton["speedup_vs_compile_naive"] is None  # not measured
     assert triton["tflops"] is None  # RMSNorm has a byte model, not a flop model
 
 
@@ -351,7 +351,7 @@ def test_run_bench_on_cpu_with_tiny_shapes(monkeypatch, tmp_path):
     monkeypatch.setitem(bench.DESIGN_SHAPES, FLCE, {"BT": 16, "H": 32, "V": 64})
     rows, meta = bench.run_bench(
         ["rms_norm", FLCE],
-        ["eager", "naive_compile", "liger"],
+        ["eager", "compile_naive", "liger"],
         torch.float32,
         ["fwd", "full"],
         "design",
@@ -364,12 +364,12 @@ def test_run_bench_on_cpu_with_tiny_shapes(monkeypatch, tmp_path):
     )
     by = {(r["op"], r["backend"], r["mode"]): r for r in rows}
     assert by[("rms_norm", "eager", "full")]["status"] == "ok"
-    assert by[(FLCE, "naive_compile", "fwd")]["status"] == "ok"
-    assert ("rms_norm", "naive_compile", "full") not in by  # a pseudo-backend only for its op
+    assert by[(FLCE, "compile_naive", "fwd")]["status"] == "ok"
+    assert ("rms_norm", "compile_naive", "full") not in by  # a pseudo-backend only for its op
     assert "liger" in meta["not_run"]["rms_norm"]  # unavailable on the CPU: reported, not run
     assert by[("rms_norm", "eager", "full")]["gbps"] > 0
     paths = bench.write_reports(rows, meta, tmp_path, plots=False)
-    assert "naive_compile" in (tmp_path / "summary.md").read_text()
+    assert "compile_naive" in (tmp_path / "summary.md").read_text()
     assert len(paths) == 3
 
 

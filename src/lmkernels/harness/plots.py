@@ -64,6 +64,8 @@ def plot_bench(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
         if not any(r["status"] == "ok" and r.get("ms") for r in group):
             continue  # nothing measured (all skipped by the budget, unsupported, ...): no plot
         backends = list(dict.fromkeys(r["backend"] for r in group))
+        # GPU time (queue filled ahead) where measured, the wall time otherwise (CPU runs).
+        t = "gpu_ms" if any(r.get("gpu_ms") is not None for r in group) else "ms"
         fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
         title = f"{op} ({options}), {mode}"
         sizes = sorted({r["size"] for r in group if r.get("size") is not None})
@@ -74,7 +76,7 @@ def plot_bench(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
                 b if by_backend[b]["status"] == "ok" else f"{b}\n({by_backend[b]['status']})"
                 for b in backends
             ]
-            ax_t.bar(labels, [by_backend[b]["ms"] or 0 for b in backends], color="tab:blue")
+            ax_t.bar(labels, [by_backend[b].get(t) or 0 for b in backends], color="tab:blue")
             ax_m.bar(labels, [by_backend[b].get("peak_mib") or 0 for b in backends], color="tab:orange")
             for ax in (ax_t, ax_m):
                 ax.tick_params(axis="x", rotation=30)
@@ -82,9 +84,9 @@ def plot_bench(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
         else:
             for b in backends:
                 pts = sorted((r for r in group if r["backend"] == b), key=lambda r: r["size"])
-                ok = [r for r in pts if r["status"] == "ok" and r["ms"] is not None]
+                ok = [r for r in pts if r["status"] == "ok" and r.get(t) is not None]
                 label = b + _failures(pts, "size")
-                ax_t.plot([r["size"] for r in ok], [r["ms"] for r in ok], marker="o", label=label)
+                ax_t.plot([r["size"] for r in ok], [r[t] for r in ok], marker="o", label=label)
                 mem = [r for r in ok if r.get("peak_mib") is not None]
                 ax_m.plot([r["size"] for r in mem], [r["peak_mib"] for r in mem], marker="o", label=label)
             for ax in (ax_t, ax_m):
@@ -94,7 +96,7 @@ def plot_bench(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
             ax_t.yaxis.set_minor_formatter(NullFormatter())
             ax_t.legend(fontsize=8)
             fig.suptitle(f"{title}, sweep over {sweep}")
-        ax_t.set_ylabel("time (ms, median)")
+        ax_t.set_ylabel("GPU time (ms, median)" if t == "gpu_ms" else "wall time (ms, median)")
         ax_m.set_ylabel("peak memory above inputs (MiB)")
         fig.tight_layout()
         path = out_dir / f"{_slug(f'{op}_{sweep}_{mode}_{options}')}.png"
