@@ -226,8 +226,8 @@ def test_measure_on_cpu(mode):
 def test_measure_compile_naive_and_unsupported():
     row = bench.measure(FLCE, "compile_naive", _inputs(FLCE), "full", warmup=1, rep=2)
     assert row["status"] == "ok", row["note"]
-    row = bench.measure(FLCE, "compile_naive", _inputs(FLCE, softcap=30.0), "full", warmup=1, rep=2)
-    assert row["status"] == "unsupported" and "softcap" in row["note"]
+    row = bench.measure(FLCE, "compile_naive", _inputs(FLCE, label_smoothing=0.1), "full", warmup=1, rep=2)
+    assert row["status"] == "unsupported" and "label_smoothing" in row["note"]
     row = bench.measure("rms_norm", "liger", _inputs("rms_norm"), "full", warmup=1, rep=2)
     assert row["status"] == "unsupported" and row["note"]
 

@@ -157,3 +157,38 @@ def plot_memory_timeline(timelines: dict[str, dict[str, list[float]]], path: Pat
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_ratio_panels(
+    rows: Sequence[dict[str, Any]], key: str, path: Path, ylabel: str, title: str = ""
+) -> Path | None:
+    """One panel per logit regime: rows[key] (a ratio to a baseline, 1 = parity) per shape, one
+    line per variant (the FLCE frontier's time and memory ratios). None when nothing to plot."""
+    plt = _pyplot()
+    ok = [r for r in rows if r.get(key) is not None]
+    if not ok:
+        return None
+    regimes = list(dict.fromkeys(r["regime"] for r in rows))
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    variants = list(dict.fromkeys(r["variant"] for r in ok))
+    fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes), 5), sharey=True, squeeze=False)
+    for ax, regime in zip(axes[0], regimes):
+        for variant in variants:
+            pts = [r for r in ok if r["regime"] == regime and r["variant"] == variant]
+            xs = [shapes.index(r["shape"]) for r in pts]
+            ax.plot(xs, [r[key] for r in pts], marker="o", linestyle="-", label=variant)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels(shapes, rotation=60, ha="right", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_title(f"{regime} logits")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(title or ylabel)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -16,7 +16,7 @@ class Unsupported(Exception):
     pass
 
 
-_NAIVE_OK = {"hidden", "weight", "target", "ignore_index", "reduction", "grad_accum_dtype"}
+_NAIVE_OK = {"hidden", "weight", "target", "ignore_index", "reduction", "softcap", "grad_accum_dtype"}
 _naive_compiled: Callable[..., Any] | None = None
 
 
@@ -25,10 +25,12 @@ def _is_default(v: Any) -> bool:
     return v is None or v is False or (isinstance(v, (int, float)) and v == 0)
 
 
-def naive_flce(hidden, weight, target, ignore_index=-100, reduction="mean"):
+def naive_flce(hidden, weight, target, ignore_index=-100, reduction="mean", softcap=None):
     """Plain PyTorch as people write it (and as transformers' loss does): the (tokens x V) logits,
-    upcast to fp32, then cross entropy."""
+    upcast to fp32, softcapped (Gemma 2's c * tanh(z / c)) if asked, then cross entropy."""
     logits = (hidden.reshape(-1, weight.shape[1]) @ weight.T).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
     return torch.nn.functional.cross_entropy(
         logits, target.reshape(-1), ignore_index=ignore_index, reduction=reduction
     )
@@ -44,9 +46,9 @@ def compile_naive_fn(inputs: dict[str, Any]) -> Callable[..., Any]:
         _naive_compiled = torch.compile(naive_flce)
     compiled = _naive_compiled
 
-    def run(hidden, weight, target, ignore_index=-100, reduction="mean", **_):
+    def run(hidden, weight, target, ignore_index=-100, reduction="mean", softcap=None, **_):
         # grad_accum_dtype does not apply: dW is one matmul with fp32 accumulation.
-        return compiled(hidden, weight, target, ignore_index, reduction)
+        return compiled(hidden, weight, target, ignore_index, reduction, softcap)
 
     return run
 

@@ -103,11 +103,17 @@ def once_ms(run: Callable[[], Any], device: str) -> tuple[float, float]:
 
 
 def time_ms(
-    run: Callable[[], Any], grad_tensors: Sequence[torch.Tensor], device: str, warmup: float, rep: float
+    run: Callable[[], Any],
+    grad_tensors: Sequence[torch.Tensor],
+    device: str,
+    warmup: float,
+    rep: float,
+    min_runs: int = MIN_TIMED_RUNS,
 ) -> list[float]:
-    """Wall time [median, p20, p80] in ms: triton's do_bench on CUDA, a perf_counter loop on the CPU."""
+    """Wall time [median, p20, p80] in ms: triton's do_bench on CUDA (rep raised to min_runs
+    calls), a perf_counter loop on the CPU."""
     one, _ = once_ms(run, device)
-    rep = max(rep, MIN_TIMED_RUNS * one)
+    rep = max(rep, min_runs * one)
     if device.startswith("cuda"):
         import triton.testing
 
@@ -120,7 +126,7 @@ def time_ms(
     while time.perf_counter() < end:
         run()
     times = []
-    for _ in range(max(MIN_TIMED_RUNS, min(1000, int(rep / max(one, 1e-3))))):
+    for _ in range(max(min_runs, min(1000, int(rep / max(one, 1e-3))))):
         zero_grads(grad_tensors)
         t = time.perf_counter()
         run()
@@ -147,22 +153,22 @@ def _sleep_cycles_per_ms() -> float:
     return _cycles_per_ms
 
 
-def gpu_time_ms(run: Callable[[], Any], grad_tensors: Sequence[torch.Tensor], rep: float = 100) -> float:
+def gpu_time_ms(
+    run: Callable[[], Any], grad_tensors: Sequence[torch.Tensor], rep: float = 100, runs: int | None = None
+) -> float:
     """Median device time of one call with the launch queue filled ahead (CUDA).
 
     Before each call: the L2 is flushed, then a _sleep kernel longer than the host needs to
     launch the call holds the stream, so that by the time the start event runs every kernel of
     the call is queued behind it: the events measure the device, not the host. An impl that
     syncs with the host inside the call cannot be queued ahead; its GPU time includes the wait.
+    runs: how many calls (default: rep ms worth, 3 to MAX_GPU_RUNS).
     """
     cache = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
-    samples = []
-    for _ in range(2):
-        zero_grads(grad_tensors)
-        samples.append(once_ms(run, "cuda"))
-    wall, host = min(s[0] for s in samples), max(s[1] for s in samples)
+    zero_grads(grad_tensors)
+    wall, host = once_ms(run, "cuda")  # after the caller's warm-up calls
     cycles = int(_sleep_cycles_per_ms() * (1.5 * host + 0.2))
-    n = max(3, min(MAX_GPU_RUNS, int(rep / max(wall, 1e-3))))
+    n = runs or max(3, min(MAX_GPU_RUNS, int(rep / max(wall, 1e-3))))
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
     for start, end in events:
         zero_grads(grad_tensors)
@@ -206,16 +212,16 @@ def empty_row(backend: str, mode: str, status: str = "ok", note: str = "") -> di
     return {"backend": backend, "mode": mode, "status": status, **row, "note": note}
 
 
-def _measure(op, backend, inputs, mode, warmup, rep, grad_tensors, device, row, profile):
+def _measure(op, backend, inputs, mode, warmup, rep, grad_tensors, device, row, profile, min_runs, gpu_runs):
     """Fills row; its closures, and the autograd graph they hold, die when it returns."""
     fn = backend_fn(op, backend, inputs)
     run = mode_fn(fn, inputs, mode)  # its first forward also compiles / autotunes
     run()  # one more warm-up call, outside the memory measurement (e.g. bwd's first backward)
     peak = peak_memory_bytes(run, grad_tensors, device)
     row["peak_mib"] = None if peak is None else peak / 2**20
-    row["ms"], row["ms_p20"], row["ms_p80"] = time_ms(run, grad_tensors, device, warmup, rep)
+    row["ms"], row["ms_p20"], row["ms_p80"] = time_ms(run, grad_tensors, device, warmup, rep, min_runs)
     if device.startswith("cuda"):
-        row["gpu_ms"] = gpu_time_ms(run, grad_tensors, rep)
+        row["gpu_ms"] = gpu_time_ms(run, grad_tensors, rep, gpu_runs)
         if profile:
             row["kernel_ms"] = kernel_time_ms(run, grad_tensors)
 
@@ -228,18 +234,23 @@ def measure(
     warmup: float = 25,
     rep: float = 100,
     profile: bool = True,
+    min_runs: int = MIN_TIMED_RUNS,
+    gpu_runs: int | None = None,
 ) -> dict[str, Any]:
     """Time and peak memory of one backend on prepared inputs (see prepare_inputs) in one mode.
 
     Returns a row: status ("ok", "unsupported", "OOM", "error"), ms, ms_p20, ms_p80 (wall),
     gpu_ms (queue filled ahead), kernel_ms (profiler; profile=False skips it), peak_mib (None on
-    the CPU, as the GPU times) and a note. Never raises for a backend's failure.
+    the CPU, as the GPU times) and a note. min_runs: at least that many wall-timed calls;
+    gpu_runs: that many GPU-timed calls (default from rep). Never raises for a backend's failure.
     """
     device = next(v.device.type for v in inputs.values() if isinstance(v, torch.Tensor))
     row = empty_row(backend, mode)
     grad_tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
     try:
-        _measure(op, backend, inputs, mode, warmup, rep, grad_tensors, device, row, profile)
+        _measure(
+            op, backend, inputs, mode, warmup, rep, grad_tensors, device, row, profile, min_runs, gpu_runs
+        )
     except Unsupported as e:
         row.update(empty_row(backend, mode, "unsupported", str(e)))
     except Exception as e:  # a backend's failure is a result, not a crash
