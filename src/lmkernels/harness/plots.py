@@ -2,8 +2,9 @@
 
 - plot_bench: per op (and option set, sweep and mode) the time and the peak memory against the
   swept size, one line per backend; a bar chart when there is a single size (the design grid).
-- plot_e2e: tokens/s and peak memory of the end-to-end training benchmark against the batch size
-  and the sequence length, one line per configuration.
+- plot_e2e: tokens/s and peak memory of the end-to-end training benchmark per sweep, against
+  the batch size or the sequence length, one line per configuration.
+- plot_ratio_panels: a ratio to a baseline per shape, one panel per logit regime (FLCE frontier).
 - plot_memory_timeline: allocated memory over one training step, one line per configuration.
 """
 
@@ -107,32 +108,39 @@ def plot_bench(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
 
 
 def plot_e2e(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """tokens/s and peak memory vs batch (sweep "batch") and vs sequence length (sweep "seq")."""
+    """Per sweep (e2e_<sweep>.png): tokens/s and peak memory against the sequence length (sweep
+    "seq") or the batch size (the others), one line per configuration (and sequence length,
+    where a sweep has several)."""
     plt = _pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for sweep, x, xlabel in (("batch", "batch", "batch size"), ("seq", "seq", "sequence length")):
+    for sweep in dict.fromkeys(r.get("sweep") for r in rows):
         group = [r for r in rows if r.get("sweep") == sweep]
-        if not group:
-            continue
+        x = "seq" if sweep == "seq" else "batch"
+        other = "batch" if x == "seq" else "seq"
+        several = len({r[other] for r in group}) > 1
+        series = lambda r, other=other, several=several: (
+            r["config"] + (f", {other} {r[other]}" if several else "")
+        )
         fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
-        for config in dict.fromkeys(r["config"] for r in group):
-            pts = sorted((r for r in group if r["config"] == config), key=lambda r: r[x])
+        for name in dict.fromkeys(series(r) for r in group):
+            pts = sorted((r for r in group if series(r) == name), key=lambda r: r[x])
             ok = [r for r in pts if r["status"] == "ok"]
-            label = config + _failures(pts, x)  # a config with no result still gets its legend entry
+            label = name + _failures(pts, x)  # a config with no result still gets its legend entry
             ax_t.plot([r[x] for r in ok], [r["tokens_per_s"] for r in ok], marker="o", label=label)
             mem = [r for r in ok if r.get("peak_gib") is not None]
             ax_m.plot([r[x] for r in mem], [r["peak_gib"] for r in mem], marker="o", label=label)
         for ax in (ax_t, ax_m):
-            _size_axis(ax, sorted({r[x] for r in group}), xlabel)
+            _size_axis(ax, sorted({r[x] for r in group}), "batch size" if x == "batch" else "sequence length")
         ax_t.set_ylabel("tokens / s")
         ax_m.set_ylabel("peak memory (GiB)")
         ax_t.legend(fontsize=8)
-        fixed = "seq" if sweep == "batch" else "batch"
-        fig.suptitle(f"end-to-end training, {fixed} {group[0][fixed]}")
+        fixed = "" if several else f", {other} {group[0][other]}"
+        model = f"{group[0]['model']}, " if group[0].get("model") else ""
+        fig.suptitle(f"end-to-end training, {model}{sweep} sweep{fixed}")
         fig.tight_layout()
-        path = out_dir / f"e2e_{sweep}.png"
+        path = out_dir / f"e2e_{_slug(str(sweep))}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)
         paths.append(path)
