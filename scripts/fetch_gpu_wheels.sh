@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The versions DESIGN.md's reference numbers were measured with (liger) / the latest release (cce).
+# Both are the latest releases (checked 2026-11-23); every result records the versions it ran with.
 PACKAGES=("liger-kernel==0.8.5" "cut-cross-entropy==25.1.1")
 
 mkdir -p .whl

@@ -1,9 +1,9 @@
 """Where one training step of the e2e model spends its GPU time, per configuration (CUDA).
 
-    python scripts/profile_e2e.py [--configs lmk,liger] [--batch 16] [--seq 1024] [--top 25]
+    python scripts/profile_e2e.py [--configs lmk,liger] [--model llama-1b] [--batch 16] [--seq 1024]
 
-Builds the model of benchmarks/e2e_train.py per configuration (each in a fresh process, as the
-benchmark does), runs two warmup steps, profiles one step and prints the kernels with the most
+Builds the model of benchmarks/e2e_train.py (benchmarks/e2e_setup.py: the same presets,
+configurations and training step) per configuration, each in a fresh process as the benchmark does, runs two warmup steps, profiles one step and prints the kernels with the most
 device time, grouped into op families, so that two configurations can be compared line by line.
 """
 
@@ -41,15 +41,17 @@ def family(name: str) -> str:
     return "other"
 
 
-def worker(config: str, batch: int, seq: int, top: int) -> dict:
+def worker(config: str, model_name: str, batch: int, seq: int, top: int) -> dict:
     import torch
 
-    from e2e_train import LLAMA_1B, build_model, make_optimizer, patch, train_step
+    import e2e_setup as setup
 
-    model = build_model(LLAMA_1B, "cuda")
-    patch(model, config)
-    optimizer = make_optimizer(model)
-    ids = torch.randint(0, LLAMA_1B["vocab_size"], (batch, seq), device="cuda")
+    model_cfg = setup.MODELS[model_name]
+    model = setup.patch(setup.build_model(model_cfg, "cuda"), config)
+    optimizer = setup.make_optimizer(model)
+    compiled = setup.parse_config(config)[3]
+    ids = setup.make_batch(model_cfg["vocab_size"], batch, seq, "cuda", dynamic=compiled)
+    train_step = setup.train_step
     for _ in range(2):
         train_step(model, optimizer, ids)
     torch.cuda.synchronize()
@@ -64,12 +66,19 @@ def worker(config: str, batch: int, seq: int, top: int) -> dict:
     for name, ms in kernels.items():
         families[family(name)] = families.get(family(name), 0.0) + ms
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
-    return {"config": config, "total_ms": sum(kernels.values()), "families": families, "top": ranked}
+    return {
+        "config": config,
+        "model": model_name,
+        "total_ms": sum(kernels.values()),
+        "families": families,
+        "top": ranked,
+    }
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="lmk,liger")
+    p.add_argument("--model", default="llama-1b", help="e2e_setup.MODELS preset (llama-1b, llama-1b-v256k)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--top", type=int, default=25)
@@ -77,7 +86,7 @@ def main() -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.batch, args.seq, args.top)))
+        print(json.dumps(worker(args.worker, args.model, args.batch, args.seq, args.top)))
         return 0
     results = []
     for config in args.configs.split(","):
@@ -86,6 +95,8 @@ def main() -> int:
             __file__,
             "--worker",
             config,
+            "--model",
+            args.model,
             "--batch",
             str(args.batch),
             "--seq",
@@ -99,7 +110,8 @@ def main() -> int:
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     for r in results:
         print(
-            f"\n== {r['config']}: {r['total_ms']:.1f} ms of kernels in one step (batch {args.batch}, seq {args.seq})"
+            f"\n== {r['config']} ({r['model']}): {r['total_ms']:.1f} ms of kernels in one step "
+            f"(batch {args.batch}, seq {args.seq})"
         )
         for fam, ms in sorted(r["families"].items(), key=lambda kv: -kv[1]):
             print(f"  {fam:12s} {ms:8.2f} ms")

@@ -16,7 +16,7 @@ FLCE = "fused_linear_cross_entropy"
 EXPECTED = {
     "liger": ["rms_norm", "layer_norm", "rope", "swiglu", "geglu", FLCE],
     "cce": [FLCE],
-    "cce_filtered": [FLCE],
+    "cce_exact": [FLCE],
     "torch_native": [FLCE],
 }
 
@@ -42,7 +42,7 @@ def test_listed_by_backend_names():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
-@pytest.mark.parametrize("backend", ["liger", "cce", "cce_filtered"])
+@pytest.mark.parametrize("backend", ["liger", "cce", "cce_exact"])
 def test_unavailable_without_cuda(backend):
     reason = get_impl(FLCE, backend).unavailable_reason()
     assert reason and ("CUDA" in reason or "not installed" in reason)
@@ -129,6 +129,45 @@ def test_unsupported_options_give_reasons(backend, op, overrides, match):
     assert any(match in r for r in reasons), reasons
 
 
+def _fake_module(monkeypatch, name, fn_name, calls):
+    """A stand-in module `name` whose `fn_name` records its keyword arguments."""
+    import sys
+    import types
+
+    def fn(*args, **kwargs):
+        calls.append(kwargs)
+        return args[0].float().sum() * 0 + 1.0
+
+    module = types.ModuleType(name)
+    setattr(module, fn_name, fn)
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_cce_is_the_default_call_and_cce_exact_unfiltered(monkeypatch):
+    calls = []
+    _fake_module(monkeypatch, "cut_cross_entropy", "linear_cross_entropy", calls)
+    inputs = _inputs(FLCE, dtype=torch.bfloat16, grad=False)
+    get_impl(FLCE, "cce").fn(**inputs)
+    get_impl(FLCE, "cce_exact").fn(**inputs)
+    # cce: CCE's defaults (filter_eps "high", impl "cce") left to CCE; cce_exact: filter_eps=None.
+    assert "filter_eps" not in calls[0] and "impl" not in calls[0]
+    assert calls[1]["filter_eps"] is None
+    assert "default call" in get_impl(FLCE, "cce").description
+    assert "filter_eps=None" in get_impl(FLCE, "cce_exact").description
+
+
+def test_liger_flce_default_accumulation_when_lean(monkeypatch):
+    calls = []
+    _fake_module(
+        monkeypatch, "liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy", calls
+    )
+    get_impl(FLCE, "liger").fn(**_inputs(FLCE, dtype=torch.bfloat16, grad=False, lean=True))
+    get_impl(FLCE, "liger").fn(**_inputs(FLCE, dtype=torch.bfloat16, grad=False))
+    assert calls[0]["accum_dtype"] is None  # Liger's default
+    assert calls[1]["accum_dtype"] is torch.float32  # our default fp32 accumulation
+    assert "accum_dtype=None" in get_impl(FLCE, "liger").description
+
+
 def test_liger_flce_reduction_none_and_sum_supported():
     assert _reasons(FLCE, "liger", reduction="none") == []
     assert (
@@ -184,11 +223,11 @@ def test_measure_on_cpu(mode):
     assert row["peak_mib"] is None  # no allocator statistics on the CPU
 
 
-def test_measure_naive_compile_and_unsupported():
-    row = bench.measure(FLCE, "naive_compile", _inputs(FLCE), "full", warmup=1, rep=2)
+def test_measure_compile_naive_and_unsupported():
+    row = bench.measure(FLCE, "compile_naive", _inputs(FLCE), "full", warmup=1, rep=2)
     assert row["status"] == "ok", row["note"]
-    row = bench.measure(FLCE, "naive_compile", _inputs(FLCE, softcap=30.0), "full", warmup=1, rep=2)
-    assert row["status"] == "unsupported" and "softcap" in row["note"]
+    row = bench.measure(FLCE, "compile_naive", _inputs(FLCE, label_smoothing=0.1), "full", warmup=1, rep=2)
+    assert row["status"] == "unsupported" and "label_smoothing" in row["note"]
     row = bench.measure("rms_norm", "liger", _inputs("rms_norm"), "full", warmup=1, rep=2)
     assert row["status"] == "unsupported" and row["note"]
 
@@ -259,7 +298,7 @@ def test_rooflines_and_ratios():
     assert math.isclose(triton["pct_copy_bw"], 100 * triton["gbps"] / 3000)
     assert triton["speedup_vs_compile"] == 2.0 and triton["speedup_vs_liger"] == pytest.approx(1.6)
     assert triton["mem_vs_liger"] == pytest.approx(50 / 60)
-    assert triton["speedup_vs_naive_compile"] is None  # not measured
+    assert triton["speedup_vs_compile_naive"] is None  # not measured
     assert triton["tflops"] is None  # RMSNorm has a byte model, not a flop model
 
 
@@ -312,7 +351,7 @@ def test_run_bench_on_cpu_with_tiny_shapes(monkeypatch, tmp_path):
     monkeypatch.setitem(bench.DESIGN_SHAPES, FLCE, {"BT": 16, "H": 32, "V": 64})
     rows, meta = bench.run_bench(
         ["rms_norm", FLCE],
-        ["eager", "naive_compile", "liger"],
+        ["eager", "compile_naive", "liger"],
         torch.float32,
         ["fwd", "full"],
         "design",
@@ -325,12 +364,12 @@ def test_run_bench_on_cpu_with_tiny_shapes(monkeypatch, tmp_path):
     )
     by = {(r["op"], r["backend"], r["mode"]): r for r in rows}
     assert by[("rms_norm", "eager", "full")]["status"] == "ok"
-    assert by[(FLCE, "naive_compile", "fwd")]["status"] == "ok"
-    assert ("rms_norm", "naive_compile", "full") not in by  # a pseudo-backend only for its op
+    assert by[(FLCE, "compile_naive", "fwd")]["status"] == "ok"
+    assert ("rms_norm", "compile_naive", "full") not in by  # a pseudo-backend only for its op
     assert "liger" in meta["not_run"]["rms_norm"]  # unavailable on the CPU: reported, not run
     assert by[("rms_norm", "eager", "full")]["gbps"] > 0
     paths = bench.write_reports(rows, meta, tmp_path, plots=False)
-    assert "naive_compile" in (tmp_path / "summary.md").read_text()
+    assert "compile_naive" in (tmp_path / "summary.md").read_text()
     assert len(paths) == 3
 
 

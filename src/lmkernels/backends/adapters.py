@@ -1,6 +1,20 @@
-"""External libraries as ordinary backends, for comparison on the GPU: `liger` (Liger Kernel),
-`cce` and `cce_filtered` (Apple's Cut Cross-Entropy, exact and with its default gradient
-filtering) and `torch_native` (torch.nn.functional.linear_cross_entropy, chunked).
+"""External libraries as ordinary backends, for comparison on the GPU, each run as its users run
+it (DESIGN.md: "Peers run as their own users run them"):
+
+- `liger`: Liger Kernel's functions with their defaults. FLCE: `liger_fused_linear_cross_entropy`
+  with its default accum_dtype=None (weight gradient accumulated in the weight's dtype) when
+  grad_accum_dtype is the weight's dtype; accum_dtype=fp32 for our default (None = fp32).
+- `cce`: Cut Cross-Entropy's default call, `linear_cross_entropy(e, c, targets)`: its default
+  filter_eps ("high" in 25.1.1: gradient blocks whose |softmax - onehot| stays below the
+  dtype's eps / 32 are skipped, an approximation whose speed depends on the logits).
+- `cce_exact`: the same with filter_eps=None (exact gradients).
+- `torch_native`: torch.nn.functional.linear_cross_entropy with
+  `options=LinearCrossEntropyOptions()` (its chunked path, "auto" policy: "compact" on CUDA
+  bf16/fp16, dW accumulated into the weight-dtype gradient) when grad_accum_dtype is the
+  weight's dtype; acc_policy="balanced" (an fp32 dW scratch) for our default.
+
+With grad_accum_dtype = the weight's dtype (`lean`) every peer runs its default call; CCE has no
+other mode and refuses our fp32 default.
 
 Every adapter registers whether or not its package is installed, so `lmkernels list` shows it;
 `available()` says why it cannot run here (package missing, no CUDA: they are CUDA-only). Their
@@ -232,7 +246,7 @@ def _liger_flce_supports(
 # --- Cut Cross-Entropy ---------------------------------------------------------------------------
 
 
-def _make_cce(filter_eps):
+def _make_cce(exact: bool):
     def cce_flce(
         hidden,
         weight,
@@ -249,8 +263,11 @@ def _make_cce(filter_eps):
     ):
         from cut_cross_entropy import linear_cross_entropy
 
+        # `cce` leaves filter_eps and impl at CCE's defaults: its users' call.
+        extra = {"filter_eps": None} if exact else {}
         # CCE's "mean" of a batch whose tokens are all ignored is nan (ours is 0): take its sum
-        # and divide by our denominator, which is the same computation otherwise.
+        # and divide by our denominator, which is the same computation otherwise (CCE filters
+        # on the softmax gradient before the reduction's scale, so the sum skips the same tiles).
         loss = linear_cross_entropy(
             hidden,
             weight,
@@ -258,14 +275,13 @@ def _make_cce(filter_eps):
             ignore_index=ignore_index,
             softcap=softcap,
             reduction="sum" if reduction == "mean" else reduction,
-            filter_eps=filter_eps,
-            impl="cce",
+            **extra,
         ).float()
         if reduction == "mean":
             loss = loss / _mean_denominator(target, ignore_index, None)
         return loss
 
-    cce_flce.__name__ = "cce_flce" if filter_eps is None else "cce_filtered_flce"
+    cce_flce.__name__ = "cce_exact_flce" if exact else "cce_flce"
     return cce_flce
 
 
@@ -320,12 +336,13 @@ def torch_native_flce(
 
     H = weight.shape[1]
     low_precision = weight.dtype != torch.float32
-    options = torch.nn.LinearCrossEntropyOptions(
-        # "balanced" keeps an fp32 weight-gradient accumulator across chunks (our default);
-        # "compact" adds each chunk into the weight-dtype gradient (grad_accum_dtype=weight.dtype).
-        acc_policy="balanced" if grad_accum_dtype in (None, torch.float32) else "compact",
-        acc_dtype=torch.float32 if low_precision else None,
-    )
+    if grad_accum_dtype in (None, torch.float32) and low_precision:
+        # Our default: an fp32 weight-gradient accumulator across chunks.
+        options = torch.nn.LinearCrossEntropyOptions(acc_policy="balanced", acc_dtype=torch.float32)
+    else:
+        # grad_accum_dtype = the weight's dtype: torch's default chunked call ("auto": "compact"
+        # on CUDA bf16/fp16, each chunk's dW added into the weight-dtype gradient).
+        options = torch.nn.LinearCrossEntropyOptions()
     t = target.reshape(-1).long()  # the chunked path needs int64 targets
     loss = F.linear_cross_entropy(
         hidden.reshape(-1, H),
@@ -382,14 +399,20 @@ for _op, (_fn, _supports) in _LIGER.items():
         supports=_supports,
         # Liger's FLCE reads a value back to the host in its forward: no fullgraph compile.
         compile_safe=_op != "fused_linear_cross_entropy",
-        description="Liger Kernel (liger-kernel), for comparison",
+        description=(
+            "Liger Kernel's liger_fused_linear_cross_entropy, its defaults (accum_dtype=None: dW "
+            "in the weight's dtype) under grad_accum_dtype=weight dtype, accum_dtype=fp32 otherwise"
+            if _op == "fused_linear_cross_entropy"
+            else f"Liger Kernel's liger_{_op} with its defaults"
+            + (" (in_place=False: see backends/adapters.py)" if _op == "rms_norm" else "")
+        ),
     )
 
-for _name, _filter in (("cce", None), ("cce_filtered", "high")):
+for _name, _exact in (("cce", False), ("cce_exact", True)):
     register(
         "fused_linear_cross_entropy",
         _name,
-        _make_cce(_filter),
+        _make_cce(_exact),
         priority=PRIORITY,
         external=True,
         dtypes=(torch.bfloat16, torch.float16),  # CCE's backward asserts bf16/fp16 embeddings
@@ -400,10 +423,10 @@ for _name, _filter in (("cce", None), ("cce_filtered", "high")):
         # CCE builds index lists with nonzero() (data-dependent shapes): no fullgraph compile.
         compile_safe=False,
         description=(
-            "Cut Cross-Entropy, exact gradients (filter_eps=None), for comparison"
-            if _filter is None
-            else "Cut Cross-Entropy with its default gradient filtering (filter_eps='high'): "
-            "skips gradient blocks below bf16 resolution, an approximation"
+            "Cut Cross-Entropy with filter_eps=None: exact gradients, dW in the weight's dtype"
+            if _exact
+            else "Cut Cross-Entropy's default call (default filter_eps, 'high': skips gradient "
+            "blocks below the dtype's eps/32, an approximation), dW in the weight's dtype"
         ),
     )
 
@@ -420,5 +443,8 @@ register(
     devices=("cuda",),
     # torch marks the chunked op as skipped by dynamo (it falls back to eager): no fullgraph compile.
     compile_safe=False,
-    description="torch.nn.functional.linear_cross_entropy, chunked (LinearCrossEntropyOptions)",
+    description=(
+        "torch.nn.functional.linear_cross_entropy, chunked: LinearCrossEntropyOptions() (auto) "
+        "under grad_accum_dtype=weight dtype, acc_policy='balanced' (fp32 dW) otherwise"
+    ),
 )

@@ -2,8 +2,9 @@
 
 - plot_bench: per op (and option set, sweep and mode) the time and the peak memory against the
   swept size, one line per backend; a bar chart when there is a single size (the design grid).
-- plot_e2e: tokens/s and peak memory of the end-to-end training benchmark against the batch size
-  and the sequence length, one line per configuration.
+- plot_e2e: tokens/s and peak memory of the end-to-end training benchmark per sweep, against
+  the batch size or the sequence length, one line per configuration.
+- plot_ratio_panels: a ratio to a baseline per shape, one panel per logit regime (FLCE frontier).
 - plot_memory_timeline: allocated memory over one training step, one line per configuration.
 """
 
@@ -64,6 +65,8 @@ def plot_bench(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
         if not any(r["status"] == "ok" and r.get("ms") for r in group):
             continue  # nothing measured (all skipped by the budget, unsupported, ...): no plot
         backends = list(dict.fromkeys(r["backend"] for r in group))
+        # GPU time (queue filled ahead) where measured, the wall time otherwise (CPU runs).
+        t = "gpu_ms" if any(r.get("gpu_ms") is not None for r in group) else "ms"
         fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
         title = f"{op} ({options}), {mode}"
         sizes = sorted({r["size"] for r in group if r.get("size") is not None})
@@ -74,7 +77,7 @@ def plot_bench(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
                 b if by_backend[b]["status"] == "ok" else f"{b}\n({by_backend[b]['status']})"
                 for b in backends
             ]
-            ax_t.bar(labels, [by_backend[b]["ms"] or 0 for b in backends], color="tab:blue")
+            ax_t.bar(labels, [by_backend[b].get(t) or 0 for b in backends], color="tab:blue")
             ax_m.bar(labels, [by_backend[b].get("peak_mib") or 0 for b in backends], color="tab:orange")
             for ax in (ax_t, ax_m):
                 ax.tick_params(axis="x", rotation=30)
@@ -82,9 +85,9 @@ def plot_bench(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
         else:
             for b in backends:
                 pts = sorted((r for r in group if r["backend"] == b), key=lambda r: r["size"])
-                ok = [r for r in pts if r["status"] == "ok" and r["ms"] is not None]
+                ok = [r for r in pts if r["status"] == "ok" and r.get(t) is not None]
                 label = b + _failures(pts, "size")
-                ax_t.plot([r["size"] for r in ok], [r["ms"] for r in ok], marker="o", label=label)
+                ax_t.plot([r["size"] for r in ok], [r[t] for r in ok], marker="o", label=label)
                 mem = [r for r in ok if r.get("peak_mib") is not None]
                 ax_m.plot([r["size"] for r in mem], [r["peak_mib"] for r in mem], marker="o", label=label)
             for ax in (ax_t, ax_m):
@@ -94,7 +97,7 @@ def plot_bench(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
             ax_t.yaxis.set_minor_formatter(NullFormatter())
             ax_t.legend(fontsize=8)
             fig.suptitle(f"{title}, sweep over {sweep}")
-        ax_t.set_ylabel("time (ms, median)")
+        ax_t.set_ylabel("GPU time (ms, median)" if t == "gpu_ms" else "wall time (ms, median)")
         ax_m.set_ylabel("peak memory above inputs (MiB)")
         fig.tight_layout()
         path = out_dir / f"{_slug(f'{op}_{sweep}_{mode}_{options}')}.png"
@@ -105,32 +108,39 @@ def plot_bench(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
 
 
 def plot_e2e(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """tokens/s and peak memory vs batch (sweep "batch") and vs sequence length (sweep "seq")."""
+    """Per sweep (e2e_<sweep>.png): tokens/s and peak memory against the sequence length (sweep
+    "seq") or the batch size (the others), one line per configuration (and sequence length,
+    where a sweep has several)."""
     plt = _pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for sweep, x, xlabel in (("batch", "batch", "batch size"), ("seq", "seq", "sequence length")):
+    for sweep in dict.fromkeys(r.get("sweep") for r in rows):
         group = [r for r in rows if r.get("sweep") == sweep]
-        if not group:
-            continue
+        x = "seq" if sweep == "seq" else "batch"
+        other = "batch" if x == "seq" else "seq"
+        several = len({r[other] for r in group}) > 1
+        series = lambda r, other=other, several=several: (
+            r["config"] + (f", {other} {r[other]}" if several else "")
+        )
         fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
-        for config in dict.fromkeys(r["config"] for r in group):
-            pts = sorted((r for r in group if r["config"] == config), key=lambda r: r[x])
+        for name in dict.fromkeys(series(r) for r in group):
+            pts = sorted((r for r in group if series(r) == name), key=lambda r: r[x])
             ok = [r for r in pts if r["status"] == "ok"]
-            label = config + _failures(pts, x)  # a config with no result still gets its legend entry
+            label = name + _failures(pts, x)  # a config with no result still gets its legend entry
             ax_t.plot([r[x] for r in ok], [r["tokens_per_s"] for r in ok], marker="o", label=label)
             mem = [r for r in ok if r.get("peak_gib") is not None]
             ax_m.plot([r[x] for r in mem], [r["peak_gib"] for r in mem], marker="o", label=label)
         for ax in (ax_t, ax_m):
-            _size_axis(ax, sorted({r[x] for r in group}), xlabel)
+            _size_axis(ax, sorted({r[x] for r in group}), "batch size" if x == "batch" else "sequence length")
         ax_t.set_ylabel("tokens / s")
         ax_m.set_ylabel("peak memory (GiB)")
         ax_t.legend(fontsize=8)
-        fixed = "seq" if sweep == "batch" else "batch"
-        fig.suptitle(f"end-to-end training, {fixed} {group[0][fixed]}")
+        fixed = "" if several else f", {other} {group[0][other]}"
+        model = f"{group[0]['model']}, " if group[0].get("model") else ""
+        fig.suptitle(f"end-to-end training, {model}{sweep} sweep{fixed}")
         fig.tight_layout()
-        path = out_dir / f"e2e_{sweep}.png"
+        path = out_dir / f"e2e_{_slug(str(sweep))}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)
         paths.append(path)
@@ -149,6 +159,41 @@ def plot_memory_timeline(timelines: dict[str, dict[str, list[float]]], path: Pat
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title or "allocated memory over one training step")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_ratio_panels(
+    rows: Sequence[dict[str, Any]], key: str, path: Path, ylabel: str, title: str = ""
+) -> Path | None:
+    """One panel per logit regime: rows[key] (a ratio to a baseline, 1 = parity) per shape, one
+    line per variant (the FLCE frontier's time and memory ratios). None when nothing to plot."""
+    plt = _pyplot()
+    ok = [r for r in rows if r.get(key) is not None]
+    if not ok:
+        return None
+    regimes = list(dict.fromkeys(r["regime"] for r in rows))
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    variants = list(dict.fromkeys(r["variant"] for r in ok))
+    fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes), 5), sharey=True, squeeze=False)
+    for ax, regime in zip(axes[0], regimes):
+        for variant in variants:
+            pts = [r for r in ok if r["regime"] == regime and r["variant"] == variant]
+            xs = [shapes.index(r["shape"]) for r in pts]
+            ax.plot(xs, [r[key] for r in pts], marker="o", linestyle="-", label=variant)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels(shapes, rotation=60, ha="right", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_title(f"{regime} logits")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(title or ylabel)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

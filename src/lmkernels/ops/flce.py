@@ -150,6 +150,49 @@ def check_inputs(
             )
 
 
+# Logit regimes of make_inputs (DESIGN.md, "Inputs like real training"): FLCE's speed can depend
+# on the softmax (CCE's gradient filter skips tiles where it is tiny), so benchmarks run all three.
+REGIMES = ("uniform", "gaussian", "zipf")
+UNIFORM_LOGIT_STD = 0.5  # random init: softmax entropy about ln(V) - std^2 / 2
+GAUSSIAN_LOGIT_STD = 2.0
+# zipf: logit = -ZIPF_EXPONENT * ln(rank of the class) + N(0, ZIPF_NOISE_STD^2). Chosen so the
+# mean softmax entropy is 2.7-2.9 nats for V from 32k to 256k (trained LMs: 2-3 nats).
+ZIPF_EXPONENT = 1.4
+ZIPF_NOISE_STD = 3.5
+
+
+def _normal(shape, dtype, device, g, dg, scale):
+    """N(0, scale^2) from the device generator `dg` where there is one (CUDA), else from the CPU
+    generator `g` as ops._common.randn draws the other ops' inputs."""
+    if dg is None:
+        return randn(shape, dtype, device, g, scale=scale)
+    return torch.randn(shape, generator=dg, device=device, dtype=dtype).mul_(scale)
+
+
+def _softmax_pass(hidden, weight, bias=None, softcap=None, uniforms=None):
+    """(mean softmax entropy in nats, targets drawn from the softmax by inverse CDF at `uniforms`
+    or None) of the logits the op sees, chunk by chunk over tokens: no (tokens x V) tensor."""
+    V = weight.shape[0]
+    chunk = max(1, 2**26 // V)
+    entropy = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    samples = []
+    for i in range(0, hidden.shape[0], chunk):
+        z = (hidden[i : i + chunk] @ weight.T).float()
+        if bias is not None:
+            z += bias.float()
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        p = torch.exp(z - lse)
+        entropy += (lse[:, 0] - (p * z).sum(-1)).double().sum()
+        if uniforms is not None:
+            cdf = p.cumsum_(-1)
+            u = uniforms[i : i + chunk].to(cdf)[:, None] * cdf[:, -1:]
+            samples.append(torch.searchsorted(cdf, u)[:, 0].clamp_(max=V - 1))
+    mean = entropy.item() / max(1, hidden.shape[0])
+    return mean, (torch.cat(samples) if uniforms is not None else None)
+
+
 def make_inputs(
     shape,
     dtype,
@@ -159,21 +202,57 @@ def make_inputs(
     with_class_weight=False,
     ignore_fraction=0.1,
     lean=False,
+    regime="gaussian",
+    stats=None,
     **options,
 ):
-    """hidden (BT, H) scaled so the logits have std ~2 (a realistic spread for trained LMs).
-    lean: grad_accum_dtype = the weight's dtype (what Liger does by default and all CCE can do)."""
+    """hidden (BT, H), weight (V, H), target (BT,) whose logits follow `regime`:
+
+    - "gaussian" (default): logit std ~2, targets uniform over the vocabulary;
+    - "uniform": logit std 0.5, near-uniform softmax (a randomly initialized model), uniform targets;
+    - "zipf": trained-LM-like. hidden's column 0 is the constant 1 and weight's column 0 a
+      per-class log-prior -ZIPF_EXPONENT * ln(rank) (ranks a random permutation), so each logit
+      is that prior plus contextual noise of std ZIPF_NOISE_STD from the other columns; targets
+      are drawn from the softmax of those logits (bias and softcap included), so the loss is
+      about the entropy. Needs H >= 2.
+
+    lean: grad_accum_dtype = the weight's dtype (what Liger does by default and all CCE can do).
+    stats: a dict that receives "mean_entropy" (nats, of the softmax of the logits the op sees).
+    """
+    check_choice("regime", regime, REGIMES)
     g = generator(seed)
+    device = torch.device(device)
+    # On CUDA hidden and weight come from a generator on the device: a 256k x 8k weight takes
+    # ~25 s on a CPU generator. Deterministic from the seed either way.
+    dg = torch.Generator(device).manual_seed(seed) if device.type == "cuda" else None
     BT, H, V = shape["BT"], shape["H"], shape["V"]
-    hidden = randn((BT, H), dtype, device, g)
-    weight = randn((V, H), dtype, device, g, scale=2.0 / H**0.5)
+    hidden = _normal((BT, H), dtype, device, g, dg, 1.0)
+    if regime == "zipf":
+        if H < 2:
+            fail(f"shape: regime='zipf' needs H >= 2 (one column carries the prior), got H={H}")
+        weight = _normal((V, H), dtype, device, g, dg, ZIPF_NOISE_STD / (H - 1) ** 0.5)
+        hidden[:, 0] = 1.0
+        rank = torch.randperm(V, generator=g).double() + 1.0
+        weight[:, 0] = (-ZIPF_EXPONENT * rank.log()).to(device, dtype)
+    else:
+        std = GAUSSIAN_LOGIT_STD if regime == "gaussian" else UNIFORM_LOGIT_STD
+        weight = _normal((V, H), dtype, device, g, dg, std / H**0.5)
     target = torch.randint(0, V, (BT,), generator=g)
-    target[torch.rand(BT, generator=g) < ignore_fraction] = options.get("ignore_index", -100)
-    out = {"hidden": hidden, "weight": weight, "target": target.to(device), **options}
+    ignored = torch.rand(BT, generator=g) < ignore_fraction
+    out = {"hidden": hidden, "weight": weight, **options}
     if with_bias:
         out["bias"] = randn((V,), dtype, device, g, scale=0.5)
     if with_class_weight:
         out["class_weight"] = (torch.rand(V, generator=g) + 0.5).to(device, dtype)
+    if regime == "zipf" or stats is not None:
+        uniforms = torch.rand(BT, generator=g, dtype=torch.float64) if regime == "zipf" else None
+        entropy, sampled = _softmax_pass(hidden, weight, out.get("bias"), options.get("softcap"), uniforms)
+        if sampled is not None:
+            target = sampled.cpu()
+        if stats is not None:
+            stats["mean_entropy"] = entropy
+    target[ignored] = options.get("ignore_index", -100)
+    out["target"] = target.to(device)
     if lean:
         out["grad_accum_dtype"] = dtype
     return out

@@ -1,0 +1,163 @@
+"""Reports of a bench run: results.csv, results.json (rows + device, versions, reference rates,
+command), summary.md, a rich table for the terminal, and the PNG plots (harness/plots.py)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from lmkernels.harness.bench.roofline import BASELINES
+
+_RATES = [f"{k}{s}" for s in ("", "_gpu", "_kernel") for k in ("gbps", "pct_copy_bw", "tflops", "pct_matmul")]
+CSV_FIELDS = [
+    *("op", "shape", "options", "dtype", "sweep", "size", "backend", "mode", "status"),
+    *("ms", "ms_p20", "ms_p80", "gpu_ms", "kernel_ms", "peak_mib"),
+    *_RATES,
+    *(f"{p}speedup_vs_{b}" for p in ("", "gpu_", "kernel_") for b in BASELINES),
+    *(f"mem_vs_{b}" for b in BASELINES),
+    "note",
+]
+META_KEYS = (
+    *("date", "device", "torch", "triton", "transformers", "liger-kernel", "cut-cross-entropy"),
+    *("cuda", "dtype", "grid", "quick", "command", "partial"),
+)
+
+
+def fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return f"{v:.{digits}g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def _rate(row: dict[str, Any], suffix: str = "") -> str:
+    if row.get(f"tflops{suffix}") is not None:
+        pct = row.get(f"pct_matmul{suffix}")
+        return f"{row[f'tflops{suffix}']:.1f} TFLOP/s" + (f" ({pct:.0f}% mm)" if pct is not None else "")
+    if row.get(f"gbps{suffix}") is not None:
+        pct = row.get(f"pct_copy_bw{suffix}")
+        return f"{row[f'gbps{suffix}']:.0f} GB/s" + (f" ({pct:.0f}% copy)" if pct is not None else "")
+    return "-"
+
+
+def _ratios(row: dict[str, Any], prefix: str = "") -> str:
+    parts = [
+        f"{fmt(row[f'{prefix}speedup_vs_{b}'])}x {b}"
+        for b in BASELINES
+        if row.get(f"{prefix}speedup_vs_{b}") is not None and row["backend"] != b
+    ]
+    return ", ".join(parts) or "-"
+
+
+def _mem_ratios(row: dict[str, Any]) -> str:
+    parts = [
+        f"{fmt(row[f'mem_vs_{b}'])}x {b}"
+        for b in BASELINES
+        if row.get(f"mem_vs_{b}") is not None and row["backend"] != b
+    ]
+    return ", ".join(parts) or "-"
+
+
+def status_text(row: dict[str, Any]) -> str:
+    return "ok" if row["status"] == "ok" else f"{row['status']}: {row['note']}"
+
+
+def unique(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows without the copies a shape shared by two sweeps gets."""
+    seen, out = set(), []
+    for r in rows:
+        k = (r["op"], r["shape"], r["options"], r["backend"], r["mode"])
+        if k not in seen:
+            seen.add(k)
+            out.append(r)
+    return out
+
+
+def rich_table(rows: list[dict[str, Any]]):
+    from rich.table import Table
+
+    table = Table(title="lmkernels bench")
+    for col in (
+        "op",
+        "shape",
+        "options",
+        "mode",
+        "backend",
+        "GPU ms",
+        "wall ms",
+        "peak MiB",
+        "rate",
+        "speedup",
+    ):
+        table.add_column(col, overflow="fold")
+    table.add_column("status", overflow="fold")
+    for r in unique(rows):
+        table.add_row(
+            *(r["op"], r["shape"], r["options"], r["mode"], r["backend"]),
+            *(fmt(r.get("gpu_ms"), 4), fmt(r["ms"], 4), fmt(r["peak_mib"], 4)),
+            _rate(r, "_gpu" if r.get("gpu_ms") is not None else ""),
+            _ratios(r, "gpu_" if r.get("gpu_ms") is not None else ""),
+            status_text(r)[:80],
+        )
+    return table
+
+
+def summary_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = ["# lmkernels bench", ""]
+    lines += [f"- {k}: {meta[k]}" for k in META_KEYS if k in meta]
+    if meta.get("copy_gbps"):
+        lines.append(f"- copy bandwidth (device-to-device, read+write): {meta['copy_gbps']:.0f} GB/s")
+    if meta.get("matmul_tflops"):
+        lines.append(f"- bf16 matmul 8192^3: {meta['matmul_tflops']:.0f} TFLOP/s")
+    lines += [
+        "",
+        "Speedup vs X = time(X) / time(backend): above 1 is faster than X. GPU: device time of one "
+        "call with the launch queue filled ahead (a sleep kernel before the start event); wall: "
+        "triton.testing.do_bench median (host launch gaps included); kernel: the profiler's sum "
+        "of kernel times. Peak: max_memory_allocated above the inputs. Rates for fwd+bwd only.",
+    ]
+    for op in dict.fromkeys(r["op"] for r in rows):
+        lines += ["", f"## {op}", ""]
+        lines.append(
+            "| shape | options | mode | backend | GPU ms | GPU rate | GPU speedup | wall ms (p20-p80) "
+            "| wall speedup | kernel ms | peak MiB | peak vs | status |"
+        )
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in unique([r for r in rows if r["op"] == op]):
+            ms = f"{r['ms']:.3f} ({r['ms_p20']:.3f}-{r['ms_p80']:.3f})" if r["ms"] is not None else "-"
+            lines.append(
+                f"| {r['shape']} | {r['options']} | {r['mode']} | {r['backend']} | "
+                f"{fmt(r.get('gpu_ms'), 4)} | {_rate(r, '_gpu')} | {_ratios(r, 'gpu_')} | {ms} | "
+                f"{_ratios(r)} | {fmt(r.get('kernel_ms'), 4)} | {fmt(r['peak_mib'], 4)} | "
+                f"{_mem_ratios(r)} | {status_text(r).replace('|', '/')} |"
+            )
+    if meta.get("not_run"):
+        lines += ["", "## Backends not run", ""]
+        for op, skipped in meta["not_run"].items():
+            lines += [f"- {op} / {backend}: {reason}" for backend, reason in skipped.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(
+    rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path, plots: bool = True
+) -> list[Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "results.csv", out_dir / "results.json", out_dir / "summary.md"]
+    with open(paths[0], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    paths[1].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    paths[2].write_text(summary_markdown(rows, meta))
+    if plots:
+        from lmkernels.harness.plots import plot_bench
+
+        paths += plot_bench(rows, out_dir)
+    return paths
