@@ -28,6 +28,7 @@ beyond it (recorded as skipped), so a slower machine still leaves a complete rep
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
     out = Path(args.out or f"benchmarks/results/flce-frontier-{time.strftime('%Y%m%d-%H%M%S')}")
     start = time.time()
     meta = environment() | {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if argv is None else " ".join(argv),
+        "command": shlex.join(["python", *sys.argv]) if argv is None else shlex.join(argv),
         "dtype": args.dtype,
         "variants": {n: f"{b} ({_options_id(o)})" for n, (b, o) in table.items()},
         "not_run": not_run,
