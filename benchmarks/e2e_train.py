@@ -35,6 +35,7 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -130,7 +131,7 @@ def run_worker(spec: dict[str, Any]) -> None:
         if point["sweep"] in oom_in:
             emit(blank(spec, point, "skipped", "a smaller point of this sweep ran out of memory"))
             continue
-        if time.time() + 2 * last_s > spec["deadline"]:  # sizes grow: expect twice the last point
+        if time.time() + 2 * last_s > spec["deadline"]:  # sizes grow: expect twice the last point's
             emit(blank(spec, point, "skipped", "time budget"))
             continue
         started = time.time()
@@ -143,6 +144,8 @@ def run_worker(spec: dict[str, Any]) -> None:
             row = blank(spec, point, "OOM" if oom else "error", note[:300])
             oom_in |= {point["sweep"]} if oom else set()
         last_s = time.time() - started
+        if row["step_ms"]:  # without the first steps' compilation / autotuning, which happen once
+            last_s = min(last_s, (row["steps"] + spec["warmup_steps"]) * row["step_ms"] / 1e3 + 1.0)
         optimizer.zero_grad(set_to_none=True)  # back to the model state before the next point
         gc.collect()
         if spec["device"].startswith("cuda"):
@@ -288,9 +291,8 @@ def main(argv=None) -> int:
         left = sum(cost(c, p) for _, c, p in workers[i:])
         share = (end - time.time()) * cost(config, points) / left  # unused time passes on
         if share < 10:  # not even time to build the model
-            rows += [
-                blank({"model_name": model, "config": config}, p, "skipped", "time budget") for p in points
-            ]
+            who = {"model_name": "tiny" if args.tiny else model, "config": config}
+            rows += [blank(who, p, "skipped", "time budget") for p in points]
             continue
         log(f"[{i + 1}/{len(workers)}] {model} {config}: {len(points)} points, {share:.0f} s")
         rows += run_config(model, config, points, args, out, time.time() + share)
@@ -301,7 +303,7 @@ def main(argv=None) -> int:
         "min_timed_s": args.min_timed_s,
         "timeline_batch": args.timeline_batch,
         "seconds": round(time.time() - start),
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if argv is None else " ".join(argv),
+        "command": shlex.join(["python", *sys.argv]) if argv is None else shlex.join(argv),
     }
     paths = write_reports(rows, meta, out)
     log((out / "summary.md").read_text())

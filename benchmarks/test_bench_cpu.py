@@ -1,6 +1,6 @@
 """CPU benchmark suite (pytest-benchmark): forward+backward of the six ops on tiny shapes, eager
 and compile backends, through the public functions. A smoke test of the benchmark path that CI
-can afford (< 60 s); the GPU numbers come from `lmkernels bench` (harness/bench.py).
+can afford (< 60 s); the GPU numbers come from `lmkernels bench` (harness/bench/).
 
     pytest benchmarks/test_bench_cpu.py              # --benchmark-disable: run each once
 """

@@ -41,16 +41,8 @@ def test_frontier_tiny_on_cpu(tmp_path):
 def test_variants_table_and_unknown_names():
     table = flce_frontier.variants(None)
     assert list(table)[: len(flce_frontier.VARIANTS)] == list(flce_frontier.VARIANTS)
-    assert {
-        "eager",
-        "compile",
-        "triton",
-        "compile_naive",
-        "cce",
-        "cce_exact",
-        "liger",
-        "torch_native",
-    } <= set(table)
+    assert {"compile", "triton", "compile_naive", "cce", "cce_exact", "liger", "torch_native"} <= set(table)
+    assert "eager" not in table and flce_frontier.variants(["eager"]) == {"eager": ("eager", {})}
     with pytest.raises(SystemExit, match="unknown"):
         flce_frontier.variants(["nope"])
 

@@ -1,5 +1,5 @@
 """The external-library adapters (backends/adapters.py), the bench's measurement core
-(harness/bench.py) and the plots (harness/plots.py), on the CPU."""
+(harness/bench/) and the plots (harness/plots.py), on the CPU."""
 
 import importlib.util
 import math

@@ -1,5 +1,5 @@
 """The harness: correctness checks (checks.py), the validation runner and reports (runner.py,
-report.py), performance and memory measurement (bench.py) and plots (plots.py)."""
+report.py), performance and memory measurement (the bench/ package) and plots (plots.py)."""
 
 from lmkernels.harness.checks import CaseResult, TensorError, check_case
 
