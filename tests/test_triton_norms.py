@@ -168,12 +168,12 @@ def test_rms_norm_wide_rows_loop_over_blocks(monkeypatch, case, dtype):
     """Rows wider than MAX_FUSED_N take the blocked path (shrunk here so the interpreter stays fast)."""
     monkeypatch.setattr(norms_mod, "MAX_FUSED_N", 64)
     monkeypatch.setattr(norms_mod, "WIDE_BLOCK", 32)
-    assert not norms_mod.row_config(300).single_block
+    assert not norms_mod.bwd_config("rms_norm", 300).single_block
     _check_rms((7, 300), dtype, f"rms_norm wide {case}", **RMS_CASES[case])
 
 
 def test_rms_norm_wide_rows_default_config():
-    assert not norms_mod.row_config(16411).single_block
+    assert not norms_mod.bwd_config("rms_norm", 16411).single_block
     _check_rms((2, 16411), torch.bfloat16, "rms_norm 16411 wide", casting_mode="gemma", offset=1.0)
 
 
@@ -275,7 +275,7 @@ def test_layer_norm_fp16_and_non_contiguous():
 def test_layer_norm_wide_rows_loop_over_blocks(monkeypatch, case, dtype):
     monkeypatch.setattr(norms_mod, "MAX_FUSED_N", 64)
     monkeypatch.setattr(norms_mod, "WIDE_BLOCK", 32)
-    assert not norms_mod.row_config(300).single_block
+    assert not norms_mod.bwd_config("layer_norm", 300).single_block
     _check_ln((7, 300), dtype, f"layer_norm wide {case}", **LN_CASES[case])
 
 
