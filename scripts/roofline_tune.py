@@ -84,6 +84,9 @@ def norm_fwd_candidates(N):
                 or (block >= 16384 and warps == 32 and rows == 1)
             ):
                 out.append(_norms.FwdConfig(rows, block, True, warps))
+    if block >= 8192:  # the row in blocks, read again from L2: more rows in flight per SM
+        for wb, warps in ((2048, 4), (4096, 4), (4096, 8)):
+            out.append(_norms.FwdConfig(1, wb, False, warps))
     return out
 
 
@@ -102,19 +105,23 @@ def norm_bwd_candidates(N):
                 for pps in sorted({max(1, 32 // warps), max(1, 64 // warps)}):
                     out.append(_norms.BwdConfig(rows, block, path, warps, pps))
     if block >= 8192:
+        for warps in (16, 32):
+            for pps in (1, 2):
+                out.append(_norms.BwdConfig(1, block, _norms.PATH_REGS, warps, pps, True))
         for wb, warps in ((2048, 8), (4096, 16)):
             for pps in (1, 2):
                 out.append(_norms.BwdConfig(1, wb, _norms.PATH_WIDE, warps, pps))
     return out
 
 
-ROPE_CANDIDATES = [  # (TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS)
+ROPE_CANDIDATES = [  # (TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS); 2**30: one head group per program
     (t, w, p)
     for t in (1024, 2048, 4096)
-    for w in (4, 8)
-    for p in (4096, 8192, 16384)
+    for w in (2, 4, 8)
+    for p in (8192, 2**30)
     if not (t == 1024 and w == 8)
 ]
+SUM_CANDIDATES = [(64, 32, 4), (128, 32, 8), (256, 16, 8), (32, 64, 4), (128, 64, 8), (64, 16, 2)]
 
 # --- timing -------------------------------------------------------------------------------------
 
@@ -348,11 +355,8 @@ def set_norm_config(fwd=None, bwd=None):
 def set_rope_config(cfg):
     from lmkernels.backends.triton import rope
 
-    if cfg is None:
-        cfg = _STATE.setdefault("rope_default", (rope.TILE_ELEMENTS, rope.NUM_WARPS, rope.MIN_PROGRAMS))
-    else:
-        _STATE.setdefault("rope_default", (rope.TILE_ELEMENTS, rope.NUM_WARPS, rope.MIN_PROGRAMS))
-    rope.TILE_ELEMENTS, rope.NUM_WARPS, rope.MIN_PROGRAMS = cfg
+    default = _STATE.setdefault("rope_default", (rope.TILE_ELEMENTS, rope.NUM_WARPS, rope.MIN_PROGRAMS))
+    rope.TILE_ELEMENTS, rope.NUM_WARPS, rope.MIN_PROGRAMS = default if cfg is None else cfg
 
 
 def norm_variants(case):
@@ -362,10 +366,12 @@ def norm_variants(case):
 
     out = [("table", lambda: set_norm_config())]
     for f in norm_fwd_candidates(case.N):
-        out.append((f"fwd r{f.rows} w{f.num_warps}", lambda f=f: set_norm_config(fwd=f)))
+        tag = f"fwd r{f.rows} w{f.num_warps}" if f.single_block else f"fwd-wide b{f.block} w{f.num_warps}"
+        out.append((tag, lambda f=f: set_norm_config(fwd=f)))
     names = {_norms.PATH_REGS: "regs", _norms.PATH_MEM: "mem", _norms.PATH_WIDE: "wide"}
     for b in norm_bwd_candidates(case.N):
-        tag = f"bwd {names[b.path]} r{b.rows} b{b.block} w{b.num_warps} p{b.programs_per_sm}"
+        path = names[b.path] + ("-rw" if b.reload_w else "")
+        tag = f"bwd {path} r{b.rows} b{b.block} w{b.num_warps} p{b.programs_per_sm}"
         out.append((tag, lambda b=b: set_norm_config(bwd=b)))
     return out
 
@@ -381,17 +387,25 @@ def make_case(op, shape):
     return RopeCase(*shape) if op == "rope" else NormCase(op, *shape)
 
 
+SHORT = {"on": False}
+
+
 def variants(op, case):
-    return rope_variants(case) if op == "rope" else norm_variants(case)
+    out = rope_variants(case) if op == "rope" else norm_variants(case)
+    if SHORT["on"]:  # the table, and what the last tuning run did not cover
+        keep = ("-rw", "fwd-wide", "tile1024 w2", "tile2048 w4", "tile1024 w4", "tile2048 w2")
+        out = [v for v in out if v[0] == "table" or any(k in v[0] for k in keep)]
+    return out
 
 
 def reset(op):
     set_rope_config(None) if op == "rope" else set_norm_config()
 
 
-def warm(group):
+def warm(group, short=False):
     """Worker: compile every variant and peer of a group of (op, shape) points once (fills the
     disk caches). A group shares its Triton kernels (same op and row block)."""
+    SHORT["on"] = short
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # the workers already run side by side
     n = 0
@@ -454,6 +468,7 @@ def measure(op, shape, reps, bw, log):
         setter()
         record(name, fn, "triton")
     reset(op)
+    breakdown(op, case, fn, rows, reps)
     best = best_variants(op, rows)
     if op != "rope" and best:
         set_norm_config(best.get("fwd"), best.get("bwd"))
@@ -465,15 +480,53 @@ def measure(op, shape, reps, bw, log):
     return rows
 
 
+def breakdown(op, case, fn, rows, reps):
+    """GPU time of the table's forward alone, backward alone and (norms) of each partial-sum
+    configuration alone: where the time goes."""
+    shape = list(case.shape) if op == "rope" else [case.M, case.N]
+    base = {"op": op, "shape": shape, "status": "ok", "kind": "part"}
+    ins, grads = (
+        ((case.q, case.k), (case.dq, case.dk)) if op == "rope" else ((case.x, *case.params), (case.dy,))
+    )
+    try:
+        rows.append({**base, "variant": "table fwd only", "ms": gpu_time_ms(lambda: fn(*ins), reps)})
+        leaves = [t.detach().requires_grad_() for t in ins]
+        out = fn(*leaves)
+        out = out if isinstance(out, tuple) else (out,)
+
+        def bwd():
+            for t in leaves:
+                t.grad = None
+            torch.autograd.backward(out, grads, retain_graph=True)
+
+        rows.append({**base, "variant": "table bwd only", "ms": gpu_time_ms(bwd, reps)})
+        if op != "rope":
+            from lmkernels.backends.triton import _norms
+
+            cfg = _norms.bwd_config(op, case.N)
+            tiles = _norms.num_tiles(case.M, cfg.rows if cfg.single_block else 1)
+            P = _norms.persistent_programs(tiles, cfg.programs_per_sm, case.x.device)
+            partial = torch.randn(P, case.N, device=DEVICE)
+            total = torch.empty(case.N, device=DEVICE, dtype=torch.bfloat16)
+            saved = _norms.SUM_CONFIG
+            for sc in SUM_CANDIDATES:
+                _norms.SUM_CONFIG = sc
+                ms = gpu_time_ms(lambda: _norms.sum_partials(partial, total), reps)
+                rows.append({**base, "variant": f"sum P{P} bp{sc[0]} bn{sc[1]} w{sc[2]}", "ms": ms})
+            _norms.SUM_CONFIG = saved
+    except Exception as e:  # noqa: BLE001 (recorded, the sweep goes on)
+        rows.append({**base, "variant": "breakdown", "status": "error", "note": str(e)[:200]})
+
+
 def best_variants(op, rows):
     """The fastest correct forward and backward config (norms), by full fwd+bwd time."""
     ok = [r for r in rows if r["status"] == "ok" and r["kind"] == "triton"]
     out = {}
-    if op == "rope":
+    if op == "rope" or SHORT["on"]:
         return out
     from lmkernels.backends.triton import _norms
 
-    fwd = [r for r in ok if r["variant"].startswith("fwd")]
+    fwd = [r for r in ok if r["variant"].startswith("fwd ")]
     bwd = [r for r in ok if r["variant"].startswith("bwd")]
     if fwd:
         out["fwd"] = _parse_fwd(min(fwd, key=lambda r: r["ms"])["variant"], rows[0]["shape"], _norms)
@@ -491,7 +544,9 @@ def _parse_fwd(name, shape, _norms):
 def _parse_bwd(name, _norms):
     _, path, r, b, w, p = name.split()
     paths = {"regs": _norms.PATH_REGS, "mem": _norms.PATH_MEM, "wide": _norms.PATH_WIDE}
-    return _norms.BwdConfig(int(r[1:]), int(b[1:]), paths[path], int(w[1:]), int(p[1:]))
+    reload_w = path.endswith("-rw")
+    path = path.removesuffix("-rw")
+    return _norms.BwdConfig(int(r[1:]), int(b[1:]), paths[path], int(w[1:]), int(p[1:]), reload_w)
 
 
 def _get(rows, name):
@@ -566,8 +621,10 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--budget", type=float, default=330.0, help="seconds; stop starting new points after")
+    ap.add_argument("--short", action="store_true", help="only the table and the variants added since run 1")
     ap.add_argument("--warm-budget", type=float, default=150.0, help="seconds for the parallel compile")
     args = ap.parse_args(argv)
+    SHORT["on"] = args.short
     if DEVICE == "cuda":
         os.environ.pop("TRITON_INTERPRET", None)
     t_start = time.time()
@@ -579,7 +636,7 @@ def main(argv=None):
     log = lambda msg: print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
     if args.jobs > 1:
         pool = cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"))
-        futures = [pool.submit(warm, g) for g in warm_groups(jobs)]
+        futures = [pool.submit(warm, g, args.short) for g in warm_groups(jobs)]
         try:
             for f in cf.as_completed(futures, timeout=args.warm_budget):
                 log(f"warm {f.result()}")

@@ -2,8 +2,8 @@
 the size of the persistent backward grid and the reduction of its weight-gradient partials.
 
 Both norms lay the work out the same way:
-- forward: a tile of `rows` rows per program; the tile stays in registers when the row fits
-  (N <= MAX_FUSED_N), wider rows loop over blocks of WIDE_BLOCK and read x again (mostly L2).
+- forward: a tile of `rows` rows per program, in registers; or (rows wider than MAX_FUSED_N,
+  and where the table says so) one row per program in chunks, x read again from L2.
 - backward: a persistent grid (a few programs per SM); each program loops over row tiles
   pid, pid + P, ... and sums its weight (and bias) gradient contributions in fp32, either in
   registers (PATH_REGS, one partial row written at the end) or, for wide rows where registers
@@ -115,25 +115,33 @@ class BwdConfig:
     path: int  # PATH_REGS, PATH_MEM or PATH_WIDE
     num_warps: int
     programs_per_sm: int  # persistent grid: programs = SMs x this (at most one per row tile)
+    reload_w: bool = False  # PATH_REGS: load the weight per tile (an L1 hit) instead of holding it
 
     @property
     def single_block(self) -> bool:
         return self.path != PATH_WIDE
 
 
-# (fwd rows, fwd warps, bwd rows, bwd warps, bwd path, bwd programs per SM) per op and
-# next_power_of_2(N), from scripts/roofline_tune.py on an H200 (see the module docstring).
-TUNED: dict[tuple[str, int], tuple[int, int, int, int, int, int]] = {
-    ("rms_norm", 1024): (4, 4, 4, 4, PATH_REGS, 8),
-    ("rms_norm", 2048): (2, 4, 2, 4, PATH_REGS, 8),
-    ("rms_norm", 4096): (1, 4, 1, 8, PATH_REGS, 4),
-    ("rms_norm", 8192): (1, 8, 1, 16, PATH_REGS, 2),
-    ("rms_norm", 16384): (1, 16, 1, 32, PATH_MEM, 1),
-    ("layer_norm", 1024): (4, 4, 4, 4, PATH_REGS, 8),
-    ("layer_norm", 2048): (2, 4, 2, 4, PATH_REGS, 8),
-    ("layer_norm", 4096): (1, 4, 1, 8, PATH_REGS, 4),
-    ("layer_norm", 8192): (1, 8, 1, 16, PATH_MEM, 2),
-    ("layer_norm", 16384): (1, 16, 1, 32, PATH_MEM, 1),
+# Per op and next_power_of_2(N) =: block, optionally "part" (rows that fill at most 3/4 of their
+# block, e.g. 5120 and 11008): (fwd rows, fwd warps, fwd chunk, bwd rows, bwd warps, bwd path,
+# bwd programs per SM, bwd reload w). fwd chunk 0 keeps the row in registers; otherwise the
+# forward reads the row in chunks of that many columns (the wide path: several passes, the later
+# ones from L2, with more rows in flight per SM). Each entry is the fastest fwd+bwd combination
+# measured on an H200 (scripts/roofline_tune.py, benchmarks/results/2026-11-23-roofline-tune/).
+TUNED: dict[tuple, tuple[int, int, int, int, int, int, int, bool]] = {
+    ("rms_norm", 1024): (2, 4, 0, 1, 4, PATH_REGS, 8, False),
+    ("rms_norm", 2048): (2, 8, 0, 1, 8, PATH_REGS, 4, False),
+    ("rms_norm", 4096): (1, 8, 0, 1, 16, PATH_REGS, 2, False),
+    ("rms_norm", 8192): (1, 8, 0, 1, 32, PATH_REGS, 1, True),
+    ("rms_norm", 8192, "part"): (1, 8, 0, 1, 16, PATH_REGS, 1, True),
+    ("rms_norm", 16384): (1, 32, 0, 1, 16, PATH_REGS, 1, True),
+    ("rms_norm", 16384, "part"): (1, 8, 4096, 1, 16, PATH_REGS, 1, True),
+    ("layer_norm", 1024): (2, 4, 0, 1, 4, PATH_REGS, 8, False),
+    ("layer_norm", 2048): (1, 4, 0, 1, 8, PATH_REGS, 4, False),
+    ("layer_norm", 4096): (1, 8, 0, 1, 16, PATH_REGS, 2, False),
+    ("layer_norm", 8192): (1, 8, 0, 1, 16, PATH_REGS, 2, False),
+    ("layer_norm", 8192, "part"): (1, 4, 2048, 1, 16, PATH_REGS, 2, False),
+    ("layer_norm", 16384): (1, 8, 4096, 1, 16, PATH_REGS, 1, True),
 }
 
 # Tuning hook (scripts/roofline_tune.py, tests): configurations used instead of the table.
@@ -159,14 +167,20 @@ def _default_warps(elements: int, per_thread: int, cap: int) -> int:
     return min(cap, max(1, triton.next_power_of_2(max(1, elements // (32 * per_thread)))))
 
 
+def _tuned(op: str, N: int, block: int):
+    part = TUNED.get((op, block, "part")) if 4 * N <= 3 * block else None
+    return part if part is not None else TUNED.get((op, block))
+
+
 @functools.cache
 def _fwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> FwdConfig:
     if N > max_fused_n:
         return FwdConfig(1, wide_block, False, _default_warps(wide_block, 16, 16))
     block = triton.next_power_of_2(N)
-    tuned = TUNED.get((op, block))
+    tuned = _tuned(op, N, block)
     if tuned is not None:
-        return FwdConfig(tuned[0], block, True, tuned[1])
+        rows, warps, chunk = tuned[:3]
+        return FwdConfig(1, chunk, False, warps) if chunk else FwdConfig(rows, block, True, warps)
     # Narrow rows (below the table): several rows per program, about 16 elements per thread.
     rows = max(1, 1024 // block)
     return FwdConfig(rows, block, True, _default_warps(rows * block, 16, 16))
@@ -177,9 +191,10 @@ def _bwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> BwdConfig
     if N > max_fused_n:
         return BwdConfig(1, wide_block, PATH_WIDE, _default_warps(wide_block, 8, 16), 2)
     block = triton.next_power_of_2(N)
-    tuned = TUNED.get((op, block))
+    tuned = _tuned(op, N, block)
     if tuned is not None:
-        return BwdConfig(tuned[2], block, tuned[4], tuned[3], tuned[5])
+        rows, warps, path, programs_per_sm, reload_w = tuned[3:]
+        return BwdConfig(rows, block, path, warps, programs_per_sm, reload_w)
     rows = max(1, 1024 // block)
     num_warps = _default_warps(rows * block, 8, 16)
     return BwdConfig(rows, block, PATH_REGS, num_warps, max(1, 32 // num_warps))
@@ -208,7 +223,7 @@ def partial_buffer(P: int, N: int, device: torch.device) -> torch.Tensor:
 
 
 # (BLOCK_P, BLOCK_N, num_warps) of the partial-sum kernel.
-SUM_CONFIG = (64, 32, 4)
+SUM_CONFIG = (256, 16, 8)
 
 
 def sum_partials(partial: torch.Tensor, out: torch.Tensor, partial2=None, out2=None) -> None:

@@ -132,6 +132,7 @@ def _layer_norm_bwd_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     PATH: tl.constexpr,
+    RELOAD_W: tl.constexpr,
     SOFT_BF16: tl.constexpr,
 ):
     """dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dy * w, x_hat = (x - mean) * rstd;
@@ -148,7 +149,7 @@ def _layer_norm_bwd_kernel(
     db_row = db_partial_ptr + pid.to(tl.int64) * N
     if PATH != WIDE:
         col_mask = cols < N
-        if HAS_WEIGHT and PATH == REGS:
+        if HAS_WEIGHT and PATH == REGS and not RELOAD_W:
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         dw_acc = tl.zeros([BLOCK], tl.float32)
         db_acc = tl.zeros([BLOCK], tl.float32)
@@ -164,7 +165,7 @@ def _layer_norm_bwd_kernel(
             x_hat = (x - mean[:, None]) * rstd[:, None]
             g = dy
             if HAS_WEIGHT:
-                if PATH == MEM:  # reloaded (an L1/L2 hit) rather than held in registers
+                if PATH == MEM or RELOAD_W:  # reloaded (an L1 hit) rather than held in registers
                     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
                 g = dy * w[None, :]
             # Padding columns and rows have dy = 0, hence g = 0: they add nothing to any sum.
@@ -300,6 +301,7 @@ def _layer_norm_bwd(
             ROWS=rows,
             BLOCK=cfg.block,
             PATH=cfg.path,
+            RELOAD_W=cfg.reload_w,
             SOFT_BF16=soft_bf16(x),
             num_warps=cfg.num_warps,
         )

@@ -166,6 +166,7 @@ def _rms_norm_bwd_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     PATH: tl.constexpr,
+    RELOAD_W: tl.constexpr,
     SOFT_BF16: tl.constexpr,
 ):
     """dx = rstd * (g - x * rstd^2 * mean(g * x)) with g = dy * (w + offset); dw = sum dy * x_hat.
@@ -182,7 +183,7 @@ def _rms_norm_bwd_kernel(
     partial_row = dw_partial_ptr + pid.to(tl.int64) * N
     if PATH != WIDE:
         col_mask = cols < N
-        if HAS_WEIGHT and PATH == REGS:
+        if HAS_WEIGHT and PATH == REGS and not RELOAD_W:
             w_factor = _weight_factor(
                 tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32), offset, MODE, dtype, SOFT_BF16
             )
@@ -197,7 +198,7 @@ def _rms_norm_bwd_kernel(
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             g = dy
             if HAS_WEIGHT:
-                if PATH == MEM:  # reloaded (an L1/L2 hit) rather than held in registers
+                if PATH == MEM or RELOAD_W:  # reloaded (an L1 hit) rather than held in registers
                     w_factor = _weight_factor(
                         tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32),
                         offset, MODE, dtype, SOFT_BF16,
@@ -314,6 +315,7 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
             ROWS=rows,
             BLOCK=cfg.block,
             PATH=cfg.path,
+            RELOAD_W=cfg.reload_w,
             SOFT_BF16=soft_bf16(x),
             num_warps=cfg.num_warps,
         )
