@@ -167,12 +167,12 @@ def test_rms_norm_wide_rows_loop_over_blocks(monkeypatch, case, dtype):
     """Rows wider than MAX_FUSED_N take the blocked path (shrunk here so the interpreter stays fast)."""
     monkeypatch.setattr(norms_mod, "MAX_FUSED_N", 64)
     monkeypatch.setattr(norms_mod, "WIDE_BLOCK", 32)
-    assert not norms_mod.row_config(300).single_block
+    assert not norms_mod.bwd_config("rms_norm", 300).single_block
     _check_rms((7, 300), dtype, f"rms_norm wide {case}", **RMS_CASES[case])
 
 
 def test_rms_norm_wide_rows_default_config():
-    assert not norms_mod.row_config(16411).single_block
+    assert not norms_mod.bwd_config("rms_norm", 16411).single_block
     _check_rms((2, 16411), torch.bfloat16, "rms_norm 16411 wide", casting_mode="gemma", offset=1.0)
 
 
@@ -274,12 +274,55 @@ def test_layer_norm_fp16_and_non_contiguous():
 def test_layer_norm_wide_rows_loop_over_blocks(monkeypatch, case, dtype):
     monkeypatch.setattr(norms_mod, "MAX_FUSED_N", 64)
     monkeypatch.setattr(norms_mod, "WIDE_BLOCK", 32)
-    assert not norms_mod.row_config(300).single_block
+    assert not norms_mod.bwd_config("layer_norm", 300).single_block
     _check_ln((7, 300), dtype, f"layer_norm wide {case}", **LN_CASES[case])
 
 
 def test_layer_norm_wide_rows_default_config():
     _check_ln((2, 16411), torch.bfloat16, "layer_norm 16411 wide")
+
+
+# Every backward path and a multi-row tile, forced (the table picks them only for wide rows on
+# the GPU): PATH_MEM keeps the weight-gradient partial sums in memory, stored on a program's
+# first tile and added after, so 3 interpreter programs over 11 tiles exercise both; rows = 4
+# with M = 41 leaves a partial last tile.
+_PATHS = {
+    "regs-rows4": (4, "PATH_REGS", False),
+    "regs-reload-w": (2, "PATH_REGS", True),
+    "mem-rows1": (1, "PATH_MEM", False),
+    "mem-rows4": (4, "PATH_MEM", False),
+}
+
+
+@pytest.fixture(params=list(_PATHS))
+def forced_config(request, monkeypatch):
+    rows, path, reload_w = _PATHS[request.param]
+    block = 128
+    bwd = norms_mod.BwdConfig(rows, block, getattr(norms_mod, path), 4, 1, reload_w)
+    monkeypatch.setattr(norms_mod, "FORCE_FWD", norms_mod.FwdConfig(rows, block, True, 4))
+    monkeypatch.setattr(norms_mod, "FORCE_BWD", bwd)
+    return request.param
+
+
+@pytest.mark.parametrize("case", ["llama", "none-offset", "no-weight"])
+def test_rms_norm_backward_paths(forced_config, case):
+    _check_rms((41, 100), torch.bfloat16, f"rms_norm {forced_config} {case}", **RMS_CASES[case])
+
+
+@pytest.mark.parametrize("case", ["weight-bias", "no-bias", "no-weight"])
+def test_layer_norm_backward_paths(forced_config, case):
+    _check_ln((41, 100), torch.bfloat16, f"layer_norm {forced_config} {case}", **LN_CASES[case])
+
+
+def test_config_table_covers_the_sweep_widths():
+    """Every row width of the tuned sweep (1024-16384) gets a table entry, not the fallback;
+    a forward in chunks is a chunked (wide) one, the backward always keeps the row whole."""
+    for op in ("rms_norm", "layer_norm"):
+        for N in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384):
+            block = 1 << (N - 1).bit_length()
+            assert (op, block) in norms_mod.TUNED
+            fwd, bwd = norms_mod.fwd_config(op, N), norms_mod.bwd_config(op, N)
+            assert (fwd.block >= N) == fwd.single_block and bwd.single_block and bwd.block >= N
 
 
 def test_layer_norm_large_mean_is_stable():

@@ -198,7 +198,7 @@ def test_rope_launch_configs(monkeypatch, tile, min_programs, case):
     monkeypatch.setattr(rope_mod, "MIN_PROGRAMS", min_programs)
     shape = ROPE_SHAPES["gqa"]
     R = 2 * math.ceil(shape[4] / 4) if ROPE_CASES[case].get("partial") else shape[4]
-    block_h, _, _, splits = rope_mod._launch_config(shape[0] * shape[3], shape[1], shape[2], R, shape[4])
+    block_h, _, _, splits, _ = rope_mod._launch_config(shape[0] * shape[3], shape[1], shape[2], R, shape[4])
     n_groups = math.ceil(shape[1] / block_h) + math.ceil(shape[2] / block_h)
     assert n_groups > splits  # some program handles several groups
     run_rope_check(shape, torch.float32, ROPE_CASES[case])

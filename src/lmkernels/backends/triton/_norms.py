@@ -1,13 +1,17 @@
-"""What the RMSNorm and LayerNorm kernels share: exact bf16 rounding, the row configuration,
+"""What the RMSNorm and LayerNorm kernels share: exact bf16 rounding, the launch configurations,
 the size of the persistent backward grid and the reduction of its weight-gradient partials.
 
 Both norms lay the work out the same way:
-- forward: one row per program; the row stays in registers when it fits (N <= MAX_FUSED_N),
-  wider rows loop over blocks of WIDE_BLOCK and read x again (mostly from L2).
-- backward: a persistent grid (a few programs per SM), each program loops over rows
-  pid, pid + P, ... and keeps its weight (and bias) gradient partial sums in fp32 registers; it
-  writes one partial row at the end, and a small kernel sums the P partial rows (deterministic,
-  no atomics).
+- forward: a tile of `rows` rows per program, in registers; or (rows wider than MAX_FUSED_N,
+  and where the table says so) one row per program in chunks, x read again from L2.
+- backward: a persistent grid (a few programs per SM); each program loops over row tiles
+  pid, pid + P, ... and sums its weight (and bias) gradient contributions in fp32, either in
+  registers (PATH_REGS, one partial row written at the end) or, for wide rows where registers
+  would spill, in its own partial row in memory (PATH_MEM: read-modify-write, an L2 hit). A
+  second small kernel sums the P partial rows (deterministic, no atomics).
+
+The configurations come from a table per op and row width, filled from measurements on an H200
+(scripts/roofline_tune.py, benchmarks/results/2026-11-23-roofline-tune/).
 """
 
 from __future__ import annotations
@@ -24,16 +28,15 @@ from lmkernels.backends.triton._common import cdiv, soft_bf16
 from lmkernels.utils import empty
 
 # Rows up to this width are kept in registers; wider rows loop over blocks of WIDE_BLOCK.
-# (sm_90, from ptxas: the fused RMSNorm backward fits 64 registers per thread up to N = 8192; at
-# 16384 it spills ~100-200 bytes per thread, which the wide path avoids at the cost of a second
-# read and a read-modify-write of the dweight partials. Which is faster there is for the benchmark.)
 MAX_FUSED_N = 16384
 WIDE_BLOCK = 4096
-# Resident warps per SM the persistent backward aims for (half of the 64 an SM can hold).
-TARGET_WARPS_PER_SM = 32
-# Programs of the backward under the CPU interpreter: few, so each one loops over several rows.
+# Programs of the backward under the CPU interpreter: few, so each one loops over several tiles.
 INTERPRETER_PROGRAMS = 3
 
+# Backward paths (the PATH constexpr of the kernels).
+PATH_REGS = 0  # whole row in registers, weight-gradient partial sums in registers
+PATH_MEM = 1  # whole row in registers, partial sums in the program's partial row (memory)
+PATH_WIDE = 2  # the row in blocks of WIDE_BLOCK, two passes, partial sums in memory
 
 # --- jit helpers -------------------------------------------------------------------------------
 
@@ -60,10 +63,9 @@ def round_as(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _sum_partials_kernel(
+def _sum_columns(
     partial_ptr, out_ptr, P, N, SOFT_BF16: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
 ):
-    """out[c] = sum over p of partial[p, c] (fp32), rounded to out's dtype. One column block each."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     acc = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
@@ -75,32 +77,127 @@ def _sum_partials_kernel(
     tl.store(out_ptr + cols, to_dtype(total, out_ptr.dtype.element_ty, SOFT_BF16), mask=col_mask)
 
 
+@triton.jit
+def _sum_partials_kernel(
+    partial0_ptr,
+    out0_ptr,
+    partial1_ptr,
+    out1_ptr,
+    P,
+    N,
+    SOFT_BF16: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out_j[c] = sum over p of partial_j[p, c] (fp32), rounded to out_j's dtype; j = program_id(1).
+    One launch reduces both the weight and the bias partials of LayerNorm."""
+    if tl.program_id(1) == 0:
+        _sum_columns(partial0_ptr, out0_ptr, P, N, SOFT_BF16, BLOCK_P, BLOCK_N)
+    else:
+        _sum_columns(partial1_ptr, out1_ptr, P, N, SOFT_BF16, BLOCK_P, BLOCK_N)
+
+
 # --- launcher helpers --------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class RowConfig:
+class FwdConfig:
+    rows: int  # rows per program (a rows x block tile)
     block: int  # columns a program handles at once
     single_block: bool  # the whole row fits in one block (kept in registers)
     num_warps: int
 
 
-def row_config(N: int, backward: bool = False) -> RowConfig:
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    rows: int  # rows per loop iteration of a program
+    block: int
+    path: int  # PATH_REGS, PATH_MEM or PATH_WIDE
+    num_warps: int
+    programs_per_sm: int  # persistent grid: programs = SMs x this (at most one per row tile)
+    reload_w: bool = False  # PATH_REGS: load the weight per tile (an L1 hit) instead of holding it
+
+    @property
+    def single_block(self) -> bool:
+        return self.path != PATH_WIDE
+
+
+# Per op and next_power_of_2(N) =: block, optionally "part" (rows that fill at most 3/4 of their
+# block, e.g. 5120 and 11008): (fwd rows, fwd warps, fwd chunk, bwd rows, bwd warps, bwd path,
+# bwd programs per SM, bwd reload w). fwd chunk 0 keeps the row in registers; otherwise the
+# forward reads the row in chunks of that many columns (the wide path: several passes, the later
+# ones from L2, with more rows in flight per SM). Each entry is the fastest fwd+bwd combination
+# measured on an H200 (scripts/roofline_tune.py, benchmarks/results/2026-11-23-roofline-tune/).
+TUNED: dict[tuple, tuple[int, int, int, int, int, int, int, bool]] = {
+    ("rms_norm", 1024): (2, 4, 0, 1, 4, PATH_REGS, 8, False),
+    ("rms_norm", 2048): (2, 8, 0, 1, 8, PATH_REGS, 4, False),
+    ("rms_norm", 4096): (1, 8, 0, 1, 16, PATH_REGS, 2, False),
+    ("rms_norm", 8192): (1, 8, 0, 1, 32, PATH_REGS, 1, True),
+    ("rms_norm", 8192, "part"): (1, 8, 0, 1, 16, PATH_REGS, 1, True),
+    ("rms_norm", 16384): (1, 32, 0, 1, 16, PATH_REGS, 1, True),
+    ("rms_norm", 16384, "part"): (1, 8, 4096, 1, 16, PATH_REGS, 1, True),
+    ("layer_norm", 1024): (2, 4, 0, 1, 4, PATH_REGS, 8, False),
+    ("layer_norm", 2048): (1, 4, 0, 1, 8, PATH_REGS, 4, False),
+    ("layer_norm", 4096): (1, 8, 0, 1, 16, PATH_REGS, 2, False),
+    ("layer_norm", 8192): (1, 8, 0, 1, 16, PATH_REGS, 2, False),
+    ("layer_norm", 8192, "part"): (1, 4, 2048, 1, 16, PATH_REGS, 2, False),
+    ("layer_norm", 16384): (1, 8, 4096, 1, 16, PATH_REGS, 1, True),
+}
+
+# Tuning hook (scripts/roofline_tune.py, tests): configurations used instead of the table.
+FORCE_FWD: FwdConfig | None = None
+FORCE_BWD: BwdConfig | None = None
+
+
+def fwd_config(op: str, N: int) -> FwdConfig:
+    if FORCE_FWD is not None:
+        return FORCE_FWD
     # The module constants are arguments of the cached function so that changing them (tests,
     # tuning scripts) takes effect.
-    return _row_config(N, backward, MAX_FUSED_N, WIDE_BLOCK)
+    return _fwd_config(op, N, MAX_FUSED_N, WIDE_BLOCK)
+
+
+def bwd_config(op: str, N: int) -> BwdConfig:
+    if FORCE_BWD is not None:
+        return FORCE_BWD
+    return _bwd_config(op, N, MAX_FUSED_N, WIDE_BLOCK)
+
+
+def _default_warps(elements: int, per_thread: int, cap: int) -> int:
+    return min(cap, max(1, triton.next_power_of_2(max(1, elements // (32 * per_thread)))))
+
+
+def _tuned(op: str, N: int, block: int):
+    part = TUNED.get((op, block, "part")) if 4 * N <= 3 * block else None
+    return part if part is not None else TUNED.get((op, block))
 
 
 @functools.cache
-def _row_config(N: int, backward: bool, max_fused_n: int, wide_block: int) -> RowConfig:
-    single = N <= max_fused_n
-    block = triton.next_power_of_2(N) if single else wide_block
-    # Registers per thread grow with the elements each thread holds. About 16 elements per thread
-    # forward (x only) and 8 backward (x, dy, dw partial, ...) keep the fused kernels near 64
-    # registers per thread on sm_90 at N = 4096, so two programs fit on an SM.
-    elements_per_thread = 8 if backward else 16
-    num_warps = min(32 if backward else 16, max(1, block // (32 * elements_per_thread)))
-    return RowConfig(block, single, num_warps)
+def _fwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> FwdConfig:
+    if N > max_fused_n:
+        return FwdConfig(1, wide_block, False, _default_warps(wide_block, 16, 16))
+    block = triton.next_power_of_2(N)
+    tuned = _tuned(op, N, block)
+    if tuned is not None:
+        rows, warps, chunk = tuned[:3]
+        return FwdConfig(1, chunk, False, warps) if chunk else FwdConfig(rows, block, True, warps)
+    # Narrow rows (below the table): several rows per program, about 16 elements per thread.
+    rows = max(1, 1024 // block)
+    return FwdConfig(rows, block, True, _default_warps(rows * block, 16, 16))
+
+
+@functools.cache
+def _bwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> BwdConfig:
+    if N > max_fused_n:
+        return BwdConfig(1, wide_block, PATH_WIDE, _default_warps(wide_block, 8, 16), 2)
+    block = triton.next_power_of_2(N)
+    tuned = _tuned(op, N, block)
+    if tuned is not None:
+        rows, warps, path, programs_per_sm, reload_w = tuned[3:]
+        return BwdConfig(rows, block, path, warps, programs_per_sm, reload_w)
+    rows = max(1, 1024 // block)
+    num_warps = _default_warps(rows * block, 8, 16)
+    return BwdConfig(rows, block, PATH_REGS, num_warps, max(1, 32 // num_warps))
 
 
 @functools.cache
@@ -108,36 +205,53 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def persistent_programs(M: int, num_warps: int, device: torch.device) -> int:
-    """Number of programs of a persistent kernel: enough to fill the GPU, at most one per row."""
+def persistent_programs(tiles: int, programs_per_sm: int, device: torch.device) -> int:
+    """Number of programs of a persistent kernel: enough to fill the GPU, at most one per tile."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        programs = _sm_count(index) * max(1, TARGET_WARPS_PER_SM // num_warps)
+        programs = _sm_count(index) * programs_per_sm
     else:
         programs = INTERPRETER_PROGRAMS
-    return max(1, min(M, programs))
+    return max(1, min(tiles, programs))
 
 
-def partial_buffer(P: int, N: int, single_block: bool, device: torch.device) -> torch.Tensor:
-    """A P x N fp32 buffer of weight-gradient partials. The fused path writes every partial row
-    in full; the wide path accumulates into it, so it must start at zero."""
-    if single_block:
-        return empty((P, N), torch.float32, device)  # NaN under the harness: a row left out fails
-    return torch.zeros((P, N), dtype=torch.float32, device=device)
+def partial_buffer(P: int, N: int, device: torch.device) -> torch.Tensor:
+    """A P x N fp32 buffer of weight-gradient partials. Every path writes each partial row in
+    full (the memory paths store on their first tile, then add), so it needs no zeroing: under
+    the harness it starts as NaN, and a row left out fails."""
+    return empty((P, N), torch.float32, device)
 
 
-def sum_partials(partial: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out (1-D, any float dtype) = partial.sum(0), with one fp32 accumulation per column."""
+# (BLOCK_P, BLOCK_N, num_warps) of the partial-sum kernel.
+SUM_CONFIG = (256, 16, 8)
+
+
+def sum_partials(partial: torch.Tensor, out: torch.Tensor, partial2=None, out2=None) -> None:
+    """out (1-D, any float dtype) = partial.sum(0), with one fp32 accumulation per column; and
+    the same for (partial2, out2) in the same launch when given."""
     P, N = partial.shape
-    BLOCK_N = 64
-    _sum_partials_kernel[(cdiv(N, BLOCK_N),)](
-        partial, out, P, N, SOFT_BF16=soft_bf16(out), BLOCK_P=32, BLOCK_N=BLOCK_N, num_warps=4
+    block_p, block_n, num_warps = SUM_CONFIG
+    second = partial2 is not None
+    _sum_partials_kernel[(cdiv(N, block_n), 2 if second else 1)](
+        partial,
+        out,
+        partial2 if second else partial,
+        out2 if second else out,
+        P,
+        N,
+        SOFT_BF16=soft_bf16(out),
+        BLOCK_P=block_p,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
     )
-    return out
 
 
 def num_rows(x: torch.Tensor) -> int:
     return math.prod(x.shape[:-1])
+
+
+def num_tiles(M: int, rows: int) -> int:
+    return cdiv(M, rows)
 
 
 def row_limit_reasons(x: torch.Tensor, **_) -> list[str]:

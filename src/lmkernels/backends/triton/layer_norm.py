@@ -2,8 +2,8 @@
 
 Semantics are those of `lmkernels.ops.layer_norm.layer_norm_reference`: fp32 math, one rounding
 of y to x.dtype; weight and bias are optional and independent. The work is laid out as
-_norms.py describes: one row per program forward, a persistent backward that keeps the weight
-and bias gradient partial sums in fp32 registers.
+_norms.py describes: a tile of rows per program forward, a persistent backward that sums the
+weight and bias gradient partials in fp32 (registers, or memory for wide rows).
 """
 
 from __future__ import annotations
@@ -15,16 +15,25 @@ import triton.language as tl
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import call, device_guard, eager_function, op_or_raw, soft_bf16
 from lmkernels.backends.triton._norms import (
+    PATH_MEM,
+    PATH_REGS,
+    PATH_WIDE,
+    bwd_config,
+    fwd_config,
     num_rows,
+    num_tiles,
     partial_buffer,
     persistent_programs,
-    row_config,
     row_limit_reasons,
     sum_partials,
     to_dtype,
 )
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
+
+REGS: tl.constexpr = tl.constexpr(PATH_REGS)
+MEM: tl.constexpr = tl.constexpr(PATH_MEM)
+WIDE: tl.constexpr = tl.constexpr(PATH_WIDE)
 
 # --- kernels -----------------------------------------------------------------------------------
 
@@ -37,34 +46,43 @@ def _layer_norm_fwd_kernel(
     y_ptr,
     mean_ptr,
     rstd_ptr,
+    M,
     N,
     eps,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
     SOFT_BF16: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * N
-    y_row = y_ptr + row * N
     dtype = y_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     if SINGLE_BLOCK:
-        mask = cols < N
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=0) / N
-        centered = tl.where(mask, x - mean, 0.0)
+        # A tile of ROWS whole rows.
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < M
+        col_mask = cols < N
+        mask = row_mask[:, None] & col_mask[None, :]
+        offs = rows[:, None] * N + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=1) / N
+        centered = tl.where(mask, x - mean[:, None], 0.0)
         # Two passes over the row in registers (mean, then squared deviations), as the reference.
-        rstd = tl.rsqrt(tl.sum(centered * centered, axis=0) / N + eps)
-        y = centered * rstd
+        rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / N + eps)
+        y = centered * rstd[:, None]
         if HAS_WEIGHT:
-            y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            y = y * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if HAS_BIAS:
-            y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_row + cols, to_dtype(y, dtype, SOFT_BF16), mask=mask)
+            y = y + tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs, to_dtype(y, dtype, SOFT_BF16), mask=mask)
+        tl.store(mean_ptr + rows, mean, mask=row_mask)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     else:
         # Wide rows: three passes (sum, squared deviations, output); passes 2 and 3 hit L2.
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * N
+        y_row = y_ptr + row * N
         acc = tl.zeros([BLOCK], tl.float32)
         for start in range(0, N, BLOCK):
             acc += tl.load(x_row + start + cols, mask=start + cols < N, other=0.0).to(tl.float32)
@@ -85,8 +103,16 @@ def _layer_norm_fwd_kernel(
             if HAS_BIAS:
                 y = y + tl.load(b_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(y_row + start + cols, to_dtype(y, dtype, SOFT_BF16), mask=mask)
-    tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
+        tl.store(mean_ptr + row, mean)
+        tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _add_to_partial(partial_row, cols, mask, contrib, i):
+    """partial_row[cols] = contrib on a program's first tile (i == 0), += contrib after: the
+    buffer needs no zeroing."""
+    prev = tl.load(partial_row + cols, mask=mask & (i > 0), other=0.0)
+    tl.store(partial_row + cols, prev + contrib, mask=mask)
 
 
 @triton.jit
@@ -103,56 +129,70 @@ def _layer_norm_bwd_kernel(
     N,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
-    SINGLE_BLOCK: tl.constexpr,
+    PATH: tl.constexpr,
+    RELOAD_W: tl.constexpr,
     SOFT_BF16: tl.constexpr,
 ):
     """dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dy * w, x_hat = (x - mean) * rstd;
     dw = sum dy * x_hat, db = sum dy over rows.
 
-    Program pid handles rows pid, pid + P, ... and writes row pid of the P x N fp32 partials.
+    Program pid handles row tiles pid, pid + P, ... (ROWS rows each; one row on the wide path)
+    and writes row pid of the P x N fp32 partials, P <= the number of tiles.
     """
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    first_row = pid.to(tl.int64)
     dtype = dx_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
-    dw_row = dw_partial_ptr + first_row * N
-    db_row = db_partial_ptr + first_row * N
-    if SINGLE_BLOCK:
-        mask = cols < N
-        if HAS_WEIGHT:
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_row = dw_partial_ptr + pid.to(tl.int64) * N
+    db_row = db_partial_ptr + pid.to(tl.int64) * N
+    if PATH != WIDE:
+        col_mask = cols < N
+        if HAS_WEIGHT and PATH == REGS and not RELOAD_W:
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         dw_acc = tl.zeros([BLOCK], tl.float32)
         db_acc = tl.zeros([BLOCK], tl.float32)
-        for i in range(0, tl.cdiv(M - pid, num_programs)):
-            row = first_row + i * num_programs
-            x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            mean = tl.load(mean_ptr + row)
-            rstd = tl.load(rstd_ptr + row)
-            x_hat = (x - mean) * rstd
+        for i in range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs)):
+            rows = (pid + i * num_programs).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+            row_mask = rows < M
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = rows[:, None] * N + cols[None, :]
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            x_hat = (x - mean[:, None]) * rstd[:, None]
             g = dy
             if HAS_WEIGHT:
-                g = dy * w
-            # Padding columns have dy = 0, hence g = 0: they add nothing to either sum.
-            mean_g = tl.sum(g, axis=0) / N
-            mean_gx = tl.sum(g * x_hat, axis=0) / N
-            dx = (g - mean_g - x_hat * mean_gx) * rstd
-            tl.store(dx_ptr + row * N + cols, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
+                if PATH == MEM or RELOAD_W:  # reloaded (an L1 hit) rather than held in registers
+                    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                g = dy * w[None, :]
+            # Padding columns and rows have dy = 0, hence g = 0: they add nothing to any sum.
+            mean_g = tl.sum(g, axis=1) / N
+            mean_gx = tl.sum(g * x_hat, axis=1) / N
+            dx = (g - mean_g[:, None] - x_hat * mean_gx[:, None]) * rstd[:, None]
+            tl.store(dx_ptr + offs, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
+            if PATH == MEM:
+                if HAS_WEIGHT:
+                    _add_to_partial(dw_row, cols, col_mask, tl.sum(dy * x_hat, axis=0), i)
+                if HAS_BIAS:
+                    _add_to_partial(db_row, cols, col_mask, tl.sum(dy, axis=0), i)
+            else:
+                if HAS_WEIGHT:
+                    dw_acc += tl.sum(dy * x_hat, axis=0)
+                if HAS_BIAS:
+                    db_acc += tl.sum(dy, axis=0)
+        if PATH == REGS:
             if HAS_WEIGHT:
-                dw_acc += dy * x_hat
+                tl.store(dw_row + cols, dw_acc, mask=col_mask)
             if HAS_BIAS:
-                db_acc += dy
-        if HAS_WEIGHT:
-            tl.store(dw_row + cols, dw_acc, mask=mask)
-        if HAS_BIAS:
-            tl.store(db_row + cols, db_acc, mask=mask)
+                tl.store(db_row + cols, db_acc, mask=col_mask)
     else:
         # Wide rows: pass 1 reduces the two row sums, pass 2 writes dx block by block and adds
-        # this program's contributions into its (zero-initialized) partial rows.
+        # this program's contributions into its partial rows (stored on its first row).
         for i in range(0, tl.cdiv(M - pid, num_programs)):
-            row = first_row + i * num_programs
+            row = (pid + i * num_programs).to(tl.int64)
             mean = tl.load(mean_ptr + row)
             rstd = tl.load(rstd_ptr + row)
             acc_g = tl.zeros([BLOCK], tl.float32)
@@ -178,11 +218,9 @@ def _layer_norm_bwd_kernel(
                 dx = (g - mean_g - x_hat * mean_gx) * rstd
                 tl.store(dx_ptr + row * N + start + cols, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
                 if HAS_WEIGHT:
-                    dw = tl.load(dw_row + start + cols, mask=mask, other=0.0)
-                    tl.store(dw_row + start + cols, dw + dy * x_hat, mask=mask)
+                    _add_to_partial(dw_row + start, cols, mask, dy * x_hat, i)
                 if HAS_BIAS:
-                    db = tl.load(db_row + start + cols, mask=mask, other=0.0)
-                    tl.store(db_row + start + cols, db + dy, mask=mask)
+                    _add_to_partial(db_row + start, cols, mask, dy, i)
 
 
 # --- launchers -------------------------------------------------------------------------------
@@ -200,19 +238,22 @@ def _layer_norm_fwd(
     rstd = empty((M,), torch.float32, x.device)
     if M == 0:
         return y, mean, rstd
-    cfg = row_config(N)
+    cfg = fwd_config("layer_norm", N)
+    rows = cfg.rows if cfg.single_block else 1
     with device_guard(x):
-        _layer_norm_fwd_kernel[(M,)](
+        _layer_norm_fwd_kernel[(num_tiles(M, rows),)](
             x,
             weight.contiguous() if weight is not None else x,  # x: placeholder, never read
             bias.contiguous() if bias is not None else x,
             y,
             mean,
             rstd,
+            M,
             N,
             eps,
             HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None,
+            ROWS=rows,
             BLOCK=cfg.block,
             SINGLE_BLOCK=cfg.single_block,
             SOFT_BF16=soft_bf16(x),
@@ -238,10 +279,11 @@ def _layer_norm_bwd(
     db = empty((N,), bias_dtype, x.device) if bias_dtype is not None else x.new_empty((0,))
     if M == 0:
         return dx, dw.zero_(), db.zero_()
-    cfg = row_config(N, backward=True)
-    P = persistent_programs(M, cfg.num_warps, x.device)
-    dw_partial = partial_buffer(P, N, cfg.single_block, x.device) if weight is not None else None
-    db_partial = partial_buffer(P, N, cfg.single_block, x.device) if bias_dtype is not None else None
+    cfg = bwd_config("layer_norm", N)
+    rows = cfg.rows if cfg.single_block else 1
+    P = persistent_programs(num_tiles(M, rows), cfg.programs_per_sm, x.device)
+    dw_partial = partial_buffer(P, N, x.device) if weight is not None else None
+    db_partial = partial_buffer(P, N, x.device) if bias_dtype is not None else None
     with device_guard(x):
         _layer_norm_bwd_kernel[(P,)](
             dy.contiguous(),
@@ -256,14 +298,18 @@ def _layer_norm_bwd(
             N,
             HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias_dtype is not None,
+            ROWS=rows,
             BLOCK=cfg.block,
-            SINGLE_BLOCK=cfg.single_block,
+            PATH=cfg.path,
+            RELOAD_W=cfg.reload_w,
             SOFT_BF16=soft_bf16(x),
             num_warps=cfg.num_warps,
         )
-        if dw_partial is not None:
+        if dw_partial is not None and db_partial is not None:
+            sum_partials(dw_partial, dw, db_partial, db)  # one launch for both
+        elif dw_partial is not None:
             sum_partials(dw_partial, dw)
-        if db_partial is not None:
+        elif db_partial is not None:
             sum_partials(db_partial, db)
     return dx, dw, db
 
@@ -340,5 +386,5 @@ register(
     auto_devices=("cuda",),
     available=triton_unavailable_reason,
     supports=row_limit_reasons,
-    description="Triton: one row per program forward, persistent backward with fp32 dw/db partials",
+    description="Triton: row tiles forward, persistent backward with fp32 dw/db partials",
 )

@@ -4,8 +4,8 @@ Semantics are those of `lmkernels.ops.rms_norm.rms_norm_reference`, casting mode
 "llama" rounds the normalized row to x.dtype before the weight multiply, "gemma" rounds once at
 the end, "none" rounds after every step as eager PyTorch does in x.dtype (emulated in-kernel).
 
-The work is laid out as _norms.py describes: one row per program forward, a persistent backward
-that keeps the weight-gradient partial sums in fp32 registers.
+The work is laid out as _norms.py describes: a tile of rows per program forward, a persistent
+backward that sums the weight-gradient partials in fp32 (registers, or memory for wide rows).
 """
 
 from __future__ import annotations
@@ -17,11 +17,16 @@ import triton.language as tl
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import call, device_guard, eager_function, op_or_raw, soft_bf16
 from lmkernels.backends.triton._norms import (
+    PATH_MEM,
+    PATH_REGS,
+    PATH_WIDE,
+    bwd_config,
+    fwd_config,
     num_rows,
+    num_tiles,
     partial_buffer,
     persistent_programs,
     round_as,
-    row_config,
     row_limit_reasons,
     sum_partials,
     to_dtype,
@@ -32,6 +37,9 @@ from lmkernels.utils import empty
 _MODES = {"llama": 0, "gemma": 1, "none": 2}  # casting_mode -> MODE of the kernels
 GEMMA: tl.constexpr = tl.constexpr(1)
 NONE: tl.constexpr = tl.constexpr(2)
+REGS: tl.constexpr = tl.constexpr(PATH_REGS)
+MEM: tl.constexpr = tl.constexpr(PATH_MEM)
+WIDE: tl.constexpr = tl.constexpr(PATH_WIDE)
 
 
 # --- RMSNorm kernels ---------------------------------------------------------------------------
@@ -75,30 +83,38 @@ def _rms_norm_fwd_kernel(
     w_ptr,
     y_ptr,
     rstd_ptr,
+    M,
     N,
     eps,
     offset,
     MODE: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
     SOFT_BF16: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * N
-    y_row = y_ptr + row * N
     dtype = y_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     if SINGLE_BLOCK:
-        mask = cols < N
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = _rstd(tl.sum(_square(x, MODE, dtype, SOFT_BF16), axis=0), N, eps, MODE, dtype, SOFT_BF16)
-        y = _normalized(x, rstd, MODE, dtype, SOFT_BF16)
+        # A tile of ROWS whole rows.
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < M
+        col_mask = cols < N
+        mask = row_mask[:, None] & col_mask[None, :]
+        offs = rows[:, None] * N + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = _rstd(tl.sum(_square(x, MODE, dtype, SOFT_BF16), axis=1), N, eps, MODE, dtype, SOFT_BF16)
+        y = _normalized(x, rstd[:, None], MODE, dtype, SOFT_BF16)
         if HAS_WEIGHT:
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            y = y * _weight_factor(w, offset, MODE, dtype, SOFT_BF16)
-        tl.store(y_row + cols, to_dtype(y, dtype, SOFT_BF16), mask=mask)
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            y = y * _weight_factor(w, offset, MODE, dtype, SOFT_BF16)[None, :]
+        tl.store(y_ptr + offs, to_dtype(y, dtype, SOFT_BF16), mask=mask)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     else:
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * N
+        y_row = y_ptr + row * N
         acc = tl.zeros([BLOCK], tl.float32)
         for start in range(0, N, BLOCK):
             mask = start + cols < N
@@ -113,7 +129,7 @@ def _rms_norm_fwd_kernel(
                 w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
                 y = y * _weight_factor(w, offset, MODE, dtype, SOFT_BF16)
             tl.store(y_row + start + cols, to_dtype(y, dtype, SOFT_BF16), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
+        tl.store(rstd_ptr + row, rstd)
 
 
 @triton.jit
@@ -129,48 +145,65 @@ def _rms_norm_bwd_kernel(
     offset,
     MODE: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
-    SINGLE_BLOCK: tl.constexpr,
+    PATH: tl.constexpr,
+    RELOAD_W: tl.constexpr,
     SOFT_BF16: tl.constexpr,
 ):
     """dx = rstd * (g - x * rstd^2 * mean(g * x)) with g = dy * (w + offset); dw = sum dy * x_hat.
 
-    Program pid handles rows pid, pid + P, ... and writes row pid of dw_partial (P x N, fp32).
+    Program pid handles row tiles pid, pid + P, ... (ROWS rows each; one row on the wide path)
+    and writes row pid of dw_partial (P x N, fp32), P <= the number of tiles.
     dx_ptr may equal dy_ptr (in-place backward): every element of dy is read before the dx
     element at the same address is written, by the same program.
     """
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    first_row = pid.to(tl.int64)
     dtype = dx_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
-    partial_row = dw_partial_ptr + first_row * N
-    if SINGLE_BLOCK:
-        mask = cols < N
-        if HAS_WEIGHT:
-            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            w_factor = _weight_factor(w, offset, MODE, dtype, SOFT_BF16)
+    partial_row = dw_partial_ptr + pid.to(tl.int64) * N
+    if PATH != WIDE:
+        col_mask = cols < N
+        if HAS_WEIGHT and PATH == REGS and not RELOAD_W:
+            w_factor = _weight_factor(
+                tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32), offset, MODE, dtype, SOFT_BF16
+            )
         dw_acc = tl.zeros([BLOCK], tl.float32)
-        for i in range(0, tl.cdiv(M - pid, num_programs)):
-            row = first_row + i * num_programs
-            x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + row)
+        for i in range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs)):
+            rows = (pid + i * num_programs).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+            row_mask = rows < M
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = rows[:, None] * N + cols[None, :]
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             g = dy
             if HAS_WEIGHT:
-                g = dy * w_factor
-            dot = tl.sum(g * x, axis=0)
-            dx = (g - x * (rstd * rstd * dot / N)) * rstd
-            tl.store(dx_ptr + row * N + cols, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
+                if PATH == MEM or RELOAD_W:  # reloaded (an L1 hit) rather than held in registers
+                    w_factor = _weight_factor(
+                        tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32),
+                        offset, MODE, dtype, SOFT_BF16,
+                    )  # fmt: skip
+                g = dy * w_factor[None, :]
+            dot = tl.sum(g * x, axis=1)
+            dx = (g - x * (rstd * rstd * dot / N)[:, None]) * rstd[:, None]
+            tl.store(dx_ptr + offs, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
             if HAS_WEIGHT:
-                dw_acc += dy * _normalized(x, rstd, MODE, dtype, SOFT_BF16)
-        if HAS_WEIGHT:
-            tl.store(partial_row + cols, dw_acc, mask=mask)
+                # Rows past M have dy = 0: they add nothing.
+                contrib = tl.sum(dy * _normalized(x, rstd[:, None], MODE, dtype, SOFT_BF16), axis=0)
+                if PATH == MEM:
+                    prev = tl.load(partial_row + cols, mask=col_mask & (i > 0), other=0.0)
+                    tl.store(partial_row + cols, prev + contrib, mask=col_mask)
+                else:
+                    dw_acc += contrib
+        if HAS_WEIGHT and PATH == REGS:
+            tl.store(partial_row + cols, dw_acc, mask=col_mask)
     else:
         # Wide rows: pass 1 reduces g * x over the row, pass 2 writes dx block by block and adds
-        # this program's dw contribution into its (zero-initialized) partial row.
+        # this program's dw contribution into its partial row (stored on its first row).
         for i in range(0, tl.cdiv(M - pid, num_programs)):
-            row = first_row + i * num_programs
+            row = (pid + i * num_programs).to(tl.int64)
             rstd = tl.load(rstd_ptr + row)
             acc = tl.zeros([BLOCK], tl.float32)
             for start in range(0, N, BLOCK):
@@ -193,7 +226,7 @@ def _rms_norm_bwd_kernel(
                 dx = (g - x * scale) * rstd
                 tl.store(dx_ptr + row * N + start + cols, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
                 if HAS_WEIGHT:
-                    dw = tl.load(partial_row + start + cols, mask=mask, other=0.0)
+                    dw = tl.load(partial_row + start + cols, mask=mask & (i > 0), other=0.0)
                     dw += dy * _normalized(x, rstd, MODE, dtype, SOFT_BF16)
                     tl.store(partial_row + start + cols, dw, mask=mask)
 
@@ -212,18 +245,21 @@ def _rms_norm_fwd(
     rstd = empty((M,), torch.float32, x.device)
     if M == 0:
         return y, rstd
-    cfg = row_config(N)
+    cfg = fwd_config("rms_norm", N)
+    rows = cfg.rows if cfg.single_block else 1
     with device_guard(x):
-        _rms_norm_fwd_kernel[(M,)](
+        _rms_norm_fwd_kernel[(num_tiles(M, rows),)](
             x,
             weight.contiguous() if weight is not None else x,  # x: placeholder, never read
             y,
             rstd,
+            M,
             N,
             eps,
             offset,
             MODE=_MODES[casting_mode],
             HAS_WEIGHT=weight is not None,
+            ROWS=rows,
             BLOCK=cfg.block,
             SINGLE_BLOCK=cfg.single_block,
             SOFT_BF16=soft_bf16(x),
@@ -241,9 +277,10 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
     dw = empty((N,), weight.dtype, x.device) if weight is not None else x.new_empty((0,))
     if M == 0:
         return dw.zero_()
-    cfg = row_config(N, backward=True)
-    P = persistent_programs(M, cfg.num_warps, x.device)
-    partial = partial_buffer(P, N, cfg.single_block, x.device) if weight is not None else None
+    cfg = bwd_config("rms_norm", N)
+    rows = cfg.rows if cfg.single_block else 1
+    P = persistent_programs(num_tiles(M, rows), cfg.programs_per_sm, x.device)
+    partial = partial_buffer(P, N, x.device) if weight is not None else None
     with device_guard(x):
         _rms_norm_bwd_kernel[(P,)](
             dy,
@@ -257,8 +294,10 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
             offset,
             MODE=_MODES[casting_mode],
             HAS_WEIGHT=weight is not None,
+            ROWS=rows,
             BLOCK=cfg.block,
-            SINGLE_BLOCK=cfg.single_block,
+            PATH=cfg.path,
+            RELOAD_W=cfg.reload_w,
             SOFT_BF16=soft_bf16(x),
             num_warps=cfg.num_warps,
         )
@@ -346,5 +385,5 @@ register(
     auto_devices=("cuda",),
     available=triton_unavailable_reason,
     supports=row_limit_reasons,
-    description="Triton: one row per program forward, persistent backward with fp32 dw partials",
+    description="Triton: row tiles forward, persistent backward with fp32 dw partials",
 )

@@ -31,10 +31,17 @@ from lmkernels.backends.triton._common import call, cdiv, device_guard, eager_fu
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
 
-# Elements of one (heads x rotary dims) tile: 16 heads x 128 dims for Llama, i.e. 8 elements
-# (one 16-byte vector of bf16) per thread for each of the tile's two halves with 4 warps.
-TILE_ELEMENTS = 2048
-NUM_WARPS = 4
+# (elements of one heads x rotary-dims tile, warps) per (rotary half width, whether dims past
+# the rotary part are copied), measured on an H200 (scripts/roofline_tune.py; fwd+bwd, bf16,
+# benchmarks/results/2026-11-23-roofline-tune/): 16 heads x 128 dims with 4 warps for Llama's
+# heads, 512-element halves elsewhere, 2 warps where that gave each thread 16-byte vectors
+# (D = 64, D = 256) and was 9-13% faster than 4.
+TUNED = {(32, False): (1024, 2), (128, False): (1024, 2)}
+DEFAULT_TILE = (2048, 4)  # Llama's D = 128, and the partial-rotary cases (1024, 4 measured the same)
+PARTIAL_TILE = (1024, 4)
+# Tuning hook (scripts/roofline_tune.py, tests): the tile and warps used instead of the table.
+TILE_ELEMENTS: int | None = None
+NUM_WARPS: int | None = None
 # Below this many positions, the heads of one position are spread over several programs so
 # that the GPU still gets enough programs to keep every SM's memory pipe busy.
 MIN_PROGRAMS = 8192
@@ -212,19 +219,25 @@ def _empty_in_layout(shape, bthd: bool, like: torch.Tensor) -> torch.Tensor:
 def _launch_config(n_pos: int, n_q_heads: int, n_k_heads: int, rot_dim: int, head_dim: int):
     # The module constants are arguments of the cached function so that changing them (tests,
     # tuning) takes effect; the cache spares the triton helpers' host cost on every launch.
-    return _cached_launch_config(n_pos, n_q_heads, n_k_heads, rot_dim, head_dim, TILE_ELEMENTS, MIN_PROGRAMS)
+    return _cached_launch_config(
+        n_pos, n_q_heads, n_k_heads, rot_dim, head_dim, TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS
+    )
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_launch_config(n_pos, n_q_heads, n_k_heads, rot_dim, head_dim, tile_elements, min_programs):
+def _cached_launch_config(n_pos, n_q_heads, n_k_heads, rot_dim, head_dim, tile, warps, min_programs):
     block_half = triton.next_power_of_2(rot_dim // 2)
     rest = head_dim - rot_dim
+    default = PARTIAL_TILE if rest else DEFAULT_TILE
+    tile_elements, num_warps = TUNED.get((block_half, rest > 0), default)
+    tile_elements = tile if tile is not None else tile_elements
+    num_warps = warps if warps is not None else num_warps
     block_rest = triton.next_power_of_2(rest) if rest else 1
     max_heads = triton.next_power_of_2(max(n_q_heads, n_k_heads))
     block_h = max(1, min(max_heads, tile_elements // (2 * block_half)))
     n_groups = cdiv(n_q_heads, block_h) + cdiv(n_k_heads, block_h)
     splits = max(1, min(n_groups, cdiv(min_programs, max(n_pos, 1))))
-    return block_h, block_half, block_rest, splits
+    return block_h, block_half, block_rest, splits, num_warps
 
 
 def _rope_rotate(
@@ -267,7 +280,7 @@ def _rope_rotate(
         stride_cb, stride_ct, stride_sb, stride_st = 0, cos.stride(0), 0, sin.stride(0)
     has_pos = position_ids is not None
     stride_pb, stride_pt = position_ids.stride() if has_pos else (0, 0)
-    block_h, block_half, block_rest, splits = _launch_config(n_pos, Hq, Hkv, rotary_dim, D)
+    block_h, block_half, block_rest, splits, num_warps = _launch_config(n_pos, Hq, Hkv, rotary_dim, D)
     with device_guard(q):
         _rope_kernel[(n_pos, splits)](
             q, k, q_out, k_out, cos, sin, position_ids if has_pos else cos,
@@ -278,7 +291,7 @@ def _rope_rotate(
             stride_cb, stride_ct, stride_sb, stride_st, stride_pb, stride_pt, splits,
             BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_REST=block_rest,
             INTERLEAVED=interleaved, HAS_POS=has_pos, HAS_REST=rotary_dim < D, BACKWARD=inverse,
-            num_warps=NUM_WARPS,
+            num_warps=num_warps,
         )  # fmt: skip
     return q_out, k_out
 

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Summarize a roofline_tune.py run for the committed configuration tables (CPU only).
+
+Each point's time is the run's "table" row, or, where the committed table adopted a variant
+that the run measured against that table (same fwd+bwd call, same run), that variant's row.
+Usage: python3 scripts/roofline_report.py RUN_DIR/roofline.json > SUMMARY.md
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+# Variants adopted into the table after the final run, per (op, N): each is the fwd+bwd
+# combination the run timed (the other half of the call at the run's table choice).
+ADOPTED = {
+    ("rms_norm", 5120): "bwd regs-rw r1 b8192 w16 p1",
+    ("rms_norm", 11008): "fwd-wide b4096 w8",
+    ("layer_norm", 5120): "fwd-wide b2048 w4",
+    ("layer_norm", 11008): "fwd-wide b4096 w8",
+    ("layer_norm", 16384): "fwd-wide b4096 w8",
+}
+TARGET_PCT = 85.0
+
+
+def shape_key(op, shape):
+    return "x".join(str(s) for s in shape if s is not None)
+
+
+def main(path):
+    data = json.load(open(path))
+    bw = data["copy_gbps"]
+    by_point = {}
+    for r in data["rows"]:
+        if r["status"] == "ok":
+            by_point.setdefault((r["op"], shape_key(r["op"], r["shape"])), {})[r["variant"]] = r
+    meta = data["meta"]
+    print(f"# Committed tables: fwd+bwd GPU time, {meta['device']}, copy bandwidth {bw:.0f} GB/s\n")
+    print(
+        f"torch {meta['torch']}, triton {meta['triton']}, liger-kernel {meta['liger']}; run {meta['date']}."
+    )
+    print(f"Source: `{path}` (command: `{meta['command']}`).\n")
+    print("| op | shape | ms | % copy | compile ms | x compile | Liger ms | x Liger | target |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    counts = {}
+    for s in data["summary"]:
+        op, key = s["op"], s["shape"]
+        rows = by_point[(op, key)]
+        n = int(key.split("x")[1]) if op != "rope" else None
+        variant = ADOPTED.get((op, n), "table")
+        ms = rows[variant]["ms"]
+        pct = 100 * s["bytes"] / (ms * 1e-3) / 1e9 / bw
+        comp = rows.get("compile", {}).get("ms")
+        lig = rows.get("liger", {}).get("ms")
+        faster = all(p is None or p > ms for p in (comp, lig))
+        met = pct >= TARGET_PCT and faster
+        why = (
+            "met"
+            if met
+            else ", ".join(
+                w
+                for w, bad in ((f"<{TARGET_PCT:.0f}%", pct < TARGET_PCT), ("slower than a peer", not faster))
+                if bad
+            )
+        )
+        c = counts.setdefault(op, [0, 0, 0])
+        c[0] += 1
+        c[1] += met
+        c[2] += faster
+
+        def ratio(p, ms=ms):
+            return f"{p / ms:.2f}" if p else "-"
+
+        def fmt(v):
+            return f"{v:.4f}" if v else "-"
+
+        print(
+            f"| {op} | {key} | {ms:.4f} | {pct:.0f} | {fmt(comp)} | {ratio(comp)} | {fmt(lig)} | {ratio(lig)} | {why} |"
+        )
+    print("\nx compile / x Liger: peer time over ours (> 1: ours faster).\n")
+    for op, (n, met, faster) in counts.items():
+        print(f"- {op}: {met}/{n} points meet both targets; faster than every peer at {faster}/{n}.")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

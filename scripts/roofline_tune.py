@@ -1,0 +1,689 @@
+#!/usr/bin/env python3
+"""Tune and measure RMSNorm, LayerNorm and RoPE against the copy-bandwidth roofline (one GPU call).
+
+For each op and shape: every candidate launch configuration of the Triton kernels is checked
+against an fp32 reference (error <= 2x the eager bf16 error + 1e-3, DESIGN.md's bf16 policy),
+then timed; torch.compile of the eager reference (static shapes) and Liger (when importable) are
+checked and timed the same way. GPU time: an L2 flush, a torch.cuda._sleep that keeps the GPU
+busy while the host queues the whole call, CUDA events around the call; median of --reps.
+Minimum bytes fwd+bwd: norms 5*M*N*e, RoPE 4*(|q|+|k|)*e, over the copy bandwidth measured here.
+
+Triton kernels and the compiled references are compiled first in --jobs worker processes (their
+on-disk caches then serve the timing process).
+
+Usage (GPU machine, repo root): PYTHONPATH=src python3 scripts/roofline_tune.py --out DIR
+  [--ops rms_norm,layer_norm,rope] [--grid tune|final] [--reps 30] [--jobs 12]
+Writes DIR/roofline.json and DIR/roofline.md; prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+
+import torch
+
+E = 2  # bytes per bf16 element
+DEVICE = "cuda"  # a CPU smoke test of this script sets "cpu" (with TRITON_INTERPRET=1)
+
+# --- shapes and candidate configurations ------------------------------------------------------
+
+NORM_GRID = {
+    "tune": [(16384, n) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)]
+    + [(4096, 1024), (4096, 16384), (65536, 1024), (65536, 4096), (65536, 16384)],
+    "final": [
+        (m, n) for m in (1024, 4096, 16384, 65536) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)
+    ],
+}
+# (B, Hq, Hkv, T, D, rotary_dim or None)
+ROPE_GRID = {
+    "tune": [
+        (1, 32, 8, 1024, 128, None),
+        (1, 32, 8, 8192, 128, None),
+        (1, 32, 8, 131072, 128, None),
+        (4, 32, 32, 4096, 128, None),
+        (2, 16, 16, 8192, 64, None),
+        (1, 16, 4, 16384, 256, None),
+        (1, 32, 8, 16384, 128, 64),
+    ],
+    "final": [
+        (1, 32, 8, 1024, 128, None),
+        (1, 32, 8, 4096, 128, None),
+        (1, 32, 8, 16384, 128, None),
+        (1, 32, 8, 131072, 128, None),
+        (8, 32, 8, 1024, 128, None),
+        (4, 32, 32, 4096, 128, None),
+        (1, 32, 32, 32768, 128, None),
+        (2, 16, 16, 8192, 64, None),
+        (1, 12, 12, 65536, 64, None),
+        (1, 16, 4, 16384, 256, None),
+        (1, 8, 8, 65536, 256, None),
+        (1, 32, 8, 16384, 128, 64),
+        (1, 32, 8, 65536, 128, 32),
+    ],
+}
+
+
+def norm_fwd_candidates(N):
+    from lmkernels.backends.triton import _norms
+
+    block = 1 << (N - 1).bit_length()
+    out = []
+    for rows in (1, 2, 4, 8):
+        for warps in (2, 4, 8, 16, 32):
+            per_thread = rows * block // (32 * warps)
+            if (
+                2048 <= rows * block <= 16384
+                and 8 <= per_thread <= 32
+                or (block >= 16384 and warps == 32 and rows == 1)
+            ):
+                out.append(_norms.FwdConfig(rows, block, True, warps))
+    if block >= 8192:  # the row in blocks, read again from L2: more rows in flight per SM
+        for wb, warps in ((2048, 4), (4096, 4), (4096, 8)):
+            out.append(_norms.FwdConfig(1, wb, False, warps))
+    return out
+
+
+def norm_bwd_candidates(N):
+    from lmkernels.backends.triton import _norms
+
+    block = 1 << (N - 1).bit_length()
+    out = []
+    paths = [_norms.PATH_REGS] + ([_norms.PATH_MEM] if block >= 4096 else [])
+    for path in paths:
+        for rows in (1, 2, 4, 8):
+            for warps in (4, 8, 16, 32):
+                per_thread = rows * block // (32 * warps)
+                if not (1024 <= rows * block <= 16384 and 8 <= per_thread <= 16):
+                    continue
+                for pps in sorted({max(1, 32 // warps), max(1, 64 // warps)}):
+                    out.append(_norms.BwdConfig(rows, block, path, warps, pps))
+    if block >= 8192:
+        for warps in (16, 32):
+            for pps in (1, 2):
+                out.append(_norms.BwdConfig(1, block, _norms.PATH_REGS, warps, pps, True))
+        for wb, warps in ((2048, 8), (4096, 16)):
+            for pps in (1, 2):
+                out.append(_norms.BwdConfig(1, wb, _norms.PATH_WIDE, warps, pps))
+    return out
+
+
+ROPE_CANDIDATES = [  # (TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS); 2**30: one head group per program
+    (t, w, p)
+    for t in (1024, 2048, 4096)
+    for w in (2, 4, 8)
+    for p in (8192, 2**30)
+    if not (t == 1024 and w == 8)
+]
+SUM_CANDIDATES = [(64, 32, 4), (128, 32, 8), (256, 16, 8), (32, 64, 4), (128, 64, 8), (64, 16, 2)]
+
+# --- timing -------------------------------------------------------------------------------------
+
+_STATE = {}
+
+
+def _flush():
+    buf = _STATE.get("flush")
+    if buf is None:
+        buf = _STATE["flush"] = torch.empty(256 * 2**20, dtype=torch.uint8, device=DEVICE)
+    buf.zero_()
+
+
+def _cycles_per_ms():
+    if "cpm" not in _STATE:
+        torch.cuda._sleep(1000)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        torch.cuda._sleep(10_000_000)
+        e.record()
+        torch.cuda.synchronize()
+        _STATE["cpm"] = 10_000_000 / s.elapsed_time(e)
+    return _STATE["cpm"]
+
+
+def gpu_time_ms(fn, reps, before=None):
+    """Median GPU time of fn() (the whole call queued behind a sleep, so host time is hidden)."""
+    for _ in range(2):
+        if before:
+            before()
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    if before:
+        before()
+    fn()
+    torch.cuda.synchronize()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    cycles = int(_cycles_per_ms() * min(50.0, 1.5 * host_ms + 0.2))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        if before:
+            before()
+        _flush()
+        torch.cuda._sleep(cycles)
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return times[len(times) // 2]
+
+
+def copy_bandwidth_gbps(reps):
+    src = torch.randn(2**30, device=DEVICE, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = gpu_time_ms(lambda: dst.copy_(src), reps)
+    return 2 * 2**31 / (ms * 1e-3) / 1e9
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+# --- cases --------------------------------------------------------------------------------------
+
+
+def _liger():
+    try:
+        from lmkernels.backends import adapters
+
+        if adapters.liger_unavailable() is None:
+            return adapters
+    except Exception:  # noqa: BLE001 (Liger is optional: no column then)
+        pass
+    return None
+
+
+class NormCase:
+    def __init__(self, op, M, N):
+        from lmkernels.ops.layer_norm import layer_norm_reference
+        from lmkernels.ops.rms_norm import rms_norm_reference
+
+        self.op, self.M, self.N = op, M, N
+        g = torch.Generator(device=DEVICE).manual_seed(M * 7 + N)
+        shift = 0.5 if op == "layer_norm" else 0.0
+        self.x = (torch.randn(M, N, device=DEVICE, generator=g) + shift).bfloat16()
+        self.w = (torch.randn(N, device=DEVICE, generator=g) * 0.5 + 1).bfloat16()
+        self.b = (torch.randn(N, device=DEVICE, generator=g) * 0.5).bfloat16() if op == "layer_norm" else None
+        self.dy = torch.randn(M, N, device=DEVICE, generator=g).bfloat16()
+        self.ref = layer_norm_reference if op == "layer_norm" else rms_norm_reference
+        self.params = [self.w] + ([self.b] if self.b is not None else [])
+        self.bytes = 5 * M * N * E
+
+    def args(self, x, params):
+        return (x, *params)
+
+    def leaves(self):
+        x = self.x.detach().requires_grad_()
+        params = [p.detach().requires_grad_() for p in self.params]
+        return x, params
+
+    def run_full(self, fn):
+        x, params = self.leaves()
+
+        def call():
+            x.grad = None
+            for p in params:
+                p.grad = None
+            torch.autograd.backward(fn(x, *params), self.dy)
+
+        return call, x, params
+
+    def truth(self):
+        if "_truth" not in self.__dict__:
+            x = self.x.float().requires_grad_()
+            params = [p.float().requires_grad_() for p in self.params]
+            y = self.ref(x, *params)
+            y.backward(self.dy.float())
+            self.__dict__["_truth"] = [y.detach(), x.grad] + [p.grad for p in params]
+            self.__dict__["eager_err"] = self.errors(lambda *a: self.ref(*a))
+        return self.__dict__["_truth"]
+
+    def errors(self, fn):
+        call, x, params = self.run_full(fn)
+        x.grad = None
+        y = fn(x, *params)
+        torch.autograd.backward(y, self.dy)
+        outs = [y.detach(), x.grad] + [p.grad for p in params]
+        return [rel_err(o, t) for o, t in zip(outs, self.truth())]
+
+    def check(self, fn):
+        """None if fn passes (every output within 2x eager + 1e-3), else a reason."""
+        errs = self.errors(fn)
+        eager = self.__dict__["eager_err"]
+        names = ["y", "dx", "dw", "db"]
+        for name, e, ee in zip(names, errs, eager):
+            if not (e <= 2 * ee + 1e-3):
+                return f"{name} rel err {e:.3g} > 2 x eager {ee:.3g} + 1e-3"
+        return None
+
+    def triton_fn(self):
+        import lmkernels
+
+        if self.op == "rms_norm":
+            return lambda x, w: lmkernels.rms_norm(x, w, backend="triton")
+        return lambda x, w, b: lmkernels.layer_norm(x, w, b, backend="triton")
+
+    def peers(self):
+        out = {"compile": torch.compile(self.ref, dynamic=False)}
+        lig = _liger()
+        if lig is not None:
+            out["liger"] = lig.liger_rms_norm if self.op == "rms_norm" else lig.liger_layer_norm
+        return out
+
+
+class RopeCase:
+    def __init__(self, B, Hq, Hkv, T, D, rdim):
+        from lmkernels.ops.rope import rope_reference, rope_tables
+
+        self.shape = (B, Hq, Hkv, T, D, rdim)
+        g = torch.Generator(device=DEVICE).manual_seed(T + Hq)
+        self.q = torch.randn(B, Hq, T, D, device=DEVICE, generator=g).bfloat16()
+        self.k = torch.randn(B, Hkv, T, D, device=DEVICE, generator=g).bfloat16()
+        cos, sin = rope_tables(torch.arange(T), rdim or D, "neox")
+        self.cos, self.sin = cos.to(DEVICE).bfloat16(), sin.to(DEVICE).bfloat16()
+        self.rdim = rdim
+        self.dq, self.dk = torch.randn_like(self.q), torch.randn_like(self.k)
+        self.ref = rope_reference
+        self.bytes = 4 * (self.q.numel() + self.k.numel()) * E
+
+    def run_full(self, fn):
+        q, k = self.q.detach().requires_grad_(), self.k.detach().requires_grad_()
+
+        def call():
+            q.grad = k.grad = None
+            qo, ko = fn(q, k)
+            torch.autograd.backward((qo, ko), (self.dq, self.dk))
+
+        return call, q, k
+
+    def truth(self):
+        if "_truth" not in self.__dict__:
+            q, k = self.q.float().requires_grad_(), self.k.float().requires_grad_()
+            qo, ko = self.ref(q, k, self.cos, self.sin, rotary_dim=self.rdim)
+            torch.autograd.backward((qo, ko), (self.dq.float(), self.dk.float()))
+            self.__dict__["_truth"] = [qo.detach(), ko.detach(), q.grad, k.grad]
+            self.__dict__["eager_err"] = self.errors(
+                lambda q, k: self.ref(q, k, self.cos, self.sin, rotary_dim=self.rdim)
+            )
+        return self.__dict__["_truth"]
+
+    def errors(self, fn):
+        q, k = self.q.detach().requires_grad_(), self.k.detach().requires_grad_()
+        qo, ko = fn(q, k)
+        torch.autograd.backward((qo, ko), (self.dq, self.dk))
+        outs = [qo.detach(), ko.detach(), q.grad, k.grad]
+        return [rel_err(o, t) for o, t in zip(outs, self.truth())]
+
+    def check(self, fn):
+        errs = self.errors(fn)
+        for name, e, ee in zip(["q_out", "k_out", "dq", "dk"], errs, self.__dict__["eager_err"]):
+            if not (e <= 2 * ee + 1e-3):
+                return f"{name} rel err {e:.3g} > 2 x eager {ee:.3g} + 1e-3"
+        return None
+
+    def triton_fn(self):
+        import lmkernels
+
+        return lambda q, k: lmkernels.rope(q, k, self.cos, self.sin, rotary_dim=self.rdim, backend="triton")
+
+    def peers(self):
+        comp = torch.compile(self.ref, dynamic=False)
+        out = {"compile": lambda q, k: comp(q, k, self.cos, self.sin, rotary_dim=self.rdim)}
+        lig = _liger()
+        if lig is not None and self.rdim is None:  # Liger rotates the whole head only
+            out["liger"] = lambda q, k: lig.liger_rope(q, k, self.cos, self.sin)
+        return out
+
+
+# --- variants: set a configuration, run, restore ---------------------------------------------------
+
+
+def set_norm_config(fwd=None, bwd=None):
+    from lmkernels.backends.triton import _norms
+
+    _norms.FORCE_FWD, _norms.FORCE_BWD = fwd, bwd
+
+
+def set_rope_config(cfg):
+    from lmkernels.backends.triton import rope
+
+    default = _STATE.setdefault("rope_default", (rope.TILE_ELEMENTS, rope.NUM_WARPS, rope.MIN_PROGRAMS))
+    rope.TILE_ELEMENTS, rope.NUM_WARPS, rope.MIN_PROGRAMS = default if cfg is None else cfg
+
+
+def norm_variants(case):
+    """(name, setter) for each Triton variant: forward and backward configs tried independently
+    (the other one at the table's choice), then the table itself."""
+    from lmkernels.backends.triton import _norms
+
+    out = [("table", lambda: set_norm_config())]
+    for f in norm_fwd_candidates(case.N):
+        tag = f"fwd r{f.rows} w{f.num_warps}" if f.single_block else f"fwd-wide b{f.block} w{f.num_warps}"
+        out.append((tag, lambda f=f: set_norm_config(fwd=f)))
+    names = {_norms.PATH_REGS: "regs", _norms.PATH_MEM: "mem", _norms.PATH_WIDE: "wide"}
+    for b in norm_bwd_candidates(case.N):
+        path = names[b.path] + ("-rw" if b.reload_w else "")
+        tag = f"bwd {path} r{b.rows} b{b.block} w{b.num_warps} p{b.programs_per_sm}"
+        out.append((tag, lambda b=b: set_norm_config(bwd=b)))
+    return out
+
+
+def rope_variants(case):
+    out = [("table", lambda: set_rope_config(None))]
+    for cfg in ROPE_CANDIDATES:
+        out.append((f"tile{cfg[0]} w{cfg[1]} p{cfg[2]}", lambda cfg=cfg: set_rope_config(cfg)))
+    return out
+
+
+def make_case(op, shape):
+    return RopeCase(*shape) if op == "rope" else NormCase(op, *shape)
+
+
+SHORT = {"on": False}
+
+
+def variants(op, case):
+    out = rope_variants(case) if op == "rope" else norm_variants(case)
+    if SHORT["on"]:  # the table, and what the last tuning run did not cover
+        keep = ("-rw", "fwd-wide", "tile1024 w2", "tile2048 w4", "tile1024 w4", "tile2048 w2")
+        out = [v for v in out if v[0] == "table" or any(k in v[0] for k in keep)]
+    return out
+
+
+def reset(op):
+    set_rope_config(None) if op == "rope" else set_norm_config()
+
+
+def warm(group, short=False):
+    """Worker: compile every variant and peer of a group of (op, shape) points once (fills the
+    disk caches). A group shares its Triton kernels (same op and row block)."""
+    SHORT["on"] = short
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # the workers already run side by side
+    n = 0
+    for op, shape in group:
+        case = make_case(op, shape)
+        fn = case.triton_fn()
+        for _, setter in variants(op, case):
+            try:
+                setter()
+                case.run_full(fn)[0]()
+                n += 1
+            except Exception:  # noqa: BLE001 (the timing process records the error)
+                pass
+        reset(op)
+        for peer in case.peers().values():
+            try:
+                case.run_full(peer)[0]()
+            except Exception:  # noqa: BLE001
+                pass
+        del case
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return f"{group[0][0]} {[g[1] for g in group]}: {n} runs"
+
+
+def warm_groups(jobs):
+    groups = {}
+    for op, shape in jobs:
+        key = (op, shape) if op == "rope" else (op, 1 << (shape[1] - 1).bit_length())
+        groups.setdefault(key, []).append((op, shape))
+    # Largest groups first, so that the pool's last round is short.
+    return sorted(groups.values(), key=len, reverse=True)
+
+
+# --- measure ------------------------------------------------------------------------------------
+
+
+def measure(op, shape, reps, bw, log):
+    case = make_case(op, shape)
+    case.truth()
+    rows = []
+
+    def record(name, fn, kind):
+        row = {"op": op, "shape": list(shape), "variant": name, "kind": kind}
+        try:
+            reason = case.check(fn)
+            if reason:
+                row.update(status="wrong", note=reason)
+            else:
+                call = case.run_full(fn)[0]
+                ms = gpu_time_ms(call, reps)
+                row.update(status="ok", ms=ms, pct_copy=100 * case.bytes / (ms * 1e-3) / 1e9 / bw)
+        except Exception as e:  # noqa: BLE001 (recorded, the sweep goes on)
+            row.update(status="error", note=f"{type(e).__name__}: {str(e)[:200]}")
+        rows.append(row)
+        return row
+
+    fn = case.triton_fn()
+    for name, setter in variants(op, case):
+        setter()
+        record(name, fn, "triton")
+    reset(op)
+    breakdown(op, case, fn, rows, reps)
+    best = best_variants(op, rows)
+    if op != "rope" and best:
+        set_norm_config(best.get("fwd"), best.get("bwd"))
+        record("tuned", fn, "triton")
+        reset(op)
+    for name, peer in case.peers().items():
+        record(name, peer, "peer")
+    log(summary_line(op, shape, rows))
+    return rows
+
+
+def breakdown(op, case, fn, rows, reps):
+    """GPU time of the table's forward alone, backward alone and (norms) of each partial-sum
+    configuration alone: where the time goes."""
+    shape = list(case.shape) if op == "rope" else [case.M, case.N]
+    base = {"op": op, "shape": shape, "status": "ok", "kind": "part"}
+    ins, grads = (
+        ((case.q, case.k), (case.dq, case.dk)) if op == "rope" else ((case.x, *case.params), (case.dy,))
+    )
+    try:
+        rows.append({**base, "variant": "table fwd only", "ms": gpu_time_ms(lambda: fn(*ins), reps)})
+        leaves = [t.detach().requires_grad_() for t in ins]
+        out = fn(*leaves)
+        out = out if isinstance(out, tuple) else (out,)
+
+        def bwd():
+            for t in leaves:
+                t.grad = None
+            torch.autograd.backward(out, grads, retain_graph=True)
+
+        rows.append({**base, "variant": "table bwd only", "ms": gpu_time_ms(bwd, reps)})
+        if op != "rope":
+            from lmkernels.backends.triton import _norms
+
+            cfg = _norms.bwd_config(op, case.N)
+            tiles = _norms.num_tiles(case.M, cfg.rows if cfg.single_block else 1)
+            P = _norms.persistent_programs(tiles, cfg.programs_per_sm, case.x.device)
+            partial = torch.randn(P, case.N, device=DEVICE)
+            total = torch.empty(case.N, device=DEVICE, dtype=torch.bfloat16)
+            saved = _norms.SUM_CONFIG
+            for sc in SUM_CANDIDATES:
+                _norms.SUM_CONFIG = sc
+                ms = gpu_time_ms(lambda: _norms.sum_partials(partial, total), reps)
+                rows.append({**base, "variant": f"sum P{P} bp{sc[0]} bn{sc[1]} w{sc[2]}", "ms": ms})
+            _norms.SUM_CONFIG = saved
+    except Exception as e:  # noqa: BLE001 (recorded, the sweep goes on)
+        rows.append({**base, "variant": "breakdown", "status": "error", "note": str(e)[:200]})
+
+
+def best_variants(op, rows):
+    """The fastest correct forward and backward config (norms), by full fwd+bwd time."""
+    ok = [r for r in rows if r["status"] == "ok" and r["kind"] == "triton"]
+    out = {}
+    if op == "rope" or SHORT["on"]:
+        return out
+    from lmkernels.backends.triton import _norms
+
+    fwd = [r for r in ok if r["variant"].startswith("fwd ")]
+    bwd = [r for r in ok if r["variant"].startswith("bwd")]
+    if fwd:
+        out["fwd"] = _parse_fwd(min(fwd, key=lambda r: r["ms"])["variant"], rows[0]["shape"], _norms)
+    if bwd:
+        out["bwd"] = _parse_bwd(min(bwd, key=lambda r: r["ms"])["variant"], _norms)
+    return out
+
+
+def _parse_fwd(name, shape, _norms):
+    _, r, w = name.split()
+    block = 1 << (shape[1] - 1).bit_length()
+    return _norms.FwdConfig(int(r[1:]), block, True, int(w[1:]))
+
+
+def _parse_bwd(name, _norms):
+    _, path, r, b, w, p = name.split()
+    paths = {"regs": _norms.PATH_REGS, "mem": _norms.PATH_MEM, "wide": _norms.PATH_WIDE}
+    reload_w = path.endswith("-rw")
+    path = path.removesuffix("-rw")
+    return _norms.BwdConfig(int(r[1:]), int(b[1:]), paths[path], int(w[1:]), int(p[1:]), reload_w)
+
+
+def _get(rows, name):
+    r = next((r for r in rows if r["variant"] == name and r["status"] == "ok"), None)
+    return r["ms"] if r else None
+
+
+def point_summary(op, shape, rows):
+    ok = [r for r in rows if r["status"] == "ok" and r["kind"] == "triton"]
+    table, comp, lig = _get(rows, "table"), _get(rows, "compile"), _get(rows, "liger")
+    best = min(ok, key=lambda r: r["ms"]) if ok else None
+    if op != "rope":
+        tuned = _get(rows, "tuned")
+        best = {"variant": "tuned", "ms": tuned} if tuned else best
+    b = make_bytes(op, shape)
+    return {
+        "op": op,
+        "shape": "x".join(str(s) for s in shape if s is not None),
+        "table_ms": table,
+        "best_ms": best["ms"] if best else None,
+        "best": best["variant"] if best else None,
+        "compile_ms": comp,
+        "liger_ms": lig,
+        "bytes": b,
+        "wrong": [r["variant"] for r in rows if r["status"] != "ok"],
+    }
+
+
+def make_bytes(op, shape):
+    if op == "rope":
+        B, Hq, Hkv, T, D, _ = shape
+        return 4 * B * (Hq + Hkv) * T * D * E
+    return 5 * shape[0] * shape[1] * E
+
+
+def summary_line(op, shape, rows):
+    s = point_summary(op, shape, rows)
+    f = lambda v: f"{v:.4f}" if v else "-"  # noqa: E731
+    return f"{op} {s['shape']}: table {f(s['table_ms'])} best {f(s['best_ms'])} ({s['best']}) compile {f(s['compile_ms'])} liger {f(s['liger_ms'])}"
+
+
+def markdown(summaries, bw, meta):
+    lines = [
+        "# Roofline tuning (fwd+bwd, bf16, GPU time)",
+        "",
+        f"Device {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, liger {meta['liger']}; "
+        f"copy bandwidth {bw:.0f} GB/s (2 GiB device copy, read + write).",
+        f"Command: `{meta['command']}`",
+        "",
+        "| op | shape | table ms | % copy | best ms | % copy | best variant | compile ms | liger ms | table/compile | table/liger |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        pct = lambda ms, s=s: f"{100 * s['bytes'] / (ms * 1e-3) / 1e9 / bw:.0f}" if ms else "-"  # noqa: E731
+        ratio = lambda a, b: f"{b / a:.2f}x" if a and b else "-"  # noqa: E731
+        ms = lambda v: f"{v:.4f}" if v else "-"  # noqa: E731
+        lines.append(
+            f"| {s['op']} | {s['shape']} | {ms(s['table_ms'])} | {pct(s['table_ms'])} | {ms(s['best_ms'])} | "
+            f"{pct(s['best_ms'])} | {s['best']} | {ms(s['compile_ms'])} | {ms(s['liger_ms'])} | "
+            f"{ratio(s['table_ms'], s['compile_ms'])} | {ratio(s['table_ms'], s['liger_ms'])} |"
+        )
+    lines.append("")
+    lines.append("Ratios: peer time / our table time (> 1: ours faster). 'wrong' variants failed the check.")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ops", default="rms_norm,layer_norm,rope")
+    ap.add_argument("--grid", default="tune", choices=["tune", "final"])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--jobs", type=int, default=12)
+    ap.add_argument("--budget", type=float, default=330.0, help="seconds; stop starting new points after")
+    ap.add_argument("--short", action="store_true", help="only the table and the variants added since run 1")
+    ap.add_argument("--warm-budget", type=float, default=150.0, help="seconds for the parallel compile")
+    args = ap.parse_args(argv)
+    SHORT["on"] = args.short
+    if DEVICE == "cuda":
+        os.environ.pop("TRITON_INTERPRET", None)
+    t_start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    ops = args.ops.split(",")
+    grids = {op: (ROPE_GRID if op == "rope" else NORM_GRID)[args.grid] for op in ops}
+    # The ops take turns, so that a budget that runs out cuts every op's last shapes.
+    jobs = [(op, g[i]) for i in range(max(map(len, grids.values()))) for op, g in grids.items() if i < len(g)]
+    log = lambda msg: print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
+    if args.jobs > 1:
+        pool = cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"))
+        futures = [pool.submit(warm, g, args.short) for g in warm_groups(jobs)]
+        try:
+            for f in cf.as_completed(futures, timeout=args.warm_budget):
+                log(f"warm {f.result()}")
+        except cf.TimeoutError:
+            log("warm-up budget spent: the rest compiles while it is timed")
+        pool.shutdown(wait=False, cancel_futures=True)
+    import triton
+
+    lig = None
+    try:
+        from importlib.metadata import version
+
+        lig = version("liger-kernel")
+    except Exception:  # noqa: BLE001
+        pass
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "liger": lig,
+        "python": platform.python_version(),
+        "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
+    bw = copy_bandwidth_gbps(args.reps)
+    log(f"copy bandwidth {bw:.0f} GB/s")
+    rows, summaries = [], []
+    for op, shape in jobs:
+        if time.time() - t_start > args.budget:
+            log(f"budget spent: skipping {op} {shape}")
+            continue
+        try:
+            point = measure(op, shape, args.reps, bw, log)
+        except Exception as e:  # noqa: BLE001 (e.g. out of memory: the other points go on)
+            log(f"{op} {shape} failed: {type(e).__name__}: {str(e)[:300]}")
+            torch.cuda.empty_cache()
+            continue
+        rows += point
+        summaries.append(point_summary(op, shape, point))
+        with open(os.path.join(args.out, "roofline.json"), "w") as f:
+            json.dump({"meta": meta, "copy_gbps": bw, "summary": summaries, "rows": rows}, f, indent=1)
+    md = markdown(summaries, bw, meta)
+    with open(os.path.join(args.out, "roofline.md"), "w") as f:
+        f.write(md + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
