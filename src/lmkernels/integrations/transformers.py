@@ -205,9 +205,17 @@ def _rms_norm_forward(family: Family, backend: str | None):
     eps_attr, offset, casting = family.rms_eps_attr, family.rms_offset, family.rms_casting
 
     def forward(self, x):
-        return lmkernels.rms_norm(
-            x, self.weight, eps=getattr(self, eps_attr), offset=offset, casting_mode=casting, backend=backend
-        )
+        def norm(x, weight):
+            eps = getattr(self, eps_attr)
+            return lmkernels.rms_norm(
+                x, weight, eps=eps, offset=offset, casting_mode=casting, backend=backend
+            )
+
+        if type(x).__name__ == "DTensor":  # sequence parallel: the local rows (lmkernels.distributed)
+            from lmkernels.distributed.local import local_call
+
+            return local_call(norm, [x], [self.weight], op="rms_norm")
+        return norm(x, self.weight)
 
     return _mark(forward)
 

@@ -1,0 +1,461 @@
+"""Multi-process checks: a patched tiny Llama trains under FSDP2 / DDP / tensor parallel the same
+as one process trains plain transformers on the whole batch, and the vocab-parallel FLCE equals
+the one-device loss.
+
+Every check runs in each rank of one world (2 processes; gloo on the CPU, NCCL on GPUs) and
+returns its measured errors or raises. tests/test_distributed.py runs them all in one world (the
+process start-up is paid once); by hand:
+
+    python tests/distributed_checks.py --out results.json              # spawns 2 processes (CPU)
+    torchrun --nproc-per-node 2 tests/distributed_checks.py --out r.json   # any device
+
+Tolerances (fp32): losses and final parameters within 1e-5 relative of the one-process run; the
+differences come from summation order only (measured ~1e-7). A check that loses a gradient
+(e.g. an unsharded weight whose gradient is never reduce-scattered) is off by O(1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+V, T, B_PER_RANK, STEPS, LR = 512, 32, 2, 3, 0.5
+RTOL = 1e-5
+CHECKS: dict = {}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":  # the Triton kernels run on the interpreter; must be set before triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def check(fn):
+    CHECKS[fn.__name__.removeprefix("check_")] = fn
+    return fn
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def tiny(seed=0, **overrides):
+    from lmkernels.convergence.models import build_model
+
+    return build_model("llama", V, T, seed=seed, **overrides).to(DEVICE)
+
+
+def global_batches(world: int):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, V, (B_PER_RANK * world, T), generator=g).to(DEVICE) for _ in range(STEPS)]
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if type(t).__name__ == "DTensor" else t
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {n: full(p.detach()).float().clone() for n, p in model.named_parameters()}
+
+
+def train(model, batches, rank=None, world=1):
+    """SGD steps; rank=None: every rank sees the whole batch (one process, tensor parallel), else
+    its slice of rows (data parallel). Returns the global mean loss of each step."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model.train()
+    losses = []
+    for ids in batches:
+        if rank is not None:
+            ids = ids.chunk(world)[rank]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach().float().clone()
+        if rank is not None:  # equal token counts per rank: the mean of the means is the global mean
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(loss.item())
+    return losses
+
+
+_REFERENCE = {}
+
+
+def reference(world: int, **overrides):
+    """One process, plain transformers, whole batch, fp32."""
+    key = tuple(sorted(overrides.items()))
+    if key not in _REFERENCE:
+        model = tiny(**overrides)
+        losses = train(model, global_batches(world))
+        _REFERENCE[key] = (losses, params(model))
+    return _REFERENCE[key]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+def compare(losses, final, ref, rtol=RTOL) -> dict:
+    ref_losses, ref_params = ref
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+    param_err = max(rel(final[n], ref_params[n]) for n in ref_params)
+    assert set(final) == set(ref_params), f"parameters differ: {set(final) ^ set(ref_params)}"
+    assert loss_err <= rtol, f"loss off by {loss_err:.2e} relative (> {rtol}): {losses} vs {ref_losses}"
+    assert param_err <= rtol, f"final parameters off by {param_err:.2e} relative (> {rtol})"
+    return {"loss_rel_err": loss_err, "param_rel_err": param_err}
+
+
+def patched(model, backend="eager"):
+    from lmkernels.integrations import transformers as lk_hf
+
+    return lk_hf.apply(model, backend=backend)
+
+
+def fsdp_run(
+    ctx, lm_head_alone=False, embed_alone=False, ckpt=None, backend="eager", model_kw=None, **shard_kw
+):
+    from torch.distributed.fsdp import fully_shard
+
+    model_kw = model_kw or {}
+    model = patched(tiny(**model_kw), backend)
+    if ckpt is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt})
+    for layer in model.model.layers:
+        fully_shard(layer, **shard_kw)
+    if embed_alone:
+        fully_shard(model.model.embed_tokens, **shard_kw)
+    if lm_head_alone:
+        fully_shard(model.lm_head, **shard_kw)
+    fully_shard(model, **shard_kw)
+    if lm_head_alone:
+        w = model.lm_head.weight
+        assert type(w).__name__ == "DTensor" and w.to_local().shape[0] < V, "lm_head is not sharded"
+    losses = train(model, global_batches(ctx["world"]), ctx["rank"], ctx["world"])
+    return compare(losses, params(model), reference(ctx["world"], **model_kw))
+
+
+# --- FSDP2 and DDP -------------------------------------------------------------------------------
+
+
+@check
+def check_fsdp_layers_root(ctx):
+    return fsdp_run(ctx)
+
+
+@check
+def check_fsdp_lm_head_alone(ctx):
+    return fsdp_run(ctx, lm_head_alone=True)
+
+
+@check
+def check_fsdp_lm_head_alone_triton(ctx):
+    return fsdp_run(ctx, lm_head_alone=True, backend="eager,flce=triton")
+
+
+@check
+def check_fsdp_embed_and_lm_head_alone(ctx):
+    return fsdp_run(ctx, lm_head_alone=True, embed_alone=True)
+
+
+@check
+def check_fsdp_tied_embeddings(ctx):
+    return fsdp_run(ctx, model_kw={"tie_word_embeddings": True})
+
+
+@check
+def check_fsdp_checkpointing_non_reentrant(ctx):
+    return fsdp_run(ctx, lm_head_alone=True, ckpt=False)
+
+
+@check
+def check_fsdp_checkpointing_reentrant(ctx):
+    return fsdp_run(ctx, lm_head_alone=True, ckpt=True)
+
+
+@check
+def check_fsdp_cpu_offload(ctx):
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return fsdp_run(ctx, lm_head_alone=True, offload_policy=CPUOffloadPolicy(pin_memory=False))
+
+
+@check
+def check_fsdp_no_reshard_after_forward(ctx):
+    return fsdp_run(ctx, lm_head_alone=True, reshard_after_forward=False)
+
+
+@check
+def check_fsdp_mixed_precision(ctx):
+    """bf16 params, fp32 gradient reduction: patched and plain under the same policy, each against
+    the fp32 one-process run; the patched error must stay within 2x plain's (+1e-3)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ref = reference(ctx["world"])
+    errs = {}
+    for name in ("plain", "patched"):
+        model = tiny()
+        if name == "patched":
+            patched(model)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model.lm_head, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        losses = train(model, global_batches(ctx["world"]), ctx["rank"], ctx["world"])
+        final = params(model)
+        errs[name] = (
+            max(abs(a - b) / abs(b) for a, b in zip(losses, ref[0])),
+            max(rel(final[n], ref[1][n]) for n in ref[1]),
+        )
+    for i, what in enumerate(("loss", "parameters")):
+        bound = 2 * errs["plain"][i] + 1e-3
+        assert errs["patched"][i] <= bound, (
+            f"{what}: patched bf16 error {errs['patched'][i]:.2e} > {bound:.2e}"
+        )
+    return {"patched_loss_err": errs["patched"][0], "plain_loss_err": errs["plain"][0]}
+
+
+@check
+def check_ddp(ctx):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(patched(tiny()))
+    losses = train(model, global_batches(ctx["world"]), ctx["rank"], ctx["world"])
+    final = {n.removeprefix("module."): p for n, p in params(model).items()}
+    return compare(losses, final, reference(ctx["world"]))
+
+
+# --- tensor parallel -----------------------------------------------------------------------------
+
+
+@check
+def check_tp_transformers_auto(ctx):
+    """from_pretrained(tp_plan="auto"): q/k/v/gate/up colwise, o/down rowwise, lm_head vocab-
+    sharded (a DTensor Shard(0) weight: the vocab-parallel loss)."""
+    from transformers import AutoModelForCausalLM
+
+    box = [tempfile.mkdtemp(prefix="lmk-tp-") if ctx["rank"] == 0 else None]
+    dist.broadcast_object_list(box)
+    path = os.path.join(box[0], "tiny-llama")
+    if ctx["rank"] == 0:
+        tiny().save_pretrained(path)
+    dist.barrier()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+    finally:
+        dist.barrier()
+        if ctx["rank"] == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
+    w = model.lm_head.weight
+    assert type(w).__name__ == "DTensor" and w.placements[0].is_shard(0), f"lm_head weight: {type(w)}"
+    patched(model)
+    losses = train(model, global_batches(ctx["world"]))
+    return compare(losses, params(model), reference(ctx["world"]))
+
+
+@check
+def check_vocab_parallel_flce(ctx):
+    """The vocab-parallel loss against the one-device reference: uneven split (V=131), bias,
+    ignored tokens, label smoothing + softcap + z-loss, all reductions; loss and all gradients."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    from lmkernels.distributed import dtensor_linear_cross_entropy
+    from lmkernels.ops.flce import fused_linear_cross_entropy_reference as ref_fn
+
+    mesh = init_device_mesh(DEVICE, (ctx["world"],))
+    g = torch.Generator().manual_seed(3)
+    n, h, v = 37, 24, 131
+    hidden = torch.randn(n, h, generator=g).to(DEVICE)
+    weight = (torch.randn(v, h, generator=g) * 0.5).to(DEVICE)
+    bias = torch.randn(v, generator=g).to(DEVICE)
+    target = torch.randint(0, v, (n,), generator=g)
+    target[::5] = -100
+    target = target.to(DEVICE)
+    worst = 0.0
+    cases = [
+        {},
+        {"reduction": "sum"},
+        {"reduction": "none", "label_smoothing": 0.1},
+        {"label_smoothing": 0.2, "softcap": 3.0, "z_loss_scale": 1e-2},
+    ]
+    for opts in cases:
+        for use_bias in (False, True):
+            h0, w0 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            b0 = bias.clone().requires_grad_() if use_bias else None
+            expected = ref_fn(h0, w0, target, bias=b0, **opts)
+            up = torch.randn(expected.shape, generator=g).to(DEVICE)
+            (expected * up).sum().backward()
+            h1 = hidden.clone().requires_grad_()
+            w1 = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+            b1 = distribute_tensor(bias, mesh, [Shard(0)]).requires_grad_() if use_bias else None
+            got = dtensor_linear_cross_entropy(h1, w1, target, bias=b1, **opts)
+            (got * up).sum().backward()
+            pairs = [(got.detach(), expected.detach()), (h1.grad, h0.grad), (full(w1.grad), w0.grad)]
+            if use_bias:
+                pairs.append((full(b1.grad), b0.grad))
+            for a, b in pairs:
+                err = rel(a, b)
+                worst = max(worst, err)
+                assert err < RTOL, f"{opts} bias={use_bias}: relative error {err:.2e}"
+    return {"worst_rel_err": worst}
+
+
+@check
+def check_vocab_parallel_sequence_sharded_hidden(ctx):
+    """Sequence parallel into the loss: hidden a Shard(1) DTensor (gathered for the loss, its
+    gradient sliced back), weight vocab-sharded."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
+
+    from lmkernels.distributed import dtensor_linear_cross_entropy
+    from lmkernels.ops.flce import fused_linear_cross_entropy_reference as ref_fn
+
+    mesh = init_device_mesh(DEVICE, (ctx["world"],))
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 10, 24, generator=g).to(DEVICE)
+    weight = (torch.randn(130, 24, generator=g) * 0.5).to(DEVICE)
+    target = torch.randint(0, 130, (2, 10), generator=g).to(DEVICE)
+    h0, w0 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    expected = ref_fn(h0, w0, target, softcap=5.0)
+    expected.backward()
+    h1 = hidden.chunk(ctx["world"], 1)[ctx["rank"]].clone().requires_grad_()
+    hd = DTensor.from_local(h1, mesh, [Shard(1)])
+    w1 = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+    got = dtensor_linear_cross_entropy(hd, w1, target, softcap=5.0)
+    got.backward()
+    errs = {
+        "loss": rel(got.detach(), expected.detach()),
+        "grad_hidden": rel(h1.grad, h0.grad.chunk(ctx["world"], 1)[ctx["rank"]]),
+        "grad_weight": rel(full(w1.grad), w0.grad),
+    }
+    for what, err in errs.items():
+        assert err < RTOL, f"{what}: relative error {err:.2e}"
+    return errs
+
+
+@check
+def check_sequence_parallel_rms_norm(ctx):
+    """torch's SequenceParallel on the patched RMSNorm (sequence-sharded input, Replicate weight):
+    output, input gradient and the reduced weight gradient equal one process, for the eager and
+    the Triton backends (Triton custom ops have no DTensor rules: they run on the local rows)."""
+    from torch.distributed.tensor import init_device_mesh
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    mesh = init_device_mesh(DEVICE, (ctx["world"],))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 8, 64, generator=g).to(DEVICE)
+    up = torch.randn(2, 8, 64, generator=g).to(DEVICE)
+    rank, world = ctx["rank"], ctx["world"]
+    errs = {}
+    for backend in ("eager", "triton"):
+        model = tiny()
+        torch.nn.init.normal_(model.model.norm.weight, generator=g)
+        xr = x.clone().requires_grad_()
+        yr = model.model.norm(xr)
+        (yr * up).sum().backward()
+        w_grad = model.model.norm.weight.grad.clone()
+        model.model.norm.weight.grad = None
+        norm = parallelize_module(patched(model, backend).model.norm, mesh, SequenceParallel())
+        xl = x.chunk(world, 1)[rank].clone().requires_grad_()
+        y = norm(xl)
+        assert type(y).__name__ == "DTensor", f"SequenceParallel output: {type(y)}"
+        (y.to_local() * up.chunk(world, 1)[rank]).sum().backward()
+        errs[backend] = max(
+            rel(y.to_local(), yr.detach().chunk(world, 1)[rank]),
+            rel(xl.grad, xr.grad.chunk(world, 1)[rank]),
+            rel(full(norm.weight.grad), w_grad),
+        )
+        assert errs[backend] < RTOL, f"{backend}: relative error {errs[backend]:.2e}"
+    return errs
+
+
+# --- driver --------------------------------------------------------------------------------------
+
+
+def run_checks(rank: int, world: int, names: list[str]) -> dict:
+    ctx = {"rank": rank, "world": world}
+    results = {}
+    for name in names:
+        start = time.process_time()
+        try:
+            results[name] = {"ok": True, **(CHECKS[name](ctx) or {})}
+        except Exception as exc:  # a failed check is reported, the others still run
+            results[name] = {
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "trace": traceback.format_exc(),
+            }
+        results[name]["cpu_s"] = round(time.process_time() - start, 2)
+        dist.barrier()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results)
+    return gathered
+
+
+def _worker(rank: int, world: int, port: int, names: list[str], out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    _main_in_rank(names, out)
+
+
+def _main_in_rank(names: list[str], out: str) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        gathered = run_checks(rank, world, names)
+        if rank == 0:
+            merged = {n: [r[n] for r in gathered] for n in names}
+            with open(out, "w") as f:
+                json.dump(merged, f, indent=1)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON file for the results")
+    p.add_argument("--checks", default=",".join(CHECKS), help="comma-separated subset")
+    args = p.parse_args(argv)
+    names = args.checks.split(",")
+    unknown = set(names) - set(CHECKS)
+    if unknown:
+        p.error(f"--checks: unknown {sorted(unknown)}; known: {sorted(CHECKS)}")
+    if "RANK" in os.environ:  # under torchrun
+        _main_in_rank(names, args.out)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(_worker, args=(2, free_port(), names, args.out), nprocs=2)
+    if "RANK" not in os.environ or os.environ["RANK"] == "0":
+        with open(args.out) as f:
+            results = json.load(f)
+        for name, per_rank in results.items():
+            status = "ok" if all(r["ok"] for r in per_rank) else "FAIL " + per_rank[0].get("error", "")[:60]
+            cpu = sum(r["cpu_s"] for r in per_rank)
+            print(f"{name:38s} {cpu:6.1f} s cpu  {status}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
