@@ -50,7 +50,15 @@ MODEL = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
 )
-TINY = dict(MODEL, vocab_size=1000, hidden_size=64, intermediate_size=256, num_attention_heads=4, head_dim=16)
+TINY = dict(
+    MODEL,
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 # Multicast over NVLink is unavailable on the lent machines (see the device notes).
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 

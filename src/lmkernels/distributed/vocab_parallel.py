@@ -29,6 +29,7 @@ from lmkernels.registry import LMKernelsError
 
 CHUNK_BYTES = 512 * 2**20  # fp32 logits of one chunk; the backward holds about twice that
 CHUNK_ENV = "LMKERNELS_FLCE_CHUNK_TOKENS"
+_MM_FP32_OUT = True  # torch.mm(..., out_dtype=float32) works here (CUDA); cleared when it does not
 
 
 def shard_range(vocab_size: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -46,15 +47,23 @@ def _chunk_tokens(n_tokens: int, v_local: int) -> int:
     return max(1, min(n_tokens, CHUNK_BYTES // (4 * max(v_local, 1))))
 
 
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result: low-precision inputs multiply on the tensor cores with fp32
+    output where torch offers it (CUDA), else upcast first; never a rounded product."""
+    global _MM_FP32_OUT
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda and _MM_FP32_OUT:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # an older torch / unsupported dtype: upcast instead
+            _MM_FP32_OUT = False
+    return a.float() @ b.float()
+
+
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias, softcap) -> torch.Tensor:
-    """fp32 logits of one chunk: low-precision inputs multiply on the tensor cores with fp32
-    output where torch offers it (CUDA), else upcast first; never rounded logits."""
-    if h.dtype == torch.float32:
-        z = h @ weight.T
-    elif h.is_cuda:
-        z = torch.mm(h, weight.T, out_dtype=torch.float32)
-    else:
-        z = h.float() @ weight.float().T
+    """fp32 logits of one chunk of tokens."""
+    z = _mm_f32(h, weight.T)
     if bias is not None:
         z += bias.float()
     if softcap is not None:
@@ -118,7 +127,11 @@ class _VocabParallelCE(torch.autograd.Function):
         else:
             g = grad_out.float()
         g = torch.where(valid, g.expand(n), 0.0)
-        local_t = (target - start)[:, None]
+        local_t = target - start
+        # -(1 - e) at each token's target column when the target is in this shard (else adds 0)
+        in_shard = valid & (local_t >= 0) & (local_t < v_local)
+        onehot = torch.where(in_shard, -(1.0 - smoothing), 0.0)
+        safe_t = torch.where(in_shard, local_t, 0).long()[:, None]
         p_scale = 1.0 + 2.0 * z_scale * lse  # z-loss adds 2 s lse softmax
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = (
@@ -126,14 +139,14 @@ class _VocabParallelCE(torch.autograd.Function):
         )
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(v_local, dtype=torch.float32, device=weight.device) if need_b else None
-        cols = torch.arange(v_local, device=hidden.device)
         step = _chunk_tokens(n, v_local)
         for s in range(0, n, step):
             e = min(s + step, n)
             z = _logits(hidden[s:e], weight, bias, softcap)
             capped = z.div(softcap).square_().neg_().add_(1.0) if softcap is not None else None
             dz = z.sub_(lse[s:e, None]).exp_().mul_(p_scale[s:e, None])
-            dz -= (cols[None, :] == local_t[s:e]) * (1.0 - smoothing)
+            if v_local:
+                dz.scatter_add_(1, safe_t[s:e], onehot[s:e, None])
             if smoothing:
                 dz -= smoothing / vocab_size
             dz.mul_(g[s:e, None])
@@ -145,9 +158,9 @@ class _VocabParallelCE(torch.autograd.Function):
             dz_low = dz.to(weight.dtype)  # the matmuls run in the inputs' dtype, like the fused kernels
             del dz
             if need_h:
-                grad_h[s:e] = (dz_low @ weight).float()
+                grad_h[s:e] = dz_low @ weight
             if need_w:
-                grad_w += (dz_low.T @ hidden[s:e]).float()
+                grad_w += _mm_f32(dz_low.T, hidden[s:e])
         if need_h:
             dist.all_reduce(grad_h, group=group)  # each shard's vocab contributes a partial sum
             grad_h = grad_h.to(hidden.dtype)
