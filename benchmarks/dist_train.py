@@ -117,7 +117,10 @@ def build_tp(args, device, rank: int):
     path = Path(args.ckpt_dir) / ("tiny" if args.tiny else f"llama-{args.layers}l")
     if rank == 0 and not (path / "config.json").exists():
         torch.manual_seed(0)
-        LlamaForCausalLM(model_config(args)).to(torch.bfloat16).save_pretrained(path)
+        with torch.device(device):  # random init of ~1B parameters: on the GPU, not the host
+            LlamaForCausalLM(model_config(args)).to(torch.bfloat16).save_pretrained(path)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     dist.barrier()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype)
@@ -144,7 +147,8 @@ def run_worker(args) -> None:
         else:
             model = build_fsdp(args, device, lm_head_alone=args.mode == "fsdp_lm_head")
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)
+        # foreach cannot mix DTensors and plain tensors (tp leaves the norms plain)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=args.mode != "tp")
         vocab = model.config.vocab_size
         times = []
         if cuda:
@@ -275,11 +279,14 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(MODES), figsize=(5 * len(MODES), 3.6), squeeze=False)
-    for ax, mode in zip(axes[0], MODES):
+    modes = [m for m in MODES if any(r["mode"] == m and r.get("losses") for r in rows)] or ["none"]
+    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 3.6), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
         for r in rows:
             if r["mode"] == mode and r.get("losses"):
-                ax.plot(range(len(r["losses"])), r["losses"], label=r["config"], marker=".")
+                tps = r.get("tokens_per_s_per_gpu", 0)
+                label = f"{r['config']} ({tps:,.0f} tok/s/GPU, {r.get('peak_gib', 0):.1f} GiB)"
+                ax.plot(range(len(r["losses"])), r["losses"], label=label, marker=".")
         ax.set(title=mode, xlabel="step", ylabel="loss")
         ax.legend()
     fig.tight_layout()

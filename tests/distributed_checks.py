@@ -260,6 +260,33 @@ def check_tp_transformers_auto(ctx):
 
 
 @check
+def check_tp_torch_parallel_styles(ctx):
+    """torch.distributed.tensor.parallel styles as torchtitan uses them: q/k/v/gate/up
+    ColwiseParallel, o/down RowwiseParallel, lm_head ColwiseParallel with a vocab-sharded output
+    (what loss_parallel takes; the patched model reads its Shard(0) weight instead)."""
+    from torch.distributed.tensor import Shard, init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh(DEVICE, (ctx["world"],))
+    model = patched(tiny())
+    plan = {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(len(model.model.layers)):
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        ):
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
+    losses = train(model, global_batches(ctx["world"]))
+    return compare(losses, params(model), reference(ctx["world"]))
+
+
+@check
 def check_vocab_parallel_flce(ctx):
     """The vocab-parallel loss against the one-device reference: uneven split (V=131), bias,
     ignored tokens, label smoothing + softcap + z-loss, all reductions; loss and all gradients."""
@@ -395,6 +422,34 @@ def check_sequence_parallel_rms_norm(ctx):
         )
         assert errs[backend] < RTOL, f"{backend}: relative error {errs[backend]:.2e}"
     return errs
+
+
+@check
+def check_unsupported_layouts_raise(ctx):
+    """Layouts the loss cannot compute exactly fail with errors that name them."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    from lmkernels.distributed import dtensor_linear_cross_entropy
+    from lmkernels.registry import LMKernelsError
+
+    mesh = init_device_mesh(DEVICE, (ctx["world"],))
+    g = torch.Generator().manual_seed(6)
+    hidden = torch.randn(6, 8, generator=g).to(DEVICE)
+    weight = torch.randn(20, 8, generator=g).to(DEVICE)
+    target = torch.randint(0, 20, (6,), generator=g).to(DEVICE)
+    cases = [
+        # the hidden dim sharded: each rank would see partial logits
+        (distribute_tensor(weight, mesh, [Shard(1)]), target, "placements"),
+        # different labels per rank: a data-parallel shard, not tensor parallel
+        (distribute_tensor(weight, mesh, [Shard(0)]), (target + ctx["rank"]) % 20, "different labels"),
+    ]
+    for w, t, words in cases:
+        try:
+            dtensor_linear_cross_entropy(hidden, w, t)
+        except LMKernelsError as exc:
+            assert words in str(exc), f"error does not say {words!r}: {exc}"
+        else:
+            raise AssertionError(f"no error for {words}")
 
 
 # --- driver --------------------------------------------------------------------------------------

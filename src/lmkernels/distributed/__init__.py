@@ -5,7 +5,8 @@
   equal one device's.
 - `dtensor_linear_cross_entropy(hidden, weight, target, ...)`: FLCE for DTensor weights / hidden
   states (tensor and sequence parallel); picks the vocab-parallel loss for Shard(0) weights.
-- `local_args`: unwrap DTensors whose math is local (norms, RoPE, GLUs) for the patched ops.
+- `local.local_call`: run a row-local op (norms, RoPE, GLUs) on the local shards of DTensor inputs
+  (sequence parallel), weight gradients leaving as Partial.
 
 FSDP2 needs nothing here: integrations/lm_head_loss.py runs the loss inside the lm_head's FSDP2
 forward, where the weight is unsharded.
