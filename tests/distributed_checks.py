@@ -425,6 +425,58 @@ def check_sequence_parallel_rms_norm(ctx):
 
 
 @check
+def check_tensor_parallel_dtensor_glu_and_rope(ctx):
+    """Plans that hand the patched MLP and RoPE DTensors (ColwiseParallel(use_local_output=False)):
+    the Triton GLU and RoPE run on the local shards; outputs and gradients equal one process."""
+    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from transformers.models.llama import modeling_llama
+
+    mesh = init_device_mesh(DEVICE, (ctx["world"],))
+    rank, world = ctx["rank"], ctx["world"]
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 8, 64, generator=g).to(DEVICE)
+    model = tiny()
+    mlp = model.model.layers[0].mlp
+    xr = x.clone().requires_grad_()
+    yr = mlp(xr)
+    yr.sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in mlp.named_parameters()}
+    mlp.zero_grad(set_to_none=True)
+    q = torch.randn(2, 4, 8, 16, generator=g).to(DEVICE)  # (B, heads, T, D)
+    k = torch.randn(2, 2, 8, 16, generator=g).to(DEVICE)
+    cos, sin = torch.randn(2, 8, 16, generator=g).to(DEVICE), torch.randn(2, 8, 16, generator=g).to(DEVICE)
+    qr, kr = q.clone().requires_grad_(), k.clone().requires_grad_()
+    qo, ko = modeling_llama.apply_rotary_pos_emb(qr, kr, cos, sin)
+    (qo.sum() + 2 * ko.sum()).backward()
+
+    patched(model, "triton")
+    plan = {
+        "gate_proj": ColwiseParallel(use_local_output=False),
+        "up_proj": ColwiseParallel(use_local_output=False),
+        "down_proj": RowwiseParallel(),
+    }
+    parallelize_module(mlp, mesh, plan)
+    xl = x.clone().requires_grad_()
+    y = mlp(xl)
+    y.sum().backward()
+    errs = {"mlp_out": rel(y, yr.detach()), "mlp_grad_x": rel(xl.grad, xr.grad)}
+    for n, p in mlp.named_parameters():
+        errs[f"grad_{n}"] = rel(full(p.grad), ref_grads[n])
+    ql = q.chunk(world, 1)[rank].clone().requires_grad_()
+    kl = k.chunk(world, 1)[rank].clone().requires_grad_()
+    qd, kd = DTensor.from_local(ql, mesh, [Shard(1)]), DTensor.from_local(kl, mesh, [Shard(1)])
+    qd_out, kd_out = modeling_llama.apply_rotary_pos_emb(qd, kd, cos, sin)
+    assert getattr(modeling_llama.apply_rotary_pos_emb, "_lmkernels_patch", False), "rope is not patched"
+    (qd_out.to_local().sum() + 2 * kd_out.to_local().sum()).backward()
+    errs["rope_q"] = rel(qd_out.to_local(), qo.detach().chunk(world, 1)[rank])
+    errs["rope_grad_k"] = rel(kl.grad, kr.grad.chunk(world, 1)[rank])
+    for what, err in errs.items():
+        assert err < RTOL, f"{what}: relative error {err:.2e}"
+    return errs
+
+
+@check
 def check_unsupported_layouts_raise(ctx):
     """Layouts the loss cannot compute exactly fail with errors that name them."""
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh

@@ -248,11 +248,17 @@ def _mlp_forward(table: dict[str, str]):
         if kind is None:
             raise _unsupported_activation(self)
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if kind[0] == "swiglu":
-            h = lmkernels.swiglu(gate, up, backend=backends["swiglu"])
-        else:
-            h = lmkernels.geglu(gate, up, approximate=kind[1], backend=backends["geglu"])
-        return self.down_proj(h)
+
+        def glu(gate, up):
+            if kind[0] == "swiglu":
+                return lmkernels.swiglu(gate, up, backend=backends["swiglu"])
+            return lmkernels.geglu(gate, up, approximate=kind[1], backend=backends["geglu"])
+
+        if type(gate).__name__ == "DTensor":  # tensor parallel, DTensor outputs: the local shard
+            from lmkernels.distributed.local import local_call
+
+            return self.down_proj(local_call(glu, [gate, up], op=kind[0], reduced_dims=()))
+        return self.down_proj(glu(gate, up))
 
     return _mark(forward)
 
@@ -275,7 +281,16 @@ def _rope_function(family: Family, original):
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         if cos.shape[0] == 1 and q.shape[0] != 1:  # one table for the whole batch
             cos, sin = cos[0], sin[0]
-        q_out, k_out = lmkernels.rope(q, k, cos, sin, layout="neox", backend=_ROPE_BACKEND.get(model_type))
+
+        def rope(q, k):
+            return lmkernels.rope(q, k, cos, sin, layout="neox", backend=_ROPE_BACKEND.get(model_type))
+
+        if type(q).__name__ == "DTensor":  # tensor parallel, DTensor q/k: the local heads
+            from lmkernels.distributed.local import local_call
+
+            q_out, k_out = local_call(rope, [q, k], op="rope", reduced_dims=(-1, -2))
+        else:
+            q_out, k_out = rope(q, k)
         if unsqueeze_dim == 2:
             q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
         return q_out, k_out
