@@ -287,6 +287,38 @@ def check_tp_torch_parallel_styles(ctx):
 
 
 @check
+def check_fsdp_plus_tp_2d_mesh(ctx):
+    """FSDP2 over a data-parallel mesh dim (size 1 here: 2 processes) on top of tensor parallel
+    (size 2), lm_head sharded on its own: inside lm_head's FSDP forward the weight is the TP
+    DTensor, which goes to the vocab-parallel loss."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh(DEVICE, (1, ctx["world"]), mesh_dim_names=("dp", "tp"))
+    model = patched(tiny())
+    plan = {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(len(model.model.layers)):
+        for name in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+        ):
+            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
+    parallelize_module(model, mesh["tp"], plan)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model.lm_head, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    losses = train(model, global_batches(ctx["world"]))
+    return compare(losses, params(model), reference(ctx["world"]))
+
+
+@check
 def check_vocab_parallel_flce(ctx):
     """The vocab-parallel loss against the one-device reference: uneven split (V=131), bias,
     ignored tokens, label smoothing + softcap + z-loss, all reductions; loss and all gradients."""
