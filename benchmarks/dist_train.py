@@ -205,6 +205,13 @@ def environment(args) -> dict:
         except PackageNotFoundError:
             env[pkg] = None
     env.update({k: os.environ.get(k) for k in NCCL_ENV})
+    try:  # the lmkernels checkout measured
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        )
+        env["lmkernels_commit"] = rev.stdout.strip() or None
+    except OSError:
+        env["lmkernels_commit"] = None
     return env
 
 

@@ -4,7 +4,6 @@ checks and their tolerances; each is one test here, the world starts once per se
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,9 +18,9 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
     pytest.skip("torch.distributed with gloo is not available in this torch build", allow_module_level=True)
 
 HERE = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location("distributed_checks", HERE / "distributed_checks.py")
-checks = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(checks)
+if str(HERE) not in sys.path:  # the check modules import each other by name
+    sys.path.insert(0, str(HERE))
+import distributed_checks as checks  # noqa: E402
 
 
 @pytest.fixture(scope="session")
