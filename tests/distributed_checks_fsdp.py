@@ -70,7 +70,9 @@ def check_fsdp_no_reshard_after_forward(ctx):
 @check
 def check_fsdp_mixed_precision(ctx):
     """bf16 params, fp32 gradient reduction: patched and plain under the same policy, each against
-    the fp32 one-process run; the patched error must stay within 2x plain's (+1e-3)."""
+    the fp32 one-process run; the patched error must stay within 3x plain's + 1e-5 (DESIGN.md's
+    policy with the bf16 FLCE factor; measured on gloo: loss 4.2e-5 vs 2.2e-5, parameters 2.6e-3
+    for both). gloo runs the bf16 all-gathers and fp32 reduce-scatters FSDP2 asks for."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -91,11 +93,11 @@ def check_fsdp_mixed_precision(ctx):
             max(rel(final[n], ref[1][n]) for n in ref[1]),
         )
     for i, what in enumerate(("loss", "parameters")):
-        bound = 2 * errs["plain"][i] + 1e-3
+        bound = 3 * errs["plain"][i] + 1e-5
         assert errs["patched"][i] <= bound, (
             f"{what}: patched bf16 error {errs['patched'][i]:.2e} > {bound:.2e}"
         )
-    return {"patched_loss_err": errs["patched"][0], "plain_loss_err": errs["plain"][0]}
+    return {"patched_loss_param_err": errs["patched"], "plain_loss_param_err": errs["plain"]}
 
 
 @check
