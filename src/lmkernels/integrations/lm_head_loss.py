@@ -1,11 +1,22 @@
 """The loss path of a patched causal LM: lm_head + transformers' ForCausalLMLoss, fused.
 
 `lm_head_loss(lm_head, hidden, labels, ...)` is the one place a patched model computes its loss;
-it takes the lm_head module (not its weight) so that the code owning the weight (FSDP2's
-unshard, tensor-parallel sharding) can be honoured in one spot.
+it takes the lm_head module (not its weight) so that the code owning the weight is honoured:
+
+- FSDP2 (`fully_shard(model.lm_head)`): the patched forward never calls lm_head, so FSDP2's
+  pre-forward unshard would not run and the kernel would meet the sharded DTensor weight. The loss
+  runs as a registered FSDP forward method of lm_head (`register_fsdp_forward_method`, public
+  API): FSDP2 unshards before it, reshards after it, unshards again for its backward and
+  reduce-scatters the weight gradient, as it does for lm_head's own forward. Mixed-precision
+  policies apply as they would to lm_head (hidden cast to param_dtype).
+- lm_head inside a bigger FSDP2 unit (per layer + root): the root's forward already unsharded it.
+- a DTensor weight that FSDP2 does not manage (tensor parallel): lmkernels.distributed computes
+  the loss on the local shard (vocab-parallel for a vocabulary-sharded weight).
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +76,10 @@ def causal_lm_loss(
         dtype = weight.dtype
     with torch.autocast(device_type, enabled=False):
         reduction = "mean" if num_items_in_batch is None else "sum"
-        loss = lmkernels.fused_linear_cross_entropy(
+        flce = lmkernels.fused_linear_cross_entropy
+        if _any_dtensor(hidden, weight, bias):
+            from lmkernels.distributed.dtensor_loss import dtensor_linear_cross_entropy as flce
+        loss = flce(
             h.to(dtype),
             weight.to(dtype),
             target,
@@ -82,6 +96,38 @@ def causal_lm_loss(
     return loss
 
 
+def _any_dtensor(*tensors) -> bool:
+    # DTensor subclasses torch.Tensor; checking the type name avoids importing torch.distributed
+    # for every single-device loss.
+    return any(t is not None and type(t).__name__ == "DTensor" for t in tensors)
+
+
+def _params_loss(lm_head: nn.Module, hidden, labels, **kwargs) -> torch.Tensor:
+    if not isinstance(lm_head, nn.Linear):
+        raise LMKernelsError(
+            f"lm_head: expected an nn.Linear (its weight is the loss's), got {type(lm_head).__name__}"
+        )
+    return causal_lm_loss(hidden, lm_head.weight, labels, bias=lm_head.bias, **kwargs)
+
+
+_FSDP_METHOD = "_lmkernels_fsdp_loss"
+
+
+def _fsdp_loss_method(lm_head: nn.Module):
+    """lm_head's loss method wrapped in FSDP2's pre/post-forward, or None if lm_head is not an
+    FSDP2 module itself. Registered once per module."""
+    if "FSDP" not in type(lm_head).__name__:  # fully_shard swaps the class to FSDP<cls>
+        return None
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    if not isinstance(lm_head, FSDPModule):
+        return None
+    if _FSDP_METHOD not in vars(lm_head):
+        setattr(lm_head, _FSDP_METHOD, types.MethodType(_params_loss, lm_head))
+        register_fsdp_forward_method(lm_head, _FSDP_METHOD)
+    return getattr(lm_head, _FSDP_METHOD)
+
+
 def lm_head_loss(
     lm_head: nn.Module,
     hidden: torch.Tensor,
@@ -93,15 +139,16 @@ def lm_head_loss(
     shift_labels: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """causal_lm_loss of `lm_head` (an nn.Linear) applied to `hidden`."""
-    return causal_lm_loss(
-        hidden,
-        lm_head.weight,
-        labels,
-        bias=lm_head.bias,
+    """causal_lm_loss of `lm_head` (an nn.Linear) applied to `hidden`, through lm_head's FSDP2
+    forward hooks when lm_head is sharded on its own (see the module docstring)."""
+    kwargs = dict(
         softcap=softcap,
         num_items_in_batch=num_items_in_batch,
         ignore_index=ignore_index,
         shift_labels=shift_labels,
         backend=backend,
     )
+    fsdp_method = _fsdp_loss_method(lm_head)
+    if fsdp_method is not None:
+        return fsdp_method(hidden, labels, **kwargs)
+    return _params_loss(lm_head, hidden, labels, **kwargs)

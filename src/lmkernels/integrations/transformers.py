@@ -205,9 +205,17 @@ def _rms_norm_forward(family: Family, backend: str | None):
     eps_attr, offset, casting = family.rms_eps_attr, family.rms_offset, family.rms_casting
 
     def forward(self, x):
-        return lmkernels.rms_norm(
-            x, self.weight, eps=getattr(self, eps_attr), offset=offset, casting_mode=casting, backend=backend
-        )
+        def norm(x, weight):
+            eps = getattr(self, eps_attr)
+            return lmkernels.rms_norm(
+                x, weight, eps=eps, offset=offset, casting_mode=casting, backend=backend
+            )
+
+        if type(x).__name__ == "DTensor":  # sequence parallel: the local rows (lmkernels.distributed)
+            from lmkernels.distributed.local import local_call
+
+            return local_call(norm, [x], [self.weight], op="rms_norm")
+        return norm(x, self.weight)
 
     return _mark(forward)
 
@@ -240,11 +248,20 @@ def _mlp_forward(table: dict[str, str]):
         if kind is None:
             raise _unsupported_activation(self)
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if kind[0] == "swiglu":
-            h = lmkernels.swiglu(gate, up, consume_inputs=True, backend=backends["swiglu"])
-        else:
-            h = lmkernels.geglu(gate, up, approximate=kind[1], consume_inputs=True, backend=backends["geglu"])
-        return self.down_proj(h)
+
+        # gate and up are created right here and used by nothing else: the GLU may consume them.
+        def glu(gate, up):
+            if kind[0] == "swiglu":
+                return lmkernels.swiglu(gate, up, consume_inputs=True, backend=backends["swiglu"])
+            return lmkernels.geglu(
+                gate, up, approximate=kind[1], consume_inputs=True, backend=backends["geglu"]
+            )
+
+        if type(gate).__name__ == "DTensor":  # tensor parallel, DTensor outputs: the local shard
+            from lmkernels.distributed.local import local_call
+
+            return self.down_proj(local_call(glu, [gate, up], op=kind[0], reduced_dims=()))
+        return self.down_proj(glu(gate, up))
 
     return _mark(forward)
 
@@ -267,7 +284,16 @@ def _rope_function(family: Family, original):
             q, k = q.transpose(1, 2), k.transpose(1, 2)
         if cos.shape[0] == 1 and q.shape[0] != 1:  # one table for the whole batch
             cos, sin = cos[0], sin[0]
-        q_out, k_out = lmkernels.rope(q, k, cos, sin, layout="neox", backend=_ROPE_BACKEND.get(model_type))
+
+        def rope(q, k):
+            return lmkernels.rope(q, k, cos, sin, layout="neox", backend=_ROPE_BACKEND.get(model_type))
+
+        if type(q).__name__ == "DTensor":  # tensor parallel, DTensor q/k: the local heads
+            from lmkernels.distributed.local import local_call
+
+            q_out, k_out = local_call(rope, [q, k], op="rope", reduced_dims=(-1, -2))
+        else:
+            q_out, k_out = rope(q, k)
         if unsqueeze_dim == 2:
             q_out, k_out = q_out.transpose(1, 2), k_out.transpose(1, 2)
         return q_out, k_out

@@ -1,0 +1,26 @@
+"""Distributed training support: the vocab-parallel loss and DTensor handling.
+
+- `vocab_parallel_cross_entropy(hidden, weight_shard, target, vocab_size=..., group=...)`: FLCE
+  with the lm_head weight sharded on the vocabulary over a process group; loss and gradients
+  equal one device's.
+- `dtensor_linear_cross_entropy(hidden, weight, target, ...)`: FLCE for DTensor weights / hidden
+  states (tensor and sequence parallel); picks the vocab-parallel loss for Shard(0) weights.
+- `local.local_call`: run a row-local op (norms, RoPE, GLUs) on the local shards of DTensor inputs
+  (sequence parallel), weight gradients leaving as Partial.
+
+FSDP2 needs nothing here: integrations/lm_head_loss.py runs the loss inside the lm_head's FSDP2
+forward, where the weight is unsharded.
+"""
+
+from lmkernels.distributed.vocab_parallel import shard_range, vocab_parallel_cross_entropy
+
+__all__ = ["dtensor_linear_cross_entropy", "shard_range", "vocab_parallel_cross_entropy"]
+
+
+def __getattr__(name):
+    # torch.distributed.tensor is imported on first use only: most users never need it.
+    if name in ("dtensor_linear_cross_entropy", "is_dtensor"):
+        from lmkernels.distributed import dtensor_loss
+
+        return getattr(dtensor_loss, name)
+    raise AttributeError(name)

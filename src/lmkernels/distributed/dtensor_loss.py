@@ -1,0 +1,127 @@
+"""Fused linear cross entropy when the lm_head weight (or the hidden states) are DTensors.
+
+Layouts on a 1-D device mesh (tensor parallel; an FSDP2-managed weight never gets here, see
+integrations/lm_head_loss.py):
+
+- weight Shard(0) (vocabulary-sharded, ColwiseParallel / transformers' "colwise_gather_output"):
+  the vocab-parallel loss on the local shard (distributed/vocab_parallel.py);
+- weight Replicate: the local copy through `lmkernels.fused_linear_cross_entropy`.
+
+Hidden states that are DTensors (sequence parallel: Shard(1)) are gathered to Replicate first;
+plain hidden states must be the same on every rank of the mesh (what tensor parallel gives the
+lm_head). Any other layout gets an error naming it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import lmkernels
+from lmkernels.distributed.vocab_parallel import vocab_parallel_cross_entropy
+from lmkernels.registry import LMKernelsError
+from lmkernels.utils import data_checks_enabled
+
+
+def is_dtensor(t) -> bool:
+    return isinstance(t, DTensor)
+
+
+def _mesh_of(*tensors):
+    meshes = {id(t.device_mesh): t.device_mesh for t in tensors if is_dtensor(t)}
+    if len(meshes) != 1:
+        raise LMKernelsError("hidden, weight, bias: DTensors on different device meshes are not supported")
+    mesh = next(iter(meshes.values()))
+    if mesh.ndim != 1:
+        raise LMKernelsError(
+            f"weight: a DTensor on a {mesh.ndim}-D device mesh ({mesh}) is not supported; the loss "
+            f"takes 1-D tensor-parallel meshes (with FSDP2 on another dim, call lm_head through "
+            f"fully_shard so that it unshards the data-parallel dim first)"
+        )
+    return mesh
+
+
+def _replicated_local(t, mesh):
+    """The local tensor of a DTensor made Replicate (differentiable; a sequence-sharded hidden
+    is all-gathered and its gradient sliced back), or t itself."""
+    if not is_dtensor(t):
+        return t
+    return t.redistribute(mesh, [Replicate()]).to_local()
+
+
+def _check_same_labels(target: torch.Tensor, group) -> None:
+    """Vocab-parallel needs the same tokens on every rank; a data-parallel shard of the weight
+    (e.g. an FSDP2 shard read outside its module's forward) has different ones. One tiny
+    all-reduce and a host sync, skipped with LMKERNELS_CHECK_VALUES=0."""
+    t = target.reshape(-1).double()
+    pos = torch.arange(1, t.numel() + 1, dtype=torch.float64, device=t.device)
+    sig = torch.stack([t.sum(), (t * pos).sum()])
+    both = torch.cat([sig, -sig])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(both[:2], -both[2:]):
+        raise LMKernelsError(
+            "weight: a vocabulary-sharded DTensor, but the ranks of its mesh hold different labels: "
+            "this is a data-parallel shard, not tensor parallel. With FSDP2 the weight must be read "
+            "while its owner is unsharded: wrap lm_head with fully_shard (or keep it in a group whose "
+            "forward runs the loss) and do not tie it to an embedding sharded on its own"
+        )
+
+
+def dtensor_linear_cross_entropy(
+    hidden,
+    weight,
+    target,
+    *,
+    bias=None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    z_loss_scale: float = 0.0,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """`lmkernels.fused_linear_cross_entropy` for DTensor inputs (layouts in the module docstring).
+    `backend` applies where the local op runs (Replicate weight); the vocab-parallel loss is
+    plain torch (see vocab_parallel.py)."""
+    mesh = _mesh_of(hidden, weight, bias)
+    if is_dtensor(target):
+        target = target.full_tensor()
+    h = _replicated_local(hidden, mesh)
+    opts = dict(
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        softcap=softcap,
+        z_loss_scale=z_loss_scale,
+    )
+    w_place = weight.placements[0] if is_dtensor(weight) else Replicate()
+    if isinstance(w_place, Replicate):
+        w = _replicated_local(weight, mesh)
+        b = _replicated_local(bias, mesh)
+        return lmkernels.fused_linear_cross_entropy(h, w, target, bias=b, backend=backend, **opts)
+    if not (isinstance(w_place, Shard) and w_place.dim == 0):
+        raise LMKernelsError(
+            f"weight: DTensor placements {weight.placements} are not supported by the loss; expected "
+            f"Shard(0) (vocabulary-parallel lm_head) or Replicate()"
+        )
+    if is_dtensor(bias) and bias.placements != weight.placements:
+        raise LMKernelsError(
+            f"bias: expected placements {weight.placements} like weight's, got {bias.placements}"
+        )
+    if bias is not None and not is_dtensor(bias):
+        raise LMKernelsError(
+            "bias: expected a DTensor sharded like the vocabulary-sharded weight, got a plain tensor"
+        )
+    group = mesh.get_group()
+    if data_checks_enabled():
+        _check_same_labels(target, group)
+    return vocab_parallel_cross_entropy(
+        h,
+        weight.to_local(),
+        target,
+        vocab_size=weight.shape[0],
+        group=group,
+        bias_shard=None if bias is None else bias.to_local(),
+        **opts,
+    )
