@@ -181,7 +181,11 @@ SHAPE_CASES = [(s, c) for s in SHAPES for c in CASES if s != "12x16x5000" or c i
 
 @pytest.mark.parametrize(("shape", "case"), SHAPE_CASES, ids=[f"{s}-case{c}" for s, c in SHAPE_CASES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_matches_fp64(dtype, shape, case):
+def test_matches_fp64(monkeypatch, dtype, shape, case):
+    if shape == "12x16x5000":
+        # Vocabulary windows of 4500 + 500 columns: the first spans two BLOCK_V blocks of the
+        # kernel with a masked tail (48-column windows would mean 105 blocks: slow to interpret).
+        monkeypatch.setattr(kernels, "BLOCK_OVERRIDE", (16, 4500))
     compare(make(SHAPES[shape], dtype, CASES[case]), dtype)
 
 
