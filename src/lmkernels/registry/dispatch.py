@@ -220,41 +220,34 @@ _CACHE: dict[tuple, tuple[Impl, Any]] = {}
 _CACHE_LIMIT = 4096  # distinct signatures; past it the cache starts over (e.g. many shapes)
 
 
-def _signature(inputs: dict[str, Any]) -> list[Any]:
-    # Tensor subclasses share their plain twin's entry: no check or supports() looks at the type.
-    # Other values keep theirs: 16 == 16.0 == True, but a check may accept only one of them.
-    return [
-        (v.shape, v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor) else (type(v), v)
-        for v in inputs.values()
-    ]
-
-
 # os.environ.get costs microseconds when the variable is unset (a KeyError raised and caught
 # inside); its backing dict, which os.environ updates on every change, answers in nanoseconds.
-_ENVIRON = getattr(os.environ, "_data", None)
-_ENV_KEY = os.environ.encodekey(ENV_VAR) if _ENVIRON is not None else None
-
-
-def _env_value() -> Any:
-    if _ENVIRON is None:
-        return os.environ.get(ENV_VAR)
-    return _ENVIRON.get(_ENV_KEY)
+if hasattr(os.environ, "_data"):
+    _env_get, _ENV_KEY = os.environ._data.get, os.environ.encodekey(ENV_VAR)
+else:
+    _env_get, _ENV_KEY = os.environ.get, ENV_VAR
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_is_grad_enabled = torch.is_grad_enabled
 
 
 def dispatch(op: str, backend: str | None, **inputs: Any) -> Any:
     """Check the inputs, pick the impl, call it: what every op's public function does."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         # Traced once per graph and guarded by dynamo; the cache would only add guards.
         get_op(op).check_inputs(**inputs)
         return resolve(op, inputs, backend).fn(**inputs)
-    key = (
-        op,
-        backend,
-        _CONTEXT.get(),
-        _env_value(),
-        torch.is_grad_enabled(),
-        *_signature(inputs),
-    )
+    # The cache key, flat (this runs on every call: a few microseconds in all). Per tensor its
+    # shape, dtype, device and requires_grad; subclasses share their plain twin's entry, as no
+    # check or supports() looks at the type. Other values with their type: 16 == 16.0 == True,
+    # but a check may accept only one of them.
+    key: Any = [op, backend, _CONTEXT.get(), _env_get(_ENV_KEY), _is_grad_enabled()]
+    for v in inputs.values():
+        if isinstance(v, _Tensor):
+            key += (v.shape, v.dtype, v.device, v.requires_grad)
+        else:
+            key += (type(v), v)
+    key = tuple(key)
     try:
         hit = _CACHE.get(key)
     except TypeError:  # an unhashable option value: no caching for this call
