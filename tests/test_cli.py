@@ -59,7 +59,7 @@ def test_validate_sums_up_backends_it_cannot_run(missing_peer, tmp_path):
     assert code == 0
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 80
-    assert "not run here: toypeer (toypkg not installed)" in text
+    assert "not run here: toypeer (not installed)" in text
     assert "unsupported" not in text.replace("0 unsupported", "")  # no rows for the absent peer
     # Cells never wrap: the table has as many lines at 80 columns as at 200.
     wide = _run_cli(argv, width=200)[1].splitlines()

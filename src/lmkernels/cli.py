@@ -141,10 +141,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def summarize_skipped(skipped: dict[str, str]) -> str:
     """One line for the backends a run leaves out: "liger, cce (not installed); torch_native
-    (runs on cuda only)", reasons shortened to their first clause."""
+    (cuda only)", reasons cut to their gist (the report's meta keeps them whole)."""
     by_reason: dict[str, list[str]] = {}
     for backend, reason in skipped.items():
-        short = reason.split(" (")[0].replace(" is not installed", " not installed")
+        short = reason.split(" (")[0]
+        if short.endswith(" is not installed"):
+            short = "not installed"
+        elif short.startswith("runs on ") and short.endswith(" only"):
+            short = short.removeprefix("runs on ")
         by_reason.setdefault(short, []).append(backend)
     return "; ".join(f"{', '.join(bs)} ({why})" for why, bs in by_reason.items())
 
