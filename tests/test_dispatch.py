@@ -1,4 +1,8 @@
-"""Backend selection: precedence, env parsing, explicit-backend errors, auto, compile safety."""
+"""Backend selection: precedence, env parsing, explicit-backend errors, auto, compile safety,
+per-thread/per-task state and the cached fast path."""
+
+import asyncio
+import threading
 
 import pytest
 import torch
@@ -151,3 +155,128 @@ def test_dispatch_inside_fullgraph_compile_follows_use_backend(toys):
     with lmkernels.use_backend("toy_b"):
         f(X, W)
     assert toys == ["toy_a", "toy_b"]
+
+
+def _in_thread(fn):
+    """Run fn in a thread; returns (thread, result list)."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    return t, out
+
+
+def test_use_backend_is_per_thread(toys):
+    """A thread inside use_backend() never changes what another thread resolves, even while
+    both are inside their blocks."""
+    entered, main_inside, worker_done = threading.Event(), threading.Event(), threading.Event()
+
+    def worker():
+        with lmkernels.use_backend("toy_b"):
+            entered.set()
+            main_inside.wait(10)
+            backend = resolve("rms_norm", INPUTS).backend
+            worker_done.set()
+            return backend
+
+    t, worker_seen = _in_thread(worker)
+    assert entered.wait(10)
+    with lmkernels.use_backend("toy_a"):
+        main_inside.set()
+        assert worker_done.wait(10)
+        main_seen = resolve("rms_norm", INPUTS).backend
+        lmkernels.rms_norm(X, W)
+    t.join(10)
+    assert (main_seen, worker_seen) == ("toy_a", ["toy_b"])
+    assert toys == ["toy_a"]
+    lmkernels.set_backend("toy_a")  # set_backend is per thread too
+    t, other = _in_thread(lambda: resolve("rms_norm", INPUTS).backend)
+    t.join(10)
+    assert other == ["compile"]
+    assert resolve("rms_norm", INPUTS).backend == "toy_a"
+
+
+def test_use_backend_is_per_asyncio_task(toys):
+    async def task(name, started, peer_started):
+        with lmkernels.use_backend(name):
+            started.set()
+            await peer_started.wait()
+            await asyncio.sleep(0)  # let the peer run inside its own block first
+            backend = resolve("rms_norm", INPUTS).backend
+            await asyncio.sleep(0)
+            return backend
+
+    async def main():
+        a, b = asyncio.Event(), asyncio.Event()
+        return await asyncio.gather(task("toy_a", a, b), task("toy_b", b, a))
+
+    assert asyncio.run(main()) == ["toy_a", "toy_b"]
+
+
+def test_compiled_graph_follows_each_threads_choice(toys):
+    """Under fullgraph compile the choice is guarded per thread: while a thread runs the
+    compiled function inside use_backend("toy_b"), the main thread's calls keep its own choice
+    (auto, then toy_a) and recompile or reuse graphs accordingly."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w: lmkernels.rms_norm(x, w) + 1, fullgraph=True, backend="eager")
+    with lmkernels.use_backend("toy_a"):
+        f(X, W)
+    entered, release = threading.Event(), threading.Event()
+
+    def worker():
+        with lmkernels.use_backend("toy_b"):
+            y = f(X, W)
+            entered.set()
+            release.wait(60)
+            return y
+
+    t, out = _in_thread(worker)
+    assert entered.wait(120)
+    auto = f(X, W)  # no choice in this thread: auto (compile on CPU), not the worker's toy_b
+    with lmkernels.use_backend("toy_a"):
+        f(X, W)
+    release.set()
+    t.join(60)
+    assert toys == ["toy_a", "toy_b", "toy_a"]
+    torch.testing.assert_close(out[0], rms_norm_reference(X, W) + 1)
+    torch.testing.assert_close(auto, rms_norm_reference(X, W) + 1)
+
+
+def test_fast_path_remembers_resolution_per_signature(toys, monkeypatch):
+    """A repeated call skips check_inputs and resolve; anything in the key (backend choice, env,
+    shapes, dtypes, requires_grad, option values) or a new registration resolves again."""
+    from lmkernels.registry import dispatch as dispatch_mod
+
+    spec = lmkernels.get_op("rms_norm")
+    checks = []
+    real_check = spec.check_inputs
+    monkeypatch.setattr(spec, "check_inputs", lambda **kw: (checks.append(1), real_check(**kw)))
+    dispatch_mod._invalidate()
+    for _ in range(3):
+        lmkernels.rms_norm(X, W, backend="toy_a")
+    assert len(checks) == 1
+    lmkernels.rms_norm(X, W, backend="toy_b")
+    lmkernels.rms_norm(X, W, eps=1e-5, backend="toy_b")
+    lmkernels.rms_norm(X[:2], W, backend="toy_b")
+    lmkernels.rms_norm(X.requires_grad_(False).clone().requires_grad_(), W, backend="toy_b")
+    with lmkernels.use_backend("toy_a"):
+        lmkernels.rms_norm(X, W)
+    monkeypatch.setenv("LMKERNELS_BACKEND", "toy_b")
+    lmkernels.rms_norm(X, W)
+    assert len(checks) == 7
+    assert toys == ["toy_a"] * 3 + ["toy_b"] * 4 + ["toy_a", "toy_b"]
+    with pytest.raises(lmkernels.LMKernelsError, match="weight: expected shape"):
+        lmkernels.rms_norm(X, W[:3], backend="toy_b")  # a new shape is checked, not waved through
+    register("rms_norm", "toy_a", lambda **kw: "replaced")
+    assert lmkernels.rms_norm(X, W, backend="toy_a") == "replaced"
+
+
+def test_value_checks_run_on_every_call(monkeypatch):
+    """FLCE's target range check reads values: it must not be cached with the signature."""
+    h, w = torch.randn(6, 8), torch.randn(10, 8)
+    good, bad = torch.tensor([1, 2, 3, -100, 4, 5]), torch.tensor([1, 2, 3, 99, 4, 5])
+    lmkernels.fused_linear_cross_entropy(h, w, good, backend="eager")
+    with pytest.raises(lmkernels.LMKernelsError, match="target: expected class indices"):
+        lmkernels.fused_linear_cross_entropy(h, w, bad, backend="eager")
+    monkeypatch.setenv("LMKERNELS_CHECK_VALUES", "0")
+    with pytest.raises(RuntimeError, match="out of bounds"):  # off: the eager reference itself fails
+        lmkernels.fused_linear_cross_entropy(h, w, bad, backend="eager")

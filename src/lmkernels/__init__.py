@@ -31,11 +31,22 @@ from lmkernels.registry import (
     set_backend,
     use_backend,
 )
-from lmkernels.registry.core import _ensure_loaded
+from lmkernels.registry.core import add_loader
 
 __version__ = "0.1.0"
 
-_ensure_loaded()
+
+def _load_backends() -> None:
+    """The registry's loader: built-in backends, then third-party entry points. Run on the first
+    impl lookup, so that importing lmkernels imports neither triton nor the compiler."""
+    from lmkernels.backends import load_builtin
+    from lmkernels.registry.plugins import load_entry_points
+
+    load_builtin()
+    load_entry_points()
+
+
+add_loader(_load_backends)
 
 __all__ = [
     "BackendNotSupportedError",

@@ -13,11 +13,9 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
-import lmkernels
 from lmkernels.harness.checks import DTYPE_NAMES, DTYPES_BY_NAME
-from lmkernels.registry.core import LMKernelsError, get_op, impls, ops
+from lmkernels.registry.core import LMKernelsError, get_op
 from lmkernels.registry.dispatch import canonical_op, explain
 
 console = Console()
@@ -27,23 +25,9 @@ console = Console()
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    backends = lmkernels.backend_names()
-    table = Table(title="lmkernels: ops x backends (priority; availability here)")
-    table.add_column("op")
-    for b in backends:
-        table.add_column(b)
-    for spec in ops():
-        row = [spec.name]
-        by_backend = {i.backend: i for i in impls(spec.name)}
-        for b in backends:
-            impl = by_backend.get(b)
-            if impl is None:
-                row.append("-")
-            else:
-                reason = impl.unavailable_reason()
-                row.append(f"[green]yes[/] ({impl.priority})" if not reason else f"[yellow]no[/]: {reason}")
-        table.add_row(*row)
-    console.print(table)
+    from lmkernels.harness.listing import render_list
+
+    print(render_list(width=80, reasons=args.reasons))
     return 0
 
 
@@ -117,8 +101,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
             grid,
             compile_backend,
             compile_first_only=not args.compile_all,
+            device=args.device,
         )
     )
+    skipped = runner.skipped_backends(args.op, args.backend, args.device)
+    ran = sorted({p.impl.backend for p in plans})
+    console.print(f"validating on {args.device}: {', '.join(ran) or 'nothing'} ({len(plans)} cases)")
+    if skipped:
+        console.print(f"not run here: {summarize_skipped(skipped)}", soft_wrap=False)
     if not plans:
         console.print("[red]nothing to validate for these filters[/]")
         return 2
@@ -126,6 +116,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         "grid": grid,
         "command": " ".join(sys.argv),
         "compile_backend": compile_backend,
+        "not_run_here": skipped,
     }
     out = Path(args.out or f"lmkernels-results/validate-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     last_write = [time.monotonic()]
@@ -148,6 +139,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 1 if n_bad else 0
 
 
+def summarize_skipped(skipped: dict[str, str]) -> str:
+    """One line for the backends a run leaves out: "liger, cce (not installed); torch_native
+    (cuda only)", reasons cut to their gist (the report's meta keeps them whole)."""
+    by_reason: dict[str, list[str]] = {}
+    for backend, reason in skipped.items():
+        short = reason.split(" (")[0]
+        if short.endswith(" is not installed"):
+            short = "not installed"
+        elif short.startswith("runs on ") and short.endswith(" only"):
+            short = short.removeprefix("runs on ")
+        by_reason.setdefault(short, []).append(backend)
+    return "; ".join(f"{', '.join(bs)} ({why})" for why, bs in by_reason.items())
+
+
 # --- main ---------------------------------------------------------------------------------------
 
 
@@ -155,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmkernels", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("list", help="ops x backends and their availability").set_defaults(func=cmd_list)
+    lst = sub.add_parser("list", help="which backend can run each op here")
+    lst.add_argument("--reasons", action="store_true", help="say why each 'no' is a no")
+    lst.set_defaults(func=cmd_list)
 
     e = sub.add_parser("explain", help="which impl would run for given inputs, and why not the others")
     e.add_argument("op")

@@ -25,28 +25,36 @@ import torch
 
 from lmkernels.registry.core import _OPS, register
 
-_COMPILED: dict[str, object] = {}
+# Compiled functions are built on first use: torch.compile imports dynamo and inductor (seconds),
+# which `import lmkernels` and the other backends must not pay for.
+_COMPILED: dict[object, object] = {}
 
 # Each op's compiled reference is one code object for dynamo, recompiled per dtype, rank and
 # option set (casting mode, layout, ...): a validation grid needs a few dozen variants, more
 # than dynamo's default limit of 8, past which it silently runs the function eagerly. Raised
-# (never lowered) here for the whole process; a training job compiles a handful of variants.
+# (never lowered) for the whole process when the first compiled function is built; a training
+# job compiles a handful of variants.
 _RECOMPILE_LIMIT = 64
-if torch._dynamo.config.recompile_limit < _RECOMPILE_LIMIT:
-    torch._dynamo.config.recompile_limit = _RECOMPILE_LIMIT
 
 
-def _compiled_reference(name: str):
-    fn = _COMPILED.get(name)
-    if fn is None:
-        fn = torch.compile(_OPS[name].reference, dynamic=None)
-        _COMPILED[name] = fn
-    return fn
+def _compiled(fn):
+    if torch.compiler.is_compiling():
+        return fn  # already inside a graph being compiled: traced inline, as a compiled fn would be
+    compiled = _COMPILED.get(fn)
+    if compiled is None:
+        import torch._dynamo as dynamo  # binds only `dynamo`: `torch` stays the global here
+
+        if dynamo.config.recompile_limit < _RECOMPILE_LIMIT:
+            dynamo.config.recompile_limit = _RECOMPILE_LIMIT
+        compiled = _COMPILED[fn] = torch.compile(fn, dynamic=None)
+    return compiled
 
 
 def _make_generic(name: str):
+    reference = _OPS[name].reference
+
     def run(**inputs):
-        return _compiled_reference(name)(**inputs)
+        return _compiled(reference)(**inputs)
 
     run.__name__ = f"{name}_compile"
     return run
@@ -197,11 +205,6 @@ def _chunk_grads(
     )
 
 
-_chunk_loss_c = torch.compile(_chunk_loss, dynamic=None)
-_chunk_loss_and_grads_c = torch.compile(_chunk_loss_and_grads, dynamic=None)
-_chunk_grads_c = torch.compile(_chunk_grads, dynamic=None)
-
-
 class _ChunkedFLCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, opts, grad_accum_dtype):
@@ -239,10 +242,10 @@ class _ChunkedFLCE(torch.autograd.Function):
         for start in range(0, BT, chunk):
             sl = slice(start, min(start + chunk, BT))
             if not grads_now:
-                loss[sl], lse[sl] = _chunk_loss_c(h2[sl], weight, bias, t[sl], class_weight, *args)
+                loss[sl], lse[sl] = _compiled(_chunk_loss)(h2[sl], weight, bias, t[sl], class_weight, *args)
             else:
                 g = scale.expand(sl.stop - sl.start)
-                loss[sl], lse[sl], gh, gw, gb = _chunk_loss_and_grads_c(
+                loss[sl], lse[sl], gh, gw, gb = _compiled(_chunk_loss_and_grads)(
                     h2[sl], weight, bias, t[sl], class_weight, g, *args
                 )
                 grad_h[sl] = gh
@@ -290,7 +293,7 @@ class _ChunkedFLCE(torch.autograd.Function):
         args = (ignore_index, label_smoothing, softcap, z_loss_scale)
         for start in range(0, BT, ctx.chunk):
             sl = slice(start, min(start + ctx.chunk, BT))
-            gh, gw, gb = _chunk_grads_c(
+            gh, gw, gb = _compiled(_chunk_grads)(
                 h2[sl], weight, bias, t[sl], class_weight, grad_tok[sl], lse[sl], *args
             )
             grad_h[sl] = gh

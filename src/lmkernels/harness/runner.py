@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from lmkernels.harness.checks import DTYPE_NAMES, DTYPES_BY_NAME, CaseResult, check_case
+from lmkernels.harness.listing import SHORT_NAMES
 from lmkernels.registry.core import Impl, OpSpec, get_op, impls, ops
 from lmkernels.registry.dispatch import canonical_op
 
@@ -30,6 +31,32 @@ class Plan:
     compile_backend: str | None
 
 
+def not_runnable_here(impl: Impl, device: str) -> str | None:
+    """Why no case of this impl can run on `device` (package missing, no such device), or None."""
+    reason = impl.unavailable_reason()
+    if reason:
+        return reason
+    if device not in impl.devices:
+        return f"runs on {', '.join(impl.devices)} only"
+    return None
+
+
+def skipped_backends(
+    op_names: Sequence[str] | None, backends: Sequence[str] | None, device: str
+) -> dict[str, str]:
+    """backend -> why it is left out of a run on `device` (every case would be "unsupported")."""
+    specs = [get_op(canonical_op(n)) for n in op_names] if op_names else ops()
+    out: dict[str, str] = {}
+    for spec in specs:
+        for impl in impls(spec.name):
+            if backends and impl.backend not in backends:
+                continue
+            reason = not_runnable_here(impl, device)
+            if reason:
+                out.setdefault(impl.backend, reason)
+    return out
+
+
 def plan_cases(
     op_names: Sequence[str] | None = None,
     backends: Sequence[str] | None = None,
@@ -37,19 +64,31 @@ def plan_cases(
     grid: str = "quick",
     compile_backend: str | None = None,
     compile_first_only: bool = True,
+    device: str | None = None,
 ) -> Iterator[Plan]:
-    """The cases to run. The compile check runs once per (impl, dtype) on the first shape and
-    the default options unless compile_first_only is False (it costs a compilation each)."""
+    """The cases to run (on the quick grid, option cases on the first shape only). The compile
+    check runs once per (impl, dtype) on the first shape and
+    the default options unless compile_first_only is False (it costs a compilation each).
+    With a device, impls that cannot run there at all are left out (see skipped_backends)."""
     specs = [get_op(canonical_op(n)) for n in op_names] if op_names else ops()
     for spec in specs:
-        chosen = [i for i in impls(spec.name) if not backends or i.backend in backends]
+        chosen = [
+            i
+            for i in impls(spec.name)
+            if (not backends or i.backend in backends)
+            and (device is None or not not_runnable_here(i, device))
+        ]
         seen_compile: set[tuple[str, torch.dtype]] = set()
         # Impls innermost: the fp64 reference of a case is computed once and shared by them.
         for dtype in spec.dtypes:
             if dtypes and DTYPE_NAMES[dtype] not in dtypes:
                 continue
-            for shape in spec.shapes[grid]:
-                for case in spec.cases:
+            for n_shape, shape in enumerate(spec.shapes[grid]):
+                # Quick: every option case on the first shape, the default case on the others
+                # (the full grid crosses them all). Most of a quick run's time is compilation,
+                # one per case and dtype for the compile backend.
+                cases = spec.cases if grid != "quick" or n_shape == 0 else spec.cases[:1]
+                for case in cases:
                     for impl in chosen:
                         first = (impl.backend, dtype) not in seen_compile
                         seen_compile.add((impl.backend, dtype))
@@ -125,9 +164,10 @@ STATUS_STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "unsup
 
 def summary_table(results: Sequence[CaseResult], failures_only: bool = False) -> Table:
     """One row per op x backend x dtype: counts, worst error ratio; then one row per failure."""
+    # Short names and cells: it reads at 80 columns; failures are listed in full after it.
     table = Table(title="lmkernels validate", show_lines=False)
-    for col in ("op", "backend", "dtype", "pass", "fail", "unsupported", "worst err/allowed", "compile"):
-        table.add_column(col, justify="right" if col in ("pass", "fail", "unsupported") else "left")
+    for col in ("op", "backend", "dtype", "pass", "fail", "unsup.", "err/allowed", "compile"):
+        table.add_column(col, justify="right" if col in ("pass", "fail", "unsup.", "err/allowed") else "left")
     groups: dict[tuple[str, str, str], list[CaseResult]] = {}
     for r in results:
         groups.setdefault((r.op, r.backend, r.dtype), []).append(r)
@@ -137,12 +177,24 @@ def summary_table(results: Sequence[CaseResult], failures_only: bool = False) ->
         n_uns = sum(r.status == "unsupported" for r in rs)
         worst = max((r.worst_ratio for r in rs if r.status != "unsupported"), default=0.0)
         compiled = [r.compile_status for r in rs if r.compile_status != "not run"]
-        comp = "-" if not compiled else ("pass" if all(c == "pass" for c in compiled) else compiled[0][:40])
+        comp = (
+            "-"
+            if not compiled
+            else ("pass" if all(c == "pass" for c in compiled) else compiled[0].split(":")[0][:12])
+        )
         if failures_only and not n_fail:
             continue
         style = "red" if n_fail else ("yellow" if n_uns and not n_pass else "green")
         table.add_row(
-            op, backend, dtype, str(n_pass), str(n_fail), str(n_uns), f"{worst:.2f}", comp, style=style
+            SHORT_NAMES.get(op, op),
+            backend,
+            dtype,
+            str(n_pass),
+            str(n_fail),
+            str(n_uns),
+            f"{worst:.2f}",
+            comp,
+            style=style,
         )
     return table
 

@@ -1,19 +1,13 @@
-"""What every op's public function does: check inputs, pick the impl, call it."""
+"""What the op files share: the dispatch call of their public functions (check inputs, pick the
+impl, call it; see registry.dispatch) and the random input helpers of their make_inputs."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from lmkernels.registry.core import get_op
-from lmkernels.registry.dispatch import resolve
+from lmkernels.registry.dispatch import dispatch
 
-
-def dispatch(op: str, backend: str | None, **inputs: Any) -> Any:
-    get_op(op).check_inputs(**inputs)
-    impl = resolve(op, inputs, backend)
-    return impl.fn(**inputs)
+__all__ = ["dispatch", "generator", "randn"]
 
 
 def randn(shape, dtype: torch.dtype, device, generator: torch.Generator, scale: float = 1.0):

@@ -60,7 +60,10 @@ class OpSpec:
     shapes: name -> list of shape dicts (named dims), at least "quick" and "full".
     cases: option sets (extra keyword arguments) the harness runs on top of every shape.
     grad_inputs: names of the inputs that get gradients.
-    check_inputs(**kwargs): raises LMKernelsError for bad input; shared by every backend.
+    check_inputs(**kwargs): raises LMKernelsError for bad input; shared by every backend. It must
+      read no tensor values (only shapes, dtypes, devices, requires_grad and the options): the
+      dispatcher runs it once per input signature.
+    check_values(**kwargs): the checks that read values (a host sync on CUDA), run on every call.
     bytes_moved(shape, dtype) / flops(shape): minimum traffic / work of fwd+bwd for rooflines.
     """
 
@@ -78,6 +81,7 @@ class OpSpec:
     bytes_moved: Callable[[dict[str, int], torch.dtype], int] | None = None
     flops: Callable[[dict[str, int]], int] | None = None
     description: str = ""
+    check_values: Callable[..., None] | None = None
 
     def shape_id(self, shape: dict[str, int]) -> str:
         return "x".join(str(v) for v in shape.values())
@@ -172,20 +176,32 @@ def register(op: str, backend: str, fn: Callable[..., Any], **capabilities: Any)
         raise UnknownOpError(f"register: unknown op {op!r}; known ops: {sorted(_OPS)}")
     impl = Impl(op=op, backend=backend, fn=fn, **capabilities)
     _IMPLS[op][backend] = impl
-    from lmkernels.registry import dispatch  # clears the resolution cache
-
-    dispatch._invalidate()
+    _changed()
     return impl
 
 
 def unregister(op: str, backend: str) -> None:
     _IMPLS.get(op, {}).pop(backend, None)
-    from lmkernels.registry import dispatch
+    _changed()
 
-    dispatch._invalidate()
+
+# Called after every register/unregister: the dispatcher drops the resolutions it remembered.
+_ON_CHANGE: list[Callable[[], None]] = []
+
+
+def on_change(callback: Callable[[], None]) -> None:
+    _ON_CHANGE.append(callback)
+
+
+def _changed() -> None:
+    for callback in _ON_CHANGE:
+        callback()
 
 
 def get_op(name: str) -> OpSpec:
+    spec = _OPS.get(name)
+    if spec is not None:  # the built-in ops register on import; a plugin's only once loaded
+        return spec
     _ensure_loaded()
     try:
         return _OPS[name]
@@ -229,16 +245,18 @@ def backend_names() -> list[str]:
     return list(seen)
 
 
-_LOADED = False
+# The registry imports nothing above it: whoever owns the built-in backends (the top-level
+# package) hands in a loader, run once when impls are first asked for (first resolve, list,
+# validate), so `import lmkernels` stays cheap and no module imports the registry's importers.
+_PENDING_LOADERS: list[Callable[[], None]] = []
+
+
+def add_loader(loader: Callable[[], None]) -> None:
+    """Run `loader` (which calls register()) before impls are first looked up."""
+    _PENDING_LOADERS.append(loader)
 
 
 def _ensure_loaded() -> None:
-    """Import the built-in ops and backends, then third-party entry points, once."""
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    import lmkernels.backends  # noqa: F401  (registers eager, compile, triton, adapters)
-    from lmkernels.registry.plugins import load_entry_points
-
-    load_entry_points()
+    while _PENDING_LOADERS:
+        # Taken off the list before it runs: lookups made while loading do not rerun it.
+        _PENDING_LOADERS.pop(0)()

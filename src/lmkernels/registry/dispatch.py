@@ -2,19 +2,35 @@
 
 Precedence, highest first:
 1. the explicit ``backend=`` argument of the op's function;
-2. ``use_backend(...)`` / ``set_backend(...)`` (process-wide; per op or global);
+2. ``use_backend(...)`` / ``set_backend(...)`` (per op or global; per thread and asyncio task);
 3. the environment variable ``LMKERNELS_BACKEND`` (``triton`` or ``triton,flce=compile,rope=eager``);
 4. ``auto``: the highest-priority impl whose ``not_supported_reasons`` is empty.
 
 A backend chosen by 1-3 that cannot take the inputs raises BackendNotSupportedError listing its
 reasons: it never silently falls back. Op names accept the aliases in OP_ALIASES.
+
+Where the choice lives. Eager calls read a ContextVar, so a choice made in one thread or
+asyncio task never reaches another. torch.compile cannot trace ContextVar.get, so code being
+compiled reads a per-thread mirror instead (threading.local, which dynamo traces and guards on:
+a compiled graph recompiles when the calling thread's choice changes). use_backend/set_backend
+write both. The mirror is per thread, not per task: compiled code in asyncio tasks that share a
+thread sees the choice last made in that thread. Work that autograd runs in its own threads
+(the recomputed forward of activation checkpointing on CUDA) sees that thread's choice, not the
+caller's: pass backend= explicitly (the nn modules and the integration do) where that matters.
+
+The fast path (`dispatch`): the checks that need no data and the resolution are remembered per
+op, backend argument, override state, env value, grad mode and input signature (per tensor:
+type, shape, dtype, device, requires_grad; other inputs by type and value), so a repeated call
+costs a dict lookup. Value checks (OpSpec.check_values) still run on every call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +46,7 @@ from lmkernels.registry.core import (
     get_impl,
     get_op,
     impls,
+    on_change,
     ops,
 )
 
@@ -37,12 +54,20 @@ ENV_VAR = "LMKERNELS_BACKEND"
 AUTO = "auto"
 OP_ALIASES = {"flce": "fused_linear_cross_entropy", "rmsnorm": "rms_norm", "layernorm": "layer_norm"}
 
-# Overrides set through use_backend()/set_backend(): {"*": global, op_name: backend}.
-# A plain module-level dict rather than a ContextVar: torch.compile cannot trace
-# ContextVar.get, while it traces a dict read and guards on its contents, so a compiled graph
-# recompiles when the choice changes instead of keeping a stale backend. The price: the choice
-# is process-wide, not per thread or asyncio task.
-_OVERRIDES: dict[str, str] = {}
+# Overrides set through use_backend()/set_backend(), as sorted (key, backend) pairs with key "*"
+# (global) or an op name: immutable and hashable, so the fast path keys its cache on them.
+_CONTEXT: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar(
+    "lmkernels_backend", default=()
+)
+# The same table as a dict, per thread, for code being compiled (see the module docstring).
+_THREAD = threading.local()
+_NO_OVERRIDES: dict[str, str] = {}
+
+
+def _overrides() -> dict[str, str]:
+    if torch.compiler.is_compiling():
+        return getattr(_THREAD, "table", _NO_OVERRIDES)
+    return dict(_CONTEXT.get())
 
 
 def canonical_op(name: str) -> str:
@@ -97,41 +122,47 @@ def _env_table() -> dict[str, str]:
 def _invalidate() -> None:
     global _env_cache
     _env_cache = None
+    _CACHE.clear()
 
 
 @contextlib.contextmanager
 def use_backend(backend: str | None = None, **per_op: str) -> Iterator[None]:
-    """Choose backends inside a ``with`` block: ``use_backend("triton", flce="compile")``."""
-    previous = dict(_OVERRIDES)
-    _replace_overrides(_merged_overrides(backend, per_op))
+    """Choose backends inside a ``with`` block: ``use_backend("triton", flce="compile")``.
+
+    Only for this thread (or asyncio task); other threads keep their own choice."""
+    table = _merged_overrides(backend, per_op)
+    token = _CONTEXT.set(table)
+    previous_mirror = getattr(_THREAD, "table", _NO_OVERRIDES)
+    _THREAD.table = dict(table)
     try:
         yield
     finally:
-        _replace_overrides(previous)
+        _CONTEXT.reset(token)
+        _THREAD.table = previous_mirror
 
 
 def set_backend(backend: str | None = None, **per_op: str) -> None:
-    """Like use_backend, until changed again or reset_backend()."""
+    """Like use_backend, until changed again or reset_backend(); for this thread (or task)."""
     _replace_overrides(_merged_overrides(backend, per_op))
 
 
 def reset_backend() -> None:
-    _replace_overrides({})
+    _replace_overrides(())
 
 
-def _replace_overrides(table: dict[str, str]) -> None:
-    _OVERRIDES.clear()
-    _OVERRIDES.update(table)
+def _replace_overrides(table: tuple[tuple[str, str], ...]) -> None:
+    _CONTEXT.set(table)
+    _THREAD.table = dict(table)
 
 
-def _merged_overrides(backend: str | None, per_op: dict[str, str]) -> dict[str, str]:
-    table = dict(_OVERRIDES)
+def _merged_overrides(backend: str | None, per_op: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    table = dict(_CONTEXT.get())
     if backend is not None:
         table.update(parse_backend_spec(backend, where="use_backend"))
     for op, name in per_op.items():
         _check_backend_name(name, "use_backend")
         table[canonical_op(op)] = name
-    return table
+    return tuple(sorted(table.items()))
 
 
 @dataclasses.dataclass
@@ -146,7 +177,7 @@ def requested_backend(op: str, backend: str | None = None) -> Choice:
     if backend is not None and backend != AUTO:
         _check_backend_name(backend, "backend")
         return Choice(op, backend, "argument")
-    overrides = _OVERRIDES
+    overrides = _overrides()
     for key in (op, "*"):
         if key in overrides and overrides[key] != AUTO:
             return Choice(op, overrides[key], "use_backend")
@@ -180,6 +211,62 @@ def resolve(op: str, inputs: dict[str, Any], backend: str | None = None) -> Impl
             return impl
         rejected.append(f"{impl.backend}: {'; '.join(reasons)}")
     raise BackendNotSupportedError(f"{op}: no backend can run these inputs: " + " | ".join(rejected))
+
+
+# --- the fast path ---------------------------------------------------------------------------------
+
+# (op, backend argument, overrides, env value, grad mode, *signature) -> (impl, check_values).
+_CACHE: dict[tuple, tuple[Impl, Any]] = {}
+_CACHE_LIMIT = 4096  # distinct signatures; past it the cache starts over (e.g. many shapes)
+
+
+# os.environ.get costs microseconds when the variable is unset (a KeyError raised and caught
+# inside); its backing dict, which os.environ updates on every change, answers in nanoseconds.
+if hasattr(os.environ, "_data"):
+    _env_get, _ENV_KEY = os.environ._data.get, os.environ.encodekey(ENV_VAR)
+else:
+    _env_get, _ENV_KEY = os.environ.get, ENV_VAR
+_Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
+_is_grad_enabled = torch.is_grad_enabled
+
+
+def dispatch(op: str, backend: str | None, **inputs: Any) -> Any:
+    """Check the inputs, pick the impl, call it: what every op's public function does."""
+    if _is_compiling():
+        # Traced once per graph and guarded by dynamo; the cache would only add guards.
+        get_op(op).check_inputs(**inputs)
+        return resolve(op, inputs, backend).fn(**inputs)
+    # The cache key, flat (this runs on every call: a few microseconds in all). Per tensor its
+    # shape, dtype, device and requires_grad; subclasses share their plain twin's entry, as no
+    # check or supports() looks at the type. Other values with their type: 16 == 16.0 == True,
+    # but a check may accept only one of them.
+    key: Any = [op, backend, _CONTEXT.get(), _env_get(_ENV_KEY), _is_grad_enabled()]
+    for v in inputs.values():
+        if isinstance(v, _Tensor):
+            key += (v.shape, v.dtype, v.device, v.requires_grad)
+        else:
+            key += (type(v), v)
+    key = tuple(key)
+    try:
+        hit = _CACHE.get(key)
+    except TypeError:  # an unhashable option value: no caching for this call
+        key, hit = None, None
+    if hit is None:
+        spec = get_op(op)
+        spec.check_inputs(**inputs)
+        hit = (resolve(op, inputs, backend), spec.check_values)
+        if key is not None:
+            if len(_CACHE) >= _CACHE_LIMIT:
+                _CACHE.clear()
+            _CACHE[key] = hit
+    impl, check_values = hit
+    if check_values is not None:
+        check_values(**inputs)
+    return impl.fn(**inputs)
+
+
+on_change(_invalidate)
 
 
 @dataclasses.dataclass

@@ -1,5 +1,6 @@
 """The Triton backend: one module per op (kernels, launchers, torch.library registration,
-autograd, registration in the lmkernels registry).
+autograd, registration in the lmkernels registry), imported by lmkernels.backends.load_builtin;
+this file holds only what they share about the environment (it imports none of them).
 
 Triton is optional: without it (or without a GPU and TRITON_INTERPRET=1) the impls still
 register and report why they cannot run. On CPU they run only under TRITON_INTERPRET=1 and only
@@ -8,10 +9,7 @@ when asked for explicitly; `auto` picks them on CUDA.
 
 from __future__ import annotations
 
-import importlib
 import os
-
-OP_MODULES = ("rms_norm", "layer_norm", "rope", "glu", "flce")
 
 
 def triton_unavailable_reason() -> str | None:
@@ -42,16 +40,9 @@ def triton_devices() -> tuple[str, ...]:
     return ("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
 
 
-def _load() -> None:
+def triton_importable() -> bool:
     try:
         import triton  # noqa: F401
     except Exception:
-        from lmkernels.backends.triton import _unavailable
-
-        _unavailable.register_placeholders()
-        return
-    for name in OP_MODULES:
-        importlib.import_module(f"lmkernels.backends.triton.{name}")
-
-
-_load()
+        return False
+    return True

@@ -36,16 +36,21 @@ def traced(args: tuple) -> bool:
     mode is active), under functorch transforms, and for tensor subclasses: the raw launchers
     hand real memory to Triton and would fail (or read garbage) on any of those.
     """
-    if (
-        torch.compiler.is_compiling()
-        or torch._C._len_torch_dispatch_stack()
-        or torch._C._are_functorch_transforms_active()
-    ):
+    if _is_compiling() or _dispatch_modes() or _functorch_active():
         return True
     for a in args:
-        if type(a) not in _PLAIN_TENSOR_TYPES and isinstance(a, torch.Tensor):
+        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN_TENSOR_TYPES:
             return True
     return False
+
+
+# Looked up once: `call` runs on every op call, and each attribute hop costs host time. Dynamo
+# still recognizes is_compiling (the same function object).
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_functorch_active = torch._C._are_functorch_transforms_active
+_grad_enabled = torch.is_grad_enabled
+_any_requires_grad = torch._C._any_requires_grad
 
 
 def eager_function(
@@ -84,7 +89,7 @@ def call(op: Callable[..., Any], function: Any, *args: Any) -> Any:
     launcher alone when no gradient will be taken (no graph to record)."""
     if traced(args):
         return op(*args)
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+    if _grad_enabled() and _any_requires_grad(*args):
         return function.apply(*args)
     return function.raw_forward(*args)
 
@@ -100,7 +105,7 @@ def op_or_raw(op: Callable[..., Any], raw: Callable[..., Any]) -> Callable[..., 
     """
 
     def run(*args: Any) -> Any:
-        if torch.is_grad_enabled() or traced(args):
+        if _grad_enabled() or traced(args):
             return op(*args)
         return raw(*args)
 

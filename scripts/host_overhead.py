@@ -1,0 +1,210 @@
+"""Host overhead per op on a GPU: GPU time vs wall time, ours vs the peers (issue 13 item 2).
+
+For each op at the design shapes (and the Llama-3.2-1B batch-1 shapes, the host-bound regime),
+forward + backward in bf16, per backend:
+- gpu_ms: device time of one step, the sum of its kernels (torch.profiler, CUDA activity);
+- wall_ms: triton.testing.do_bench median (host included: when launching a step takes longer
+  than running it, wall > gpu);
+- host_ms: host time to issue one step with the GPU never waiting (perf_counter around many
+  calls while a long torch.cuda._sleep keeps the queue full).
+Ours runs through the public function (`lk.rms_norm(..., backend="triton")`, dispatch included,
+what a user pays); the peers through their own functions (the registered adapters, no dispatch).
+Targets: wall <= 1.1x gpu at the design shapes; host time per op <= Liger's.
+
+    python scripts/host_overhead.py --out benchmarks/results/host-overhead
+    python scripts/host_overhead.py --op rms_norm --op rope --shapes small --out /tmp/ho
+
+Writes host_overhead.json and host_overhead.md (device, versions, command) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import lmkernels as lk
+from lmkernels.registry import get_impl, get_op, impls
+
+DESIGN = {
+    "rms_norm": {"M": 16384, "N": 4096},
+    "layer_norm": {"M": 4096, "N": 16384},
+    "rope": {"B": 1, "Hq": 32, "Hkv": 8, "T": 8192, "D": 128},
+    "swiglu": {"M": 8192, "N": 14336},
+    "geglu": {"M": 8192, "N": 14336},
+    "fused_linear_cross_entropy": {"BT": 8192, "H": 4096, "V": 128256},
+}
+# Llama-3.2-1B at batch 1 x 1024 tokens: hidden 2048, MLP 8192, 32/8 heads of 64.
+SMALL = {
+    "rms_norm": {"M": 1024, "N": 2048},
+    "layer_norm": {"M": 1024, "N": 2048},
+    "rope": {"B": 1, "Hq": 32, "Hkv": 8, "T": 1024, "D": 64},
+    "swiglu": {"M": 1024, "N": 8192},
+    "geglu": {"M": 1024, "N": 8192},
+    "fused_linear_cross_entropy": {"BT": 1024, "H": 2048, "V": 128256},
+}
+SHAPE_SETS = {"design": DESIGN, "small": SMALL}
+PUBLIC = {
+    "rms_norm": lk.rms_norm,
+    "layer_norm": lk.layer_norm,
+    "rope": lk.rope,
+    "swiglu": lk.swiglu,
+    "geglu": lk.geglu,
+    "fused_linear_cross_entropy": lk.fused_linear_cross_entropy,
+}
+
+
+def make_step(op: str, backend: str, shape: dict, dtype: torch.dtype):
+    """A function running one forward + backward of `backend` on fresh inputs of `shape`."""
+    spec = get_op(op)
+    inputs = spec.make_inputs(shape, dtype, "cuda", 0)
+    names = [n for n in spec.grad_inputs if isinstance(inputs.get(n), torch.Tensor)]
+    for n in names:
+        inputs[n].requires_grad_(True)
+    wrt = [inputs[n] for n in names]
+    if get_impl(op, backend).external:
+        fn = get_impl(op, backend).fn  # the peer's own call, without our dispatch
+    else:
+        fn = functools.partial(PUBLIC[op], backend=backend)
+    out = fn(**inputs)
+    outs = out if isinstance(out, tuple) else (out,)
+    upstream = [torch.randn_like(o) if o.requires_grad else None for o in outs]
+    pairs = [(i, g) for i, g in enumerate(upstream) if g is not None]
+
+    def step():
+        res = fn(**inputs)
+        res = res if isinstance(res, tuple) else (res,)
+        torch.autograd.grad([res[i] for i, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+
+    return step
+
+
+def gpu_ms(step, iters: int = 10) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for evt in prof.key_averages():
+        total_us += getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+    return total_us / iters / 1e3
+
+
+def wall_ms(step) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(step, warmup=25, rep=200, return_mode="median"))
+
+
+def host_ms(step, calls: int = 50) -> float:
+    """Host time to issue one step while the GPU is kept busy (so launches never wait)."""
+    step()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles ahead of the launches
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e3)
+        torch.cuda.synchronize()
+    return best
+
+
+def environment() -> dict:
+    env = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "lmkernels": lk.__version__,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+    for dist in ("triton", "liger-kernel", "transformers"):
+        try:
+            from importlib.metadata import version
+
+            env[dist] = version(dist)
+        except Exception:
+            env[dist] = None
+    return env
+
+
+def to_markdown(rows: list[dict], env: dict) -> str:
+    lines = ["# Host overhead per op (fwd + bwd, bf16)", ""]
+    lines += [f"- {k}: {v}" for k, v in env.items()]
+    lines += ["", "| op | shape | backend | gpu ms | wall ms | wall/gpu | host ms | host / liger host |"]
+    lines += ["|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['op']} | {r['shape']} | {r['backend']} | error: {r['error'][:80]} | | | | |")
+            continue
+        ratio = f"{r['host_vs_liger']:.2f}" if r.get("host_vs_liger") is not None else "-"
+        lines.append(
+            f"| {r['op']} | {r['shape']} | {r['backend']} | {r['gpu_ms']:.3f} | {r['wall_ms']:.3f} | "
+            f"{r['wall_over_gpu']:.2f} | {r['host_ms']:.3f} | {ratio} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="folder for host_overhead.json and .md")
+    p.add_argument("--op", action="append", help="op (repeatable); default all")
+    p.add_argument("--backend", action="append", help="default: triton, compile, liger")
+    p.add_argument("--shapes", default="design,small", help="design, small or both (comma-separated)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("host_overhead.py needs a CUDA device", file=sys.stderr)
+        return 2
+    ops = args.op or list(DESIGN)
+    wanted = args.backend or ["triton", "compile", "liger"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env, rows = environment(), []
+    sets = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    plan = [(s, op, b) for s in sets for op in ops for b in wanted if any(i.backend == b for i in impls(op))]
+    for n, (set_name, op, backend) in enumerate(plan, 1):
+        shape = SHAPE_SETS[set_name][op]
+        row = {
+            "op": op,
+            "shape_set": set_name,
+            "shape": "x".join(map(str, shape.values())),
+            "backend": backend,
+        }
+        reason = get_impl(op, backend).unavailable_reason()
+        print(f"[{n}/{len(plan)}] {op} {row['shape']} {backend}", flush=True)
+        if reason:
+            row["error"] = f"not available: {reason}"
+        else:
+            try:
+                step = make_step(op, backend, shape, torch.bfloat16)
+                row.update(gpu_ms=gpu_ms(step), wall_ms=wall_ms(step), host_ms=host_ms(step))
+                row["wall_over_gpu"] = row["wall_ms"] / row["gpu_ms"]
+            except Exception as e:  # one failing backend must not lose the others' numbers
+                row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(f"    {json.dumps({k: v for k, v in row.items() if k not in ('op', 'shape', 'backend')})}")
+    liger = {(r["op"], r["shape"]): r.get("host_ms") for r in rows if r["backend"] == "liger"}
+    for r in rows:
+        base = liger.get((r["op"], r["shape"]))
+        r["host_vs_liger"] = r["host_ms"] / base if base and "host_ms" in r else None
+    (out / "host_overhead.json").write_text(json.dumps({"meta": env, "rows": rows}, indent=1))
+    (out / "host_overhead.md").write_text(to_markdown(rows, env))
+    print(f"wrote {out / 'host_overhead.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

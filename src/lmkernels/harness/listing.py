@@ -1,0 +1,102 @@
+"""`lmkernels list`: which backend can run which op on this machine, as a table that fits 80
+columns (backends as rows, ops as short columns), and on request the reasons behind each "no"."""
+
+from __future__ import annotations
+
+import textwrap
+
+import torch
+
+from lmkernels.registry.core import Impl, impls, ops
+
+SHORT_NAMES = {"fused_linear_cross_entropy": "flce"}
+
+
+def short_op(name: str) -> str:
+    return SHORT_NAMES.get(name, name)
+
+
+def why_not_here(impl: Impl) -> str | None:
+    """None if the impl can run on some device of this machine, else why not."""
+    reason = impl.unavailable_reason()
+    if reason:
+        return reason
+    here = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    if not any(d in here for d in impl.devices):
+        return f"runs on {', '.join(impl.devices)} only; no such device here"
+    return None
+
+
+def _backend_order() -> list[str]:
+    """Backends by their highest priority, ours before the external peers."""
+    best: dict[str, tuple[bool, int]] = {}
+    for impl in impls():
+        key = (impl.external, -impl.priority)
+        best[impl.backend] = min(best.get(impl.backend, key), key)
+    return sorted(best, key=lambda b: best[b])
+
+
+def render_list(width: int = 80, reasons: bool = False) -> str:
+    op_names = [s.name for s in ops()]
+    backends = _backend_order()
+    table = {(i.op, i.backend): i for i in impls()}
+    name_w = max(len("backend"), *(len(b) for b in backends))
+    lines = ["Which backend can run each op here (yes/no; - not registered)."]
+    # Op columns in blocks that fit the width (one block unless plugins add many ops).
+    first = name_w + 2 + 5 + 2  # backend, priority
+    blocks: list[list[str]] = [[]]
+    used = first
+    for op in op_names:
+        w = max(3, len(short_op(op))) + 2
+        if blocks[-1] and used + w > width:
+            blocks.append([])
+            used = first
+        blocks[-1].append(op)
+        used += w
+    for block in blocks:
+        widths = [max(3, len(short_op(op))) for op in block]
+        lines.append("")
+        head = f"{'backend':<{name_w}}  {'prio':>5}  " + "  ".join(
+            f"{short_op(op):<{w}}" for op, w in zip(block, widths)
+        )
+        lines.append(head.rstrip())
+        for b in backends:
+            prios = {table[(op, b)].priority for op in op_names if (op, b) in table}
+            prio = str(prios.pop()) if len(prios) == 1 else "var"
+            cells = []
+            for op, w in zip(block, widths):
+                impl = table.get((op, b))
+                cell = "-" if impl is None else ("no" if why_not_here(impl) else "yes")
+                cells.append(f"{cell:<{w}}")
+            lines.append(f"{b:<{name_w}}  {prio:>5}  {'  '.join(cells)}".rstrip())
+    if any(short_op(op) != op for op in op_names):
+        lines += ["", "flce = fused_linear_cross_entropy"]
+    noes = _reasons(backends, op_names, table)
+    if not noes:
+        return "\n".join(lines)
+    if not reasons:
+        text = f"Not here: {', '.join(noes)} (lmkernels list --reasons says why)."
+        lines += ["", *textwrap.wrap(text, width, break_on_hyphens=False)]
+    else:
+        lines += ["", "Why not:"]
+        for backend, groups in noes.items():
+            for why, which in groups.items():
+                registered = [o for o in op_names if (o, backend) in table]
+                where = "all ops" if len(which) == len(registered) else ", ".join(map(short_op, which))
+                text = f"{backend} ({where}): {why}"
+                lines += textwrap.wrap(
+                    text, width, initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False
+                )
+    return "\n".join(lines)
+
+
+def _reasons(backends, op_names, table) -> dict[str, dict[str, list[str]]]:
+    """backend -> reason -> ops it keeps the backend from running."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for b in backends:
+        for op in op_names:
+            impl = table.get((op, b))
+            why = why_not_here(impl) if impl is not None else None
+            if why:
+                out.setdefault(b, {}).setdefault(why, []).append(op)
+    return out
