@@ -187,7 +187,7 @@ def cost(config: str, points: list[dict[str, Any]]) -> float:
 
 
 def run_config(model_name, config, points, args, out: Path, deadline: float) -> list[dict[str, Any]]:
-    slug = f"{model_name}_{config}".replace(":", "_").replace("+", "_")
+    slug = "".join(c if c.isalnum() or c in "-." else "_" for c in f"{model_name}_{config}")
     results, timeline = out / "raw" / f"{slug}.jsonl", out / "raw" / f"timeline_{slug}.json"
     results.parent.mkdir(parents=True, exist_ok=True)
     for stale in (results, timeline):  # from an earlier run into the same directory
