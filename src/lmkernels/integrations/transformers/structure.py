@@ -219,7 +219,7 @@ def _rotary_dim(model: nn.Module) -> int | None:
 def _rope_findings(model, table, device, backend_of) -> list[Finding]:
     findings, seen = [], set()
     rdim = _rotary_dim(model)
-    for path, module in model.named_modules():
+    for module in model.modules():
         fwd = inspect.unwrap(type(module).forward)
         code = getattr(fwd, "__code__", None)
         if code is None or "apply_rotary_pos_emb" not in code.co_names:

@@ -48,7 +48,7 @@ def _randn(g: torch.Generator, *shape, device, scale: float = 1.0) -> torch.Tens
 def _isolated(fn):
     """Run a check without gradients and without moving the global RNG state."""
 
-    def run(*args, device=torch.device("cpu"), **kwargs):
+    def run(*args, device, **kwargs):
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             return fn(*args, device=device, **kwargs)
