@@ -281,7 +281,11 @@ def head_spec(model: nn.Module) -> tuple[rp.HeadSpec | None, str | None]:
         scale_from = "logits_scaling"
     softcap = getattr(config, "final_logit_softcapping", None) is not None
     params = inspect.signature(unwrapped(type(model).forward)).parameters
-    moe = "output_router_logits" in params and hasattr(model, "num_experts")
+    moe = "output_router_logits" in params
+    if moe and not all(
+        hasattr(model, a) for a in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
+    ):
+        return None, "router aux loss of an unrecognized form (no num_experts / router_aux_loss_coef)"
     return rp.HeadSpec(base_attr, head_attr, scale_from, softcap, moe), None
 
 

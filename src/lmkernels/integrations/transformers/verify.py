@@ -232,6 +232,25 @@ def probe_rope(original, head_dim: int, rotary_dim: int, backend_of, *, device) 
     raise Mismatch(f"no lmkernels rope layout matches (best error {best:.1e})")
 
 
+_STUB_OUTPUT = []
+
+
+def _stub_output(**fields):
+    """The base model's output for the head check: the given fields, None for any other the
+    forward reads (router_logits, cross_attentions, ... vary by family)."""
+    if not _STUB_OUTPUT:  # one class per process (transformers registers output classes with pytree)
+        from transformers.modeling_outputs import MoeModelOutputWithPast
+
+        class StubOutput(MoeModelOutputWithPast):
+            def __getattr__(self, name):
+                if name.startswith("__"):
+                    raise AttributeError(name)
+                return None
+
+        _STUB_OUTPUT.append(StubOutput)
+    return _STUB_OUTPUT[0](**fields)
+
+
 class _StubBase(nn.Module):
     """Stands in for the base model in the head check: returns fixed hidden states."""
 
@@ -247,10 +266,6 @@ class _StubBase(nn.Module):
 def check_head(model: nn.Module, spec: rp.HeadSpec, backend, *, device) -> float:
     """The fused loss against the model's own forward, on random hidden states and labels, for
     the mean, num_items_in_batch and (MoE) router aux loss paths."""
-    from transformers.modeling_outputs import (
-        BaseModelOutputWithPastAndCrossAttentions,
-        MoeModelOutputWithPast,
-    )
 
     g = torch.Generator().manual_seed(0)
     head = getattr(model, spec.head_attr)
@@ -261,10 +276,9 @@ def check_head(model: nn.Module, spec: rp.HeadSpec, backend, *, device) -> float
     if spec.moe:
         E = int(model.num_experts)
         layers = tuple(_randn(g, B * T, E, device=device) for _ in range(2))
-        output = MoeModelOutputWithPast(last_hidden_state=hidden, router_logits=layers)
-        # (the forward reads router_logits whether or not it asked for them)
+        output = _stub_output(last_hidden_state=hidden, router_logits=layers)
     else:
-        output = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden)
+        output = _stub_output(last_hidden_state=hidden)
     clone = _shallow(
         model, {}, {spec.base_attr: _StubBase(output), spec.head_attr: _small_linear(head, g, device, H, V)}
     )
