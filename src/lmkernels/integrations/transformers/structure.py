@@ -172,9 +172,13 @@ def _module_findings(model, table, ops, device) -> list[Finding]:
         layout = _mlp_layout(first)
         if layout is None:
             if _is_mlp_like(first) and "mlp" in ops:
-                findings.append(
-                    Finding("mlp", status=KEPT, detail="not a gated MLP (no lmkernels op)", **base)
-                )
+                projections = [n for n in ("gate_proj", "up_proj", "gate_up_proj") if hasattr(first, n)]
+                why = "not a gated MLP (no lmkernels op)"
+                if projections:  # gated, but its projections were wrapped (PEFT, quantization)
+                    wrapper = type(getattr(first, projections[0]))
+                    kind = f"{wrapper.__module__.split('.')[0]}.{wrapper.__name__}"
+                    why = f"{projections[0]} is a {kind}, not nn.Linear (apply lmkernels before PEFT)"
+                findings.append(Finding("mlp", status=KEPT, detail=why, **base))
             continue
         if "mlp" not in ops:
             continue
