@@ -241,9 +241,15 @@ def _rope_findings(model, table, device, backend_of) -> list[Finding]:
             why = "not the (q, k, cos, sin, unsqueeze_dim) convention" if original else "function not found"
             findings.append(Finding("rope", status=FAILED, detail=why, **base))
             continue
+        rotary = rdim or head_dim
         result, why = _attempt(
-            vf.probe_rope, original, head_dim, rdim or head_dim, backend_of(module_name), device=device
+            vf.probe_rope, original, head_dim, rotary, backend_of(module_name), device=device
         )
+        if why and rotary < head_dim:  # partial rotary split off by the attention itself (Phi, StableLM)
+            result, narrow = _attempt(
+                vf.probe_rope, original, rotary, rotary, backend_of(module_name), device=device
+            )
+            why = narrow and why
         if why:
             findings.append(Finding("rope", status=FAILED, detail=why, **base))
         else:

@@ -261,6 +261,15 @@ class _StubBase(nn.Module):
     def forward(self, *args, **kwargs):
         return self.output
 
+    def __getattr__(self, name):
+        # a causal LM that reaches its decoder through the base model (OPT, Bart: self.model.decoder)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+            return self
+
 
 @_isolated
 def check_head(model: nn.Module, spec: rp.HeadSpec, backend, *, device) -> float:
