@@ -180,3 +180,12 @@ def test_report_fits_80_columns():
     text = lk_hf.patch_report("gemma2", backend="eager").format()
     assert "final softcap" in text
     assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_patch_report_cli(capsys):
+    from lmkernels.cli import main
+
+    assert main(["patch-report", "--model-type", "gpt_neox", "--backend", "eager"]) == 0
+    out = capsys.readouterr().out
+    assert "GPTNeoXMLP x2: not a gated MLP" in out and "rotary dim 4 of 16" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
