@@ -281,17 +281,19 @@ def test_class_patch_before_construction():
     assert not lk_hf.is_patched("gemma")
 
 
-def test_unsupported_model_type_raises():
+def test_unknown_targets_raise_and_other_models_patch_by_structure():
+    """Model types are no longer a fixed list: GPT-2 (not one of the five original families) gets
+    its LayerNorms and head patched and its non-gated MLP kept; what is not a model raises."""
     gpt2 = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)
     )
-    for target in (gpt2, transformers.GPT2LMHeadModel, "bert"):
-        with pytest.raises(
-            LMKernelsError, match=r"is not supported.*\['gemma', 'gemma2', 'llama', 'mistral', 'qwen2'\]"
-        ):
-            lk_hf.apply(target)
-    with pytest.raises(LMKernelsError, match="'gpt2'"):
-        lk_hf.apply(gpt2)
+    lk_hf.apply(gpt2, backend="eager")
+    report = lk_hf.report(gpt2).summary()
+    assert "layer_norm: LayerNorm x3" in report["patched"]
+    assert "mlp: GPT2MLP" in report["kept"] and not report["failed"]
+    lk_hf.revert(gpt2)
+    with pytest.raises(LMKernelsError, match="'no_such_type' has no causal LM"):
+        lk_hf.apply("no_such_type")
     with pytest.raises(LMKernelsError, match="^ops: unknown"):
         lk_hf.apply(tiny("llama"), ops=("rms_norm", "attention"))
     with pytest.raises(LMKernelsError, match="backend"):
@@ -340,6 +342,8 @@ def test_lmkernels_ops_are_really_called():
         lmkernels.register(op, "spy", spy(op), priority=-1000)
     try:
         model = lk_hf.apply(tiny("gemma2"), backend="spy")
+        assert calls, "apply() verifies each replacement with the backend it will use"
+        calls.clear()
         ids, labels = batch()
         loss_and_grads(model, input_ids=ids, labels=labels)
     finally:

@@ -195,7 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-progress", action="store_true")
     v.set_defaults(func=cmd_validate)
 
-    for module in ("lmkernels.convergence.cli", "lmkernels.harness.bench.cli"):
+    for module in (
+        "lmkernels.convergence.cli",
+        "lmkernels.harness.bench.cli",
+        "lmkernels.integrations.transformers.cli",
+    ):
         try:
             mod = importlib.import_module(module)
         except ImportError as exc:

@@ -1,6 +1,6 @@
 """Integrations with model libraries.
 
-`lmkernels.integrations.transformers`: patch Hugging Face transformers models (Llama, Mistral,
-Qwen2, Gemma, Gemma2) so their RMSNorm, rotary embedding, MLP and lm_head + loss run through
-lmkernels ops. It is not imported here: transformers is an optional dependency.
+`lmkernels.integrations.transformers`: patch Hugging Face transformers causal LMs (any family
+built from RMSNorm / LayerNorm, rotary embedding, gated MLPs and an nn.Linear head; recognized by
+structure and verified at apply time) so those run through lmkernels ops. It is not imported here: transformers is an optional dependency.
 """

@@ -45,6 +45,7 @@ def causal_lm_loss(
     *,
     bias: torch.Tensor | None = None,
     softcap: float | None = None,
+    logit_scale: float | None = None,
     num_items_in_batch: torch.Tensor | int | None = None,
     ignore_index: int = -100,
     shift_labels: torch.Tensor | None = None,
@@ -52,6 +53,8 @@ def causal_lm_loss(
 ) -> torch.Tensor:
     """transformers' ForCausalLMLoss of the logits hidden @ weight.T (+ bias, softcap), fused.
 
+    `logit_scale` multiplies the logits before the softcap and the loss (Cohere's logit_scale,
+    1 / Granite's logits_scaling); it is applied to hidden (and bias), so no logits are built.
     Labels are shifted left by padding one ignore_index at the end (so hidden needs no slicing or
     copy), unless `shift_labels` is given. Mean over non-ignored tokens, or sum / num_items_in_batch.
     """
@@ -61,6 +64,9 @@ def causal_lm_loss(
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     H = weight.shape[-1]
     h = hidden.reshape(-1, H)
+    if logit_scale is not None:
+        h = h * logit_scale
+        bias = None if bias is None else bias * logit_scale
     target = shift_labels.reshape(-1).to(h.device)
     if target.shape[0] != h.shape[0]:
         raise LMKernelsError(
@@ -134,6 +140,7 @@ def lm_head_loss(
     labels: torch.Tensor | None,
     *,
     softcap: float | None = None,
+    logit_scale: float | None = None,
     num_items_in_batch: torch.Tensor | int | None = None,
     ignore_index: int = -100,
     shift_labels: torch.Tensor | None = None,
@@ -143,6 +150,7 @@ def lm_head_loss(
     forward hooks when lm_head is sharded on its own (see the module docstring)."""
     kwargs = dict(
         softcap=softcap,
+        logit_scale=logit_scale,
         num_items_in_batch=num_items_in_batch,
         ignore_index=ignore_index,
         shift_labels=shift_labels,

@@ -1,0 +1,201 @@
+"""Run Hugging Face transformers causal LMs on lmkernels ops, patched by structure and verified.
+
+    from lmkernels.integrations import transformers as lk_hf
+    model = lk_hf.from_pretrained("Qwen/Qwen3-0.6B", backend="triton")   # load + patch, one line
+    lk_hf.apply(model)                            # or patch a model you built: its own modules
+    lk_hf.apply("qwen3")                          # or a class / model type: every model of it
+    print(lk_hf.patch_report("qwen3"))            # what would be patched, and why not the rest
+    lk_hf.revert(model)                           # restores the original functions exactly
+
+Modules are recognized by what they are, not by the model type (structure.py): RMSNorm variants
+(epsilon attribute, Gemma's (1 + w) offset, casting mode, per-head q/k norms), LayerNorm with or
+without weight and bias, the rotary function each attention calls (neox or interleaved, partial
+rotary), gated MLPs (gate/up or fused gate_up; SiLU, GELU tanh, GELU exact) also inside MoE
+experts, and the causal-LM head + loss (logit scaling, final softcapping, tied weights, router
+aux loss). Each replacement is checked when it is applied, on a small random fp32 input against
+the module it replaces (verify.py); one that does not match is never installed.
+
+What is replaced (`ops` chooses a subset of SUPPORTED_OPS):
+
+- "rms_norm" / "layer_norm": the norm's forward -> `lmkernels.rms_norm` / `lmkernels.layer_norm`.
+- "rope": the modeling module's `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)` ->
+  `lmkernels.rope` with the layout and rotary dims the probe found.
+- "mlp": `down(act(gate(x)) * up(x))` -> `down(swiglu(gate, up))` or geglu (tanh / none).
+- "flce": the causal-LM forward. In training mode with `labels`, lm_head + loss become one
+  `lmkernels.fused_linear_cross_entropy` call on the final hidden states: the (tokens x vocab)
+  logits are never built and the output's `logits` is None. The loss is transformers'
+  ForCausalLMLoss: labels shifted left by padding with ignore_index (or `shift_labels` as given),
+  mean over non-ignored tokens, or sum / `num_items_in_batch` when the Trainer passes it;
+  `logits_to_keep` slices the hidden states as the original forward does. Without labels, or in
+  eval mode, the original forward runs unchanged and returns logits (generation, evaluation).
+
+`strict=True` (default): apply() raises, before changing anything, if a module that looks like
+one of these kinds cannot be patched correctly (a failed check, an activation with no GLU op, a
+custom loss). `strict=False` patches what passed and reports the rest (`report(model)`).
+Modules of kinds lmkernels has no op for (attention, a non-gated MLP) are kept and listed.
+
+Patching a class (or a model type) verifies on a tiny model of the family and replaces functions
+on its classes, for every model of the family, built before or after. Patching a model instance
+sets `forward` on its own submodules only, except rope (module-level, see patching.py). A deep
+copy of a patched model is patched too, without a rope hold of its own.
+
+`backend`: None lets lmkernels' dispatch choose at each call (use_backend(), LMKERNELS_BACKEND,
+auto); a name ("triton") or a spec like "triton,flce=compile" fixes it per op.
+
+Known differences from the unpatched model, all in low precision only: lmkernels' RMSNorm output
+has x's dtype even when the weight has another dtype; rope and GLU compute in fp32 and round
+once where transformers rounds after each elementwise op; a batch whose labels are all
+ignore_index gives loss 0 instead of nan.
+
+Supported: transformers >= 5.0 and < 6 (tested with 5.17 and 5.23).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from lmkernels.integrations.lm_head_loss import causal_lm_loss, keep_hidden, lm_head_loss  # noqa: F401
+from lmkernels.integrations.transformers import patching
+from lmkernels.integrations.transformers.families import (  # noqa: F401
+    FAMILIES,
+    TESTED,
+    Family,
+    causal_lm_class,
+    check_transformers_version,
+    model_type_of,
+    tiny_config,
+    tiny_model,
+)
+from lmkernels.integrations.transformers.loader import from_config, from_pretrained  # noqa: F401
+from lmkernels.integrations.transformers.replacements import glu_kind  # noqa: F401
+from lmkernels.integrations.transformers.report import PatchReport
+from lmkernels.integrations.transformers.structure import analyze
+from lmkernels.registry import LMKernelsError, canonical_op, parse_backend_spec
+
+SUPPORTED_OPS = ("rms_norm", "layer_norm", "rope", "mlp", "flce")
+
+
+def _check_ops(ops: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(ops, str):
+        ops = (ops,)
+    ops = tuple(ops)
+    bad = [op for op in ops if op not in SUPPORTED_OPS]
+    if bad:
+        raise LMKernelsError(f"ops: unknown {bad}; expected a subset of {SUPPORTED_OPS}")
+    return ops
+
+
+def _backend_table(backend: str | None) -> dict[str, str]:
+    """None -> {} (dispatch decides); "triton" or "triton,flce=compile" -> per-op table."""
+    if backend is None:
+        return {}
+    if not isinstance(backend, str):
+        raise LMKernelsError(f"backend: expected None or a string, got {type(backend).__name__}")
+    return parse_backend_spec(backend, where="backend")
+
+
+def _op_backend(table: dict[str, str], op: str) -> str | None:
+    op = {"flce": "fused_linear_cross_entropy"}.get(op, op)
+    return table.get(canonical_op(op), table.get("*"))
+
+
+def _analyze(model: nn.Module, table, ops, backend) -> PatchReport:
+    rope = _op_backend(table, "rope")
+    findings = analyze(model, table, ops, lambda name: lambda: rope)
+    label = f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')})"
+    return PatchReport(label, backend, findings)
+
+
+def _raise_if_failed(report: PatchReport, ops: tuple[str, ...]) -> None:
+    if report.failed:
+        lines = [f"  {f.op} {f.what}: {f.detail}" for f in report.failed]
+        raise LMKernelsError(
+            f"{report.model}: cannot patch (strict=True; strict=False patches the rest):\n" + "\n".join(lines)
+        )
+    if ops and not report.patched:  # (ops=() patches nothing on purpose: the convergence ablation)
+        raise LMKernelsError(f"{report.model}: nothing lmkernels can patch was found\n{report.format()}")
+
+
+def patch_report(
+    target: Any, backend: str | None = None, ops: Iterable[str] = SUPPORTED_OPS, **config_overrides
+) -> PatchReport:
+    """What apply() would patch on `target` (a model, class or model type: a tiny model of that
+    type is built) and why the rest is kept; changes nothing."""
+    check_transformers_version()
+    ops, table = _check_ops(ops), _backend_table(backend)
+    if isinstance(target, nn.Module):
+        model = target
+    else:
+        model = tiny_model(model_type_of(target), **config_overrides)
+    return _analyze(model, table, ops, backend)
+
+
+def apply(
+    model_or_class: Any, backend: str | None = None, ops: Iterable[str] = SUPPORTED_OPS, strict: bool = True
+) -> Any:
+    """Patch a model instance, a model class or a model type ("llama") to run lmkernels ops.
+
+    Returns its argument. Applying again first reverts the previous patch of the same target.
+    See the module docstring for what each op replaces, `strict`, and the semantics kept.
+    """
+    check_transformers_version()
+    ops, table = _check_ops(ops), _backend_table(backend)
+    model_type = model_type_of(model_or_class)
+    revert(model_or_class)
+    model = model_or_class if isinstance(model_or_class, nn.Module) else tiny_model(model_type)
+    report = _analyze(model, table, ops, backend)
+    if strict:
+        _raise_if_failed(report, ops)
+
+    def table_backend(op):
+        return _op_backend(table, op)
+
+    if isinstance(model_or_class, nn.Module):
+        patching.install_instance(model, model_type, report, table_backend)
+    else:
+        patching.install_class(model_type, report, table_backend)
+    return model_or_class
+
+
+def revert(model_or_class: Any) -> Any:
+    """Undo apply() on the same target; a target that is not patched is left as it is."""
+    patching.uninstall(model_or_class, model_type_of(model_or_class))
+    return model_or_class
+
+
+def report(model_or_class: Any) -> PatchReport | None:
+    """The report of the patch apply() installed on this target (None if not patched)."""
+    if isinstance(model_or_class, nn.Module):
+        patch = vars(model_or_class).get(patching.RECORD)
+    else:
+        patch = patching.CLASS_PATCHES.get(model_type_of(model_or_class))
+    return None if patch is None else patch.report
+
+
+def is_patched(model_or_class: Any) -> bool:
+    if isinstance(model_or_class, nn.Module):
+        model_type_of(model_or_class)
+        return patching.RECORD in vars(model_or_class)
+    return model_type_of(model_or_class) in patching.CLASS_PATCHES
+
+
+def family_patches(model_or_class: Any) -> list[str]:
+    """What is patched for the whole family of `model_or_class` (not per instance): its classes,
+    and rope, which is module-level. Empty: a new model of the family runs plain transformers."""
+    model_type = model_type_of(model_or_class)
+    found = []
+    if model_type in patching.CLASS_PATCHES:
+        found.append(f"the {model_type} classes (apply on a class or model type)")
+    module_name = FAMILIES[model_type].module_name
+    for name in patching.ROPE_SAVED:
+        if name == module_name:
+            found.append(f"{name}.apply_rotary_pos_emb (held by a patched model)")
+    return found
+
+
+def patched_models() -> list[nn.Module]:
+    """The live models patched per instance (not through their class)."""
+    return list(patching.PATCHED_MODELS)

@@ -1,0 +1,197 @@
+"""Model families: which transformers model type a target is, and tiny configs of any of them.
+
+Nothing here decides what gets patched (structure.py does, from the modules themselves); a
+family is only the model type, its modeling module and classes, for class-level patching,
+reports and tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import types
+from typing import Any
+
+from torch import nn
+
+from lmkernels.registry import LMKernelsError
+
+MIN_VERSION = (5, 0)
+MAX_VERSION = (6, 0)  # exclusive: a new major version may rename the internals patched here
+
+# The families the tests train (tests/test_integration_families.py), in the table's order.
+TESTED = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "olmo",
+    "olmo2",
+    "granite",
+    "cohere",
+    "glm",
+    "smollm3",
+    "gpt_neox",
+    "starcoder2",
+)
+
+# Small enough for a CPU training step in milliseconds; every field is set only where the
+# family's config has it. GQA (4 query heads, 2 kv heads), 2 layers, MoE with 4 experts, top 2.
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 48,
+    "shared_expert_intermediate_size": 80,
+    "query_pre_attn_scalar": 16,
+    "attention_dropout": 0.0,
+    "hidden_dropout": 0.0,
+    "residual_dropout": 0.0,
+    "embedding_dropout": 0.0,
+    "attn_implementation": "sdpa",
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# Non-default values where the default would hide a feature from the checks: Granite's default
+# logits_scaling is 1.0 (a missing scale would pass), sliding windows shorter than the sequence.
+FAMILY_TINY = {
+    "granite": {"logits_scaling": 4.0, "residual_multiplier": 0.5, "embedding_multiplier": 2.0},
+    "mistral": {"sliding_window": 16},
+    "gemma2": {"sliding_window": 16, "attn_implementation": "eager"},
+    "gemma3_text": {"sliding_window": 16, "final_logit_softcapping": 30.0},
+    "cohere": {"use_qk_norm": False},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A transformers causal-LM model type, its modeling module and its class name prefix."""
+
+    model_type: str
+    prefix: str  # class name prefix: f"{prefix}RMSNorm", f"{prefix}ForCausalLM"
+    module_name: str
+
+    def module(self) -> types.ModuleType:
+        return importlib.import_module(self.module_name)
+
+    def cls(self, suffix: str) -> type:
+        return getattr(self.module(), f"{self.prefix}{suffix}")
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """Raise LMKernelsError unless `version` (default: the installed one) is supported."""
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
+    v = _version_tuple(version)
+    if not MIN_VERSION <= v < MAX_VERSION:
+        lo = ".".join(map(str, MIN_VERSION))
+        hi = ".".join(map(str, MAX_VERSION))
+        raise LMKernelsError(
+            f"lmkernels.integrations.transformers: transformers {version} is not supported "
+            f"(supported: >= {lo}, < {hi}); the model internals it patches differ in other versions"
+        )
+
+
+def causal_lm_types() -> dict[str, str]:
+    """model_type -> causal-LM class name, for every causal LM of the installed transformers."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def causal_lm_class(model_type: str) -> type:
+    import transformers
+
+    names = causal_lm_types()
+    if model_type not in names:
+        raise LMKernelsError(
+            f"model_or_class: model type {model_type!r} has no causal LM in transformers "
+            f"{transformers.__version__} (known causal-LM types include {sorted(names)[:8]}...)"
+        )
+    return getattr(transformers, names[model_type])
+
+
+def family(model_type: str) -> Family:
+    cls = causal_lm_class(model_type)
+    return Family(model_type, cls.__name__.removesuffix("ForCausalLM"), cls.__module__)
+
+
+class _Families(dict):
+    """FAMILIES[model_type] -> Family for any causal-LM model type (built on first use)."""
+
+    def __missing__(self, model_type: str) -> Family:
+        self[model_type] = value = family(model_type)
+        return value
+
+
+FAMILIES: dict[str, Family] = _Families()
+
+
+def model_type_of(target: Any) -> str:
+    """The model type of a model instance, a model class, or a model_type string."""
+    if isinstance(target, str):
+        causal_lm_class(target)  # raises for an unknown type
+        return target
+    if isinstance(target, nn.Module):
+        model_type = getattr(getattr(target, "config", None), "model_type", None)
+        if model_type is None:
+            raise LMKernelsError(f"model_or_class: {type(target).__name__} has no config.model_type")
+        return model_type
+    if isinstance(target, type) and issubclass(target, nn.Module):
+        config_class = getattr(target, "config_class", None)
+        model_type = getattr(config_class, "model_type", None)
+        if not model_type:
+            raise LMKernelsError(f"model_or_class: {target.__name__} has no config_class.model_type")
+        return model_type
+    raise LMKernelsError(
+        f"model_or_class: expected a transformers model, model class or model type string, "
+        f"got {type(target).__name__}"
+    )
+
+
+def tiny_config(model_type: str, **overrides):
+    """A tiny transformers config of `model_type`; `overrides` replace any field."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type).to_dict()
+    fields = {k: v for k, v in TINY.items() if k in defaults or k == "attn_implementation"}
+    fields.update(FAMILY_TINY.get(model_type, {}))
+    fields.update(overrides)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def tiny_model(model_type: str, seed: int = 0, **overrides) -> nn.Module:
+    """A freshly initialized fp32 causal LM on the CPU; the same seed gives the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config)

@@ -1,0 +1,69 @@
+"""What apply() patched and what it kept, and why: a plain-text table that fits 80 columns."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+
+from lmkernels.integrations.transformers.structure import FAILED, KEPT, PATCHED, Finding
+
+WIDTH = 80
+
+
+@dataclasses.dataclass
+class PatchReport:
+    model: str  # e.g. "Qwen3ForCausalLM (qwen3)"
+    backend: str | None
+    findings: list[Finding]
+
+    def by_status(self, status: str) -> list[Finding]:
+        return [f for f in self.findings if f.status == status]
+
+    @property
+    def patched(self) -> list[Finding]:
+        return self.by_status(PATCHED)
+
+    @property
+    def kept(self) -> list[Finding]:
+        return self.by_status(KEPT)
+
+    @property
+    def failed(self) -> list[Finding]:
+        return self.by_status(FAILED)
+
+    def patched_ops(self) -> list[str]:
+        return sorted({f.op for f in self.patched})
+
+    def summary(self) -> dict[str, list[str]]:
+        """{"patched": ["rms_norm: Qwen3RMSNorm x5", ...], "kept": [...], "failed": [...]} (tests, docs)."""
+        out: dict[str, list[str]] = {PATCHED: [], KEPT: [], FAILED: []}
+        for f in self.findings:
+            out[f.status].append(f"{f.op}: {f.what}" + (f" x{f.count}" if f.count > 1 else ""))
+        return out
+
+    def format(self, width: int = WIDTH) -> str:
+        lines = [f"lmkernels patch report: {self.model}, backend {self.backend or 'auto'}"]
+        for status, title in (
+            (PATCHED, "patched"),
+            (KEPT, "kept (no lmkernels op)"),
+            (FAILED, "NOT patched"),
+        ):
+            group = self.by_status(status)
+            if not group:
+                continue
+            lines.append(f"{title}:")
+            for f in group:
+                count = f" x{f.count}" if f.count > 1 else ""
+                head = f"  {f.op:<10} {f.what}{count}"
+                body = textwrap.wrap(f.detail, width - 6) or [""]
+                if len(head) + 2 + len(body[0]) <= width and len(body) == 1:
+                    lines.append(f"{head}: {body[0]}")
+                else:
+                    lines.append(head)
+                    lines.extend(f"      {b}" for b in textwrap.wrap(f.detail, width - 6))
+        if not self.findings:
+            lines.append("  nothing lmkernels can patch was found")
+        return "\n".join(line[:width] if len(line) > width else line for line in lines)
+
+    def __str__(self) -> str:
+        return self.format()

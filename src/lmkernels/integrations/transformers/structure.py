@@ -1,0 +1,326 @@
+"""Recognize the patchable parts of a model by what they are, and verify each replacement.
+
+analyze(model, ...) walks the model once and returns Findings, one per group of identical
+modules (same class, same epsilon and shapes: one check covers them all), per rotary function
+(per modeling module) and for the causal-LM head:
+
+- norms: torch's nn.LayerNorm / nn.RMSNorm, and classes named *RMSNorm / *LayerNorm with at
+  most a 1-D weight and bias. Which RMSNorm (epsilon attribute, (1 + w) offset, casting mode)
+  is found by probing the module (verify.probe_rms_norm), not from its family.
+- gated MLPs: gate_proj + up_proj + down_proj, or a fused gate_up_proj + down_proj (Phi3, GLM),
+  with an activation lmkernels has a GLU for. MoE experts with 3-D gate_up_proj / down_proj
+  (Mixtral, Qwen2-MoE, Qwen3-MoE) get the same GLU inside their routing loop.
+- rotary: the `apply_rotary_pos_emb` an attention module's forward calls, in that module's own
+  namespace; its layout (neox / interleaved, partial rotary, table form) is probed.
+- the causal-LM head + loss: an nn.Linear output embedding, the standard causal-LM loss, logit
+  scaling (Cohere, Granite), final softcapping (Gemma2/3) and router aux loss (MoE).
+
+A Finding is "patched" (verified), "kept" (not a kind lmkernels has an op for: the reason says
+why; no error) or "failed" (looks like a kind we patch but cannot be patched correctly: strict
+apply raises on these).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+
+from torch import nn
+
+from lmkernels.integrations.transformers import replacements as rp
+from lmkernels.integrations.transformers import verify as vf
+from lmkernels.registry import canonical_op
+
+PATCHED, KEPT, FAILED = "patched", "kept", "failed"
+
+
+@dataclasses.dataclass
+class Finding:
+    op: str  # the `ops` name that controls it: rms_norm, layer_norm, mlp, rope, flce
+    what: str  # class name, or module.function for rotary
+    paths: list[str]  # module paths (instances), or the function's qualified name
+    status: str
+    detail: str
+    cls: type | None = None  # the class whose forward a class-level patch replaces
+    modules: list[nn.Module] = dataclasses.field(default_factory=list)
+    forward: Callable | None = None  # the replacement (unbound: takes self) / rope function
+    spec: object = None  # rope: the RopeStyle; flce: the HeadSpec
+    module_name: str = ""  # rope: the modeling module's name
+
+    @property
+    def count(self) -> int:
+        return len(self.modules) or 1
+
+
+def _backend(table: dict[str, str], op: str) -> str | None:
+    return table.get(canonical_op(op), table.get("*"))
+
+
+def _norm_kind(module: nn.Module) -> str | None:
+    if isinstance(module, nn.LayerNorm):
+        return "layer_norm"
+    if hasattr(nn, "RMSNorm") and isinstance(module, nn.RMSNorm):
+        return "rms_norm"
+    name = type(module).__name__
+    if name.endswith("RMSNorm"):
+        return "rms_norm"
+    if name.endswith("LayerNorm"):
+        return "layer_norm"
+    return None
+
+
+def _norm_problem(module: nn.Module) -> str | None:
+    extra = [n for n, p in module.named_parameters(recurse=False) if n not in ("weight", "bias")]
+    if extra or list(module.children()):
+        return f"has parameters or submodules besides weight/bias ({extra or 'children'})"
+    for name in ("weight", "bias"):
+        t = getattr(module, name, None)
+        if t is not None and getattr(t, "dim", lambda: 1)() != 1:
+            return f"{name} is {t.dim()}-D (per-head norm); lmkernels norms take a 1-D {name}"
+    if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) != 1:
+        return f"normalizes over {len(module.normalized_shape)} dims; lmkernels normalizes the last one"
+    return None
+
+
+def _act_attr(module: nn.Module) -> str | None:
+    for name in rp.ACTIVATION_ATTRS:
+        if isinstance(getattr(module, name, None), nn.Module):
+            return name
+    return None
+
+
+def _mlp_layout(module: nn.Module) -> str | None:
+    def lin(name):
+        return isinstance(getattr(module, name, None), nn.Linear)
+
+    if lin("gate_proj") and lin("up_proj") and lin("down_proj"):
+        return "separate"
+    if lin("gate_up_proj") and lin("down_proj"):
+        return "fused"
+    params = module._parameters
+    gu, down = params.get("gate_up_proj"), params.get("down_proj")
+    if gu is not None and down is not None and gu.dim() == 3 and down.dim() == 3:
+        return "experts"
+    return None
+
+
+def _is_mlp_like(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return name.endswith(("MLP", "Experts")) or name.endswith("FeedForward")
+
+
+def _device(model: nn.Module):
+    import torch
+
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def _group_key(module: nn.Module):
+    shapes = tuple((n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False))
+    eps = tuple(getattr(module, a, None) for a in vf.EPS_ATTRS)
+    act = _act_attr(module)
+    act_key = (
+        (type(getattr(module, act)).__name__, getattr(getattr(module, act), "approximate", None))
+        if act
+        else None
+    )
+    return (type(module), shapes, eps, act_key)
+
+
+def _attempt(fn, *args, **kwargs):
+    """(result, None) or (None, reason) for a probe/check: Mismatch and backend errors alike."""
+    try:
+        return fn(*args, **kwargs), None
+    except vf.Mismatch as e:
+        return None, str(e)
+    except Exception as e:  # the original or the replacement cannot run this: not verified
+        return None, f"check raised {type(e).__name__}: {e}"
+
+
+def _module_findings(model, table, ops, device) -> list[Finding]:
+    groups: dict = {}
+    for path, module in model.named_modules():
+        if path == "" and _norm_kind(module) is None:
+            continue
+        groups.setdefault(_group_key(module), []).append((path, module))
+    findings = []
+    glu_backends = rp.glu_backends(table)
+    for (cls, *_), members in groups.items():
+        paths = [p for p, _ in members]
+        modules = [m for _, m in members]
+        first = modules[0]
+        base = dict(what=cls.__name__, paths=paths, cls=cls, modules=modules)
+        kind = _norm_kind(first)
+        if kind is not None:
+            if kind not in ops:
+                continue
+            problem = _norm_problem(first)
+            if problem:
+                findings.append(Finding(kind, status=KEPT, detail=problem, **base))
+                continue
+            probe = vf.probe_rms_norm if kind == "rms_norm" else vf.probe_layer_norm
+            result, why = _attempt(probe, first, _backend(table, kind), device=device)
+            if why:
+                findings.append(Finding(kind, status=FAILED, detail=why, **base))
+            else:
+                findings.append(Finding(kind, status=PATCHED, detail=result[1], forward=result[0], **base))
+            continue
+        layout = _mlp_layout(first)
+        if layout is None:
+            if _is_mlp_like(first) and "mlp" in ops:
+                projections = [n for n in ("gate_proj", "up_proj", "gate_up_proj") if hasattr(first, n)]
+                why = "not a gated MLP (no lmkernels op)"
+                if projections:  # gated, but its projections were wrapped (PEFT, quantization)
+                    wrapper = type(getattr(first, projections[0]))
+                    kind = f"{wrapper.__module__.split('.')[0]}.{wrapper.__name__}"
+                    why = f"{projections[0]} is a {kind}, not nn.Linear (apply lmkernels before PEFT)"
+                findings.append(Finding("mlp", status=KEPT, detail=why, **base))
+            continue
+        if "mlp" not in ops:
+            continue
+        act = _act_attr(first)
+        glu = rp.glu_kind(getattr(first, act)) if act else None
+        if glu is None:
+            act_name = type(getattr(first, act)).__name__ if act else "none found"
+            detail = (
+                f"activation {act_name} has no lmkernels GLU op (supported: {sorted(rp.GLU_BY_ACTIVATION)}); "
+                f"apply with ops excluding 'mlp'"
+            )
+            findings.append(Finding("mlp", status=FAILED, detail=detail, **base))
+            continue
+        if layout == "experts":
+            forward = rp.experts_forward(act, glu_backends)
+            _, why = _attempt(vf.check_experts, first, forward, device=device)
+        else:
+            forward = rp.mlp_forward(layout, act, glu_backends)
+            _, why = _attempt(vf.check_mlp, first, layout, forward, device=device)
+        glu_name = glu[0] + (f" ({glu[1]})" if glu[1] else "")
+        if why:
+            findings.append(Finding("mlp", status=FAILED, detail=why, **base))
+        else:
+            desc = {"separate": "gate/up", "fused": "fused gate_up", "experts": "MoE experts"}[layout]
+            findings.append(
+                Finding("mlp", status=PATCHED, detail=f"{desc}, {glu_name}", forward=forward, **base)
+            )
+    return findings
+
+
+def unwrapped(fn):
+    return getattr(fn, "__wrapped__", fn) if getattr(fn, "_lmkernels_patch", False) else fn
+
+
+def _rotary_dim(model: nn.Module) -> int | None:
+    for name, buf in model.named_buffers():
+        if name.endswith("inv_freq"):
+            return 2 * buf.numel()
+    return None
+
+
+def _rope_findings(model, table, device, backend_of) -> list[Finding]:
+    findings, seen = [], set()
+    rdim = _rotary_dim(model)
+    for module in model.modules():
+        fwd = inspect.unwrap(type(module).forward)
+        code = getattr(fwd, "__code__", None)
+        if code is None or "apply_rotary_pos_emb" not in code.co_names:
+            continue
+        namespace = fwd.__globals__
+        if id(namespace) in seen:
+            continue
+        seen.add(id(namespace))
+        module_name = namespace.get("__name__", "?")
+        original = unwrapped(namespace.get("apply_rotary_pos_emb"))
+        what = f"{module_name.rsplit('.', 1)[-1]}.apply_rotary_pos_emb"
+        base = dict(what=what, paths=[f"{module_name}.apply_rotary_pos_emb"], module_name=module_name)
+        head_dim = getattr(module, "head_dim", None) or getattr(module, "head_size", None)
+        if original is None or not rp.rope_signature_ok(original) or not isinstance(head_dim, int):
+            why = "not the (q, k, cos, sin, unsqueeze_dim) convention" if original else "function not found"
+            findings.append(Finding("rope", status=FAILED, detail=why, **base))
+            continue
+        rotary = rdim or head_dim
+        result, why = _attempt(
+            vf.probe_rope, original, head_dim, rotary, backend_of(module_name), device=device
+        )
+        if why and rotary < head_dim:  # partial rotary split off by the attention itself (Phi, StableLM)
+            result, narrow = _attempt(
+                vf.probe_rope, original, rotary, rotary, backend_of(module_name), device=device
+            )
+            why = narrow and why
+        if why:
+            findings.append(Finding("rope", status=FAILED, detail=why, **base))
+        else:
+            findings.append(Finding("rope", status=PATCHED, detail=result[1], spec=result[0], **base))
+    return findings
+
+
+def _loss_problem(model: nn.Module) -> str | None:
+    custom = "_loss_function" in vars(model)
+    loss_type = getattr(model, "loss_type", None)
+    if custom or loss_type not in (None, "ForCausalLM"):
+        what = "a custom loss_function" if custom else f"loss_type {loss_type!r}"
+        return f"has {what}; the fused loss is the standard causal-LM cross entropy"
+    return None
+
+
+def head_spec(model: nn.Module) -> tuple[rp.HeadSpec | None, str | None]:
+    """The HeadSpec of a causal LM, or (None, why not)."""
+    base_attr = getattr(model, "base_model_prefix", None)
+    if not base_attr or not isinstance(getattr(model, base_attr, None), nn.Module):
+        return None, "no base model attribute (base_model_prefix)"
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_attr = next((n for n, m in model.named_children() if m is head), None)
+    if head is None or head_attr is None:
+        return None, "no output embedding (lm_head)"
+    if not isinstance(head, nn.Linear):
+        return (
+            None,
+            f"{head_attr} is a {type(head).__name__}, not nn.Linear (apply lmkernels before PEFT on lm_head)",
+        )
+    problem = _loss_problem(model)
+    if problem:
+        return None, problem
+    config = model.config
+    scale_from = None
+    if isinstance(getattr(model, "logit_scale", None), (int, float)):
+        scale_from = "logit_scale"
+    elif isinstance(getattr(config, "logits_scaling", None), (int, float)):
+        scale_from = "logits_scaling"
+    softcap = getattr(config, "final_logit_softcapping", None) is not None
+    params = inspect.signature(unwrapped(type(model).forward)).parameters
+    moe = "output_router_logits" in params
+    if moe and not all(
+        hasattr(model, a) for a in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
+    ):
+        return None, "router aux loss of an unrecognized form (no num_experts / router_aux_loss_coef)"
+    return rp.HeadSpec(base_attr, head_attr, scale_from, softcap, moe), None
+
+
+def _head_findings(model, table, device) -> list[Finding]:
+    if not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+        return []
+    base = dict(what=type(model).__name__, paths=["(model)"], cls=type(model), modules=[model])
+    spec, why = head_spec(model)
+    if spec is None:
+        return [Finding("flce", status=FAILED, detail=why, **base)]
+    backend = _backend(table, "flce")
+    _, why = _attempt(vf.check_head, model, spec, backend, device=device)
+    if why:
+        return [Finding("flce", status=FAILED, detail=why, **base)]
+    return [Finding("flce", status=PATCHED, detail=spec.describe(), spec=spec, **base)]
+
+
+def analyze(model: nn.Module, table: dict[str, str], ops: tuple[str, ...], backend_of) -> list[Finding]:
+    """Every patchable part of `model` (for the requested ops), each verified.
+
+    `backend_of(module_name)` returns a callable giving the rope backend to verify with."""
+    device = _device(model)
+    findings = _module_findings(model, table, ops, device)
+    if "rope" in ops:
+        findings += _rope_findings(model, table, device, backend_of)
+    if "flce" in ops:
+        findings += _head_findings(model, table, device)
+    return findings
