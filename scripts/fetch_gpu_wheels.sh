@@ -11,6 +11,9 @@ cd "$(dirname "$0")/.."
 
 # Both are the latest releases (checked 2026-11-23); every result records the versions it ran with.
 PACKAGES=("liger-kernel==0.8.5" "cut-cross-entropy==25.1.1")
+# The convergence harness and scripts/families_gpu.py load the shipped text through `datasets`,
+# which the GPU image lacks; its other requirements (pyarrow, pandas, fsspec, xxhash, ...) are there.
+PACKAGES+=("datasets==5.2.0" "dill==0.4.1" "multiprocess==0.70.19")
 
 mkdir -p .whl
 for pkg in "${PACKAGES[@]}"; do
