@@ -69,7 +69,6 @@ from lmkernels.integrations.transformers.families import (  # noqa: F401
     tiny_config,
     tiny_model,
 )
-from lmkernels.integrations.transformers.loader import from_config, from_pretrained  # noqa: F401
 from lmkernels.integrations.transformers.replacements import glu_kind  # noqa: F401
 from lmkernels.integrations.transformers.report import PatchReport
 from lmkernels.integrations.transformers.structure import analyze
@@ -199,3 +198,38 @@ def family_patches(model_or_class: Any) -> list[str]:
 def patched_models() -> list[nn.Module]:
     """The live models patched per instance (not through their class)."""
     return list(patching.PATCHED_MODELS)
+
+
+# --- one line for users: load (or build) a causal LM and return it patched ----------------------
+
+
+def from_pretrained(
+    name_or_path: str,
+    backend: str | None = None,
+    strict: bool = True,
+    ops: Iterable[str] | None = None,
+    **kwargs: Any,
+):
+    """`AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)`, patched by apply().
+
+    Patch before wrapping the model (PEFT, FSDP, torch.compile): apply() recognizes the plain
+    transformers modules. `strict=False` patches what passes its checks and keeps the rest
+    (see `report(model)`)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    return apply(model, backend=backend, strict=strict, ops=ops or SUPPORTED_OPS)
+
+
+def from_config(
+    config,
+    backend: str | None = None,
+    strict: bool = True,
+    ops: Iterable[str] | None = None,
+    **kwargs: Any,
+):
+    """`AutoModelForCausalLM.from_config(config, **kwargs)` (random weights), patched by apply()."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, **kwargs)
+    return apply(model, backend=backend, strict=strict, ops=ops or SUPPORTED_OPS)
