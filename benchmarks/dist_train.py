@@ -36,20 +36,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from e2e_setup import LLAMA_1B
+
 MODES = ("fsdp", "fsdp_lm_head", "tp")
 CONFIGS = ("plain", "lmk", "liger")
-MODEL = dict(
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+# The Llama-3.2-1B shape of the single-GPU benchmark, with untied embeddings (so lm_head can be
+# sharded on its own) and the layer count from --layers.
+MODEL = {k: v for k, v in LLAMA_1B.items() if k != "num_hidden_layers"} | {"tie_word_embeddings": False}
 TINY = dict(
     MODEL,
     vocab_size=1000,
