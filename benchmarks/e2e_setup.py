@@ -88,7 +88,7 @@ def build_model(model_cfg: dict[str, Any], device: str, checkpointing: bool = Tr
 
 def parse_config(name: str) -> tuple[str, str | None, tuple[str, ...], bool]:
     """lmk:triton-noflce+compile -> ("lmk", "triton", ops without flce, compiled=True);
-    lmk:triton/flce=triton_fast -> ("lmk", "triton,flce=triton_fast", all ops, False)."""
+    lmk:triton/flce=triton_lean -> ("lmk", "triton,flce=triton_lean", all ops, False)."""
     base, compiled = (name[: -len("+compile")], True) if name.endswith("+compile") else (name, False)
     base, noflce = (base[: -len("-noflce")], True) if base.endswith("-noflce") else (base, False)
     kind, _, backend = base.partition(":")
@@ -98,7 +98,7 @@ def parse_config(name: str) -> tuple[str, str | None, tuple[str, ...], bool]:
             "-noflce (not plain) and +compile"
         )
     ops = tuple(o for o in ALL_OPS if not (noflce and o == "flce"))
-    # "/" stands for the "," of a backend spec ("lmk:triton/flce=triton_fast"): configurations
+    # "/" stands for the "," of a backend spec ("lmk:triton/flce=triton_lean"): configurations
     # are listed comma-separated on the command line.
     return kind, backend.replace("/", ",") or None, ops, compiled
 

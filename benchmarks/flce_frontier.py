@@ -57,9 +57,9 @@ LEAN = "weight dtype"  # grad_accum_dtype = the weight's dtype, filled in at run
 # The FLCE variants: name -> (backend, options). The lead adds modes/options here, one line each.
 # Peers get grad_accum_dtype = weight dtype: that is their default call (CCE has no other mode).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "triton": ("triton", {}),  # the lean mode, lmkernels' default
-    "triton_fast": ("triton_fast", {}),
-    "triton_fast_lean": ("triton_fast", {"grad_accum_dtype": LEAN}),
+    "triton": ("triton", {}),  # the fast mode, lmkernels' default
+    "triton_accum_lean": ("triton", {"grad_accum_dtype": LEAN}),
+    "triton_lean": ("triton_lean", {}),
     "compile": ("compile", {}),
     "compile_naive": ("compile_naive", {}),
     "cce": ("cce", {"grad_accum_dtype": LEAN}),

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 
 import lmkernels as lk
 from lmkernels.backends.triton import _flce_kernels as kernels
-from lmkernels.backends.triton import flce as tflce
 from lmkernels.ops.flce import SPEC
 
 SHAPES = [
@@ -91,11 +90,12 @@ def make_step(name, inputs):
         _, mode, accum = name.split(":")
         accum_dtype = None if accum == "fp32acc" else x.dtype
 
+        backend = {"lean": "triton_lean", "fast": "triton"}[mode]
+
         def step():
             clear()
-            tflce.MODE = mode
             loss = lk.fused_linear_cross_entropy(
-                x, w, y, softcap=softcap, grad_accum_dtype=accum_dtype, backend="triton"
+                x, w, y, softcap=softcap, grad_accum_dtype=accum_dtype, backend=backend
             )
             loss.backward()
 

@@ -40,8 +40,8 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(kernels, "BLOCK_OVERRIDE", (16, 48))
 
 
-BACKENDS = {"lean": "triton", "fast": "triton_fast"}
-BACKEND = {"name": "triton"}  # what triton_fn runs; the `mode` fixture switches it
+BACKENDS = {"lean": "triton_lean", "fast": "triton"}
+BACKEND = {"name": "triton_lean"}  # what triton_fn runs; the `mode` fixture switches it
 
 
 @pytest.fixture(params=list(BACKENDS))
@@ -192,7 +192,7 @@ def test_matches_fp64(monkeypatch, dtype, shape, case):
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in CASES])
 def test_fast_mode_matches_fp64(monkeypatch, case):
     """The fast mode (gradients in the forward for mean/sum) on every OpSpec case."""
-    monkeypatch.setitem(BACKEND, "name", "triton_fast")
+    monkeypatch.setitem(BACKEND, "name", "triton")
     compare(make(SHAPES["37x64x131"], torch.bfloat16, CASES[case]), torch.bfloat16)
 
 
@@ -288,7 +288,7 @@ def test_grad_accum_dtype(accum, reduction, mode):
 def test_scaled_in_place_without_copy(monkeypatch, accum):
     """Fast mode: the forward's grad_W and grad_hidden buffers are scaled in place and become weight.grad
     and hidden.grad: no copy, on the eager path (a plain autograd.Function, not the custom op)."""
-    monkeypatch.setitem(BACKEND, "name", "triton_fast")
+    monkeypatch.setitem(BACKEND, "name", "triton")
     inputs = make(SHAPES["37x64x131"], torch.bfloat16, {"grad_accum_dtype": accum})
     hidden = inputs["hidden"].requires_grad_(True)
     weight = inputs["weight"].requires_grad_(True)
@@ -387,7 +387,7 @@ def test_no_grad_forward_matches(reduction):
 
 def test_second_backward_raises(monkeypatch):
     """Fast mode: mean/sum scale the stored gradients in place: a second backward must fail loudly."""
-    monkeypatch.setitem(BACKEND, "name", "triton_fast")
+    monkeypatch.setitem(BACKEND, "name", "triton")
     inputs = make(SHAPES["37x64x131"], torch.float32, {})
     inputs["hidden"].requires_grad_(True)
     loss = triton_fn(inputs)
