@@ -81,8 +81,11 @@ def init_world(timeout_s: float) -> None:
 def environment(args) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    launcher = f"torchrun --nproc-per-node {WORLD}" if under_torchrun else Path(sys.executable).name
+
     env = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": " ".join([launcher, *sys.argv]),
         "device": torch.cuda.get_device_name(common.DEVICE) if common.DEVICE.type == "cuda" else "cpu",
         "world": WORLD,
         "process_group": "gloo" if common.DEVICE.type == "cpu" else "cpu:gloo,cuda:nccl",
@@ -97,10 +100,13 @@ def environment(args) -> dict:
             env[pkg] = version(pkg)
         except PackageNotFoundError:
             env[pkg] = None
-    rev = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-    )
-    env["lmkernels_commit"] = rev.stdout.strip() or None
+    try:  # the copy run may not be a git checkout
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        )
+        env["lmkernels_commit"] = rev.stdout.strip() or None
+    except OSError:
+        env["lmkernels_commit"] = None
     for var in (
         "TRITON_INTERPRET",
         "NCCL_NVLS_ENABLE",
@@ -235,6 +241,11 @@ def main(argv=None) -> int:
         p.error(f"--checks: unknown {sorted(unknown)}; known: {sorted(CHECKS)}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not args.merge:
+        if not torch.cuda.is_available():
+            p.error("--device cuda: torch sees no CUDA device")
+        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            p.error("--device cuda runs the compiled Triton kernels: unset TRITON_INTERPRET")
     if args.merge:
         results = merge(args.out, names)
     elif "RANK" in os.environ:  # under torchrun
