@@ -26,6 +26,9 @@ def foreach_safe_param_groups(params: Iterable[torch.Tensor | dict[str, Any]]) -
     """`params` (tensors, or param-group dicts whose options are kept) regrouped so that no group
     mixes plain tensors with DTensors or DTensors of different meshes. Pass the result to any
     torch optimizer: `torch.optim.AdamW(foreach_safe_param_groups(model.parameters()), lr=...)`."""
+    dtensor = None
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor as dtensor
     items = list(params)
     groups = items if items and isinstance(items[0], dict) else [{"params": items}]
     out: list[dict[str, Any]] = []
@@ -39,7 +42,7 @@ def foreach_safe_param_groups(params: Iterable[torch.Tensor | dict[str, Any]]) -
         members = [members] if isinstance(members, torch.Tensor) else list(members)
         by_kind: dict[Any, list[torch.Tensor]] = {}
         for p in members:
-            mesh = getattr(p, "device_mesh", None) if type(p).__name__ == "DTensor" else None
+            mesh = p.device_mesh if dtensor is not None and isinstance(p, dtensor) else None
             by_kind.setdefault(mesh, []).append(p)
         out += [{"params": ps, **options} for ps in by_kind.values()]
     return out
