@@ -14,8 +14,11 @@ Modes:
   fsdp_lm_head  the same plus fully_shard(model.lm_head) (and the embeddings) on their own
   tp            from_pretrained(tp_plan="auto") of a bf16 checkpoint (q/k/v/gate/up colwise, o/down
                 rowwise, lm_head vocab-sharded); both ranks the same batch
-Configs: plain (transformers), lmk (lmkernels.integrations.transformers.apply, backend auto),
-liger (apply_liger_kernel_to_llama(model=...)). A config that fails records its error.
+Configs (--configs, comma-separated; the names of benchmarks/e2e_setup.py): plain (transformers),
+lmk[:BACKEND] (lmkernels.integrations.transformers.apply, backend auto or BACKEND, a backend spec
+with '/' for its commas: lmk:triton/flce=eager), liger (apply_liger_kernel_to_llama(model=...)),
+then optionally -noflce (the patch without the fused loss); +compile is not supported here.
+A config that fails records its error.
 
 Per run: the loss of every step (mean over ranks), tokens/s/GPU over the steps after the first
 2 (tokens per rank per step / median step time; under tp a batch is shared by 2 GPUs), peak
@@ -36,9 +39,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import e2e_setup
+from dist_report import MODES, plot, summary
 from e2e_setup import LLAMA_1B
 
-MODES = ("fsdp", "fsdp_lm_head", "tp")
 CONFIGS = ("plain", "lmk", "liger")
 # The Llama-3.2-1B shape of the single-GPU benchmark, with untied embeddings (so lm_head can be
 # sharded on its own) and the layer count from --layers.
@@ -69,15 +73,30 @@ def model_config(args):
     return LlamaConfig(**(TINY if args.tiny else MODEL), num_hidden_layers=2 if args.tiny else args.layers)
 
 
-def patch(model, config: str) -> None:
-    if config == "lmk":
-        from lmkernels.integrations.transformers import apply
+def check_config(name: str) -> str | None:
+    """Why configuration `name` cannot run here (None: it can): a typo in the name or in an lmk
+    backend spec is caught before any torchrun starts."""
+    try:
+        kind, backend, _, compiled = e2e_setup.parse_config(name)
+    except ValueError as e:
+        return str(e)
+    if compiled:
+        return (
+            f"{name}: +compile is not supported by dist_train (compiling FSDP2 / TP models is its own study)"
+        )
+    if kind == "lmk" and backend:
+        from lmkernels.registry import LMKernelsError, parse_backend_spec
 
-        apply(model)
-    elif config == "liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        try:
+            parse_backend_spec(backend, where=f"configuration {name!r}")
+        except LMKernelsError as e:
+            return str(e)
+    return None
 
-        apply_liger_kernel_to_llama(model=model)
+
+def slug(config: str) -> str:
+    """A file-name-safe form of a configuration name (they may hold ':', '/' and '=')."""
+    return "".join(c if c.isalnum() or c in "-._" else "_" for c in config)
 
 
 def build_fsdp(args, device, lm_head_alone: bool):
@@ -88,7 +107,7 @@ def build_fsdp(args, device, lm_head_alone: bool):
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(model_config(args))
-    patch(model, args.config)
+    e2e_setup.patch(model, args.config)
     if args.ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     bf16 = torch.bfloat16 if device.type == "cuda" else torch.float32  # gloo on the CPU: fp32
@@ -117,7 +136,7 @@ def build_tp(args, device, rank: int):
     dist.barrier()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype)
-    patch(model, args.config)
+    e2e_setup.patch(model, args.config)
     if args.ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -140,8 +159,11 @@ def run_worker(args) -> None:
         else:
             model = build_fsdp(args, device, lm_head_alone=args.mode == "fsdp_lm_head")
         model.train()
-        # foreach cannot mix DTensors and plain tensors (tp leaves the norms plain)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=args.mode != "tp")
+        from lmkernels.distributed import foreach_safe_param_groups
+
+        # torch's foreach path (CUDA's default) cannot mix DTensors and plain tensors in one
+        # group, and tp leaves the norms and embeddings plain: one group per kind.
+        opt = torch.optim.AdamW(foreach_safe_param_groups(model.parameters()), lr=3e-4)
         vocab = model.config.vocab_size
         times = []
         if cuda:
@@ -234,6 +256,8 @@ def launch(args, mode: str, config: str, part: Path, ckpt_dir: str, timeout: flo
     ]
     cmd += ["--tiny"] * args.tiny + ["--ckpt"] * args.ckpt
     env = {**os.environ, **NCCL_ENV, "OMP_NUM_THREADS": "4"}
+    if args.tiny:  # the CPU run: Triton kernels (lmk:triton...) on the interpreter
+        env.setdefault("TRITON_INTERPRET", "1")
     try:
         proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
     except subprocess.TimeoutExpired:
@@ -243,61 +267,16 @@ def launch(args, mode: str, config: str, part: Path, ckpt_dir: str, timeout: flo
     return {"mode": mode, "config": config, "status": "crashed", "error": proc.stderr[-600:]}
 
 
-def summary(rows: list[dict], env: dict) -> str:
-    lines = [f"# Distributed training, 2 x {env['device']}", "", f"`{env['command']}`", ""]
-    lines += ["| mode | config | tokens/s/GPU | vs plain | vs liger | peak GiB | final loss | status |"]
-    lines += ["|---|---|---|---|---|---|---|---|"]
-    by = {(r["mode"], r["config"]): r for r in rows}
-    for r in rows:
-
-        def ratio(base, r=r):
-            b = by.get((r["mode"], base), {})
-            if r.get("tokens_per_s_per_gpu") and b.get("tokens_per_s_per_gpu"):
-                return f"{r['tokens_per_s_per_gpu'] / b['tokens_per_s_per_gpu']:.2f}x"
-            return "-"
-
-        tps = f"{r['tokens_per_s_per_gpu']:,.0f}" if r.get("tokens_per_s_per_gpu") else "-"
-        peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "-"
-        final = f"{r['losses'][-1]:.4f}" if r.get("losses") else "-"
-        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')[:80]}"
-        lines.append(
-            f"| {r['mode']} | {r['config']} | {tps} | {ratio('plain')} | {ratio('liger')} | {peak} | {final} | {status} |"
-        )
-    lines += ["", "Largest loss difference to plain per step (same batches, same init):", ""]
-    for r in rows:
-        base = by.get((r["mode"], "plain"), {})
-        if r["config"] != "plain" and r.get("losses") and base.get("losses"):
-            diff = max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))
-            lines.append(f"- {r['mode']} {r['config']}: {diff:.2e}")
-    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "triton", "liger-kernel"))
-    return "\n".join([*lines, "", versions, ""])
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    modes = [m for m in MODES if any(r["mode"] == m and r.get("losses") for r in rows)] or ["none"]
-    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 3.6), squeeze=False)
-    for ax, mode in zip(axes[0], modes):
-        for r in rows:
-            if r["mode"] == mode and r.get("losses"):
-                tps = r.get("tokens_per_s_per_gpu", 0)
-                label = f"{r['config']} ({tps:,.0f} tok/s/GPU, {r.get('peak_gib', 0):.1f} GiB)"
-                ax.plot(range(len(r["losses"])), r["losses"], label=label, marker=".")
-        ax.set(title=mode, xlabel="step", ylabel="loss")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", help="output folder (driver)")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help="plain, lmk[:BACKEND] (BACKEND a spec with '/' for ',': lmk:triton/flce=eager), liger; "
+        "-noflce for the patch without the fused loss",
+    )
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank (per TP group under tp)")
     p.add_argument("--seq", type=int, default=1024)
@@ -321,6 +300,12 @@ def main(argv=None) -> int:
     if args.worker:
         run_worker(args)
         return 0
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for config in args.configs:
+        problem = check_config(config)
+        if problem:
+            log(f"--configs: {problem}")
+            return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment(args)
@@ -328,14 +313,14 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="lmk-dist-") as tmp:
         for mode in args.modes.split(","):
-            for config in args.configs.split(","):
+            for config in args.configs:
                 left = deadline - time.monotonic()
                 if left < 20:
                     rows.append({"mode": mode, "config": config, "status": "skipped", "error": "budget"})
                     continue
                 log(f"{mode} / {config} ({left:.0f} s of budget left)")
                 start = time.monotonic()
-                row = launch(args, mode, config, Path(tmp) / f"{mode}-{config}.json", tmp, left + 30)
+                row = launch(args, mode, config, Path(tmp) / f"{mode}-{slug(config)}.json", tmp, left + 30)
                 row["wall_s"] = round(time.monotonic() - start, 1)
                 log(f"  -> {row['status']} {row.get('error', '')[:100]}")
                 rows.append(row)

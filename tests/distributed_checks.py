@@ -3,80 +3,213 @@ as one process trains plain transformers on the whole batch, and the vocab-paral
 the one-device loss (checks in distributed_checks_fsdp.py and distributed_checks_tp.py, shared
 pieces and tolerances in distributed_common.py).
 
-Every check runs in each rank of one world (2 processes; gloo on the CPU, NCCL on GPUs) and
-returns its measured errors or raises. tests/test_distributed.py runs them all in one world (the
-process start-up is paid once); by hand:
+Every check runs in each rank of one world of 2 processes and returns its measured errors or
+raises. --device cpu (the default, CI): gloo, eager backend; --device cuda: cuda:LOCAL_RANK, NCCL,
+the Triton backend (--backend picks another, e.g. "triton,flce=eager"); --device auto: cuda when
+torch sees a GPU. tests/test_distributed.py runs them all in one world (start-up paid once).
 
-    python tests/distributed_checks.py --out results.json              # spawns 2 processes (CPU)
-    torchrun --standalone --nproc-per-node 2 tests/distributed_checks.py --out r.json   # any device
+    python tests/distributed_checks.py --out results.json            # spawns 2 processes
+    torchrun --standalone --nproc-per-node 2 tests/distributed_checks.py --device cuda --out r.json
+
+Each rank appends its results to OUT.rankN.jsonl as it goes, so a world that dies (a hung
+collective ends after --timeout) still leaves what ran; rank 0 merges them into OUT (JSON:
+environment + per check, per rank) and OUT with .md (a table). `--merge` redoes that step alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import distributed_checks_fsdp
 import distributed_checks_tp
+import distributed_common as common
 
 CHECKS = {**distributed_checks_fsdp.CHECKS, **distributed_checks_tp.CHECKS}
+WORLD = 2
 
 
-# --- driver --------------------------------------------------------------------------------------
+# --- in each rank --------------------------------------------------------------------------------
 
 
-def run_checks(rank: int, world: int, names: list[str]) -> dict:
+def rank_file(out: str, rank: int) -> Path:
+    return Path(f"{out}.rank{rank}.jsonl")
+
+
+def run_checks(rank: int, world: int, names: list[str], out: str) -> None:
     ctx = {"rank": rank, "world": world}
-    results = {}
-    for name in names:
-        start = time.process_time()
+    path = rank_file(out, rank)
+    path.unlink(missing_ok=True)
+    for i, name in enumerate(names):
+        start, cpu = time.perf_counter(), time.process_time()
         try:
-            results[name] = {"ok": True, **(CHECKS[name](ctx) or {})}
+            result = {"ok": True, **(CHECKS[name](ctx) or {})}
         except Exception as exc:  # a failed check is reported, the others still run
-            results[name] = {
-                "ok": False,
-                "error": f"{type(exc).__name__}: {exc}",
-                "trace": traceback.format_exc(),
-            }
-        results[name]["cpu_s"] = round(time.process_time() - start, 2)
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+        result["cpu_s"] = round(time.process_time() - cpu, 2)
+        result["wall_s"] = round(time.perf_counter() - start, 2)
+        with path.open("a") as f:
+            f.write(json.dumps({"check": name, **result}) + "\n")
+        if rank == 0:
+            status = "ok" if result["ok"] else "FAIL " + result["error"][:60]
+            print(f"[{i + 1:2d}/{len(names)}] {name:38s} {result['wall_s']:6.1f} s  {status}", flush=True)
         dist.barrier()
-    gathered = [None] * world
-    dist.all_gather_object(gathered, results)
-    return gathered
 
 
-def _worker(rank: int, world: int, port: int, names: list[str], out: str) -> None:
+def init_world(timeout_s: float) -> None:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if common.DEVICE.type == "cpu":
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    if not dist.is_nccl_available():
+        raise RuntimeError("--device cuda: this torch build has no NCCL")
+    # NCCL for CUDA tensors, gloo for CPU ones: FSDP2's CPUOffloadPolicy keeps the sharded
+    # parameters on the CPU, and gathering them for the comparison is a CPU collective.
+    dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout)
+
+
+def environment(args) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    launcher = f"torchrun --nproc-per-node {WORLD}" if under_torchrun else Path(sys.executable).name
+
+    env = {
+        "command": " ".join([launcher, *sys.argv]),
+        "device": torch.cuda.get_device_name(common.DEVICE) if common.DEVICE.type == "cuda" else "cpu",
+        "world": WORLD,
+        "process_group": "gloo" if common.DEVICE.type == "cpu" else "cpu:gloo,cuda:nccl",
+        "backend": common.BACKEND,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if common.DEVICE.type == "cuda" else None,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
+    for pkg in ("transformers", "triton"):
+        try:
+            env[pkg] = version(pkg)
+        except PackageNotFoundError:
+            env[pkg] = None
+    try:  # the copy run may not be a git checkout
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        )
+        env["lmkernels_commit"] = rev.stdout.strip() or None
+    except OSError:
+        env["lmkernels_commit"] = None
+    for var in (
+        "TRITON_INTERPRET",
+        "NCCL_NVLS_ENABLE",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+        "NVSHMEM_DISABLE_NVLS",
+    ):
+        env[var] = os.environ.get(var)
+    return env
+
+
+def main_in_rank(args, names: list[str]) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != WORLD:
+        raise SystemExit(f"the checks need a world of {WORLD} processes, got WORLD_SIZE={world}")
+    common.configure(args.device, args.backend)
+    init_world(args.timeout)
+    try:
+        if rank == 0:
+            Path(f"{args.out}.env.json").write_text(json.dumps(environment(args), indent=1))
+        run_checks(rank, world, names, args.out)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        merge(args.out, names)
+
+
+def _worker(rank: int, port: int, args, names: list[str]) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
-        WORLD_SIZE=str(world),
+        WORLD_SIZE=str(WORLD),
         LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(WORLD),
     )
-    _main_in_rank(names, out)
+    main_in_rank(args, names)
 
 
-def _main_in_rank(names: list[str], out: str) -> None:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    try:
-        gathered = run_checks(rank, world, names)
-        if rank == 0:
-            merged = {n: [r[n] for r in gathered] for n in names}
-            with open(out, "w") as f:
-                json.dump(merged, f, indent=1)
-    finally:
-        dist.destroy_process_group()
+# --- results -------------------------------------------------------------------------------------
+
+
+def merge(out: str, names: list[str]) -> dict:
+    """OUT (JSON) and its .md from the rank files; a check a rank has no line for is reported as
+    not run (the world died before it: see the log)."""
+    env_path = Path(f"{out}.env.json")
+    env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    per_rank = []
+    for r in range(WORLD):
+        path = rank_file(out, r)
+        lines = path.read_text().splitlines() if path.exists() else []
+        per_rank.append({(d := json.loads(line)).pop("check"): d for line in lines if line.strip()})
+    missing = {"ok": False, "error": "not run: the world ended before this check (see the log)"}
+    checks = {n: [rank.get(n, missing) for rank in per_rank] for n in names}
+    merged = {"environment": env, "checks": checks}
+    Path(out).write_text(json.dumps(merged, indent=1))
+    Path(out).with_suffix(".md").write_text(markdown(merged))
+    return merged
+
+
+def _fmt(x) -> str:
+    return f"{x:.1e}" if isinstance(x, float) else "-"
+
+
+def markdown(merged: dict) -> str:
+    env, checks = merged["environment"], merged["checks"]
+    passed = sum(all(r["ok"] for r in rs) for rs in checks.values())
+    lines = [
+        f"# Distributed checks: {passed} of {len(checks)} pass",
+        "",
+        f"{env.get('world', WORLD)} x {env.get('device', '?')}, process group {env.get('process_group')}, "
+        f"backend `{env.get('backend')}`; torch {env.get('torch')}, triton {env.get('triton')}, "
+        f"transformers {env.get('transformers')}, NCCL {env.get('nccl')}; lmkernels {env.get('lmkernels_commit')}",
+        "",
+        f"`{env.get('command')}`",
+        "",
+        "Errors relative to plain transformers, fp32, one process (worst rank): loss, parameters vs",
+        "their norm, parameters vs their training update (limits in tests/distributed_common.py).",
+        "",
+        "Other: the largest other error a check returns (single ops, the vocab-parallel loss).",
+        "",
+        "| check | result | loss | params | params/update | other | wall s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, ranks in checks.items():
+        ok = all(r["ok"] for r in ranks)
+        bad = next((r for r in ranks if not r["ok"]), {})
+        result = "ok" if ok else "FAIL: " + bad.get("error", "").replace("|", "/").replace("\n", " ")[:120]
+        worst = {
+            k: max((r[k] for r in ranks if isinstance(r.get(k), float)), default=None)
+            for k in ("loss_rel_err", "param_rel_err", "param_update_rel_err")
+        }
+        other = [
+            v
+            for r in ranks
+            for k, v in r.items()
+            if isinstance(v, float) and k not in (*worst, "cpu_s", "wall_s") and not k.startswith("plain")
+        ]
+        wall = max((r.get("wall_s", 0.0) for r in ranks), default=0.0)
+        lines.append(
+            f"| {name} | {result} | {_fmt(worst['loss_rel_err'])} | {_fmt(worst['param_rel_err'])} | "
+            f"{_fmt(worst['param_update_rel_err'])} | {_fmt(max(other, default=None))} | {wall:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def free_port() -> int:
@@ -89,26 +222,49 @@ def free_port() -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="JSON file for the results")
+    p.add_argument("--out", required=True, help="JSON file for the results (a .md beside it)")
     p.add_argument("--checks", default=",".join(CHECKS), help="comma-separated subset")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
+    p.add_argument(
+        "--backend", help="the patched models' backend spec (default: eager on cpu, triton on cuda)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds before a hung collective ends the world"
+    )
+    p.add_argument(
+        "--merge", action="store_true", help="only merge the rank files of an earlier run into OUT"
+    )
     args = p.parse_args(argv)
     names = args.checks.split(",")
     unknown = set(names) - set(CHECKS)
     if unknown:
         p.error(f"--checks: unknown {sorted(unknown)}; known: {sorted(CHECKS)}")
-    if "RANK" in os.environ:  # under torchrun
-        _main_in_rank(names, args.out)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not args.merge:
+        if not torch.cuda.is_available():
+            p.error("--device cuda: torch sees no CUDA device")
+        if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            p.error("--device cuda runs the compiled Triton kernels: unset TRITON_INTERPRET")
+    if args.merge:
+        results = merge(args.out, names)
+    elif "RANK" in os.environ:  # under torchrun
+        main_in_rank(args, names)
+        if os.environ["RANK"] != "0":
+            return 0
+        results = json.loads(Path(args.out).read_text())
     else:
         import torch.multiprocessing as mp
 
-        mp.spawn(_worker, args=(2, free_port(), names, args.out), nprocs=2)
-    if "RANK" not in os.environ or os.environ["RANK"] == "0":
-        with open(args.out) as f:
-            results = json.load(f)
-        for name, per_rank in results.items():
-            status = "ok" if all(r["ok"] for r in per_rank) else "FAIL " + per_rank[0].get("error", "")[:60]
-            cpu = sum(r["cpu_s"] for r in per_rank)
-            print(f"{name:38s} {cpu:6.1f} s cpu  {status}")
+        if args.device == "cpu":
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # inherited by the spawned ranks
+        mp.spawn(_worker, args=(free_port(), args, names), nprocs=WORLD)
+        results = json.loads(Path(args.out).read_text())
+    failed = [n for n, rs in results["checks"].items() if not all(r["ok"] for r in rs)]
+    print(
+        f"{len(results['checks']) - len(failed)} of {len(results['checks'])} checks pass"
+        + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     return 0
 
 

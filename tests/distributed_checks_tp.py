@@ -9,10 +9,11 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+import distributed_common as common
 from distributed_common import (
-    DEVICE,
     RTOL,
     compare,
+    device_mesh,
     full,
     global_batches,
     params,
@@ -57,10 +58,10 @@ def check_tp_torch_parallel_styles(ctx):
     """torch.distributed.tensor.parallel styles as torchtitan uses them: q/k/v/gate/up
     ColwiseParallel, o/down RowwiseParallel, lm_head ColwiseParallel with a vocab-sharded output
     (what loss_parallel takes; the patched model reads its Shard(0) weight instead)."""
-    from torch.distributed.tensor import Shard, init_device_mesh
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh(DEVICE, (ctx["world"],))
+    mesh = device_mesh((ctx["world"],))
     model = patched(tiny())
     plan = {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
     for i in range(len(model.model.layers)):
@@ -85,10 +86,10 @@ def check_fsdp_plus_tp_2d_mesh(ctx):
     (size 2), lm_head sharded on its own: inside lm_head's FSDP forward the weight is the TP
     DTensor, which goes to the vocab-parallel loss."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard, init_device_mesh
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh(DEVICE, (1, ctx["world"]), mesh_dim_names=("dp", "tp"))
+    mesh = device_mesh((1, ctx["world"]), ("dp", "tp"))
     model = patched(tiny())
     plan = {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
     for i in range(len(model.model.layers)):
@@ -115,20 +116,20 @@ def check_fsdp_plus_tp_2d_mesh(ctx):
 def check_vocab_parallel_flce(ctx):
     """The vocab-parallel loss against the one-device reference: uneven split (V=131), bias,
     ignored tokens, label smoothing + softcap + z-loss, all reductions; loss and all gradients."""
-    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     from lmkernels.distributed import dtensor_linear_cross_entropy
     from lmkernels.ops.flce import fused_linear_cross_entropy_reference as ref_fn
 
-    mesh = init_device_mesh(DEVICE, (ctx["world"],))
+    mesh = device_mesh((ctx["world"],))
     g = torch.Generator().manual_seed(3)
     n, h, v = 37, 24, 131
-    hidden = torch.randn(n, h, generator=g).to(DEVICE)
-    weight = (torch.randn(v, h, generator=g) * 0.5).to(DEVICE)
-    bias = torch.randn(v, generator=g).to(DEVICE)
+    hidden = torch.randn(n, h, generator=g).to(common.DEVICE)
+    weight = (torch.randn(v, h, generator=g) * 0.5).to(common.DEVICE)
+    bias = torch.randn(v, generator=g).to(common.DEVICE)
     target = torch.randint(0, v, (n,), generator=g)
     target[::5] = -100
-    target = target.to(DEVICE)
+    target = target.to(common.DEVICE)
     worst = 0.0
     cases = [
         {},
@@ -141,7 +142,7 @@ def check_vocab_parallel_flce(ctx):
             h0, w0 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
             b0 = bias.clone().requires_grad_() if use_bias else None
             expected = ref_fn(h0, w0, target, bias=b0, **opts)
-            up = torch.randn(expected.shape, generator=g).to(DEVICE)
+            up = torch.randn(expected.shape, generator=g).to(common.DEVICE)
             (expected * up).sum().backward()
             h1 = hidden.clone().requires_grad_()
             w1 = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
@@ -185,16 +186,16 @@ def check_vocab_parallel_flce(ctx):
 def check_vocab_parallel_sequence_sharded_hidden(ctx):
     """Sequence parallel into the loss: hidden a Shard(1) DTensor (gathered for the loss, its
     gradient sliced back), weight vocab-sharded."""
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from lmkernels.distributed import dtensor_linear_cross_entropy
     from lmkernels.ops.flce import fused_linear_cross_entropy_reference as ref_fn
 
-    mesh = init_device_mesh(DEVICE, (ctx["world"],))
+    mesh = device_mesh((ctx["world"],))
     g = torch.Generator().manual_seed(4)
-    hidden = torch.randn(2, 10, 24, generator=g).to(DEVICE)
-    weight = (torch.randn(130, 24, generator=g) * 0.5).to(DEVICE)
-    target = torch.randint(0, 130, (2, 10), generator=g).to(DEVICE)
+    hidden = torch.randn(2, 10, 24, generator=g).to(common.DEVICE)
+    weight = (torch.randn(130, 24, generator=g) * 0.5).to(common.DEVICE)
+    target = torch.randint(0, 130, (2, 10), generator=g).to(common.DEVICE)
     h0, w0 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     expected = ref_fn(h0, w0, target, softcap=5.0)
     expected.backward()
@@ -218,18 +219,18 @@ def check_sequence_parallel_rms_norm(ctx):
     """torch's SequenceParallel on the patched RMSNorm (sequence-sharded input, Replicate weight):
     output, input gradient and the reduced weight gradient equal one process, for the eager and
     the Triton backends (Triton custom ops have no DTensor rules: they run on the local rows)."""
-    from torch.distributed.tensor import init_device_mesh
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
-    mesh = init_device_mesh(DEVICE, (ctx["world"],))
+    mesh = device_mesh((ctx["world"],))
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 8, 64, generator=g).to(DEVICE)
-    up = torch.randn(2, 8, 64, generator=g).to(DEVICE)
+    x = torch.randn(2, 8, 64, generator=g).to(common.DEVICE)
+    up = torch.randn(2, 8, 64, generator=g).to(common.DEVICE)
     rank, world = ctx["rank"], ctx["world"]
     errs = {}
     for backend in ("eager", "triton"):
         model = tiny()
-        torch.nn.init.normal_(model.model.norm.weight, generator=g)
+        with torch.no_grad():  # drawn on the CPU: the same values on every device
+            model.model.norm.weight.copy_(torch.randn(model.model.norm.weight.shape, generator=g))
         xr = x.clone().requires_grad_()
         yr = model.model.norm(xr)
         (yr * up).sum().backward()
@@ -253,14 +254,14 @@ def check_sequence_parallel_rms_norm(ctx):
 def check_tensor_parallel_dtensor_glu_and_rope(ctx):
     """Plans that hand the patched MLP and RoPE DTensors (ColwiseParallel(use_local_output=False)):
     the Triton GLU and RoPE run on the local shards; outputs and gradients equal one process."""
-    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from transformers.models.llama import modeling_llama
 
-    mesh = init_device_mesh(DEVICE, (ctx["world"],))
+    mesh = device_mesh((ctx["world"],))
     rank, world = ctx["rank"], ctx["world"]
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(2, 8, 64, generator=g).to(DEVICE)
+    x = torch.randn(2, 8, 64, generator=g).to(common.DEVICE)
     model = tiny()
     mlp = model.model.layers[0].mlp
     xr = x.clone().requires_grad_()
@@ -268,9 +269,12 @@ def check_tensor_parallel_dtensor_glu_and_rope(ctx):
     yr.sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in mlp.named_parameters()}
     mlp.zero_grad(set_to_none=True)
-    q = torch.randn(2, 4, 8, 16, generator=g).to(DEVICE)  # (B, heads, T, D)
-    k = torch.randn(2, 2, 8, 16, generator=g).to(DEVICE)
-    cos, sin = torch.randn(2, 8, 16, generator=g).to(DEVICE), torch.randn(2, 8, 16, generator=g).to(DEVICE)
+    q = torch.randn(2, 4, 8, 16, generator=g).to(common.DEVICE)  # (B, heads, T, D)
+    k = torch.randn(2, 2, 8, 16, generator=g).to(common.DEVICE)
+    cos, sin = (
+        torch.randn(2, 8, 16, generator=g).to(common.DEVICE),
+        torch.randn(2, 8, 16, generator=g).to(common.DEVICE),
+    )
     qr, kr = q.clone().requires_grad_(), k.clone().requires_grad_()
     qo, ko = modeling_llama.apply_rotary_pos_emb(qr, kr, cos, sin)
     (qo.sum() + 2 * ko.sum()).backward()
@@ -304,16 +308,16 @@ def check_tensor_parallel_dtensor_glu_and_rope(ctx):
 @check
 def check_unsupported_layouts_raise(ctx):
     """Layouts the loss cannot compute exactly fail with errors that name them."""
-    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     from lmkernels.distributed import dtensor_linear_cross_entropy
     from lmkernels.registry import LMKernelsError
 
-    mesh = init_device_mesh(DEVICE, (ctx["world"],))
+    mesh = device_mesh((ctx["world"],))
     g = torch.Generator().manual_seed(6)
-    hidden = torch.randn(6, 8, generator=g).to(DEVICE)
-    weight = torch.randn(20, 8, generator=g).to(DEVICE)
-    target = torch.randint(0, 20, (6,), generator=g).to(DEVICE)
+    hidden = torch.randn(6, 8, generator=g).to(common.DEVICE)
+    weight = torch.randn(20, 8, generator=g).to(common.DEVICE)
+    target = torch.randint(0, 20, (6,), generator=g).to(common.DEVICE)
     cases = [
         # the hidden dim sharded: each rank would see partial logits
         (distribute_tensor(weight, mesh, [Shard(1)]), target, "placements"),

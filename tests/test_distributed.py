@@ -32,7 +32,7 @@ def world_results(tmp_path_factory):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # a world of our own, even when pytest itself runs under torchrun
     proc = subprocess.run(
-        [sys.executable, str(HERE / "distributed_checks.py"), "--out", str(out)],
+        [sys.executable, str(HERE / "distributed_checks.py"), "--device", "cpu", "--out", str(out)],
         env=env,
         capture_output=True,
         text=True,
@@ -40,7 +40,7 @@ def world_results(tmp_path_factory):
     )
     if proc.returncode != 0 or not out.exists():
         pytest.fail(f"the 2-process world failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    return json.loads(out.read_text())["checks"]
 
 
 @pytest.mark.parametrize("name", sorted(checks.CHECKS))

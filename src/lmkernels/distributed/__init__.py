@@ -5,6 +5,8 @@
   equal one device's.
 - `dtensor_linear_cross_entropy(hidden, weight, target, ...)`: FLCE for DTensor weights / hidden
   states (tensor and sequence parallel); picks the vocab-parallel loss for Shard(0) weights.
+- `foreach_safe_param_groups(params)`: optimizer param groups that never mix DTensors with plain
+  tensors, so torch's foreach optimizers work on tensor-parallel models (see optim.py).
 - `local.local_call`: run a row-local op (norms, RoPE, GLUs) on the local shards of DTensor inputs
   (sequence parallel), weight gradients leaving as Partial.
 
@@ -12,9 +14,15 @@ FSDP2 needs nothing here: integrations/lm_head_loss.py runs the loss inside the 
 forward, where the weight is unsharded.
 """
 
+from lmkernels.distributed.optim import foreach_safe_param_groups
 from lmkernels.distributed.vocab_parallel import shard_range, vocab_parallel_cross_entropy
 
-__all__ = ["dtensor_linear_cross_entropy", "shard_range", "vocab_parallel_cross_entropy"]
+__all__ = [
+    "dtensor_linear_cross_entropy",
+    "foreach_safe_param_groups",
+    "shard_range",
+    "vocab_parallel_cross_entropy",
+]
 
 
 def __getattr__(name):

@@ -1,0 +1,71 @@
+"""Single-process tests of the distributed helpers: foreach_safe_param_groups, and the
+configuration names of benchmarks/dist_train.py (checked before any torchrun starts)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lmkernels.distributed import foreach_safe_param_groups
+
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available in this torch build", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A gloo world of one process (in-memory store), for DTensors on two different meshes."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_groups_split_plain_tensors_and_meshes(world_of_one):
+    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+
+    mesh_1d = init_device_mesh("cpu", (1,))
+    mesh_2d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    plain = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+    on_1d = [torch.nn.Parameter(distribute_tensor(torch.randn(4), mesh_1d, [Replicate()])) for _ in range(2)]
+    on_2d = torch.nn.Parameter(distribute_tensor(torch.randn(5), mesh_2d, [Replicate(), Replicate()]))
+    groups = foreach_safe_param_groups([plain[0], on_1d[0], on_2d, plain[1], on_1d[1]])
+    assert [[id(p) for p in g["params"]] for g in groups] == [
+        [id(plain[0]), id(plain[1])],
+        [id(on_1d[0]), id(on_1d[1])],
+        [id(on_2d)],
+    ]
+    # what CUDA runs by default, forced here: every group's foreach update goes through
+    opt = torch.optim.SGD(groups, lr=0.5, foreach=True)
+    before = [p.detach().clone() for g in groups for p in g["params"]]
+    for g in groups:
+        for p in g["params"]:
+            p.grad = torch.ones_like(p)
+    opt.step()
+    for old, p in zip(before, [p for g in groups for p in g["params"]]):
+        assert torch.equal(p.detach(), old - 0.5), "a parameter was not stepped"
+
+
+def test_groups_keep_their_options():
+    a, b, c = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))
+    groups = foreach_safe_param_groups([{"params": [a, b], "lr": 0.1}, {"params": c, "weight_decay": 0.0}])
+    assert groups == [{"params": [a, b], "lr": 0.1}, {"params": [c], "weight_decay": 0.0}]
+    with pytest.raises(TypeError, match="params"):
+        foreach_safe_param_groups([{"lr": 0.1}])
+
+
+def test_dist_train_configurations():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import dist_train
+
+    for ok in ("plain", "lmk", "lmk:triton", "lmk:eager/flce=triton", "liger", "lmk:triton-noflce"):
+        assert dist_train.check_config(ok) is None, ok
+    assert "unknown backend 'trition'" in dist_train.check_config("lmk:eager/flce=trition")
+    assert "+compile" in dist_train.check_config("lmk+compile")
+    assert "unknown configuration" in dist_train.check_config("lmkernels")
+    assert dist_train.slug("lmk:triton/flce=eager") == "lmk_triton_flce_eager"
