@@ -1,0 +1,155 @@
+"""Where the host time of one small op goes on a GPU (issue 13 item 2): a layer-by-layer split.
+
+    python scripts/host_profile.py --out DIR [--op rms_norm --op rope]
+
+Per op (tiny bf16 inputs, so the host is all that is measured; the GPU is kept busy by a long
+torch.cuda._sleep so nothing waits), microseconds per call of:
+  triton_empty_launch   an empty Triton kernel with 4 tensor arguments (Triton's own launch cost)
+  launcher_fwd          the op's forward launcher (allocations + launches, no autograd)
+  public_fwd            lk.<op>(..., backend="triton"): dispatch + autograd wrapper + launcher
+  public_fwd_bwd        forward + torch.autograd.grad
+  public_fwd_bwd_design_shape   the same at the op's design shape (scripts/host_overhead.py)
+  torch_mul_fwd_bwd     x * w forward + autograd.grad in plain torch (autograd's own floor)
+and the top functions of a cProfile of public_fwd_bwd by own time. Writes host_profile.json and
+host_profile.md (device, versions, command) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_overhead import DESIGN, make_step  # noqa: E402
+
+import lmkernels as lk  # noqa: E402
+from lmkernels.registry import get_op  # noqa: E402
+
+SHAPES = {
+    "rms_norm": {"M": 16, "N": 256},
+    "layer_norm": {"M": 16, "N": 256},
+    "rope": {"B": 1, "Hq": 4, "Hkv": 2, "T": 16, "D": 64},
+    "swiglu": {"M": 16, "N": 256},
+}
+
+
+@triton.jit
+def _empty_kernel(a, b, c, d, n, BLOCK: tl.constexpr):
+    pass
+
+
+# Calls per timed block: few enough that their launches fit in the CUDA launch queue (about a
+# thousand entries) while the GPU sleeps, else the host blocks and the wait is counted.
+CALLS = 40
+
+
+def per_call_us(fn, calls: int = CALLS) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(20):
+        torch.cuda._sleep(100_000_000)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def launcher_fwd(op: str, inputs: dict):
+    from lmkernels.backends.triton import layer_norm, rms_norm, rope
+
+    if op == "rms_norm":
+        return lambda: rms_norm._rms_norm_fwd(inputs["x"], inputs["weight"], 1e-6, 0.0, "llama")
+    if op == "layer_norm":
+        return lambda: layer_norm._layer_norm_fwd(inputs["x"], inputs["weight"], inputs["bias"], 1e-5)
+    if op == "rope":
+        q, k, cos, sin = (inputs[n] for n in ("q", "k", "cos", "sin"))
+        return lambda: rope._rope_rotate(q, k, cos, sin, None, False, q.shape[-1], False, False, False)
+    return None
+
+
+def profile_op(op: str) -> dict:
+    spec = get_op(op)
+    shape = SHAPES[op]
+    inputs = spec.make_inputs(shape, torch.bfloat16, "cuda", 0)
+    a = torch.empty(64, device="cuda")
+    result = {"shape": shape}
+    result["triton_empty_launch"] = per_call_us(lambda: _empty_kernel[(1,)](a, a, a, a, 64, BLOCK=64))
+    launcher = None
+    try:
+        launcher = launcher_fwd(op, inputs)
+    except Exception as e:  # a launcher signature this script does not know: say so
+        result["launcher_fwd_error"] = repr(e)
+    if launcher is not None:
+        try:
+            result["launcher_fwd"] = per_call_us(launcher)
+        except Exception as e:
+            result["launcher_fwd_error"] = repr(e)
+    public = getattr(lk, op)
+    plain = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+    result["public_fwd"] = per_call_us(lambda: public(**plain, backend="triton"))
+    step = make_step(op, "triton", shape, torch.bfloat16)
+    result["public_fwd_bwd"] = per_call_us(step)
+    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    result["torch_mul_fwd_bwd"] = per_call_us(lambda: torch.autograd.grad([x * w], [x, w], [g]))
+    design = make_step(op, "triton", DESIGN[op], torch.bfloat16)
+    result["public_fwd_bwd_design_shape"] = per_call_us(design)
+    prof = cProfile.Profile()
+    for _ in range(10):
+        torch.cuda._sleep(100_000_000)
+        prof.enable()
+        for _ in range(CALLS):
+            step()
+        prof.disable()
+        torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
+    result["cprofile_top"] = buf.getvalue()
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--op", action="append", choices=sorted(SHAPES))
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for op in args.op or ["rms_norm", "rope"]:
+        results[op] = profile_op(op)
+        nums = {k: round(v, 1) for k, v in results[op].items() if isinstance(v, float)}
+        print(op, nums, flush=True)
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+    (out / "host_profile.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    md = [f"# Host time per call, us ({meta['device']})", "", f"`{meta['command']}`", ""]
+    md += [f"torch {meta['torch']}, triton {meta['triton']}", ""]
+    for op, r in results.items():
+        md += [f"## {op} {r['shape']}", ""]
+        md += [f"- {k}: {v:.1f}" for k, v in r.items() if isinstance(v, float)]
+        md += ["", "```", r["cprofile_top"].strip(), "```", ""]
+    (out / "host_profile.md").write_text("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
