@@ -59,6 +59,7 @@ LEAN = "weight dtype"  # grad_accum_dtype = the weight's dtype, filled in at run
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "triton": ("triton", {}),  # the fast mode, lmkernels' default
     "triton_accum_lean": ("triton", {"grad_accum_dtype": LEAN}),
+    "triton_accum_fp32": ("triton", {"grad_accum_dtype": torch.float32}),
     "triton_lean": ("triton_lean", {}),
     "compile": ("compile", {}),
     "compile_naive": ("compile_naive", {}),

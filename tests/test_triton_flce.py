@@ -276,6 +276,28 @@ def test_block_size_rule(monkeypatch):
     assert kernels.flce_blocks(100, 64, 300, 10**9, whole_tokens=False, accumulate_h=True) == (100, 300)
 
 
+def test_fast_mode_default_accumulation(monkeypatch):
+    """The fast mode's default sums grad_W in bf16 over at most MAX_SUPER_CHUNKS chunks where they
+    fit CHUNK_BYTES of logits, else keeps the fp32 accumulator (and always for fp16 weights)."""
+    monkeypatch.setattr(kernels, "CHUNK_TOKENS", None)
+    monkeypatch.delenv(kernels.CHUNK_ENV, raising=False)
+    assert kernels.fast_weight_dtype_chunk(8192, 128256) == 1024  # 8 chunks of 501 MiB
+    assert kernels.fast_weight_dtype_chunk(2048, 128256) == 1024  # never below 1024 tokens
+    assert kernels.fast_weight_dtype_chunk(16384, 128256) == 2048  # 8 chunks of 1002 MiB
+    assert kernels.fast_weight_dtype_chunk(32768, 128256) is None  # 8 chunks would be 2004 MiB each
+    assert kernels.fast_weight_dtype_chunk(37, 131) == 1024  # one chunk
+    monkeypatch.setattr(kernels, "CHUNK_TOKENS", 16)
+    assert kernels.fast_weight_dtype_chunk(37, 131) == 16  # 3 chunks
+    assert kernels.fast_weight_dtype_chunk(16 * 9, 131) is None  # 9 chunks
+    from lmkernels.backends.triton.flce import _accum_fp32
+
+    bf16 = torch.empty(131, 64, dtype=torch.bfloat16)
+    assert not _accum_fp32(None, False, 37, bf16)
+    assert _accum_fp32(None, False, 37, bf16.half())
+    assert _accum_fp32(None, False, 16 * 9, bf16)
+    assert not _accum_fp32(None, True, 16 * 9, bf16)  # lean: its own super-chunk rule
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])  # grads in the forward / recomputed
 @pytest.mark.parametrize("accum", [None, torch.float32, torch.bfloat16], ids=["none", "fp32", "bf16-lean"])
 def test_grad_accum_dtype(accum, reduction, mode):
@@ -284,7 +306,9 @@ def test_grad_accum_dtype(accum, reduction, mode):
     compare(inputs, torch.bfloat16)
 
 
-@pytest.mark.parametrize("accum", [torch.bfloat16, None], ids=["lean", "fp32-accum"])
+@pytest.mark.parametrize(
+    "accum", [torch.bfloat16, torch.float32, None], ids=["lean", "fp32-accum", "default"]
+)
 def test_scaled_in_place_without_copy(monkeypatch, accum):
     """Fast mode: the forward's grad_W and grad_hidden buffers are scaled in place and become weight.grad
     and hidden.grad: no copy, on the eager path (a plain autograd.Function, not the custom op)."""
@@ -335,8 +359,13 @@ def _profile_step(inputs):
 @pytest.mark.parametrize("reduction", ["mean", "none"])  # grads in the forward / recomputed
 @pytest.mark.parametrize(
     ("dtype", "accum"),
-    [(torch.float32, None), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, None)],
-    ids=["fp32", "bf16-lean", "bf16-fp32-accum"],
+    [
+        (torch.float32, None),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, None),
+    ],
+    ids=["fp32", "bf16-lean", "bf16-fp32-accum", "bf16-default"],
 )
 def test_allocations_per_step(dtype, accum, reduction, mode):
     """A training step allocates grad_W and grad_hidden once each and nothing else of their
@@ -352,13 +381,13 @@ def test_allocations_per_step(dtype, accum, reduction, mode):
     counts = {n: allocations.count(n) for n in (V * H * size, BT * H * size, V * H * 4)}
     expected = {V * H * size: 1, BT * H * size: 1}
     if dtype != torch.float32:
-        # fp32 V x H: the fast mode's grad_W accumulator (fp32 accumulation, gradients computed
-        # in the forward) and, without fp32-output GEMMs for 16-bit inputs (CPU), one weight
+        # fp32 V x H: the fast mode's grad_W accumulator (fp32 accumulation asked for, gradients
+        # computed in the forward; the default sums these few chunks in bf16) and, without fp32-output GEMMs for 16-bit inputs (CPU), one weight
         # upcast per loop (the forward's, and the recomputing backward's). The lean backward
         # never holds a V x H accumulator: grad_W rows are written block by block.
         in_forward = mode == "fast" and reduction == "mean"
         upcasts = 0 if kernels._cuda_fp32_out(hidden) else (1 if in_forward else 2)
-        expected[V * H * 4] = (accum is None and in_forward) + upcasts
+        expected[V * H * 4] = (accum == torch.float32 and in_forward) + upcasts
     assert counts == expected
     assert remaining == (V * H + BT * H) * size  # hidden.grad and weight.grad
     assert weight.grad.shape == (V, H) and hidden.grad.shape == (BT, H)
@@ -565,11 +594,13 @@ def test_peak_memory_cuda(monkeypatch, accum, mode):
         if not whole:  # the budget holds: 8% above the gradients
             assert max(peak_forward, peak_backward) <= (grad_h + grad_w) * 1.08 + slack
     else:
-        logits = kernels.flce_chunk_tokens(BT, V) * V * 4
-        if accum != torch.bfloat16:  # the fp32 accumulator, then the conversion's result next to it
+        chunk = kernels.fast_weight_dtype_chunk(BT, V)
+        if accum == torch.float32 or chunk is None:
+            # the fp32 accumulator, then the conversion's result next to it
+            logits = kernels.flce_chunk_tokens(BT, V) * V * 4
             expected = grad_h + 2 * grad_w + max(logits, grad_w)
-        else:
-            expected = grad_h + grad_w + logits
+        else:  # 8 chunks summed in bf16 straight into grad_W
+            expected = grad_h + grad_w + chunk * V * 4
         assert peak_forward < BT * V * 4  # below the fp32 logits that eager materializes
         assert peak_forward <= expected + slack, f"forward peak {peak_forward / 2**20:.0f} MiB"
         assert peak_backward - (before_backward - base) <= 2**20, "the fast backward allocated"

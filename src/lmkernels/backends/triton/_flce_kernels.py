@@ -41,6 +41,7 @@ MIN_VOCAB_BLOCK = 512
 # this many (measured on the CPU, bf16, 2048 tokens: grad_W error 1.2x eager's with one
 # super-chunk, 1.7x with 4, 2.2x with 8, 2.9x with 16; the policy allows 3x).
 MAX_SUPER_CHUNKS = 8
+MIN_FAST_CHUNK_TOKENS = 1024  # see fast_weight_dtype_chunk
 BLOCK_OVERRIDE: tuple[int, int] | None = None  # (super-chunk tokens, vocab block): tests, tuning
 FP16_DLOGITS_SCALE = 2.0**8  # fp16 dlogits are scaled up by this (flce.py's docstring)
 
@@ -225,6 +226,24 @@ def flce_chunk_tokens(BT: int, V: int, max_bytes: int | None = None) -> int:
         budget = CHUNK_BYTES if max_bytes is None else min(CHUNK_BYTES, max_bytes)
         rows = max(128, _round_down(budget // (4 * V), 128))
     return max(1, min(rows, BT))
+
+
+def fast_weight_dtype_chunk(BT: int, V: int) -> int | None:
+    """The fast mode's default (grad_accum_dtype=None) grad_W accumulation: in the weight's own
+    dtype over at most MAX_SUPER_CHUNKS token chunks (the rounding count the policy allows, as
+    in the lean mode), when chunks of cdiv(BT, MAX_SUPER_CHUNKS) tokens, but at least
+    MIN_FAST_CHUNK_TOKENS (smaller chunks re-read and re-write grad_W too often: 1.8x slower
+    at 1024 tokens x 4096 x 128k with 128-token chunks), fit CHUNK_BYTES of fp32 logits.
+    Returns those chunks' tokens (a multiple of 128), or None: accumulate in fp32.
+
+    Against an fp32 V x H accumulator this saves 4*V*H bytes (plus the conversion's copy) and
+    holds a smaller logits chunk: about the memory of Liger's chunked loss, at the same speed
+    (the bf16 read-modify-write of grad_W per chunk moves half the fp32 one's bytes)."""
+    override = CHUNK_TOKENS or int(os.environ.get(CHUNK_ENV, "0") or 0)
+    if override > 0:
+        return override if cdiv(BT, override) <= MAX_SUPER_CHUNKS else None
+    tokens = max(cdiv(cdiv(BT, MAX_SUPER_CHUNKS), 128) * 128, MIN_FAST_CHUNK_TOKENS)
+    return tokens if tokens * V * 4 <= CHUNK_BYTES else None
 
 
 def flce_blocks(

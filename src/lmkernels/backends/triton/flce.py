@@ -13,16 +13,19 @@ the input dtype over the logits). Two impls trade memory for time:
   super-chunk's tokens and grad_hidden accumulates in fp32. Peak memory above the inputs:
   grad_W + grad_hidden + the budget, i.e. about Cut Cross-Entropy's (its gradients alone).
   Cost: the logits are computed twice, 8*BT*H*V flops instead of 6 (the GEMMs are cuBLAS's).
-- backend "triton", the fast mode (the default): for "mean"/"sum" the forward computes every gradient (the upstream gradient is one
-  scalar, applied in the backward by scaling in place): 6*BT*H*V flops, but a chunk of fp32
-  logits (CHUNK_BYTES, 1 GiB) and, by default, an fp32 grad_W accumulator live at the peak.
+- backend "triton", the fast mode (the default): for "mean"/"sum" the forward computes every
+  gradient (the upstream gradient is one scalar, applied in the backward by scaling in place):
+  6*BT*H*V flops, with a chunk of fp32 logits live at the peak (at most CHUNK_BYTES, 1 GiB).
 
 grad_accum_dtype: fp32 means grad_W rounded once (lean: one super-chunk of all tokens, so the
 fp32 grad_hidden accumulator holds BT x H floats; fast: a V x H fp32 accumulator). weight.dtype
 lets the lean mode split the tokens into at most MAX_SUPER_CHUNKS (8) super-chunks whose grad_W
 rows are summed in the weight's dtype (one rounding each: measured 2.2x eager's error at 8, the
-policy allows 3x) and the fast mode accumulate in it (one rounding per chunk). None is the
-mode's default: lean sums in the weight's dtype, fast accumulates in fp32.
+policy allows 3x) and the fast mode accumulate in it (one rounding per chunk). None, the
+default: both modes sum at most 8 chunks in the weight's dtype; the fast mode takes 8 token
+chunks when each holds at most CHUNK_BYTES of logits (BT * V <= 2^31 at 1 GiB: e.g. 16k tokens
+at V = 128k), and otherwise (or for fp16 weights) CHUNK_BYTES chunks into an fp32 V x H
+accumulator.
 The fast mode is the default because in a training step the FLCE's own peak sits below the step's
 peak (measured end to end: the same peak memory in both modes, and the fast mode 1.2-1.3x the
 lean mode's tokens/s). Choose the lean mode like any backend, where the loss's own peak matters:
@@ -104,6 +107,10 @@ def _forward_raw(
     if lean:
         grad_bytes = _grad_bytes(hidden, weight)
         max_bytes = grad_bytes + kernels.lean_budget_bytes(BT, H, V, hidden.element_size())
+    elif grads_now and grad_weight and not accum_fp32:
+        # grad_W summed in its own dtype: at most MAX_SUPER_CHUNKS chunks where they fit.
+        tokens = kernels.fast_weight_dtype_chunk(BT, V)
+        max_bytes = tokens * V * 4 if tokens is not None else None
     loss, lse, gh, gw, gb = kernels.run_chunks(
         hidden,
         weight,
@@ -336,7 +343,7 @@ def _flce(
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
         grad_on and bias is not None and bias.requires_grad,
-        _accum_fp32(grad_accum_dtype, lean),
+        _accum_fp32(grad_accum_dtype, lean, hidden.numel() // H, weight),
         lean,
     )
     if reduction == "none":
@@ -356,12 +363,16 @@ def fused_linear_cross_entropy_triton_lean(hidden, weight, target, **options):
     return _flce(True, hidden, weight, target, **options)
 
 
-def _accum_fp32(grad_accum_dtype, lean) -> bool:
+def _accum_fp32(grad_accum_dtype, lean, BT, weight) -> bool:
     """Whether grad_W is rounded once (fp32 accumulation) rather than summed in its own dtype.
-    None: fast mode accumulates in fp32; lean mode sums at most MAX_SUPER_CHUNKS super-chunks
-    in the weight's dtype (within the correctness policy, and no memory for a bigger chunk)."""
+    None: both modes sum at most MAX_SUPER_CHUNKS chunks in the weight's dtype (within the
+    correctness policy). The fast mode keeps an fp32 accumulator where 8 chunks would each hold
+    more than CHUNK_BYTES of logits (kernels.fast_weight_dtype_chunk), and for fp16 weights: an
+    fp16 grad_W sum forgoes the dlogits scaling that keeps fp16 gradients out of underflow."""
     if grad_accum_dtype is None:
-        return not lean
+        if lean:
+            return False
+        return weight.dtype == torch.float16 or kernels.fast_weight_dtype_chunk(BT, weight.shape[0]) is None
     return grad_accum_dtype == torch.float32
 
 
