@@ -139,6 +139,8 @@ def op_function(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 def dispatch(op: str, backend: str | None, **inputs: Any) -> Any:
     """``dispatch("rms_norm", None, x=x, weight=w)``: the same as the op's public function, for
     callers that have the inputs as a dict (the harness); a dict and a lookup more per call."""
+    if torch.compiler.is_compiling():
+        return _traced(op, backend, **inputs)  # building a function (exec) cannot be traced
     params = tuple(inputs)
     fn = _GENERIC.get((op, params))
     if fn is None:
