@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import platform
 import statistics
 import sys
@@ -134,12 +135,22 @@ def report(figures: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=20.0, help="time budget of the measurement")
     p.add_argument("--calls", type=int, default=100, help="calls per timed window")
     args = p.parse_args(argv)
-    print(f"torch {torch.__version__}, python {platform.python_version()}, {platform.processor()}")
+    print(
+        f"torch {torch.__version__}, python {platform.python_version()}, {_cpu_name()}, {os.cpu_count()} cores"
+    )
     print(f"measuring for {args.seconds:.0f} s ...", flush=True)
     print(report(measure(args.seconds, args.calls)))
     return 0

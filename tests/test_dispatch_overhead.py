@@ -2,17 +2,17 @@
 benchmarks/dispatch_overhead.py (run it for the reported figures; it says how it measures):
 
 - issue: `lk.rms_norm(x, w, backend="eager")` minus `rms_norm_reference(x, w)`, and the same for
-  rope. On the 2-core development machine shared by three agents it measured +19..+24 us
-  before the per-op generated fast path and +10..+14 us after (+9..+11 when quieter).
+  rope. On the 2-core development machine shared by three agents: +18..+19 us (rms_norm) and
+  +22..+25 us (rope) before the per-op generated fast path, +11..+12 and +13..+14 after.
 - dispatch: the public function around an impl that does nothing, minus calling that impl:
-  7.3 us (rms_norm) and 10.1 us (rope) before, 4.5 and 6.3 after.
+  6.8..7.4 and 9.6..10.1 us before, 4.5..4.6 and 6.3..6.5 after.
 
 Bounds: the figures are medians of paired differences, which a loaded machine still moves by
 a few microseconds (more for the issue figure, whose reference side alone takes 60-170 us and
 runs slower after any other work). CI is a loaded 2-core machine, so the bounds sit above what
 the loaded development machine measured, yet below what the code before the fast path
-measured there (the code before it fails this test): issue < 18 us, dispatch < 8 us. One retry absorbs a burst of load; a real
-regression fails both tries."""
+measured there (the code before it fails this test): issue < 18 us, dispatch < 8 us. One retry
+absorbs a burst of load; a real regression fails both tries."""
 
 import importlib.util
 from pathlib import Path
