@@ -1,76 +1,39 @@
-"""Host cost of the dispatch on the CPU, tiny tensors: what `lk.rms_norm(x, w, backend=...)`
-and `lk.rope(...)` add over calling the impl directly. Target <= 10 us per call; the uncached
-dispatch cost 28-41 us (issue 13) and 40-70 us on the loaded 7-agent development machine,
-where the cached fast path measures 11-17 us.
+"""Host cost of the dispatch on the CPU, tiny tensors (issue 13: <= 10 us per call), measured by
+benchmarks/dispatch_overhead.py (run it for the reported figures; it says how it measures):
 
-The assertion times the dispatch around an impl that does nothing, so the impl's own time (and
-its noise on a loaded machine, which is larger than the dispatch itself) drops out; the printed
-line also gives the definition of the issue, the eager backend minus the bare eager reference.
-Each figure is the best of many repeats of many calls."""
+- issue: `lk.rms_norm(x, w, backend="eager")` minus `rms_norm_reference(x, w)`, and the same for
+  rope. On the 2-core development machine shared by three agents: +18..+19 us (rms_norm) and
+  +22..+25 us (rope) before the per-op generated fast path, +11..+12 and +13..+14 after.
+- dispatch: the public function around an impl that does nothing, minus calling that impl:
+  6.8..7.4 and 9.6..10.1 us before, 4.5..4.6 and 6.3..6.5 after.
 
-import functools
-import time
+Bounds: the figures are medians of paired differences, which a loaded machine still moves by
+a few microseconds (more for the issue figure, whose reference side alone takes 60-170 us and
+runs slower after any other work). CI is a loaded 2-core machine, so the bounds sit above what
+the loaded development machine measured, yet below what the code before the fast path
+measured there (the code before it fails this test): issue < 18 us, dispatch < 8 us. One retry
+absorbs a burst of load; a real regression fails both tries."""
 
-import pytest
-import torch
+import importlib.util
+from pathlib import Path
 
-import lmkernels as lk
-from lmkernels.ops.rms_norm import rms_norm_reference
-from lmkernels.ops.rope import rope_reference
-from lmkernels.registry import register, unregister
+ISSUE_BOUND_US = 18.0
+DISPATCH_BOUND_US = 8.0
 
-# Loose for a loaded 2-core CI machine, and still below what the uncached dispatch cost.
-BOUND_US = 25.0
-
-
-def best_us(fn, calls: int = 2000, repeats: int = 15) -> float:
-    for _ in range(100):
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, time.perf_counter() - t0)
-    return best / calls * 1e6
+_path = Path(__file__).resolve().parents[1] / "benchmarks" / "dispatch_overhead.py"
+_spec = importlib.util.spec_from_file_location("dispatch_overhead", _path)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
 
 
-def _nothing(**inputs):
-    return None
+def _within_bounds(figures) -> bool:
+    return all(f["issue"] < ISSUE_BOUND_US and f["dispatch"] < DISPATCH_BOUND_US for f in figures.values())
 
 
-@pytest.fixture
-def noop_backend():
-    register("rms_norm", "noop", _nothing)
-    register("rope", "noop", _nothing)
-    yield "noop"
-    unregister("rms_norm", "noop")
-    unregister("rope", "noop")
-
-
-def test_dispatch_overhead_per_call_on_cpu(noop_backend):
-    x, w = torch.randn(4, 8), torch.randn(8)
-    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 4, 8)
-    cos, sin = torch.randn(4, 8), torch.randn(4, 8)
-    rope_kw = {"position_ids": None, "layout": "neox", "rotary_dim": None}
-    cases = {
-        "rms_norm": (
-            lambda b: lk.rms_norm(x, w, backend=b),
-            lambda: _nothing(x=x, weight=w, eps=1e-6, offset=0.0, casting_mode="llama"),
-            lambda: rms_norm_reference(x, w),
-        ),
-        "rope": (
-            lambda b: lk.rope(q, k, cos, sin, backend=b),
-            lambda: _nothing(q=q, k=k, cos=cos, sin=sin, **rope_kw),
-            lambda: rope_reference(q, k, cos, sin),
-        ),
-    }
-    overhead = {}
-    for name, (public, direct, reference) in cases.items():
-        overhead[name] = best_us(functools.partial(public, noop_backend)) - best_us(direct)
-        eager, bare = best_us(functools.partial(public, "eager"), 500), best_us(reference, 500)
-        print(
-            f"{name}: dispatch {overhead[name]:.1f} us per call; eager backend {eager:.1f} us "
-            f"vs bare reference {bare:.1f} us ({eager - bare:+.1f} us)"
-        )
-    assert max(overhead.values()) < BOUND_US, overhead
+def test_dispatch_overhead_per_call_on_cpu():
+    figures = bench.measure(seconds=3.0)
+    print(bench.report(figures))
+    if not _within_bounds(figures):
+        figures = bench.measure(seconds=6.0)
+        print("retry:\n" + bench.report(figures))
+    assert _within_bounds(figures), figures

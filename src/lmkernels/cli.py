@@ -6,6 +6,7 @@ import argparse
 import ast
 import datetime
 import importlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -93,6 +94,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
         return 2
     grid = "full" if args.full else "quick"
     compile_backend = None if args.compile == "none" else args.compile
+    # Workers start first: they import torch and the compiler while this process plans.
+    jobs = args.jobs if args.jobs is not None else default_jobs(args.device, args.op, args.backend)
+    workers = runner.start_workers(jobs) if jobs > 1 else None
+    try:
+        return _validate(args, grid, compile_backend, jobs, workers)
+    finally:
+        if workers is not None:
+            workers.shutdown(cancel_futures=True)
+
+
+def _validate(args, grid: str, compile_backend: str | None, jobs: int, workers) -> int:
+    from lmkernels.harness import runner
+
     plans = list(
         runner.plan_cases(
             args.op,
@@ -106,12 +120,23 @@ def cmd_validate(args: argparse.Namespace) -> int:
     )
     skipped = runner.skipped_backends(args.op, args.backend, args.device)
     ran = sorted({p.impl.backend for p in plans})
-    console.print(f"validating on {args.device}: {', '.join(ran) or 'nothing'} ({len(plans)} cases)")
+    console.print(
+        f"validating on {args.device}: {', '.join(ran) or 'nothing'} ({len(plans)} cases, "
+        f"{jobs} process{'es' if jobs > 1 else ''})"
+    )
     if skipped:
         console.print(f"not run here: {summarize_skipped(skipped)}", soft_wrap=False)
     if not plans:
         console.print("[red]nothing to validate for these filters[/]")
         return 2
+    if grid == "quick":
+        console.print(
+            "quick grid: per op and backend, values and gradients of every option set, dtype "
+            "and quick shape at least once (not their product); fullgraph compile check "
+            f"({compile_backend or 'off'}) once per backend"
+        )
+    for line in runner.coverage_lines(plans):
+        console.print(f"  {line}")
     meta = runner.environment() | {
         "grid": grid,
         "command": " ".join(sys.argv),
@@ -127,7 +152,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             runner.write_reports(so_far, out, meta | {"partial": f"{len(so_far)} of {len(plans)} cases"})
             last_write[0] = time.monotonic()
 
-    results = runner.run_validation(plans, args.device, console, not args.no_progress, checkpoint)
+    results = runner.run_validation(plans, args.device, console, not args.no_progress, checkpoint, workers)
     console.print(runner.summary_table(results))
     for line in runner.failure_lines(results):
         console.print(f"[red]FAIL[/] {line}")
@@ -137,6 +162,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     n_uns = sum(r.status == "unsupported" for r in results)
     console.print(f"{n_pass} passed, {n_bad} failed, {n_uns} unsupported; reports: {paths['md'].parent}")
     return 1 if n_bad else 0
+
+
+def default_jobs(device: str, op_filter, backend_filter) -> int:
+    """Two worker processes on a CPU with 2+ cores (a CPU run mostly waits on the C++ compiler
+    of the compile backend); one for a run narrowed to some ops and backends, too small to
+    pay for starting them (seconds), and on a GPU."""
+    if device != "cpu" or (op_filter and backend_filter):
+        return 1
+    return min(2, os.cpu_count() or 1)
 
 
 def summarize_skipped(skipped: dict[str, str]) -> str:
@@ -191,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--compile-all", action="store_true", help="compile-check every case, not one per impl/dtype"
     )
+    v.add_argument("--jobs", type=int, help="worker processes (default: 2 on a CPU with 2+ cores, else 1)")
     v.add_argument("--out", help="report directory")
     v.add_argument("--no-progress", action="store_true")
     v.set_defaults(func=cmd_validate)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib
 import json
+import multiprocessing
 import platform
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +18,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lmkernels.harness.checks import DTYPE_NAMES, DTYPES_BY_NAME, CaseResult, check_case
+from lmkernels.harness.checks import DTYPE_NAMES, DTYPES_BY_NAME, CaseResult, case_id, check_case
 from lmkernels.harness.listing import SHORT_NAMES
-from lmkernels.registry.core import Impl, OpSpec, get_op, impls, ops
+from lmkernels.registry.core import Impl, LMKernelsError, OpSpec, get_impl, get_op, impls, ops
 from lmkernels.registry.dispatch import canonical_op
 
 
@@ -66,10 +69,13 @@ def plan_cases(
     compile_first_only: bool = True,
     device: str | None = None,
 ) -> Iterator[Plan]:
-    """The cases to run (on the quick grid, option cases on the first shape only). The compile
-    check runs once per (impl, dtype) on the first shape and
-    the default options unless compile_first_only is False (it costs a compilation each).
-    With a device, impls that cannot run there at all are left out (see skipped_backends)."""
+    """The cases to run, impls innermost (the fp64 reference of a case is computed once and
+    shared by them). With a device, impls that cannot run there at all are left out (see
+    skipped_backends).
+
+    full: every shape x dtype x option case. quick: see quick_combos. The fullgraph compile
+    check (compile_backend) runs on the first case of each impl and dtype on the full grid,
+    of each impl on the quick one, or on every case without compile_first_only."""
     specs = [get_op(canonical_op(n)) for n in op_names] if op_names else ops()
     for spec in specs:
         chosen = [
@@ -78,22 +84,52 @@ def plan_cases(
             if (not backends or i.backend in backends)
             and (device is None or not not_runnable_here(i, device))
         ]
-        seen_compile: set[tuple[str, torch.dtype]] = set()
-        # Impls innermost: the fp64 reference of a case is computed once and shared by them.
-        for dtype in spec.dtypes:
-            if dtypes and DTYPE_NAMES[dtype] not in dtypes:
-                continue
-            for n_shape, shape in enumerate(spec.shapes[grid]):
-                # Quick: every option case on the first shape, the default case on the others
-                # (the full grid crosses them all). Most of a quick run's time is compilation,
-                # one per case and dtype for the compile backend.
-                cases = spec.cases if grid != "quick" or n_shape == 0 else spec.cases[:1]
-                for case in cases:
-                    for impl in chosen:
-                        first = (impl.backend, dtype) not in seen_compile
-                        seen_compile.add((impl.backend, dtype))
-                        run_compile = compile_backend if (first or not compile_first_only) else None
-                        yield Plan(spec, impl, shape, dtype, case, run_compile)
+        op_dtypes = [d for d in spec.dtypes if not dtypes or DTYPE_NAMES[d] in dtypes]
+        if grid == "quick":
+            combos = quick_combos(spec, op_dtypes)
+        else:
+            combos = [(s, d, c) for d in op_dtypes for s in spec.shapes[grid] for c in spec.cases]
+        seen_compile: set[tuple[str, torch.dtype | None]] = set()
+        for shape, dtype, case in combos:
+            for impl in chosen:
+                key = (impl.backend, None if grid == "quick" else dtype)
+                first = key not in seen_compile
+                seen_compile.add(key)
+                run_compile = compile_backend if (first or not compile_first_only) else None
+                yield Plan(spec, impl, shape, dtype, case, run_compile)
+
+
+def quick_combos(
+    spec: OpSpec, dtypes: Sequence[torch.dtype]
+) -> list[tuple[dict[str, int], torch.dtype, dict[str, Any]]]:
+    """The quick grid: every option case, every dtype and every quick shape at least once, taken
+    in turn (combination i: case i, dtype i, shape i, each list cycling), not their product.
+    Each combination costs the compile backend a compilation (seconds on a CPU): this covers
+    every code path the grid names with as few as the longest list."""
+    if not dtypes:
+        return []
+    shapes, cases = spec.shapes["quick"], spec.cases
+    n = max(len(cases), len(dtypes), len(shapes))
+    return [(shapes[i % len(shapes)], dtypes[i % len(dtypes)], cases[i % len(cases)]) for i in range(n)]
+
+
+def coverage_lines(plans: Sequence[Plan]) -> list[str]:
+    """One line per op: how many cases per backend, the dtypes, option sets and shapes covered."""
+    by_op: dict[str, list[Plan]] = {}
+    for p in plans:
+        by_op.setdefault(p.spec.name, []).append(p)
+    lines = []
+    for op, ps in by_op.items():
+        spec = ps[0].spec
+        backends = list(dict.fromkeys(p.impl.backend for p in ps))
+        dtypes = list(dict.fromkeys(DTYPE_NAMES[p.dtype] for p in ps))
+        n_cases = len({case_id(p.case) for p in ps})
+        n_shapes = len({spec.shape_id(p.shape) for p in ps})
+        lines.append(
+            f"{SHORT_NAMES.get(op, op)}: {len(ps) // len(backends)} cases per backend; "
+            f"{' '.join(dtypes)}; {n_cases}/{len(spec.cases)} options; {n_shapes} shapes"
+        )
+    return lines
 
 
 def environment() -> dict[str, Any]:
@@ -122,14 +158,14 @@ def run_validation(
     console: Console | None = None,
     progress: bool = True,
     on_result: Callable[[list[CaseResult]], None] | None = None,
+    workers: ProcessPoolExecutor | None = None,
 ) -> list[CaseResult]:
-    """Run the plans; on_result(results so far) after each case (e.g. to rewrite the reports,
-    so a run stopped by a time limit keeps what it checked)."""
+    """Run the plans, in the worker processes of start_workers() if given (a CPU run is mostly
+    the compile backend waiting on the C++ compiler), else in this process; on_result(results
+    so far) after each case (e.g. to rewrite the reports, so a run stopped by a time limit keeps
+    what it checked). Results come back in the order of the plans."""
     console = console or Console()
-    # A compile backend that hit dynamo's recompile limit would silently run eagerly: make it
-    # an error the check reports instead.
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
-    results = []
+    _fail_on_recompile_limit()
     columns = [
         TextColumn("[bold]validate"),
         BarColumn(),
@@ -137,26 +173,82 @@ def run_validation(
         TimeElapsedColumn(),
         TextColumn("{task.fields[current]}"),
     ]
+    done: dict[int, CaseResult] = {}
     with Progress(*columns, console=console, disable=not progress, transient=False) as bar:
         task = bar.add_task("validate", total=len(plans), current="")
-        for plan in plans:
-            label = f"{plan.spec.name}-{plan.impl.backend}-{plan.spec.shape_id(plan.shape)}-{DTYPE_NAMES[plan.dtype]}"
-            bar.update(task, current=label)
-            results.append(
-                check_case(
-                    plan.spec,
-                    plan.impl,
-                    plan.shape,
-                    plan.dtype,
-                    plan.case,
-                    device=device,
-                    compile_backend=plan.compile_backend,
-                )
-            )
-            bar.advance(task)
+
+        def record(i: int, result: CaseResult) -> None:
+            done[i] = result
+            bar.update(task, advance=1, current=result.test_id[:40])
             if on_result is not None:
-                on_result(results)
-    return results
+                on_result([done[k] for k in sorted(done)])
+
+        if workers is None:
+            for i, plan in enumerate(plans):
+                record(i, _run_plan(plan, device))
+        else:
+            futures = {workers.submit(_run_in_worker, _portable(p), device): i for i, p in enumerate(plans)}
+            for future in as_completed(futures):
+                record(futures[future], future.result())
+    return [done[i] for i in range(len(plans))]
+
+
+def start_workers(jobs: int) -> ProcessPoolExecutor:
+    """`jobs` worker processes for run_validation, started now: they import torch, the backends
+    and the compiler while the caller plans (shut them down with .shutdown())."""
+    # spawn, not fork: a forked child inherits torch's thread pools and locks mid-use.
+    pool = ProcessPoolExecutor(
+        jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker
+    )
+    for _ in range(jobs):
+        pool.submit(int)  # processes start on the first submissions
+    return pool
+
+
+def _start_worker() -> None:
+    from torch._inductor import config as inductor_config
+
+    torch.set_num_threads(1)  # tiny cases, and the workers share the cores
+    inductor_config.compile_threads = 1  # the workers are the parallelism: no compile pools
+    _fail_on_recompile_limit()
+    impls()  # load the backends now, while the parent plans
+    importlib.import_module("torch._inductor.compile_fx")  # the compiler's imports (seconds)
+
+
+def _fail_on_recompile_limit() -> None:
+    # A compile backend that hit dynamo's recompile limit would silently run eagerly: make it
+    # an error the check reports instead.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+def _run_plan(plan: Plan, device: str) -> CaseResult:
+    return check_case(
+        plan.spec,
+        plan.impl,
+        plan.shape,
+        plan.dtype,
+        plan.case,
+        device=device,
+        compile_backend=plan.compile_backend,
+    )
+
+
+def _portable(plan: Plan) -> tuple:
+    """A plan by names (OpSpecs and impls hold functions a worker process looks up itself)."""
+    return (plan.spec.name, plan.impl.backend, plan.shape, plan.dtype, plan.case, plan.compile_backend)
+
+
+def _run_in_worker(portable: tuple, device: str) -> CaseResult:
+    op, backend, shape, dtype, case, compile_backend = portable
+    spec = get_op(op)
+    try:
+        impl = get_impl(op, backend)
+    except LMKernelsError as e:
+        reason = f"{e} in a worker process (registered at run time? use --jobs 1)"
+        return CaseResult(
+            op, backend, spec.shape_id(shape), DTYPE_NAMES[dtype], case_id(case), device, "error", reason
+        )
+    return _run_plan(Plan(spec, impl, shape, dtype, case, compile_backend), device)
 
 
 STATUS_STYLE = {"pass": "green", "fail": "bold red", "error": "bold red", "unsupported": "yellow"}

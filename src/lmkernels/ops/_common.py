@@ -1,13 +1,13 @@
 """What the op files share: the dispatch call of their public functions (check inputs, pick the
-impl, call it; see registry.dispatch) and the random input helpers of their make_inputs."""
+impl, call it; see registry.fastpath) and the random input helpers of their make_inputs."""
 
 from __future__ import annotations
 
 import torch
 
-from lmkernels.registry.dispatch import dispatch
+from lmkernels.registry.fastpath import dispatch, op_function
 
-__all__ = ["dispatch", "generator", "randn"]
+__all__ = ["dispatch", "generator", "op_function", "randn"]
 
 
 def randn(shape, dtype: torch.dtype, device, generator: torch.Generator, scale: float = 1.0):

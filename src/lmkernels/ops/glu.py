@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmkernels.ops._common import dispatch, generator, randn
+from lmkernels.ops._common import generator, op_function, randn
 from lmkernels.registry.core import OpSpec, register_op
 from lmkernels.utils import check_choice, check_same_device, check_same_dtype, check_tensor, fail
 
@@ -105,17 +105,15 @@ GEGLU = register_op(
 )
 
 
+@op_function("swiglu")  # writes the body: check the inputs, pick the backend, call it
 def swiglu(gate, up, *, consume_inputs=False, backend=None) -> torch.Tensor:
     """silu(gate) * up.
 
     consume_inputs=True hands gate and up over for good: the backward may write the gradients
     over them (no allocation). Set it only on tensors nothing else reads afterwards.
     """
-    return dispatch("swiglu", backend, gate=gate, up=up, consume_inputs=consume_inputs)
 
 
+@op_function("geglu")
 def geglu(gate, up, approximate="tanh", *, consume_inputs=False, backend=None) -> torch.Tensor:
     """gelu(gate, approximate) * up. consume_inputs: as for swiglu."""
-    return dispatch(
-        "geglu", backend, gate=gate, up=up, approximate=approximate, consume_inputs=consume_inputs
-    )

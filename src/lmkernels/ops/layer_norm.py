@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from lmkernels.ops._common import dispatch, generator, randn
+from lmkernels.ops._common import generator, op_function, randn
 from lmkernels.registry.core import OpSpec, register_op
 from lmkernels.utils import check_same_device, check_tensor, fail
 
@@ -72,6 +72,6 @@ SPEC = register_op(
 )
 
 
+@op_function("layer_norm")  # writes the body: check the inputs, pick the backend, call it
 def layer_norm(x, weight=None, bias=None, eps=1e-5, *, backend=None):
     """LayerNorm over the last dim of x. See the module docstring for the semantics."""
-    return dispatch("layer_norm", backend, x=x, weight=weight, bias=bias, eps=eps)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from lmkernels.ops._common import dispatch, generator, randn
+from lmkernels.ops._common import generator, op_function, randn
 from lmkernels.registry.core import OpSpec, register_op
 from lmkernels.utils import check_choice, check_same_device, check_tensor, fail
 
@@ -83,8 +83,6 @@ SPEC = register_op(
 )
 
 
+@op_function("rms_norm")  # writes the body: check the inputs, pick the backend, call it
 def rms_norm(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama", *, backend=None):
     """RMSNorm over the last dim of x. See the module docstring for the semantics."""
-    return dispatch(
-        "rms_norm", backend, x=x, weight=weight, eps=eps, offset=offset, casting_mode=casting_mode
-    )

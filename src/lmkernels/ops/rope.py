@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from lmkernels.ops._common import dispatch, generator, randn
+from lmkernels.ops._common import generator, op_function, randn
 from lmkernels.registry.core import OpSpec, register_op
 from lmkernels.utils import check_choice, check_same_device, check_tensor, fail
 
@@ -145,16 +145,6 @@ SPEC = register_op(
 )
 
 
+@op_function("rope")  # writes the body: check the inputs, pick the backend, call it
 def rope(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None, *, backend=None):
     """Rotate q and k; returns (q_out, k_out). See the module docstring for the semantics."""
-    return dispatch(
-        "rope",
-        backend,
-        q=q,
-        k=k,
-        cos=cos,
-        sin=sin,
-        position_ids=position_ids,
-        layout=layout,
-        rotary_dim=rotary_dim,
-    )

@@ -18,10 +18,8 @@ thread sees the choice last made in that thread. Work that autograd runs in its 
 (the recomputed forward of activation checkpointing on CUDA) sees that thread's choice, not the
 caller's: pass backend= explicitly (the nn modules and the integration do) where that matters.
 
-The fast path (`dispatch`): the checks that need no data and the resolution are remembered per
-op, backend argument, override state, env value, grad mode and input signature (per tensor:
-type, shape, dtype, device, requires_grad; other inputs by type and value), so a repeated call
-costs a dict lookup. Value checks (OpSpec.check_values) still run on every call.
+What the ops' public functions run on every call (the checks, this resolution, remembered per
+input signature) is in registry/fastpath.py.
 """
 
 from __future__ import annotations
@@ -122,7 +120,6 @@ def _env_table() -> dict[str, str]:
 def _invalidate() -> None:
     global _env_cache
     _env_cache = None
-    _CACHE.clear()
 
 
 @contextlib.contextmanager
@@ -211,59 +208,6 @@ def resolve(op: str, inputs: dict[str, Any], backend: str | None = None) -> Impl
             return impl
         rejected.append(f"{impl.backend}: {'; '.join(reasons)}")
     raise BackendNotSupportedError(f"{op}: no backend can run these inputs: " + " | ".join(rejected))
-
-
-# --- the fast path ---------------------------------------------------------------------------------
-
-# (op, backend argument, overrides, env value, grad mode, *signature) -> (impl, check_values).
-_CACHE: dict[tuple, tuple[Impl, Any]] = {}
-_CACHE_LIMIT = 4096  # distinct signatures; past it the cache starts over (e.g. many shapes)
-
-
-# os.environ.get costs microseconds when the variable is unset (a KeyError raised and caught
-# inside); its backing dict, which os.environ updates on every change, answers in nanoseconds.
-if hasattr(os.environ, "_data"):
-    _env_get, _ENV_KEY = os.environ._data.get, os.environ.encodekey(ENV_VAR)
-else:
-    _env_get, _ENV_KEY = os.environ.get, ENV_VAR
-_Tensor = torch.Tensor
-_is_compiling = torch.compiler.is_compiling
-_is_grad_enabled = torch.is_grad_enabled
-
-
-def dispatch(op: str, backend: str | None, **inputs: Any) -> Any:
-    """Check the inputs, pick the impl, call it: what every op's public function does."""
-    if _is_compiling():
-        # Traced once per graph and guarded by dynamo; the cache would only add guards.
-        get_op(op).check_inputs(**inputs)
-        return resolve(op, inputs, backend).fn(**inputs)
-    # The cache key, flat (this runs on every call: a few microseconds in all). Per tensor its
-    # shape, dtype, device and requires_grad; subclasses share their plain twin's entry, as no
-    # check or supports() looks at the type. Other values with their type: 16 == 16.0 == True,
-    # but a check may accept only one of them.
-    key: Any = [op, backend, _CONTEXT.get(), _env_get(_ENV_KEY), _is_grad_enabled()]
-    for v in inputs.values():
-        if isinstance(v, _Tensor):
-            key += (v.shape, v.dtype, v.device, v.requires_grad)
-        else:
-            key += (type(v), v)
-    key = tuple(key)
-    try:
-        hit = _CACHE.get(key)
-    except TypeError:  # an unhashable option value: no caching for this call
-        key, hit = None, None
-    if hit is None:
-        spec = get_op(op)
-        spec.check_inputs(**inputs)
-        hit = (resolve(op, inputs, backend), spec.check_values)
-        if key is not None:
-            if len(_CACHE) >= _CACHE_LIMIT:
-                _CACHE.clear()
-            _CACHE[key] = hit
-    impl, check_values = hit
-    if check_values is not None:
-        check_values(**inputs)
-    return impl.fn(**inputs)
 
 
 on_change(_invalidate)
