@@ -295,3 +295,22 @@ def test_value_checks_run_on_every_call(monkeypatch):
     monkeypatch.setenv("LMKERNELS_CHECK_VALUES", "0")
     with pytest.raises(RuntimeError, match="out of bounds"):  # off: the eager reference itself fails
         lmkernels.fused_linear_cross_entropy(h, w, bad, backend="eager")
+
+
+def test_first_op_call_inside_fullgraph_compile():
+    """A fresh process whose very first op call is traced by torch.compile(fullgraph=True): the
+    backends load at trace time (not traced: imports and entry points cannot be) and the graph
+    has no break."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, lmkernels as lk\n"
+        "w = torch.randn(8)\n"
+        "f = torch.compile(lambda x: lk.rms_norm(x, w, backend='eager'), fullgraph=True, backend='eager')\n"
+        "x = torch.randn(4, 8)\n"
+        "torch.testing.assert_close(f(x), lk.rms_norm(x, w, backend='eager'))\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

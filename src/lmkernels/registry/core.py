@@ -256,7 +256,16 @@ def add_loader(loader: Callable[[], None]) -> None:
     _PENDING_LOADERS.append(loader)
 
 
-def _ensure_loaded() -> None:
+def _ensure_loaded() -> bool:
     while _PENDING_LOADERS:
         # Taken off the list before it runs: lookups made while loading do not rerun it.
         _PENDING_LOADERS.pop(0)()
+    return True
+
+
+# When the very first lookup happens inside a torch.compile trace, dynamo cannot trace the
+# loaders (imports, entry points): marked as a constant-result function, dynamo runs it for real
+# at trace time instead, and guards on nothing it reads. This is what
+# torch._dynamo.assume_constant_result does (it only sets this attribute); set directly so that
+# importing the registry does not import dynamo.
+_ensure_loaded._dynamo_marked_constant = True  # type: ignore[attr-defined]
