@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from families_gpu import SIZE  # noqa: E402  (the same model sizes as the validation run)
+from families_gpu import DEFAULT, SIZE  # noqa: E402  (the validation run's families and sizes)
 
 # The bf16 rule of lmkernels.convergence.compare, applied per step on shared weights; the floors
 # are bf16's own resolution (a relative error below 2^-8 is not a bf16 difference).
@@ -155,7 +155,7 @@ def verdict(steps) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
-    p.add_argument("--families", nargs="+", default=["qwen3", "qwen3_moe", "gemma3_text"])
+    p.add_argument("--families", nargs="+", default=list(DEFAULT))
     p.add_argument("--backend", default="triton")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeat", type=int, default=1)

@@ -211,6 +211,11 @@ def _round_down(x: int, multiple: int) -> int:
     return x // multiple * multiple
 
 
+def _chunk_override() -> int:
+    """Tokens per forward chunk fixed by CHUNK_TOKENS or the environment (0: not fixed)."""
+    return CHUNK_TOKENS or int(os.environ.get(CHUNK_ENV, "0") or 0)
+
+
 def lean_budget_bytes(BT: int, H: int, V: int, itemsize: int) -> int:
     """Bytes the lean mode may use beyond its gradients (LEAN_EXTRA_FRACTION of them)."""
     return int(LEAN_EXTRA_FRACTION * (V + BT) * H * itemsize)
@@ -219,7 +224,7 @@ def lean_budget_bytes(BT: int, H: int, V: int, itemsize: int) -> int:
 def flce_chunk_tokens(BT: int, V: int, max_bytes: int | None = None) -> int:
     """Tokens per run_chunks chunk: CHUNK_BYTES (or max_bytes, if smaller) of fp32 logits,
     rounded down to a multiple of 128 (cuBLAS tile height), at least 128, at most BT."""
-    override = CHUNK_TOKENS or int(os.environ.get(CHUNK_ENV, "0") or 0)
+    override = _chunk_override()
     if override > 0:
         rows = override
     else:
@@ -239,7 +244,7 @@ def fast_weight_dtype_chunk(BT: int, V: int) -> int | None:
     Against an fp32 V x H accumulator this saves 4*V*H bytes (plus the conversion's copy) and
     holds a smaller logits chunk: about the memory of Liger's chunked loss, at the same speed
     (the bf16 read-modify-write of grad_W per chunk moves half the fp32 one's bytes)."""
-    override = CHUNK_TOKENS or int(os.environ.get(CHUNK_ENV, "0") or 0)
+    override = _chunk_override()
     if override > 0:
         return override if cdiv(BT, override) <= MAX_SUPER_CHUNKS else None
     tokens = max(cdiv(cdiv(BT, MAX_SUPER_CHUNKS), 128) * 128, MIN_FAST_CHUNK_TOKENS)
