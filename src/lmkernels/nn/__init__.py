@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import lmkernels
+from lmkernels.nn.recompute import project_recomputed
 from lmkernels.ops.flce import REDUCTIONS
 from lmkernels.ops.glu import GELU_APPROXIMATIONS
 from lmkernels.ops.rms_norm import CASTING_MODES
@@ -143,7 +144,10 @@ class SwiGLUMLP(_GLUMLP):
         # gate and up are created here and read by nothing else: handed over to the GLU, whose
         # backward may then write the gradients over them (see lmkernels.swiglu).
         gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(lmkernels.swiglu(gate, up, consume_inputs=True, backend=self.backend))
+        h = lmkernels.swiglu(gate, up, consume_inputs=True, backend=self.backend)
+        return project_recomputed(
+            self.down_proj, h, lambda: lmkernels.swiglu(gate, up, backend=self.backend), (gate, up)
+        )
 
 
 class GeGLUMLP(_GLUMLP):
@@ -167,7 +171,8 @@ class GeGLUMLP(_GLUMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)  # handed over: see SwiGLUMLP.forward
         h = lmkernels.geglu(gate, up, self.approximate, consume_inputs=True, backend=self.backend)
-        return self.down_proj(h)
+        again = lambda: lmkernels.geglu(gate, up, self.approximate, backend=self.backend)  # noqa: E731
+        return project_recomputed(self.down_proj, h, again, (gate, up))
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"

@@ -18,6 +18,7 @@ from torch import nn
 
 import lmkernels
 from lmkernels.integrations.lm_head_loss import keep_hidden, lm_head_loss
+from lmkernels.nn.recompute import project_recomputed
 from lmkernels.registry import LMKernelsError
 
 # transformers activation classes (by name: they were renamed across versions) -> GLU op.
@@ -85,17 +86,20 @@ def layer_norm_forward(eps_attr: str | None, eps: float, backend: str | None):
 # --- gated MLPs ----------------------------------------------------------------------------------------
 
 
-def glu(kind: tuple[str, str | None], gate: torch.Tensor, up: torch.Tensor, backends: dict) -> torch.Tensor:
+def glu(
+    kind: tuple[str, str | None], gate: torch.Tensor, up: torch.Tensor, backends: dict, consume=True
+) -> torch.Tensor:
     """The one GLU call of every patched MLP and MoE expert. gate and up are created by the
     caller's projections and used by nothing else, so the GLU may consume them (its backward
-    writes the gradients over them; it leaves chunk() halves of a fused projection alone)."""
+    writes the gradients over them; it leaves chunk() halves of a fused projection alone).
+    consume=False: the recomputation of the output for down_proj's backward."""
     if type(gate).__name__ == "DTensor":  # tensor parallel: the local shard
         from lmkernels.distributed.local import local_call
 
         return local_call(lambda g, u: glu(kind, g, u, backends), [gate, up], op=kind[0], reduced_dims=())
     if kind[0] == "swiglu":
-        return lmkernels.swiglu(gate, up, consume_inputs=True, backend=backends["swiglu"])
-    return lmkernels.geglu(gate, up, approximate=kind[1], consume_inputs=True, backend=backends["geglu"])
+        return lmkernels.swiglu(gate, up, consume_inputs=consume, backend=backends["swiglu"])
+    return lmkernels.geglu(gate, up, approximate=kind[1], consume_inputs=consume, backend=backends["geglu"])
 
 
 def glu_backends(table: dict[str, str]) -> dict[str, str | None]:
@@ -121,7 +125,8 @@ def mlp_forward(layout: str, act_attr: str, backends: dict):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(glu(kind, gate, up, backends))
+        h = glu(kind, gate, up, backends)
+        return project_recomputed(self.down_proj, h, lambda: glu(kind, gate, up, backends, False), (gate, up))
 
     return mark(forward)
 

@@ -1,0 +1,89 @@
+"""A gated MLP's down projection that keeps no copy of its input for the backward.
+
+down_proj(h) with h = act(gate) * up: autograd normally saves h (B*T x intermediate values per
+layer, about a fifth of a Llama layer's saved activations) for down_proj's weight gradient,
+while the GLU saves gate and up. h is a cheap elementwise function of gate and up, so here
+autograd stores a recipe instead and recomputes h, with the same kernel and so the same bits,
+when down_proj's backward asks for it. Cost: one elementwise pass (read gate and up, write h)
+per layer in the backward; the step's peak drops by h's bytes per layer that is not
+checkpointed.
+
+Applied only where it is safe and pays:
+- grad mode on, h a plain tensor that needs grad (not a DTensor: tensor parallel saves local
+  shards under other identities);
+- no other saved-tensor hooks active (activation checkpointing or offloading own the saved
+  tensors there: a recipe would keep gate and up alive and undo their savings);
+- not while torch.compile traces (its partitioner decides what to save).
+gate and up are read again in the backward: if anything wrote them before down_proj's backward
+(a second backward after a GLU that consumed its inputs), unpacking raises instead of computing
+from the gradients that now live there.
+
+LMKERNELS_MLP_RECOMPUTE=0 turns it off (h saved as usual).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+ENV = "LMKERNELS_MLP_RECOMPUTE"
+
+
+class _Recipe:
+    __slots__ = ("recompute", "sources", "versions")
+
+    def __init__(self, recompute, sources):
+        self.recompute = recompute
+        self.sources = sources
+        self.versions = tuple(t._version for t in sources)
+
+    def run(self) -> torch.Tensor:
+        if tuple(t._version for t in self.sources) != self.versions:
+            raise RuntimeError(
+                "lmkernels: the MLP's down_proj input cannot be recomputed for this backward: the GLU's "
+                "inputs were modified after the forward (a second backward through a GLU called with "
+                f"consume_inputs=True?). Set {ENV}=0 to save the input instead."
+            )
+        with torch.no_grad():
+            return self.recompute()
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+def _other_hooks_active() -> bool:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None  # unknown torch: assume they are
+
+
+def project_recomputed(
+    down_proj: nn.Module,
+    h: torch.Tensor,
+    recompute: Callable[[], torch.Tensor],
+    sources: tuple[torch.Tensor, ...],
+) -> torch.Tensor:
+    """down_proj(h) where autograd saves `recompute` (which must return h's exact values from
+    `sources`, tensors that stay saved until down_proj's backward anyway) instead of h."""
+    if (
+        not (torch.is_grad_enabled() and h.requires_grad)
+        or type(h) is not torch.Tensor
+        or torch.compiler.is_compiling()
+        or not enabled()
+        or _other_hooks_active()
+    ):
+        return down_proj(h)
+    target = weakref.ref(h)  # the hooks must not keep h alive
+
+    def pack(t):
+        return _Recipe(recompute, sources) if t is target() else t
+
+    def unpack(saved):
+        return saved.run() if isinstance(saved, _Recipe) else saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return down_proj(h)

@@ -1,0 +1,81 @@
+"""The gated MLP's down projection recomputes its input in the backward (lmkernels.nn.recompute):
+same gradients as saving it, no copy of it kept by autograd, loud failure where the GLU's
+inputs were overwritten, and no effect under activation checkpointing."""
+
+import pytest
+import torch
+import torch.utils.checkpoint as ckpt
+
+import lmkernels
+from lmkernels.nn import SwiGLUMLP
+from lmkernels.nn import recompute
+from lmkernels.nn.recompute import ENV, project_recomputed
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return SwiGLUMLP(16, 48, backend="eager")
+
+
+def _grads(mlp, x):
+    x = x.clone().requires_grad_()
+    mlp(x).square().sum().backward()
+    return [x.grad] + [p.grad for p in mlp.parameters()]
+
+
+def test_same_gradients_as_saving_the_input(monkeypatch):
+    x = torch.randn(5, 7, 16)
+    recomputed = _grads(_mlp(), x)
+    monkeypatch.setenv(ENV, "0")
+    saved = _grads(_mlp(), x)
+    for a, b in zip(recomputed, saved, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_autograd_keeps_no_copy_of_the_input():
+    down = torch.nn.Linear(48, 16)
+    gate = torch.randn(4, 48, requires_grad=True)
+    up = torch.randn(4, 48, requires_grad=True)
+    calls = []
+
+    def again():
+        calls.append(1)
+        return lmkernels.swiglu(gate, up, backend="eager")
+
+    h = lmkernels.swiglu(gate, up, backend="eager")
+    y = project_recomputed(down, h, again, (gate, up))
+    alive = torch.utils.weak.WeakIdKeyDictionary({h: 1})  # h freed once nothing but autograd could hold it
+    del h
+    assert len(alive) == 0, "autograd kept down_proj's input alive"
+    y.sum().backward()
+    assert calls == [1]
+    assert down.weight.grad is not None and gate.grad is not None
+
+
+def test_overwritten_glu_inputs_raise():
+    down = torch.nn.Linear(48, 16)
+    gate = torch.randn(4, 48, requires_grad=True)
+    up = torch.randn(4, 48, requires_grad=True)
+    g, u = gate * 1, up * 1
+    h = lmkernels.swiglu(g, u, backend="eager")
+    y = project_recomputed(down, h, lambda: lmkernels.swiglu(g, u, backend="eager"), (g, u))
+    with torch.no_grad():
+        g.add_(1.0)  # what a consuming GLU backward does to its inputs before a second backward
+    with pytest.raises(RuntimeError, match="cannot be recomputed"):
+        y.sum().backward()
+
+
+def test_not_applied_under_activation_checkpointing(monkeypatch):
+    mlp, x = _mlp(), torch.randn(3, 16, requires_grad=True)
+    calls = []
+    original = recompute._Recipe.run
+
+    def counting(self):
+        calls.append(1)
+        return original(self)
+
+    monkeypatch.setattr(recompute._Recipe, "run", counting)
+    ckpt.checkpoint(mlp, x, use_reentrant=False).sum().backward()
+    assert calls == []  # checkpointing owns the saved tensors there
+    mlp(x).sum().backward()
+    assert calls == [1]
