@@ -24,7 +24,6 @@ LMKERNELS_MLP_RECOMPUTE=0 turns it off (h saved as usual).
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -34,12 +33,17 @@ ENV = "LMKERNELS_MLP_RECOMPUTE"
 
 
 class _Recipe:
-    __slots__ = ("recompute", "sources", "versions")
+    """A saved tensor that views h's memory (F.linear saves h.view(-1, K) for 3-D inputs), as
+    what recomputes h and the view's geometry within it."""
 
-    def __init__(self, recompute, sources):
+    __slots__ = ("recompute", "sources", "versions", "size", "stride", "offset")
+
+    def __init__(self, recompute, sources, view, h_offset):
         self.recompute = recompute
         self.sources = sources
         self.versions = tuple(t._version for t in sources)
+        self.size, self.stride = view.size(), view.stride()
+        self.offset = view.storage_offset() - h_offset
 
     def run(self) -> torch.Tensor:
         if tuple(t._version for t in self.sources) != self.versions:
@@ -49,7 +53,8 @@ class _Recipe:
                 f"consume_inputs=True?). Set {ENV}=0 to save the input instead."
             )
         with torch.no_grad():
-            return self.recompute()
+            h = self.recompute()
+        return h.as_strided(self.size, self.stride, h.storage_offset() + self.offset)
 
 
 def enabled() -> bool:
@@ -72,15 +77,20 @@ def project_recomputed(
     if (
         not (torch.is_grad_enabled() and h.requires_grad)
         or type(h) is not torch.Tensor
+        or not h.is_contiguous()  # the recomputation's layout
         or torch.compiler.is_compiling()
         or not enabled()
         or _other_hooks_active()
     ):
         return down_proj(h)
-    target = weakref.ref(h)  # the hooks must not keep h alive
+    # Identified by its memory, not by identity: what down_proj saves may be a view of h. The
+    # hooks hold no reference to h (h's memory is alive while down_proj runs).
+    memory, h_offset = h.untyped_storage().data_ptr(), h.storage_offset()
 
     def pack(t):
-        return _Recipe(recompute, sources) if t is target() else t
+        if type(t) is torch.Tensor and t.untyped_storage().data_ptr() == memory:
+            return _Recipe(recompute, sources, t, h_offset)
+        return t
 
     def unpack(saved):
         return saved.run() if isinstance(saved, _Recipe) else saved
