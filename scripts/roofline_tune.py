@@ -37,6 +37,7 @@ DEVICE = "cuda"  # a CPU smoke test of this script sets "cpu" (with TRITON_INTER
 NORM_GRID = {
     "tune": [(16384, n) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)]
     + [(4096, 1024), (4096, 16384), (65536, 1024), (65536, 4096), (65536, 16384)],
+    "wide": [(m, n) for m in (16384, 65536) for n in (5120, 8192, 11008, 16384)],
     "final": [
         (m, n) for m in (1024, 4096, 16384, 65536) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)
     ],
@@ -85,15 +86,19 @@ def norm_fwd_candidates(N):
             ):
                 out.append(_norms.FwdConfig(rows, block, True, warps))
     if block >= 8192:  # the row in blocks, read again from L2: more rows in flight per SM
-        for wb, warps in ((2048, 4), (4096, 4), (4096, 8)):
+        for wb, warps in ((1024, 2), (1024, 4), (2048, 4), (4096, 4), (4096, 8)):
             out.append(_norms.FwdConfig(1, wb, False, warps))
     return out
 
 
-def norm_bwd_candidates(N):
+def norm_bwd_candidates(N, op="rms_norm", new_only=False):
+    """Backward configurations to time; new_only: those added since run 3 (two register blocks,
+    "apart" gradient sums)."""
     from lmkernels.backends.triton import _norms
 
     block = 1 << (N - 1).bit_length()
+    if new_only:
+        return _new_bwd_candidates(N, op, block, _norms)
     out = []
     paths = [_norms.PATH_REGS] + ([_norms.PATH_MEM] if block >= 4096 else [])
     for path in paths:
@@ -113,6 +118,45 @@ def norm_bwd_candidates(N):
                 out.append(_norms.BwdConfig(1, wb, _norms.PATH_WIDE, warps, pps))
     return out
 
+
+def _new_bwd_candidates(N, op, block, _norms):
+    B = _norms.BwdConfig
+    regs, db, all_ = _norms.PATH_REGS, _norms.APART_DB, _norms.APART_ALL
+    out = []
+    if 4 * N <= 3 * block:  # two register blocks: the largest power of two <= N, then the rest
+        lo = block // 2
+        tail = 1 << (N - lo - 1).bit_length()
+        for warps, pps, rw in ((32, 1, True), (32, 2, True), (16, 1, True), (16, 2, True), (16, 2, False), (8, 2, True)):
+            out.append(B(1, lo, regs, warps, pps, rw, tail))
+        if op == "layer_norm":
+            for warps, pps in ((32, 1), (32, 2), (16, 2)):
+                out.append(B(1, lo, regs, warps, pps, True, tail, db))
+            for warps, pps in ((32, 1), (32, 2), (16, 2)):
+                out.append(B(1, lo, regs, warps, pps, True, tail, all_))
+    if block >= 8192:
+        if op == "layer_norm":
+            for warps, pps in ((16, 1), (32, 1), (32, 2)):
+                out.append(B(1, block, regs, warps, pps, True, 0, db))
+        for warps, pps in ((16, 2), (32, 1), (32, 2)):
+            out.append(B(1, block, regs, warps, pps, True, 0, all_))
+    return out
+
+
+def bwd_name(b):
+    from lmkernels.backends.triton import _norms
+
+    names = {_norms.PATH_REGS: "regs", _norms.PATH_MEM: "mem", _norms.PATH_WIDE: "wide"}
+    path = names[b.path] + ("-rw" if b.reload_w else "")
+    tag = f"bwd {path} r{b.rows} b{b.block} w{b.num_warps} p{b.programs_per_sm}"
+    if b.tail:
+        tag += f" t{b.tail}"
+    if b.apart:
+        tag += " apart-" + ("db" if b.apart == _norms.APART_DB else "all")
+    return tag
+
+
+# Column-kernel configurations tried with the "apart" candidates: (BLOCK_M, BLOCK_N, warps, per SM).
+COL_CANDIDATES = [(32, 128, 4, 8), (16, 256, 4, 8), (64, 64, 8, 4)]
 
 ROPE_CANDIDATES = [  # (TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS); 2**30: one head group per program
     (t, w, p)
@@ -346,10 +390,12 @@ class RopeCase:
 # --- variants: set a configuration, run, restore ---------------------------------------------------
 
 
-def set_norm_config(fwd=None, bwd=None):
+def set_norm_config(fwd=None, bwd=None, col=None):
     from lmkernels.backends.triton import _norms
 
+    default = _STATE.setdefault("col_default", _norms.COL_CONFIG)
     _norms.FORCE_FWD, _norms.FORCE_BWD = fwd, bwd
+    _norms.COL_CONFIG = col or default
 
 
 def set_rope_config(cfg):
@@ -368,11 +414,14 @@ def norm_variants(case):
     for f in norm_fwd_candidates(case.N):
         tag = f"fwd r{f.rows} w{f.num_warps}" if f.single_block else f"fwd-wide b{f.block} w{f.num_warps}"
         out.append((tag, lambda f=f: set_norm_config(fwd=f)))
-    names = {_norms.PATH_REGS: "regs", _norms.PATH_MEM: "mem", _norms.PATH_WIDE: "wide"}
-    for b in norm_bwd_candidates(case.N):
-        path = names[b.path] + ("-rw" if b.reload_w else "")
-        tag = f"bwd {path} r{b.rows} b{b.block} w{b.num_warps} p{b.programs_per_sm}"
-        out.append((tag, lambda b=b: set_norm_config(bwd=b)))
+    if not SHORT["on"]:
+        for b in norm_bwd_candidates(case.N, case.op):
+            out.append((bwd_name(b), lambda b=b: set_norm_config(bwd=b)))
+    for b in norm_bwd_candidates(case.N, case.op, new_only=True):
+        cols = COL_CANDIDATES if b.apart and b.num_warps == 32 and b.programs_per_sm == 1 else [None]
+        for col in cols:
+            tag = bwd_name(b) + (f" c{col[0]}x{col[1]}w{col[2]}p{col[3]}" if col and col != cols[0] else "")
+            out.append((tag, lambda b=b, col=col: set_norm_config(bwd=b, col=col)))
     return out
 
 
@@ -392,9 +441,9 @@ SHORT = {"on": False}
 
 def variants(op, case):
     out = rope_variants(case) if op == "rope" else norm_variants(case)
-    if SHORT["on"]:  # the table, and what the last tuning run did not cover
-        keep = ("-rw", "fwd-wide", "tile1024 w2", "tile2048 w4", "tile1024 w4", "tile2048 w2")
-        out = [v for v in out if v[0] == "table" or any(k in v[0] for k in keep)]
+    if SHORT["on"]:  # the table, and what the last tuning run did not cover (norm_variants)
+        keep = ("bwd", "fwd-wide", "tile1024 w2", "tile2048 w4", "tile1024 w4", "tile2048 w2")
+        out = [v for v in out if v[0] == "table" or v[0].startswith(keep)]
     return out
 
 
@@ -406,6 +455,8 @@ def warm(group, short=False):
     """Worker: compile every variant and peer of a group of (op, shape) points once (fills the
     disk caches). A group shares its Triton kernels (same op and row block)."""
     SHORT["on"] = short
+    torch._dynamo.config.cache_size_limit = 4096
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # the workers already run side by side
     n = 0
@@ -434,7 +485,7 @@ def warm(group, short=False):
 def warm_groups(jobs):
     groups = {}
     for op, shape in jobs:
-        key = (op, shape) if op == "rope" else (op, 1 << (shape[1] - 1).bit_length())
+        key = (op, shape) if op == "rope" or SHORT["on"] else (op, 1 << (shape[1] - 1).bit_length())
         groups.setdefault(key, []).append((op, shape))
     # Largest groups first, so that the pool's last round is short.
     return sorted(groups.values(), key=len, reverse=True)
@@ -617,7 +668,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--ops", default="rms_norm,layer_norm,rope")
-    ap.add_argument("--grid", default="tune", choices=["tune", "final"])
+    ap.add_argument("--grid", default="tune", choices=["tune", "wide", "final"])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--budget", type=float, default=330.0, help="seconds; stop starting new points after")
@@ -625,12 +676,16 @@ def main(argv=None):
     ap.add_argument("--warm-budget", type=float, default=150.0, help="seconds for the parallel compile")
     args = ap.parse_args(argv)
     SHORT["on"] = args.short
+    # One compiled reference per shape, all of the same function: past dynamo's default limit
+    # of 8 recompiles the peer silently ran eager (run 4's 12-17x slower compile column).
+    torch._dynamo.config.cache_size_limit = 4096
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
     if DEVICE == "cuda":
         os.environ.pop("TRITON_INTERPRET", None)
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
     ops = args.ops.split(",")
-    grids = {op: (ROPE_GRID if op == "rope" else NORM_GRID)[args.grid] for op in ops}
+    grids = {op: (ROPE_GRID if op == "rope" else NORM_GRID).get(args.grid, []) for op in ops}
     # The ops take turns, so that a budget that runs out cuts every op's last shapes.
     jobs = [(op, g[i]) for i in range(max(map(len, grids.values()))) for op, g in grids.items() if i < len(g)]
     log = lambda msg: print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
