@@ -54,7 +54,9 @@ def bwd_usage(op, cfg):
     from lmkernels.backends.triton import _norms, layer_norm, rms_norm
 
     reload_w = cfg.reload_w or cfg.path == _norms.PATH_MEM
-    common = dict(ROWS=cfg.rows, BLOCK=cfg.block, TAIL=cfg.tail, PATH=cfg.path, RELOAD_W=reload_w, SOFT_BF16=False)
+    common = dict(
+        ROWS=cfg.rows, BLOCK=cfg.block, TAIL=cfg.tail, PATH=cfg.path, RELOAD_W=reload_w, SOFT_BF16=False
+    )
     if op == "rms_norm":
         const = dict(MODE=0, HAS_WEIGHT=True, ACC=cfg.apart == _norms.APART_NONE, **common)
         kernel = rms_norm._rms_norm_bwd_kernel

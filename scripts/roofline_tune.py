@@ -126,7 +126,14 @@ def _new_bwd_candidates(N, op, block, _norms):
     if 4 * N <= 3 * block:  # two register blocks: the largest power of two <= N, then the rest
         lo = block // 2
         tail = 1 << (N - lo - 1).bit_length()
-        for warps, pps, rw in ((32, 1, True), (32, 2, True), (16, 1, True), (16, 2, True), (16, 2, False), (8, 2, True)):
+        for warps, pps, rw in (
+            (32, 1, True),
+            (32, 2, True),
+            (16, 1, True),
+            (16, 2, True),
+            (16, 2, False),
+            (8, 2, True),
+        ):
             out.append(B(1, lo, regs, warps, pps, rw, tail))
         if op == "layer_norm":
             for warps, pps in ((32, 1), (32, 2), (16, 2)):
@@ -408,7 +415,6 @@ def set_rope_config(cfg):
 def norm_variants(case):
     """(name, setter) for each Triton variant: forward and backward configs tried independently
     (the other one at the table's choice), then the table itself."""
-    from lmkernels.backends.triton import _norms
 
     out = [("table", lambda: set_norm_config())]
     for f in norm_fwd_candidates(case.N):
