@@ -322,6 +322,24 @@ def test_layer_norm_backward_paths(forced_config, case):
     _check_ln((41, 100), torch.bfloat16, f"layer_norm {forced_config} {case}", **LN_CASES[case])
 
 
+def test_rms_norm_in_place_backward_with_apart_dw(monkeypatch):
+    """dx written over dy (the in-place backward): the column kernel must read dy first."""
+    monkeypatch.setattr(
+        norms_mod, "FORCE_BWD", norms_mod.BwdConfig(1, 128, norms_mod.PATH_REGS, 4, 1, apart=2)
+    )
+    monkeypatch.setattr(norms_mod, "COL_CONFIG", (16, 64, 4, 1))
+    x, w, dy = (
+        _randn((41, 100), torch.bfloat16, 0),
+        _randn((100,), torch.bfloat16, 1),
+        _randn((41, 100), torch.bfloat16, 2),
+    )
+    _, rstd = rms_mod._rms_norm_fwd(x, w, 1e-6, 0.0, "llama")
+    dx, dw = rms_mod._rms_norm_bwd(dy, x, w, rstd, 0.0, "llama")
+    shared = dy.clone()
+    dw_in_place = rms_mod._rms_norm_bwd_into(shared, x, w, rstd, 0.0, "llama", shared)
+    assert torch.equal(shared, dx) and torch.equal(dw_in_place, dw)
+
+
 def test_config_table_covers_the_sweep_widths():
     """Every row width of the tuned sweep (1024-16384) gets a table entry, not the fallback;
     a forward in chunks is a chunked (wide) one, the backward always keeps the row whole."""

@@ -139,10 +139,12 @@ class BwdConfig:
 
 # Per op and next_power_of_2(N) =: block, optionally "part" (rows that fill at most 3/4 of their
 # block, e.g. 5120 and 11008): (fwd rows, fwd warps, fwd chunk, bwd rows, bwd warps, bwd path,
-# bwd programs per SM, bwd reload w[, bwd tail, bwd apart]). fwd chunk 0 keeps the row in registers; otherwise the
-# forward reads the row in chunks of that many columns (the wide path: several passes, the later
-# ones from L2, with more rows in flight per SM). Each entry is the fastest fwd+bwd combination
-# measured on an H200 (scripts/roofline_tune.py, benchmarks/results/2026-11-23-roofline-tune/).
+# bwd programs per SM, bwd reload w[, bwd tail, bwd apart]). fwd chunk 0 keeps the row in
+# registers; otherwise the forward reads the row in chunks of that many columns (the wide path:
+# several passes, the later ones from L2, with more rows in flight per SM). bwd tail 1: the row
+# as two register blocks, block / 2 and the rest (next power of two). Each entry is the fastest
+# fwd+bwd combination measured on an H200 (scripts/roofline_tune.py,
+# benchmarks/results/2026-11-23-roofline-tune/ and -tune2/).
 TUNED: dict[tuple, tuple] = {
     ("rms_norm", 1024): (2, 4, 0, 1, 4, PATH_REGS, 8, False),
     ("rms_norm", 2048): (2, 8, 0, 1, 8, PATH_REGS, 4, False),
@@ -150,13 +152,14 @@ TUNED: dict[tuple, tuple] = {
     ("rms_norm", 8192): (1, 8, 0, 1, 32, PATH_REGS, 1, True),
     ("rms_norm", 8192, "part"): (1, 8, 0, 1, 16, PATH_REGS, 1, True),
     ("rms_norm", 16384): (1, 32, 0, 1, 16, PATH_REGS, 1, True),
-    ("rms_norm", 16384, "part"): (1, 8, 4096, 1, 16, PATH_REGS, 1, True),
+    ("rms_norm", 16384, "part"): (1, 8, 4096, 1, 16, PATH_REGS, 2, False, 1),
     ("layer_norm", 1024): (2, 4, 0, 1, 4, PATH_REGS, 8, False),
     ("layer_norm", 2048): (1, 4, 0, 1, 8, PATH_REGS, 4, False),
     ("layer_norm", 4096): (1, 8, 0, 1, 16, PATH_REGS, 2, False),
     ("layer_norm", 8192): (1, 8, 0, 1, 16, PATH_REGS, 2, False),
     ("layer_norm", 8192, "part"): (1, 4, 2048, 1, 16, PATH_REGS, 2, False),
-    ("layer_norm", 16384): (1, 8, 4096, 1, 16, PATH_REGS, 1, True),
+    ("layer_norm", 16384, "part"): (1, 8, 4096, 1, 16, PATH_REGS, 1, True, 1),
+    ("layer_norm", 16384): (1, 8, 4096, 1, 16, PATH_REGS, 2, True, 0, APART_ALL),
 }
 
 # Tuning hook (scripts/roofline_tune.py, tests): configurations used instead of the table.
