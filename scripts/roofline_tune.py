@@ -428,7 +428,7 @@ def breakdown(op, case, fn, rows, reps):
         if op != "rope" and not LEAN["on"]:
             from lmkernels.backends.triton import _norms
 
-            cfg = _norms.bwd_config(op, case.N)
+            cfg = _norms.bwd_config(op, case.N, case.M)
             tiles = _norms.num_tiles(case.M, cfg.rows if cfg.single_block else 1)
             P = _norms.persistent_programs(tiles, cfg.programs_per_sm, case.x.device)
             partial = torch.randn(P, case.N, device=DEVICE)

@@ -349,6 +349,9 @@ def test_config_table_covers_the_sweep_widths():
             assert (op, block) in norms_mod.TUNED
             fwd, bwd = norms_mod.fwd_config(op, N), norms_mod.bwd_config(op, N)
             assert (fwd.block >= N) == fwd.single_block and bwd.single_block and bwd.block + bwd.tail >= N
+    # LayerNorm at 16384: the column kernel for the weight and bias gradients from M_FEW rows up.
+    assert norms_mod.bwd_config("layer_norm", 16384, 4096).apart == norms_mod.APART_ALL
+    assert norms_mod.bwd_config("layer_norm", 16384, 1024).apart == norms_mod.APART_NONE
 
 
 def test_layer_norm_large_mean_is_stable():

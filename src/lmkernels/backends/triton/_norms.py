@@ -162,6 +162,14 @@ TUNED: dict[tuple, tuple] = {
     ("layer_norm", 16384): (1, 8, 4096, 1, 16, PATH_REGS, 2, True, 0, APART_ALL),
 }
 
+# Below M_FEW rows, per (op, block, part): the table entry (its backward half) where the one
+# above lost at 1024 rows (tune2/run2-final: LayerNorm 1024 x 16384, 0.1016 ms against 0.1031
+# for the column kernel, which has few rows per program there).
+M_FEW = 2048
+FEW_ROWS: dict[tuple, tuple] = {
+    ("layer_norm", 16384, False): (1, 8, 4096, 1, 16, PATH_REGS, 1, True),
+}
+
 # Tuning hook (scripts/roofline_tune.py, tests): configurations used instead of the table.
 FORCE_FWD: FwdConfig | None = None
 FORCE_BWD: BwdConfig | None = None
@@ -175,17 +183,21 @@ def fwd_config(op: str, N: int) -> FwdConfig:
     return _fwd_config(op, N, MAX_FUSED_N, WIDE_BLOCK)
 
 
-def bwd_config(op: str, N: int) -> BwdConfig:
+def bwd_config(op: str, N: int, M: int | None = None) -> BwdConfig:
+    """The backward's configuration for rows of N elements; M (the number of rows), when given,
+    picks the FEW_ROWS entries of the table below M_FEW."""
     if FORCE_BWD is not None:
         return FORCE_BWD
-    return _bwd_config(op, N, MAX_FUSED_N, WIDE_BLOCK)
+    return _bwd_config(op, N, M is not None and M < M_FEW, MAX_FUSED_N, WIDE_BLOCK)
 
 
 def _default_warps(elements: int, per_thread: int, cap: int) -> int:
     return min(cap, max(1, triton.next_power_of_2(max(1, elements // (32 * per_thread)))))
 
 
-def _tuned(op: str, N: int, block: int):
+def _tuned(op: str, N: int, block: int, few: bool = False):
+    if few and (op, block, 4 * N <= 3 * block) in FEW_ROWS:
+        return FEW_ROWS[(op, block, 4 * N <= 3 * block)]
     part = TUNED.get((op, block, "part")) if 4 * N <= 3 * block else None
     return part if part is not None else TUNED.get((op, block))
 
@@ -205,11 +217,11 @@ def _fwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> FwdConfig
 
 
 @functools.cache
-def _bwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> BwdConfig:
+def _bwd_config(op: str, N: int, few: bool, max_fused_n: int, wide_block: int) -> BwdConfig:
     if N > max_fused_n:
         return BwdConfig(1, wide_block, PATH_WIDE, _default_warps(wide_block, 8, 16), 2)
     block = triton.next_power_of_2(N)
-    tuned = _tuned(op, N, block)
+    tuned = _tuned(op, N, block, few)
     if tuned is not None:
         rows, warps, path, programs_per_sm, reload_w, *extra = tuned[3:]
         tail, apart = (*extra, 0, APART_NONE)[:2]
