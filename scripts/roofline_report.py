@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Summarize a roofline_tune.py run for the committed configuration tables (CPU only).
 
-Each point's time is the run's "table" row, or, where the committed table adopted a variant
-that the run measured against that table (same fwd+bwd call, same run), that variant's row.
+Each point's time is the run's "table" row, or, for the runs before --lean (runs 1-4), where the
+committed table adopted a variant that the run measured against that table (same fwd+bwd call,
+same run), that variant's row. A --lean run times the committed table as is, and where the
+table changed in this session also the previous one ("previous table"): the "before" column.
 Usage: python3 scripts/roofline_report.py RUN_DIR/roofline.json > SUMMARY.md
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
-# Variants adopted into the table after the final run, per (op, N): each is the fwd+bwd
+# Variants adopted into the table after run 3, per (op, N): each is the fwd+bwd
 # combination the run timed (the other half of the call at the run's table choice).
 ADOPTED = {
     ("rms_norm", 5120): "bwd regs-rw r1 b8192 w16 p1",
@@ -20,6 +22,9 @@ ADOPTED = {
     ("layer_norm", 11008): "fwd-wide b4096 w8",
     ("layer_norm", 16384): "fwd-wide b4096 w8",
 }
+# Points of a --lean run where the committed table picks the previous configuration (the
+# FEW_ROWS entries of _norms.py: it was faster there in that run).
+LEAN_PREVIOUS = {("layer_norm", "1024x16384")}
 TARGET_PCT = 85.0
 
 
@@ -40,14 +45,19 @@ def main(path):
         f"torch {meta['torch']}, triton {meta['triton']}, liger-kernel {meta['liger']}; run {meta['date']}."
     )
     print(f"Source: `{path}` (command: `{meta['command']}`).\n")
-    print("| op | shape | ms | % copy | compile ms | x compile | Liger ms | x Liger | target |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    lean = "--lean" in meta["command"]
+    adopted = {} if lean else ADOPTED
+    before_head = " before ms | % copy |" if lean else ""
+    print(f"| op | shape | ms | % copy |{before_head} compile ms | x compile | Liger ms | x Liger | target |")
+    print("|---|---|---|---|" + ("---|---|" if lean else "") + "---|---|---|---|---|")
     counts = {}
     for s in data["summary"]:
         op, key = s["op"], s["shape"]
         rows = by_point[(op, key)]
         n = int(key.split("x")[1]) if op != "rope" else None
-        variant = ADOPTED.get((op, n), "table")
+        variant = adopted.get((op, n), "table")
+        if lean and (op, key) in LEAN_PREVIOUS:
+            variant = "previous table"
         ms = rows[variant]["ms"]
         pct = 100 * s["bytes"] / (ms * 1e-3) / 1e9 / bw
         comp = rows.get("compile", {}).get("ms")
@@ -74,10 +84,20 @@ def main(path):
         def fmt(v):
             return f"{v:.4f}" if v else "-"
 
+        before = ""
+        if lean:
+            prev = rows.get("previous table", {}).get("ms")
+            before = (
+                f" {fmt(prev)} | {100 * s['bytes'] / (prev * 1e-3) / 1e9 / bw:.0f} |" if prev else " - | - |"
+            )
         print(
-            f"| {op} | {key} | {ms:.4f} | {pct:.0f} | {fmt(comp)} | {ratio(comp)} | {fmt(lig)} | {ratio(lig)} | {why} |"
+            f"| {op} | {key} | {ms:.4f} | {pct:.0f} |{before} {fmt(comp)} | {ratio(comp)} | {fmt(lig)} | "
+            f"{ratio(lig)} | {why} |"
         )
-    print("\nx compile / x Liger: peer time over ours (> 1: ours faster).\n")
+    print("\nx compile / x Liger: peer time over ours (> 1: ours faster).")
+    if lean:
+        print("before: the table before this session's changes, timed in the same run (where it changed).")
+    print()
     for op, (n, met, faster) in counts.items():
         print(f"- {op}: {met}/{n} points meet both targets; faster than every peer at {faster}/{n}.")
 

@@ -12,7 +12,8 @@ Triton kernels and the compiled references are compiled first in --jobs worker p
 on-disk caches then serve the timing process).
 
 Usage (GPU machine, repo root): PYTHONPATH=src python3 scripts/roofline_tune.py --out DIR
-  [--ops rms_norm,layer_norm,rope] [--grid tune|final] [--reps 30] [--jobs 12]
+  [--ops rms_norm,layer_norm,rope] [--grid tune|wide|final] [--short | --lean] [--reps 30]
+  [--jobs 12]
 Writes DIR/roofline.json and DIR/roofline.md; prints a short table last.
 """
 
@@ -29,14 +30,15 @@ import time
 
 import torch
 
-E = 2  # bytes per bf16 element
-DEVICE = "cuda"  # a CPU smoke test of this script sets "cpu" (with TRITON_INTERPRET=1)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from roofline_cases import DEVICE, E, NormCase, RopeCase  # noqa: E402
 
 # --- shapes and candidate configurations ------------------------------------------------------
 
 NORM_GRID = {
     "tune": [(16384, n) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)]
     + [(4096, 1024), (4096, 16384), (65536, 1024), (65536, 4096), (65536, 16384)],
+    "wide": [(m, n) for m in (16384, 65536) for n in (5120, 8192, 11008, 16384)],
     "final": [
         (m, n) for m in (1024, 4096, 16384, 65536) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)
     ],
@@ -85,15 +87,19 @@ def norm_fwd_candidates(N):
             ):
                 out.append(_norms.FwdConfig(rows, block, True, warps))
     if block >= 8192:  # the row in blocks, read again from L2: more rows in flight per SM
-        for wb, warps in ((2048, 4), (4096, 4), (4096, 8)):
+        for wb, warps in ((1024, 2), (1024, 4), (2048, 4), (4096, 4), (4096, 8)):
             out.append(_norms.FwdConfig(1, wb, False, warps))
     return out
 
 
-def norm_bwd_candidates(N):
+def norm_bwd_candidates(N, op="rms_norm", new_only=False):
+    """Backward configurations to time; new_only: those added since run 3 (two register blocks,
+    "apart" gradient sums)."""
     from lmkernels.backends.triton import _norms
 
     block = 1 << (N - 1).bit_length()
+    if new_only:
+        return _new_bwd_candidates(N, op, block, _norms)
     out = []
     paths = [_norms.PATH_REGS] + ([_norms.PATH_MEM] if block >= 4096 else [])
     for path in paths:
@@ -113,6 +119,52 @@ def norm_bwd_candidates(N):
                 out.append(_norms.BwdConfig(1, wb, _norms.PATH_WIDE, warps, pps))
     return out
 
+
+def _new_bwd_candidates(N, op, block, _norms):
+    B = _norms.BwdConfig
+    regs, db, all_ = _norms.PATH_REGS, _norms.APART_DB, _norms.APART_ALL
+    out = []
+    if 4 * N <= 3 * block:  # two register blocks: the largest power of two <= N, then the rest
+        lo = block // 2
+        tail = 1 << (N - lo - 1).bit_length()
+        for warps, pps, rw in (
+            (32, 1, True),
+            (32, 2, True),
+            (16, 1, True),
+            (16, 2, True),
+            (16, 2, False),
+            (8, 2, True),
+        ):
+            out.append(B(1, lo, regs, warps, pps, rw, tail))
+        if op == "layer_norm":
+            for warps, pps in ((32, 1), (32, 2), (16, 2)):
+                out.append(B(1, lo, regs, warps, pps, True, tail, db))
+            for warps, pps in ((32, 1), (32, 2), (16, 2)):
+                out.append(B(1, lo, regs, warps, pps, True, tail, all_))
+    if block >= 8192:
+        if op == "layer_norm":
+            for warps, pps in ((16, 1), (32, 1), (32, 2)):
+                out.append(B(1, block, regs, warps, pps, True, 0, db))
+        for warps, pps in ((16, 2), (32, 1), (32, 2)):
+            out.append(B(1, block, regs, warps, pps, True, 0, all_))
+    return out
+
+
+def bwd_name(b):
+    from lmkernels.backends.triton import _norms
+
+    names = {_norms.PATH_REGS: "regs", _norms.PATH_MEM: "mem", _norms.PATH_WIDE: "wide"}
+    path = names[b.path] + ("-rw" if b.reload_w else "")
+    tag = f"bwd {path} r{b.rows} b{b.block} w{b.num_warps} p{b.programs_per_sm}"
+    if b.tail:
+        tag += f" t{b.tail}"
+    if b.apart:
+        tag += " apart-" + ("db" if b.apart == _norms.APART_DB else "all")
+    return tag
+
+
+# Column-kernel configurations tried with the "apart" candidates: (BLOCK_M, BLOCK_N, warps, per SM).
+COL_CANDIDATES = [(32, 128, 4, 8), (16, 256, 4, 8), (64, 64, 8, 4)]
 
 ROPE_CANDIDATES = [  # (TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS); 2**30: one head group per program
     (t, w, p)
@@ -183,173 +235,15 @@ def copy_bandwidth_gbps(reps):
     return 2 * 2**31 / (ms * 1e-3) / 1e9
 
 
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-# --- cases --------------------------------------------------------------------------------------
-
-
-def _liger():
-    try:
-        from lmkernels.backends import adapters
-
-        if adapters.liger_unavailable() is None:
-            return adapters
-    except Exception:  # noqa: BLE001 (Liger is optional: no column then)
-        pass
-    return None
-
-
-class NormCase:
-    def __init__(self, op, M, N):
-        from lmkernels.ops.layer_norm import layer_norm_reference
-        from lmkernels.ops.rms_norm import rms_norm_reference
-
-        self.op, self.M, self.N = op, M, N
-        g = torch.Generator(device=DEVICE).manual_seed(M * 7 + N)
-        shift = 0.5 if op == "layer_norm" else 0.0
-        self.x = (torch.randn(M, N, device=DEVICE, generator=g) + shift).bfloat16()
-        self.w = (torch.randn(N, device=DEVICE, generator=g) * 0.5 + 1).bfloat16()
-        self.b = (torch.randn(N, device=DEVICE, generator=g) * 0.5).bfloat16() if op == "layer_norm" else None
-        self.dy = torch.randn(M, N, device=DEVICE, generator=g).bfloat16()
-        self.ref = layer_norm_reference if op == "layer_norm" else rms_norm_reference
-        self.params = [self.w] + ([self.b] if self.b is not None else [])
-        self.bytes = 5 * M * N * E
-
-    def args(self, x, params):
-        return (x, *params)
-
-    def leaves(self):
-        x = self.x.detach().requires_grad_()
-        params = [p.detach().requires_grad_() for p in self.params]
-        return x, params
-
-    def run_full(self, fn):
-        x, params = self.leaves()
-
-        def call():
-            x.grad = None
-            for p in params:
-                p.grad = None
-            torch.autograd.backward(fn(x, *params), self.dy)
-
-        return call, x, params
-
-    def truth(self):
-        if "_truth" not in self.__dict__:
-            x = self.x.float().requires_grad_()
-            params = [p.float().requires_grad_() for p in self.params]
-            y = self.ref(x, *params)
-            y.backward(self.dy.float())
-            self.__dict__["_truth"] = [y.detach(), x.grad] + [p.grad for p in params]
-            self.__dict__["eager_err"] = self.errors(lambda *a: self.ref(*a))
-        return self.__dict__["_truth"]
-
-    def errors(self, fn):
-        call, x, params = self.run_full(fn)
-        x.grad = None
-        y = fn(x, *params)
-        torch.autograd.backward(y, self.dy)
-        outs = [y.detach(), x.grad] + [p.grad for p in params]
-        return [rel_err(o, t) for o, t in zip(outs, self.truth())]
-
-    def check(self, fn):
-        """None if fn passes (every output within 2x eager + 1e-3), else a reason."""
-        errs = self.errors(fn)
-        eager = self.__dict__["eager_err"]
-        names = ["y", "dx", "dw", "db"]
-        for name, e, ee in zip(names, errs, eager):
-            if not (e <= 2 * ee + 1e-3):
-                return f"{name} rel err {e:.3g} > 2 x eager {ee:.3g} + 1e-3"
-        return None
-
-    def triton_fn(self):
-        import lmkernels
-
-        if self.op == "rms_norm":
-            return lambda x, w: lmkernels.rms_norm(x, w, backend="triton")
-        return lambda x, w, b: lmkernels.layer_norm(x, w, b, backend="triton")
-
-    def peers(self):
-        out = {"compile": torch.compile(self.ref, dynamic=False)}
-        lig = _liger()
-        if lig is not None:
-            out["liger"] = lig.liger_rms_norm if self.op == "rms_norm" else lig.liger_layer_norm
-        return out
-
-
-class RopeCase:
-    def __init__(self, B, Hq, Hkv, T, D, rdim):
-        from lmkernels.ops.rope import rope_reference, rope_tables
-
-        self.shape = (B, Hq, Hkv, T, D, rdim)
-        g = torch.Generator(device=DEVICE).manual_seed(T + Hq)
-        self.q = torch.randn(B, Hq, T, D, device=DEVICE, generator=g).bfloat16()
-        self.k = torch.randn(B, Hkv, T, D, device=DEVICE, generator=g).bfloat16()
-        cos, sin = rope_tables(torch.arange(T), rdim or D, "neox")
-        self.cos, self.sin = cos.to(DEVICE).bfloat16(), sin.to(DEVICE).bfloat16()
-        self.rdim = rdim
-        self.dq, self.dk = torch.randn_like(self.q), torch.randn_like(self.k)
-        self.ref = rope_reference
-        self.bytes = 4 * (self.q.numel() + self.k.numel()) * E
-
-    def run_full(self, fn):
-        q, k = self.q.detach().requires_grad_(), self.k.detach().requires_grad_()
-
-        def call():
-            q.grad = k.grad = None
-            qo, ko = fn(q, k)
-            torch.autograd.backward((qo, ko), (self.dq, self.dk))
-
-        return call, q, k
-
-    def truth(self):
-        if "_truth" not in self.__dict__:
-            q, k = self.q.float().requires_grad_(), self.k.float().requires_grad_()
-            qo, ko = self.ref(q, k, self.cos, self.sin, rotary_dim=self.rdim)
-            torch.autograd.backward((qo, ko), (self.dq.float(), self.dk.float()))
-            self.__dict__["_truth"] = [qo.detach(), ko.detach(), q.grad, k.grad]
-            self.__dict__["eager_err"] = self.errors(
-                lambda q, k: self.ref(q, k, self.cos, self.sin, rotary_dim=self.rdim)
-            )
-        return self.__dict__["_truth"]
-
-    def errors(self, fn):
-        q, k = self.q.detach().requires_grad_(), self.k.detach().requires_grad_()
-        qo, ko = fn(q, k)
-        torch.autograd.backward((qo, ko), (self.dq, self.dk))
-        outs = [qo.detach(), ko.detach(), q.grad, k.grad]
-        return [rel_err(o, t) for o, t in zip(outs, self.truth())]
-
-    def check(self, fn):
-        errs = self.errors(fn)
-        for name, e, ee in zip(["q_out", "k_out", "dq", "dk"], errs, self.__dict__["eager_err"]):
-            if not (e <= 2 * ee + 1e-3):
-                return f"{name} rel err {e:.3g} > 2 x eager {ee:.3g} + 1e-3"
-        return None
-
-    def triton_fn(self):
-        import lmkernels
-
-        return lambda q, k: lmkernels.rope(q, k, self.cos, self.sin, rotary_dim=self.rdim, backend="triton")
-
-    def peers(self):
-        comp = torch.compile(self.ref, dynamic=False)
-        out = {"compile": lambda q, k: comp(q, k, self.cos, self.sin, rotary_dim=self.rdim)}
-        lig = _liger()
-        if lig is not None and self.rdim is None:  # Liger rotates the whole head only
-            out["liger"] = lambda q, k: lig.liger_rope(q, k, self.cos, self.sin)
-        return out
-
-
 # --- variants: set a configuration, run, restore ---------------------------------------------------
 
 
-def set_norm_config(fwd=None, bwd=None):
+def set_norm_config(fwd=None, bwd=None, col=None):
     from lmkernels.backends.triton import _norms
 
+    default = _STATE.setdefault("col_default", _norms.COL_CONFIG)
     _norms.FORCE_FWD, _norms.FORCE_BWD = fwd, bwd
+    _norms.COL_CONFIG = col or default
 
 
 def set_rope_config(cfg):
@@ -362,17 +256,19 @@ def set_rope_config(cfg):
 def norm_variants(case):
     """(name, setter) for each Triton variant: forward and backward configs tried independently
     (the other one at the table's choice), then the table itself."""
-    from lmkernels.backends.triton import _norms
 
     out = [("table", lambda: set_norm_config())]
     for f in norm_fwd_candidates(case.N):
         tag = f"fwd r{f.rows} w{f.num_warps}" if f.single_block else f"fwd-wide b{f.block} w{f.num_warps}"
         out.append((tag, lambda f=f: set_norm_config(fwd=f)))
-    names = {_norms.PATH_REGS: "regs", _norms.PATH_MEM: "mem", _norms.PATH_WIDE: "wide"}
-    for b in norm_bwd_candidates(case.N):
-        path = names[b.path] + ("-rw" if b.reload_w else "")
-        tag = f"bwd {path} r{b.rows} b{b.block} w{b.num_warps} p{b.programs_per_sm}"
-        out.append((tag, lambda b=b: set_norm_config(bwd=b)))
+    if not SHORT["on"]:
+        for b in norm_bwd_candidates(case.N, case.op):
+            out.append((bwd_name(b), lambda b=b: set_norm_config(bwd=b)))
+    for b in norm_bwd_candidates(case.N, case.op, new_only=True):
+        cols = COL_CANDIDATES if b.apart and b.num_warps == 32 and b.programs_per_sm == 1 else [None]
+        for col in cols:
+            tag = bwd_name(b) + (f" c{col[0]}x{col[1]}w{col[2]}p{col[3]}" if col and col != cols[0] else "")
+            out.append((tag, lambda b=b, col=col: set_norm_config(bwd=b, col=col)))
     return out
 
 
@@ -388,13 +284,36 @@ def make_case(op, shape):
 
 
 SHORT = {"on": False}
+LEAN = {"on": False}
+
+# Backward configurations that the table replaced after the 2026-11-23 runs (per op, block and
+# "part"): --lean times them beside the table, as "previous table", in the same run.
+PREVIOUS_BWD = {
+    ("rms_norm", 16384, True): (1, 16384, 0, 16, 1, True),
+    ("layer_norm", 16384, True): (1, 16384, 0, 16, 1, True),
+    ("layer_norm", 16384, False): (1, 16384, 0, 16, 1, True),
+}
+
+
+def lean_variants(op, case):
+    out = [("table", lambda: reset(op))]
+    if op != "rope":
+        from lmkernels.backends.triton import _norms
+
+        block = 1 << (case.N - 1).bit_length()
+        prev = PREVIOUS_BWD.get((op, block, 4 * case.N <= 3 * block))
+        if prev is not None:
+            out.append(("previous table", lambda: set_norm_config(bwd=_norms.BwdConfig(*prev))))
+    return out
 
 
 def variants(op, case):
+    if LEAN["on"]:  # the table, and the table before this session's changes where they differ
+        return lean_variants(op, case)
     out = rope_variants(case) if op == "rope" else norm_variants(case)
-    if SHORT["on"]:  # the table, and what the last tuning run did not cover
-        keep = ("-rw", "fwd-wide", "tile1024 w2", "tile2048 w4", "tile1024 w4", "tile2048 w2")
-        out = [v for v in out if v[0] == "table" or any(k in v[0] for k in keep)]
+    if SHORT["on"]:  # the table, and what the last tuning run did not cover (norm_variants)
+        keep = ("bwd", "fwd-wide", "tile1024 w2", "tile2048 w4", "tile1024 w4", "tile2048 w2")
+        out = [v for v in out if v[0] == "table" or v[0].startswith(keep)]
     return out
 
 
@@ -402,10 +321,12 @@ def reset(op):
     set_rope_config(None) if op == "rope" else set_norm_config()
 
 
-def warm(group, short=False):
+def warm(group, short=False, lean=False):
     """Worker: compile every variant and peer of a group of (op, shape) points once (fills the
     disk caches). A group shares its Triton kernels (same op and row block)."""
-    SHORT["on"] = short
+    SHORT["on"], LEAN["on"] = short, lean
+    torch._dynamo.config.cache_size_limit = 4096
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # the workers already run side by side
     n = 0
@@ -434,7 +355,11 @@ def warm(group, short=False):
 def warm_groups(jobs):
     groups = {}
     for op, shape in jobs:
-        key = (op, shape) if op == "rope" else (op, 1 << (shape[1] - 1).bit_length())
+        key = (
+            (op, shape)
+            if op == "rope" or SHORT["on"] or LEAN["on"]
+            else (op, 1 << (shape[1] - 1).bit_length())
+        )
         groups.setdefault(key, []).append((op, shape))
     # Largest groups first, so that the pool's last round is short.
     return sorted(groups.values(), key=len, reverse=True)
@@ -500,10 +425,10 @@ def breakdown(op, case, fn, rows, reps):
             torch.autograd.backward(out, grads, retain_graph=True)
 
         rows.append({**base, "variant": "table bwd only", "ms": gpu_time_ms(bwd, reps)})
-        if op != "rope":
+        if op != "rope" and not LEAN["on"]:
             from lmkernels.backends.triton import _norms
 
-            cfg = _norms.bwd_config(op, case.N)
+            cfg = _norms.bwd_config(op, case.N, case.M)
             tiles = _norms.num_tiles(case.M, cfg.rows if cfg.single_block else 1)
             P = _norms.persistent_programs(tiles, cfg.programs_per_sm, case.x.device)
             partial = torch.randn(P, case.N, device=DEVICE)
@@ -522,7 +447,7 @@ def best_variants(op, rows):
     """The fastest correct forward and backward config (norms), by full fwd+bwd time."""
     ok = [r for r in rows if r["status"] == "ok" and r["kind"] == "triton"]
     out = {}
-    if op == "rope" or SHORT["on"]:
+    if op == "rope" or SHORT["on"] or LEAN["on"]:
         return out
     from lmkernels.backends.triton import _norms
 
@@ -617,26 +542,33 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--ops", default="rms_norm,layer_norm,rope")
-    ap.add_argument("--grid", default="tune", choices=["tune", "final"])
+    ap.add_argument("--grid", default="tune", choices=["tune", "wide", "final"])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--budget", type=float, default=330.0, help="seconds; stop starting new points after")
     ap.add_argument("--short", action="store_true", help="only the table and the variants added since run 1")
+    ap.add_argument(
+        "--lean", action="store_true", help="only the table and the previous table where it changed"
+    )
     ap.add_argument("--warm-budget", type=float, default=150.0, help="seconds for the parallel compile")
     args = ap.parse_args(argv)
-    SHORT["on"] = args.short
+    SHORT["on"], LEAN["on"] = args.short, args.lean
+    # One compiled reference per shape, all of the same function: past dynamo's default limit
+    # of 8 recompiles the peer silently ran eager (run 4's 12-17x slower compile column).
+    torch._dynamo.config.cache_size_limit = 4096
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
     if DEVICE == "cuda":
         os.environ.pop("TRITON_INTERPRET", None)
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
     ops = args.ops.split(",")
-    grids = {op: (ROPE_GRID if op == "rope" else NORM_GRID)[args.grid] for op in ops}
+    grids = {op: (ROPE_GRID if op == "rope" else NORM_GRID).get(args.grid, []) for op in ops}
     # The ops take turns, so that a budget that runs out cuts every op's last shapes.
     jobs = [(op, g[i]) for i in range(max(map(len, grids.values()))) for op, g in grids.items() if i < len(g)]
     log = lambda msg: print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
     if args.jobs > 1:
         pool = cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"))
-        futures = [pool.submit(warm, g, args.short) for g in warm_groups(jobs)]
+        futures = [pool.submit(warm, g, args.short, args.lean) for g in warm_groups(jobs)]
         try:
             for f in cf.as_completed(futures, timeout=args.warm_budget):
                 log(f"warm {f.result()}")

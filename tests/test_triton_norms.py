@@ -285,21 +285,29 @@ def test_layer_norm_wide_rows_default_config():
 # Every backward path and a multi-row tile, forced (the table picks them only for wide rows on
 # the GPU): PATH_MEM keeps the weight-gradient partial sums in memory, stored on a program's
 # first tile and added after, so 3 interpreter programs over 11 tiles exercise both; rows = 4
-# with M = 41 leaves a partial last tile.
+# with M = 41 leaves a partial last tile. "tail": the row of 100 as register blocks of 64 and 64
+# (36 used); "apart": gradient sums left to the column kernel (2 row ranges of 21 rows, each
+# 16 + 5, two column blocks of 64, the second partial).
 _PATHS = {
-    "regs-rows4": (4, "PATH_REGS", False),
-    "regs-reload-w": (2, "PATH_REGS", True),
-    "mem-rows1": (1, "PATH_MEM", False),
-    "mem-rows4": (4, "PATH_MEM", False),
+    "regs-rows4": (4, "PATH_REGS", False, 0, "APART_NONE"),
+    "regs-reload-w": (2, "PATH_REGS", True, 0, "APART_NONE"),
+    "mem-rows1": (1, "PATH_MEM", False, 0, "APART_NONE"),
+    "mem-rows4": (4, "PATH_MEM", False, 0, "APART_NONE"),
+    "regs-tail-rows2": (2, "PATH_REGS", False, 64, "APART_NONE"),
+    "mem-tail": (1, "PATH_MEM", False, 64, "APART_NONE"),
+    "tail-reload-w-apart-db": (1, "PATH_REGS", True, 64, "APART_DB"),
+    "apart-all": (2, "PATH_REGS", False, 0, "APART_ALL"),
 }
 
 
 @pytest.fixture(params=list(_PATHS))
 def forced_config(request, monkeypatch):
-    rows, path, reload_w = _PATHS[request.param]
-    block = 128
-    bwd = norms_mod.BwdConfig(rows, block, getattr(norms_mod, path), 4, 1, reload_w)
-    monkeypatch.setattr(norms_mod, "FORCE_FWD", norms_mod.FwdConfig(rows, block, True, 4))
+    rows, path, reload_w, tail, apart = _PATHS[request.param]
+    block = 64 if tail else 128
+    path, apart = getattr(norms_mod, path), getattr(norms_mod, apart)
+    bwd = norms_mod.BwdConfig(rows, block, path, 4, 1, reload_w, tail, apart)
+    monkeypatch.setattr(norms_mod, "COL_CONFIG", (16, 64, 4, 1))
+    monkeypatch.setattr(norms_mod, "FORCE_FWD", norms_mod.FwdConfig(rows, 128, True, 4))
     monkeypatch.setattr(norms_mod, "FORCE_BWD", bwd)
     return request.param
 
@@ -314,6 +322,24 @@ def test_layer_norm_backward_paths(forced_config, case):
     _check_ln((41, 100), torch.bfloat16, f"layer_norm {forced_config} {case}", **LN_CASES[case])
 
 
+def test_rms_norm_in_place_backward_with_apart_dw(monkeypatch):
+    """dx written over dy (the in-place backward): the column kernel must read dy first."""
+    monkeypatch.setattr(
+        norms_mod, "FORCE_BWD", norms_mod.BwdConfig(1, 128, norms_mod.PATH_REGS, 4, 1, apart=2)
+    )
+    monkeypatch.setattr(norms_mod, "COL_CONFIG", (16, 64, 4, 1))
+    x, w, dy = (
+        _randn((41, 100), torch.bfloat16, 0),
+        _randn((100,), torch.bfloat16, 1),
+        _randn((41, 100), torch.bfloat16, 2),
+    )
+    _, rstd = rms_mod._rms_norm_fwd(x, w, 1e-6, 0.0, "llama")
+    dx, dw = rms_mod._rms_norm_bwd(dy, x, w, rstd, 0.0, "llama")
+    shared = dy.clone()
+    dw_in_place = rms_mod._rms_norm_bwd_into(shared, x, w, rstd, 0.0, "llama", shared)
+    assert torch.equal(shared, dx) and torch.equal(dw_in_place, dw)
+
+
 def test_config_table_covers_the_sweep_widths():
     """Every row width of the tuned sweep (1024-16384) gets a table entry, not the fallback;
     a forward in chunks is a chunked (wide) one, the backward always keeps the row whole."""
@@ -322,7 +348,10 @@ def test_config_table_covers_the_sweep_widths():
             block = 1 << (N - 1).bit_length()
             assert (op, block) in norms_mod.TUNED
             fwd, bwd = norms_mod.fwd_config(op, N), norms_mod.bwd_config(op, N)
-            assert (fwd.block >= N) == fwd.single_block and bwd.single_block and bwd.block >= N
+            assert (fwd.block >= N) == fwd.single_block and bwd.single_block and bwd.block + bwd.tail >= N
+    # LayerNorm at 16384: the column kernel for the weight and bias gradients from M_FEW rows up.
+    assert norms_mod.bwd_config("layer_norm", 16384, 4096).apart == norms_mod.APART_ALL
+    assert norms_mod.bwd_config("layer_norm", 16384, 1024).apart == norms_mod.APART_NONE
 
 
 def test_layer_norm_large_mean_is_stable():

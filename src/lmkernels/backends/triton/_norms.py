@@ -9,6 +9,13 @@ Both norms lay the work out the same way:
   registers (PATH_REGS, one partial row written at the end) or, for wide rows where registers
   would spill, in its own partial row in memory (PATH_MEM: read-modify-write, an L2 hit). A
   second small kernel sums the P partial rows (deterministic, no atomics).
+- rows that fill at most 3/4 of their power-of-two block (5120, 11008) may be held as two
+  register blocks, `block` (a power of two <= N) and `tail` (e.g. 4096 + 1024): fewer padding
+  lanes, hence fewer registers per thread and more rows in flight per SM.
+- "apart" gradients (the `apart` field): the backward kernel leaves some weight-gradient sums
+  out (LayerNorm: the bias gradient, or both) and a column kernel computes them, one program
+  per (column block, row range), reading x and dy again. That costs 1-2 more reads of a
+  tensor, and saves the per-row accumulators that make the wide backward spill.
 
 The configurations come from a table per op and row width, filled from measurements on an H200
 (scripts/roofline_tune.py, benchmarks/results/2026-11-23-roofline-tune/).
@@ -37,6 +44,11 @@ INTERPRETER_PROGRAMS = 3
 PATH_REGS = 0  # whole row in registers, weight-gradient partial sums in registers
 PATH_MEM = 1  # whole row in registers, partial sums in the program's partial row (memory)
 PATH_WIDE = 2  # the row in blocks of WIDE_BLOCK, two passes, partial sums in memory
+
+# Which weight-gradient sums the column kernel computes instead of the backward kernel.
+APART_NONE = 0
+APART_DB = 1  # LayerNorm: the bias gradient (the weight gradient stays in the backward kernel)
+APART_ALL = 2  # every one: the backward kernel only writes dx
 
 # --- jit helpers -------------------------------------------------------------------------------
 
@@ -83,18 +95,19 @@ def _sum_partials_kernel(
     out0_ptr,
     partial1_ptr,
     out1_ptr,
-    P,
+    P0,
+    P1,
     N,
     SOFT_BF16: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """out_j[c] = sum over p of partial_j[p, c] (fp32), rounded to out_j's dtype; j = program_id(1).
-    One launch reduces both the weight and the bias partials of LayerNorm."""
+    One launch reduces both the weight and the bias partials of LayerNorm (P0 and P1 rows)."""
     if tl.program_id(1) == 0:
-        _sum_columns(partial0_ptr, out0_ptr, P, N, SOFT_BF16, BLOCK_P, BLOCK_N)
+        _sum_columns(partial0_ptr, out0_ptr, P0, N, SOFT_BF16, BLOCK_P, BLOCK_N)
     else:
-        _sum_columns(partial1_ptr, out1_ptr, P, N, SOFT_BF16, BLOCK_P, BLOCK_N)
+        _sum_columns(partial1_ptr, out1_ptr, P1, N, SOFT_BF16, BLOCK_P, BLOCK_N)
 
 
 # --- launcher helpers --------------------------------------------------------------------------
@@ -116,6 +129,8 @@ class BwdConfig:
     num_warps: int
     programs_per_sm: int  # persistent grid: programs = SMs x this (at most one per row tile)
     reload_w: bool = False  # PATH_REGS: load the weight per tile (an L1 hit) instead of holding it
+    tail: int = 0  # single-block paths: a second register block of the row, columns block.. +tail
+    apart: int = APART_NONE  # the gradient sums left to the column kernel
 
     @property
     def single_block(self) -> bool:
@@ -124,24 +139,35 @@ class BwdConfig:
 
 # Per op and next_power_of_2(N) =: block, optionally "part" (rows that fill at most 3/4 of their
 # block, e.g. 5120 and 11008): (fwd rows, fwd warps, fwd chunk, bwd rows, bwd warps, bwd path,
-# bwd programs per SM, bwd reload w). fwd chunk 0 keeps the row in registers; otherwise the
-# forward reads the row in chunks of that many columns (the wide path: several passes, the later
-# ones from L2, with more rows in flight per SM). Each entry is the fastest fwd+bwd combination
-# measured on an H200 (scripts/roofline_tune.py, benchmarks/results/2026-11-23-roofline-tune/).
-TUNED: dict[tuple, tuple[int, int, int, int, int, int, int, bool]] = {
+# bwd programs per SM, bwd reload w[, bwd tail, bwd apart]). fwd chunk 0 keeps the row in
+# registers; otherwise the forward reads the row in chunks of that many columns (the wide path:
+# several passes, the later ones from L2, with more rows in flight per SM). bwd tail 1: the row
+# as two register blocks, block / 2 and the rest (next power of two). Each entry is the fastest
+# fwd+bwd combination measured on an H200 (scripts/roofline_tune.py,
+# benchmarks/results/2026-11-23-roofline-tune/ and -tune2/).
+TUNED: dict[tuple, tuple] = {
     ("rms_norm", 1024): (2, 4, 0, 1, 4, PATH_REGS, 8, False),
     ("rms_norm", 2048): (2, 8, 0, 1, 8, PATH_REGS, 4, False),
     ("rms_norm", 4096): (1, 8, 0, 1, 16, PATH_REGS, 2, False),
     ("rms_norm", 8192): (1, 8, 0, 1, 32, PATH_REGS, 1, True),
     ("rms_norm", 8192, "part"): (1, 8, 0, 1, 16, PATH_REGS, 1, True),
     ("rms_norm", 16384): (1, 32, 0, 1, 16, PATH_REGS, 1, True),
-    ("rms_norm", 16384, "part"): (1, 8, 4096, 1, 16, PATH_REGS, 1, True),
+    ("rms_norm", 16384, "part"): (1, 8, 4096, 1, 16, PATH_REGS, 2, False, 1),
     ("layer_norm", 1024): (2, 4, 0, 1, 4, PATH_REGS, 8, False),
     ("layer_norm", 2048): (1, 4, 0, 1, 8, PATH_REGS, 4, False),
     ("layer_norm", 4096): (1, 8, 0, 1, 16, PATH_REGS, 2, False),
     ("layer_norm", 8192): (1, 8, 0, 1, 16, PATH_REGS, 2, False),
     ("layer_norm", 8192, "part"): (1, 4, 2048, 1, 16, PATH_REGS, 2, False),
-    ("layer_norm", 16384): (1, 8, 4096, 1, 16, PATH_REGS, 1, True),
+    ("layer_norm", 16384, "part"): (1, 8, 4096, 1, 16, PATH_REGS, 1, True, 1),
+    ("layer_norm", 16384): (1, 8, 4096, 1, 16, PATH_REGS, 2, True, 0, APART_ALL),
+}
+
+# Below M_FEW rows, per (op, block, part): the table entry (its backward half) where the one
+# above lost at 1024 rows (tune2/run2-final: LayerNorm 1024 x 16384, 0.1016 ms against 0.1031
+# for the column kernel, which has few rows per program there).
+M_FEW = 2048
+FEW_ROWS: dict[tuple, tuple] = {
+    ("layer_norm", 16384, False): (1, 8, 4096, 1, 16, PATH_REGS, 1, True),
 }
 
 # Tuning hook (scripts/roofline_tune.py, tests): configurations used instead of the table.
@@ -157,17 +183,21 @@ def fwd_config(op: str, N: int) -> FwdConfig:
     return _fwd_config(op, N, MAX_FUSED_N, WIDE_BLOCK)
 
 
-def bwd_config(op: str, N: int) -> BwdConfig:
+def bwd_config(op: str, N: int, M: int | None = None) -> BwdConfig:
+    """The backward's configuration for rows of N elements; M (the number of rows), when given,
+    picks the FEW_ROWS entries of the table below M_FEW."""
     if FORCE_BWD is not None:
         return FORCE_BWD
-    return _bwd_config(op, N, MAX_FUSED_N, WIDE_BLOCK)
+    return _bwd_config(op, N, M is not None and M < M_FEW, MAX_FUSED_N, WIDE_BLOCK)
 
 
 def _default_warps(elements: int, per_thread: int, cap: int) -> int:
     return min(cap, max(1, triton.next_power_of_2(max(1, elements // (32 * per_thread)))))
 
 
-def _tuned(op: str, N: int, block: int):
+def _tuned(op: str, N: int, block: int, few: bool = False):
+    if few and (op, block, 4 * N <= 3 * block) in FEW_ROWS:
+        return FEW_ROWS[(op, block, 4 * N <= 3 * block)]
     part = TUNED.get((op, block, "part")) if 4 * N <= 3 * block else None
     return part if part is not None else TUNED.get((op, block))
 
@@ -187,14 +217,18 @@ def _fwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> FwdConfig
 
 
 @functools.cache
-def _bwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> BwdConfig:
+def _bwd_config(op: str, N: int, few: bool, max_fused_n: int, wide_block: int) -> BwdConfig:
     if N > max_fused_n:
         return BwdConfig(1, wide_block, PATH_WIDE, _default_warps(wide_block, 8, 16), 2)
     block = triton.next_power_of_2(N)
-    tuned = _tuned(op, N, block)
+    tuned = _tuned(op, N, block, few)
     if tuned is not None:
-        rows, warps, path, programs_per_sm, reload_w = tuned[3:]
-        return BwdConfig(rows, block, path, warps, programs_per_sm, reload_w)
+        rows, warps, path, programs_per_sm, reload_w, *extra = tuned[3:]
+        tail, apart = (*extra, 0, APART_NONE)[:2]
+        if tail:  # two register blocks: the largest power of two <= N, then the rest
+            block //= 2
+            tail = triton.next_power_of_2(N - block)
+        return BwdConfig(rows, block, path, warps, programs_per_sm, reload_w, tail, apart)
     rows = max(1, 1024 // block)
     num_warps = _default_warps(rows * block, 8, 16)
     return BwdConfig(rows, block, PATH_REGS, num_warps, max(1, 32 // num_warps))
@@ -224,11 +258,25 @@ def partial_buffer(P: int, N: int, device: torch.device) -> torch.Tensor:
 
 # (BLOCK_P, BLOCK_N, num_warps) of the partial-sum kernel.
 SUM_CONFIG = (256, 16, 8)
+# (BLOCK_M, BLOCK_N, num_warps, programs per SM) of the column kernels ("apart" gradients).
+COL_CONFIG = (32, 128, 4, 8)
+
+
+def column_splits(M: int, N: int, device: torch.device) -> int:
+    """Row ranges of a column kernel: about COL_CONFIG's programs per SM in all, each range at
+    least BLOCK_M rows. Each range writes one partial row."""
+    block_m, block_n, _, per_sm = COL_CONFIG
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        target = _sm_count(index) * per_sm
+    else:
+        target = INTERPRETER_PROGRAMS
+    return max(1, min(cdiv(M, block_m), cdiv(target, cdiv(N, block_n))))
 
 
 def sum_partials(partial: torch.Tensor, out: torch.Tensor, partial2=None, out2=None) -> None:
     """out (1-D, any float dtype) = partial.sum(0), with one fp32 accumulation per column; and
-    the same for (partial2, out2) in the same launch when given."""
+    the same for (partial2, out2) in the same launch when given (its own number of rows)."""
     P, N = partial.shape
     block_p, block_n, num_warps = SUM_CONFIG
     second = partial2 is not None
@@ -238,6 +286,7 @@ def sum_partials(partial: torch.Tensor, out: torch.Tensor, partial2=None, out2=N
         partial2 if second else partial,
         out2 if second else out,
         P,
+        partial2.shape[0] if second else P,
         N,
         SOFT_BF16=soft_bf16(out),
         BLOCK_P=block_p,

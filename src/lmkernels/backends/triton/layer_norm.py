@@ -12,13 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
-from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import call, device_guard, eager_function, op_or_raw, soft_bf16
+from lmkernels.backends.triton import _norms, triton_devices, triton_unavailable_reason
+from lmkernels.backends.triton._common import call, cdiv, device_guard, eager_function, op_or_raw, soft_bf16
 from lmkernels.backends.triton._norms import (
+    APART_ALL,
+    APART_NONE,
     PATH_MEM,
     PATH_REGS,
     PATH_WIDE,
     bwd_config,
+    column_splits,
     fwd_config,
     num_rows,
     num_tiles,
@@ -116,6 +119,43 @@ def _add_to_partial(partial_row, cols, mask, contrib, i):
 
 
 @triton.jit
+def _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w, mean, rstd, RELOAD_W: tl.constexpr,
+              HAS_WEIGHT: tl.constexpr):  # fmt: skip
+    """x_hat, dy and g = dy * w of one register block of a row tile, in fp32."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x_hat = (x - mean[:, None]) * rstd[:, None]
+    g = dy
+    if HAS_WEIGHT:
+        if RELOAD_W:  # reloaded (an L1 hit) rather than held in registers
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        g = dy * w[None, :]
+    return x_hat, dy, g
+
+
+@triton.jit
+def _bwd_store(dx_ptr, offs, mask, cols, col_mask, x_hat, dy, g, rstd, mean_g, mean_gx, dw_acc, db_acc,
+               dw_row, db_row, i, PATH: tl.constexpr, ACC_DW: tl.constexpr, ACC_DB: tl.constexpr,
+               SOFT_BF16: tl.constexpr):  # fmt: skip
+    """Writes dx of one register block and adds its dw / db contributions (ACC_DW / ACC_DB) to
+    the accumulators (PATH_REGS) or to the program's partial rows (PATH_MEM)."""
+    dx = (g - mean_g[:, None] - x_hat * mean_gx[:, None]) * rstd[:, None]
+    tl.store(dx_ptr + offs, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+    # Padding columns and rows have dy = 0: they add nothing to any sum.
+    if PATH == MEM:
+        if ACC_DW:
+            _add_to_partial(dw_row, cols, col_mask, tl.sum(dy * x_hat, axis=0), i)
+        if ACC_DB:
+            _add_to_partial(db_row, cols, col_mask, tl.sum(dy, axis=0), i)
+    else:
+        if ACC_DW:
+            dw_acc += tl.sum(dy * x_hat, axis=0)
+        if ACC_DB:
+            db_acc += tl.sum(dy, axis=0)
+    return dw_acc, db_acc
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(
     dy_ptr,
     x_ptr,
@@ -128,9 +168,11 @@ def _layer_norm_bwd_kernel(
     M,
     N,
     HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    ACC_DW: tl.constexpr,
+    ACC_DB: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    TAIL: tl.constexpr,
     PATH: tl.constexpr,
     RELOAD_W: tl.constexpr,
     SOFT_BF16: tl.constexpr,
@@ -139,7 +181,9 @@ def _layer_norm_bwd_kernel(
     dw = sum dy * x_hat, db = sum dy over rows.
 
     Program pid handles row tiles pid, pid + P, ... (ROWS rows each; one row on the wide path)
-    and writes row pid of the P x N fp32 partials, P <= the number of tiles.
+    and writes row pid of the P x N fp32 partials it accumulates (ACC_DW, ACC_DB; the others
+    are left to the column kernel), P <= the number of tiles. On the single-block paths a row
+    is columns [0, BLOCK) and, when TAIL > 0, [BLOCK, BLOCK + TAIL): two register blocks.
     """
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -149,45 +193,55 @@ def _layer_norm_bwd_kernel(
     db_row = db_partial_ptr + pid.to(tl.int64) * N
     if PATH != WIDE:
         col_mask = cols < N
-        if HAS_WEIGHT and PATH == REGS and not RELOAD_W:
+        w = tl.zeros([BLOCK], tl.float32)
+        if HAS_WEIGHT and not RELOAD_W:
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         dw_acc = tl.zeros([BLOCK], tl.float32)
         db_acc = tl.zeros([BLOCK], tl.float32)
+        if TAIL > 0:
+            cols_t = BLOCK + tl.arange(0, TAIL)
+            tail_mask = cols_t < N
+            w_t = tl.zeros([TAIL], tl.float32)
+            if HAS_WEIGHT and not RELOAD_W:
+                w_t = tl.load(w_ptr + cols_t, mask=tail_mask, other=0.0).to(tl.float32)
+            dw_acc_t = tl.zeros([TAIL], tl.float32)
+            db_acc_t = tl.zeros([TAIL], tl.float32)
         for i in range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs)):
             rows = (pid + i * num_programs).to(tl.int64) * ROWS + tl.arange(0, ROWS)
             row_mask = rows < M
-            mask = row_mask[:, None] & col_mask[None, :]
-            offs = rows[:, None] * N + cols[None, :]
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            x_hat = (x - mean[:, None]) * rstd[:, None]
-            g = dy
-            if HAS_WEIGHT:
-                if PATH == MEM or RELOAD_W:  # reloaded (an L1 hit) rather than held in registers
-                    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                g = dy * w[None, :]
-            # Padding columns and rows have dy = 0, hence g = 0: they add nothing to any sum.
-            mean_g = tl.sum(g, axis=1) / N
-            mean_gx = tl.sum(g * x_hat, axis=1) / N
-            dx = (g - mean_g[:, None] - x_hat * mean_gx[:, None]) * rstd[:, None]
-            tl.store(dx_ptr + offs, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
-            if PATH == MEM:
-                if HAS_WEIGHT:
-                    _add_to_partial(dw_row, cols, col_mask, tl.sum(dy * x_hat, axis=0), i)
-                if HAS_BIAS:
-                    _add_to_partial(db_row, cols, col_mask, tl.sum(dy, axis=0), i)
-            else:
-                if HAS_WEIGHT:
-                    dw_acc += tl.sum(dy * x_hat, axis=0)
-                if HAS_BIAS:
-                    db_acc += tl.sum(dy, axis=0)
+            mask = row_mask[:, None] & col_mask[None, :]
+            offs = rows[:, None] * N + cols[None, :]
+            x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w, mean, rstd,
+                                     RELOAD_W, HAS_WEIGHT)  # fmt: skip
+            sum_g = tl.sum(g, axis=1)
+            sum_gx = tl.sum(g * x_hat, axis=1)
+            if TAIL > 0:
+                mask_t = row_mask[:, None] & tail_mask[None, :]
+                offs_t = rows[:, None] * N + cols_t[None, :]
+                x_hat_t, dy_t, g_t = _bwd_load(x_ptr, dy_ptr, w_ptr, offs_t, mask_t, cols_t, tail_mask, w_t,
+                                               mean, rstd, RELOAD_W, HAS_WEIGHT)  # fmt: skip
+                sum_g += tl.sum(g_t, axis=1)
+                sum_gx += tl.sum(g_t * x_hat_t, axis=1)
+            mean_g = sum_g / N
+            mean_gx = sum_gx / N
+            dw_acc, db_acc = _bwd_store(dx_ptr, offs, mask, cols, col_mask, x_hat, dy, g, rstd, mean_g, mean_gx,
+                                        dw_acc, db_acc, dw_row, db_row, i, PATH, ACC_DW, ACC_DB,
+                                        SOFT_BF16)  # fmt: skip
+            if TAIL > 0:
+                dw_acc_t, db_acc_t = _bwd_store(dx_ptr, offs_t, mask_t, cols_t, tail_mask, x_hat_t, dy_t, g_t,
+                                                rstd, mean_g, mean_gx, dw_acc_t, db_acc_t, dw_row, db_row, i,
+                                                PATH, ACC_DW, ACC_DB, SOFT_BF16)  # fmt: skip
         if PATH == REGS:
-            if HAS_WEIGHT:
+            if ACC_DW:
                 tl.store(dw_row + cols, dw_acc, mask=col_mask)
-            if HAS_BIAS:
+                if TAIL > 0:
+                    tl.store(dw_row + cols_t, dw_acc_t, mask=tail_mask)
+            if ACC_DB:
                 tl.store(db_row + cols, db_acc, mask=col_mask)
+                if TAIL > 0:
+                    tl.store(db_row + cols_t, db_acc_t, mask=tail_mask)
     else:
         # Wide rows: pass 1 reduces the two row sums, pass 2 writes dx block by block and adds
         # this program's contributions into its partial rows (stored on its first row).
@@ -217,10 +271,56 @@ def _layer_norm_bwd_kernel(
                     g = dy * tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
                 dx = (g - mean_g - x_hat * mean_gx) * rstd
                 tl.store(dx_ptr + row * N + start + cols, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
-                if HAS_WEIGHT:
+                if ACC_DW:
                     _add_to_partial(dw_row + start, cols, mask, dy * x_hat, i)
-                if HAS_BIAS:
+                if ACC_DB:
                     _add_to_partial(db_row + start, cols, mask, dy, i)
+
+
+@triton.jit
+def _layer_norm_dwdb_kernel(
+    dy_ptr,
+    x_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dw_partial_ptr,
+    db_partial_ptr,
+    M,
+    N,
+    rows_per_split,
+    DW: tl.constexpr,
+    DB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The column kernel ("apart" gradients): over the rows of range s (program_id(1)) and the
+    columns of block program_id(0), dw_partial[s] = sum dy * x_hat (DW), db_partial[s] = sum dy
+    (DB; reads neither x nor the statistics when alone)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    split = tl.program_id(1)
+    start = split * rows_per_split
+    end = tl.minimum(M, start + rows_per_split)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for first in range(start, end, BLOCK_M):
+        rows = first + tl.arange(0, BLOCK_M)
+        row_mask = rows < end
+        mask = row_mask[:, None] & col_mask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if DW:
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            dw_acc += dy * ((x - mean[:, None]) * rstd[:, None])
+        if DB:
+            db_acc += dy
+    row = split.to(tl.int64) * N
+    if DW:
+        tl.store(dw_partial_ptr + row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if DB:
+        tl.store(db_partial_ptr + row + cols, tl.sum(db_acc, axis=0), mask=col_mask)
 
 
 # --- launchers -------------------------------------------------------------------------------
@@ -279,29 +379,58 @@ def _layer_norm_bwd(
     db = empty((N,), bias_dtype, x.device) if bias_dtype is not None else x.new_empty((0,))
     if M == 0:
         return dx, dw.zero_(), db.zero_()
-    cfg = bwd_config("layer_norm", N)
+    cfg = bwd_config("layer_norm", N, M)
     rows = cfg.rows if cfg.single_block else 1
     P = persistent_programs(num_tiles(M, rows), cfg.programs_per_sm, x.device)
-    dw_partial = partial_buffer(P, N, x.device) if weight is not None else None
-    db_partial = partial_buffer(P, N, x.device) if bias_dtype is not None else None
+    acc_dw = weight is not None and cfg.apart != APART_ALL
+    acc_db = bias_dtype is not None and cfg.apart == APART_NONE
+    dw_partial = partial_buffer(P, N, x.device) if acc_dw else None
+    db_partial = partial_buffer(P, N, x.device) if acc_db else None
+    dy = dy.contiguous()
     with device_guard(x):
+        apart_dw, apart_db = weight is not None and not acc_dw, bias_dtype is not None and not acc_db
+        if apart_dw or apart_db:
+            S = column_splits(M, N, x.device)
+            block_m, block_n, num_warps, _ = _norms.COL_CONFIG  # read at call time: the tuner sets it
+            if apart_dw:
+                dw_partial = partial_buffer(S, N, x.device)
+            if apart_db:
+                db_partial = partial_buffer(S, N, x.device)
+            _layer_norm_dwdb_kernel[(cdiv(N, block_n), S)](
+                dy,
+                x,
+                mean,
+                rstd,
+                dw_partial if apart_dw else rstd,  # placeholders, never touched
+                db_partial if apart_db else rstd,
+                M,
+                N,
+                cdiv(M, S),
+                DW=apart_dw,
+                DB=apart_db,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                num_warps=num_warps,
+            )
         _layer_norm_bwd_kernel[(P,)](
-            dy.contiguous(),
+            dy,
             x,
             weight.contiguous() if weight is not None else x,  # placeholders, never touched
             mean,
             rstd,
             dx,
-            dw_partial if dw_partial is not None else rstd,
-            db_partial if db_partial is not None else rstd,
+            dw_partial if acc_dw else rstd,
+            db_partial if acc_db else rstd,
             M,
             N,
             HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias_dtype is not None,
+            ACC_DW=acc_dw,
+            ACC_DB=acc_db,
             ROWS=rows,
             BLOCK=cfg.block,
+            TAIL=cfg.tail,
             PATH=cfg.path,
-            RELOAD_W=cfg.reload_w,
+            RELOAD_W=cfg.reload_w or cfg.path == PATH_MEM,
             SOFT_BF16=soft_bf16(x),
             num_warps=cfg.num_warps,
         )

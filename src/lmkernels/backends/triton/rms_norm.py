@@ -14,13 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import call, device_guard, eager_function, op_or_raw, soft_bf16
+from lmkernels.backends.triton import _norms, triton_devices, triton_unavailable_reason
+from lmkernels.backends.triton._common import call, cdiv, device_guard, eager_function, op_or_raw, soft_bf16
 from lmkernels.backends.triton._norms import (
+    APART_NONE,
     PATH_MEM,
     PATH_REGS,
     PATH_WIDE,
     bwd_config,
+    column_splits,
     fwd_config,
     num_rows,
     num_tiles,
@@ -133,6 +135,40 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
+def _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w_factor, offset, RELOAD_W: tl.constexpr,
+              MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):  # fmt: skip
+    """x, dy and g = dy * (w + offset) of one register block of a row tile, in fp32."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = dy
+    if HAS_WEIGHT:
+        if RELOAD_W:  # reloaded (an L1 hit) rather than held in registers
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            w_factor = _weight_factor(w, offset, MODE, dtype, SOFT_BF16)
+        g = dy * w_factor[None, :]
+    return x, dy, g
+
+
+@triton.jit
+def _bwd_store(dx_ptr, offs, mask, cols, col_mask, x, dy, g, rstd, scale, dw_acc, partial_row, i,
+               PATH: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SOFT_BF16: tl.constexpr):  # fmt: skip
+    """Writes dx of one register block and adds its dw contribution (ACC) to dw_acc (PATH_REGS)
+    or to the program's partial row (PATH_MEM); returns dw_acc."""
+    dtype = dx_ptr.dtype.element_ty
+    dx = (g - x * scale[:, None]) * rstd[:, None]
+    tl.store(dx_ptr + offs, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
+    if ACC:
+        # Rows past M have dy = 0: they add nothing.
+        contrib = tl.sum(dy * _normalized(x, rstd[:, None], MODE, dtype, SOFT_BF16), axis=0)
+        if PATH == MEM:
+            prev = tl.load(partial_row + cols, mask=col_mask & (i > 0), other=0.0)
+            tl.store(partial_row + cols, prev + contrib, mask=col_mask)
+        else:
+            dw_acc += contrib
+    return dw_acc
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
     dy_ptr,
     x_ptr,
@@ -145,8 +181,10 @@ def _rms_norm_bwd_kernel(
     offset,
     MODE: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
+    ACC: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    TAIL: tl.constexpr,
     PATH: tl.constexpr,
     RELOAD_W: tl.constexpr,
     SOFT_BF16: tl.constexpr,
@@ -154,7 +192,9 @@ def _rms_norm_bwd_kernel(
     """dx = rstd * (g - x * rstd^2 * mean(g * x)) with g = dy * (w + offset); dw = sum dy * x_hat.
 
     Program pid handles row tiles pid, pid + P, ... (ROWS rows each; one row on the wide path)
-    and writes row pid of dw_partial (P x N, fp32), P <= the number of tiles.
+    and, when ACC (a weight whose gradient is not left to the column kernel), writes row pid of
+    dw_partial (P x N, fp32), P <= the number of tiles. On the single-block paths a row is
+    columns [0, BLOCK) and, when TAIL > 0, [BLOCK, BLOCK + TAIL): two register blocks.
     dx_ptr may equal dy_ptr (in-place backward): every element of dy is read before the dx
     element at the same address is written, by the same program.
     """
@@ -165,40 +205,44 @@ def _rms_norm_bwd_kernel(
     partial_row = dw_partial_ptr + pid.to(tl.int64) * N
     if PATH != WIDE:
         col_mask = cols < N
-        if HAS_WEIGHT and PATH == REGS and not RELOAD_W:
-            w_factor = _weight_factor(
-                tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32), offset, MODE, dtype, SOFT_BF16
-            )
+        w_factor = tl.zeros([BLOCK], tl.float32)
+        if HAS_WEIGHT and not RELOAD_W:
+            w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            w_factor = _weight_factor(w, offset, MODE, dtype, SOFT_BF16)
         dw_acc = tl.zeros([BLOCK], tl.float32)
+        if TAIL > 0:
+            cols_t = BLOCK + tl.arange(0, TAIL)
+            tail_mask = cols_t < N
+            w_factor_t = tl.zeros([TAIL], tl.float32)
+            if HAS_WEIGHT and not RELOAD_W:
+                w = tl.load(w_ptr + cols_t, mask=tail_mask, other=0.0).to(tl.float32)
+                w_factor_t = _weight_factor(w, offset, MODE, dtype, SOFT_BF16)
+            dw_acc_t = tl.zeros([TAIL], tl.float32)
         for i in range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs)):
             rows = (pid + i * num_programs).to(tl.int64) * ROWS + tl.arange(0, ROWS)
             row_mask = rows < M
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             mask = row_mask[:, None] & col_mask[None, :]
             offs = rows[:, None] * N + cols[None, :]
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            g = dy
-            if HAS_WEIGHT:
-                if PATH == MEM or RELOAD_W:  # reloaded (an L1 hit) rather than held in registers
-                    w_factor = _weight_factor(
-                        tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32),
-                        offset, MODE, dtype, SOFT_BF16,
-                    )  # fmt: skip
-                g = dy * w_factor[None, :]
+            x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w_factor, offset,
+                                 RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16)  # fmt: skip
             dot = tl.sum(g * x, axis=1)
-            dx = (g - x * (rstd * rstd * dot / N)[:, None]) * rstd[:, None]
-            tl.store(dx_ptr + offs, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
-            if HAS_WEIGHT:
-                # Rows past M have dy = 0: they add nothing.
-                contrib = tl.sum(dy * _normalized(x, rstd[:, None], MODE, dtype, SOFT_BF16), axis=0)
-                if PATH == MEM:
-                    prev = tl.load(partial_row + cols, mask=col_mask & (i > 0), other=0.0)
-                    tl.store(partial_row + cols, prev + contrib, mask=col_mask)
-                else:
-                    dw_acc += contrib
-        if HAS_WEIGHT and PATH == REGS:
+            if TAIL > 0:
+                mask_t = row_mask[:, None] & tail_mask[None, :]
+                offs_t = rows[:, None] * N + cols_t[None, :]
+                x_t, dy_t, g_t = _bwd_load(x_ptr, dy_ptr, w_ptr, offs_t, mask_t, cols_t, tail_mask, w_factor_t,
+                                           offset, RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16)  # fmt: skip
+                dot += tl.sum(g_t * x_t, axis=1)
+            scale = rstd * rstd * dot / N
+            dw_acc = _bwd_store(dx_ptr, offs, mask, cols, col_mask, x, dy, g, rstd, scale, dw_acc,
+                                partial_row, i, PATH, ACC, MODE, SOFT_BF16)  # fmt: skip
+            if TAIL > 0:
+                dw_acc_t = _bwd_store(dx_ptr, offs_t, mask_t, cols_t, tail_mask, x_t, dy_t, g_t, rstd, scale,
+                                      dw_acc_t, partial_row, i, PATH, ACC, MODE, SOFT_BF16)  # fmt: skip
+        if ACC and PATH == REGS:
             tl.store(partial_row + cols, dw_acc, mask=col_mask)
+            if TAIL > 0:
+                tl.store(partial_row + cols_t, dw_acc_t, mask=tail_mask)
     else:
         # Wide rows: pass 1 reduces g * x over the row, pass 2 writes dx block by block and adds
         # this program's dw contribution into its partial row (stored on its first row).
@@ -225,10 +269,45 @@ def _rms_norm_bwd_kernel(
                     g = dy * _weight_factor(w, offset, MODE, dtype, SOFT_BF16)
                 dx = (g - x * scale) * rstd
                 tl.store(dx_ptr + row * N + start + cols, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
-                if HAS_WEIGHT:
+                if ACC:
                     dw = tl.load(partial_row + start + cols, mask=mask & (i > 0), other=0.0)
                     dw += dy * _normalized(x, rstd, MODE, dtype, SOFT_BF16)
                     tl.store(partial_row + start + cols, dw, mask=mask)
+
+
+@triton.jit
+def _rms_norm_dw_kernel(
+    dy_ptr,
+    x_ptr,
+    rstd_ptr,
+    partial_ptr,
+    M,
+    N,
+    rows_per_split,
+    MODE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+):
+    """The column kernel ("apart" dw): partial[s, c] = sum of dy * x_hat over the rows of range s
+    (program_id(1)) in the columns of block program_id(0); x_hat as the weight multiply sees it."""
+    dtype = x_ptr.dtype.element_ty
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    split = tl.program_id(1)
+    start = split * rows_per_split
+    end = tl.minimum(M, start + rows_per_split)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for first in range(start, end, BLOCK_M):
+        rows = first + tl.arange(0, BLOCK_M)
+        row_mask = rows < end
+        mask = row_mask[:, None] & col_mask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        acc += dy * _normalized(x, rstd[:, None], MODE, dtype, SOFT_BF16)
+    tl.store(partial_ptr + split.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_mask)
 
 
 # --- launchers -------------------------------------------------------------------------------
@@ -277,33 +356,62 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
     dw = empty((N,), weight.dtype, x.device) if weight is not None else x.new_empty((0,))
     if M == 0:
         return dw.zero_()
-    cfg = bwd_config("rms_norm", N)
+    cfg = bwd_config("rms_norm", N, M)
     rows = cfg.rows if cfg.single_block else 1
     P = persistent_programs(num_tiles(M, rows), cfg.programs_per_sm, x.device)
-    partial = partial_buffer(P, N, x.device) if weight is not None else None
+    acc = weight is not None and cfg.apart == APART_NONE
+    partial = partial_buffer(P, N, x.device) if acc else None
     with device_guard(x):
+        if weight is not None and not acc:
+            # First: the backward kernel may write dx over dy.
+            partial = _dw_apart(dy, x, rstd, casting_mode)
         _rms_norm_bwd_kernel[(P,)](
             dy,
             x,
             weight.contiguous() if weight is not None else x,  # placeholders when no weight
             rstd,
             dx,
-            partial if partial is not None else rstd,
+            partial if acc else rstd,
             M,
             N,
             offset,
             MODE=_MODES[casting_mode],
             HAS_WEIGHT=weight is not None,
+            ACC=acc,
             ROWS=rows,
             BLOCK=cfg.block,
+            TAIL=cfg.tail,
             PATH=cfg.path,
-            RELOAD_W=cfg.reload_w,
+            RELOAD_W=cfg.reload_w or cfg.path == PATH_MEM,
             SOFT_BF16=soft_bf16(x),
             num_warps=cfg.num_warps,
         )
         if partial is not None:
             sum_partials(partial, dw)
     return dw
+
+
+def _dw_apart(dy, x, rstd, casting_mode) -> torch.Tensor:
+    """The dw partials (S x N, fp32) from the column kernel: S ranges of rows."""
+    M, N = num_rows(x), x.shape[-1]
+    S = column_splits(M, N, x.device)
+    partial = partial_buffer(S, N, x.device)
+    block_m, block_n, num_warps, _ = _norms.COL_CONFIG  # read at call time: the tuner sets it
+    _rms_norm_dw_kernel[(cdiv(N, block_n), S)](
+        dy,
+        x,
+        rstd,
+        partial,
+        M,
+        N,
+        cdiv(M, S),
+        MODE=_MODES[casting_mode],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        SOFT_BF16=soft_bf16(x),
+        num_warps=num_warps,
+    )
+    return partial
 
 
 def _rms_norm_bwd(
