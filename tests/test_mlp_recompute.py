@@ -2,13 +2,15 @@
 same gradients as saving it, no copy of it kept by autograd, loud failure where the GLU's
 inputs were overwritten, and no effect under activation checkpointing."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.utils.checkpoint as ckpt
 
 import lmkernels
-from lmkernels.nn import SwiGLUMLP
-from lmkernels.nn import recompute
+from lmkernels.nn import SwiGLUMLP, recompute
 from lmkernels.nn.recompute import ENV, project_recomputed
 
 
@@ -83,3 +85,37 @@ def test_not_applied_under_activation_checkpointing(monkeypatch):
     assert calls == []  # checkpointing owns the saved tensors there
     mlp(x).sum().backward()
     assert calls == [1]
+
+
+_FSDP_SCRIPT = """
+import socket, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM
+from lmkernels.nn import recompute
+from lmkernels.integrations.transformers import apply
+
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+runs = []
+original = recompute._Recipe.run
+recompute._Recipe.run = lambda self: runs.append(1) or original(self)
+torch.manual_seed(0)
+config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=64, tie_word_embeddings=False)
+model = apply(LlamaForCausalLM(config), backend="eager")
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(model)
+ids = torch.randint(0, 64, (2, 8))
+model(input_ids=ids, labels=ids).loss.backward()
+dist.destroy_process_group()
+print("RUNS", len(runs))
+"""
+
+
+def test_applied_under_fsdp2():
+    """FSDP2 per-layer wrapping leaves the recompute on (no saved-tensor hooks of its own): the
+    memory it saves is there in sharded training too."""
+    done = subprocess.run([sys.executable, "-c", _FSDP_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "RUNS 2" in done.stdout, done.stdout
