@@ -118,6 +118,16 @@ def test_revert_restores_the_mask_functions_and_the_forward():
     )
     assert module.create_causal_mask is original["create_causal_mask"]
 
+    # A deep copy outlives the original's hold on the mask functions: it then runs as plain.
+    lk_hf.apply(first, backend="eager")
+    clone = copy.deepcopy(first)
+    lk_hf.revert(first)
+    assert module.create_causal_mask is original["create_causal_mask"]
+    ids = _ids(seed=6)
+    assert_same_step(
+        step(clone, input_ids=ids, labels=ids), step(lk_hf.tiny_model("llama"), input_ids=ids, labels=ids)
+    )
+
     lk_hf.apply(first, backend="eager", ops=("rms_norm", "mlp", "flce", "rope"))  # not asked for
     assert "forward" not in vars(first.model) and module.create_causal_mask is original["create_causal_mask"]
     lk_hf.revert(first)

@@ -153,6 +153,9 @@ def plain_causal_forward(original, call_original):
         n: names.index(n) if n in names else None
         for n in ("attention_mask", "position_ids", "past_key_values")
     }
+    inner = inspect.unwrap(original)
+    namespace = inner.__globals__
+    receivers = tuple(n for n in mask_functions(namespace) if n in inner.__code__.co_names)
 
     def given(args, kwargs, name):
         i = where[name]
@@ -160,7 +163,10 @@ def plain_causal_forward(original, call_original):
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        if all(given(args, kwargs, n) is None for n in where):
+        # The marker only goes where the mask functions take it: a deep copy of a patched model
+        # outlives the patch that holds them (then it runs as transformers does).
+        ready = all(getattr(namespace.get(n), "_lmkernels_patch", False) for n in receivers)
+        if ready and all(given(args, kwargs, n) is None for n in where):
             i = where["attention_mask"]
             if i is not None and len(args) > i:
                 args = args[:i] + (PLAIN_CAUSAL,) + args[i + 1 :]
@@ -178,10 +184,10 @@ def base_model(model: nn.Module) -> nn.Module | None:
     """The module whose forward builds the masks: the model itself or its base model."""
     candidates = [model, getattr(model, getattr(model, "base_model_prefix", "") or "", None)]
     for module in candidates:
-        if isinstance(module, nn.Module):
-            fn = inspect.unwrap(type(module).forward)
-            if mask_functions({n: fn.__globals__.get(n) for n in fn.__code__.co_names}):
-                return module
+        fn = inspect.unwrap(type(module).forward) if isinstance(module, nn.Module) else None
+        code = getattr(fn, "__code__", None)
+        if code is not None and mask_functions({n: fn.__globals__.get(n) for n in code.co_names}):
+            return module
     return None
 
 
