@@ -272,5 +272,16 @@ def test_fails_closed_where_attention_mask_is_used_otherwise():
         report = lk_hf.patch_report(model_type, backend="eager", ops=("causal_mask",))
         (finding,) = report.findings
         assert finding.status == "kept" and reason in finding.detail, report.format()
+    model = lk_hf.tiny_model("llama")
+    attention = model.model.layers[0].self_attn
+
+    class OwnSdpaAttention(type(attention)):  # reads a None mask as "no mask", not as causal
+        def forward(self, hidden_states, *args, attention_mask=None, **kwargs):
+            q = hidden_states[:, None]
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=attention_mask)[:, 0], None
+
+    attention.__class__ = OwnSdpaAttention
+    (finding,) = lk_hf.patch_report(model, ops=("causal_mask",)).findings
+    assert finding.status == "kept" and "OwnSdpaAttention calls scaled_dot_product" in finding.detail
     with pytest.raises(masks.MarkerMisuse, match="outside the mask functions"):
         masks.PLAIN_CAUSAL.shape  # noqa: B018

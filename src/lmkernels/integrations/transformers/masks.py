@@ -123,9 +123,11 @@ def _is_causal_answer(args: dict) -> bool:
 
 def mask_function_wrapper(name: str, real):
     """`real` (a transformers mask function) that also takes PLAIN_CAUSAL as attention_mask."""
+    from transformers import masking_utils
+
     names = _params(real)
     index = names.index("attention_mask")
-    may_skip = name == CAUSAL
+    may_skip = name == CAUSAL and real is masking_utils.create_causal_mask
 
     @functools.wraps(real)
     def wrapper(*args, **kwargs):
@@ -219,6 +221,16 @@ def _mentions(code, name: str) -> bool:
     if name in code.co_names or name in code.co_varnames or name in code.co_consts:
         return True
     return any(_mentions(c, name) for c in code.co_consts if hasattr(c, "co_names"))
+
+
+def own_sdpa_call(model: nn.Module) -> str | None:
+    """A module that calls SDPA itself (not through transformers' attention functions): it may
+    not read a missing mask as causal."""
+    for cls in dict.fromkeys(type(m) for m in model.modules()):
+        code = getattr(inspect.unwrap(cls.forward), "__code__", None)
+        if code is not None and _mentions(code, "scaled_dot_product_attention"):
+            return cls.__name__
+    return None
 
 
 def _source(fn) -> str:

@@ -327,6 +327,8 @@ def _mask_findings(model: nn.Module) -> list[Finding]:
     not_causal = [p for p, m in model.named_modules() if getattr(m, "is_causal", True) is False]
     if why is None and not_causal:
         why = f"{not_causal[0]} has is_causal=False"
+    if why is None and masks.own_sdpa_call(model):
+        why = f"{masks.own_sdpa_call(model)} calls scaled_dot_product_attention itself"
     if why:
         return [
             Finding("causal_mask", status=KEPT, detail=f"mask built as transformers does: {why}", **found)
