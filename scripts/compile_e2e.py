@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="8,32")
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--min-timed-s", type=float, default=2.5)
-    p.add_argument("--budget", type=float, default=480, help="seconds; a configuration past it is stopped")
+    p.add_argument("--budget", type=float, default=520, help="seconds; a configuration past it is stopped")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="the 2-layer tiny model (script check, CPU ok)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
