@@ -27,8 +27,8 @@ from lmkernels.convergence.train import Patch, TrainConfig, train_run  # noqa: E
 from lmkernels.integrations import transformers as lk_hf  # noqa: E402
 from lmkernels.registry import LMKernelsError  # noqa: E402
 
-RMS = ("rms_norm", "rope", "mlp", "flce")
-LN_NO_GLU = ("layer_norm", "rope", "flce")
+RMS = ("rms_norm", "rope", "mlp", "flce", "causal_mask")
+LN_NO_GLU = ("layer_norm", "rope", "flce", "causal_mask")
 # model type -> (ops the report must list as patched, kinds it must keep with a reason)
 EXPECTED = {
     "llama": (RMS, ()),
@@ -41,11 +41,11 @@ EXPECTED = {
     "phi3": (RMS, ()),
     "gemma": (RMS, ()),
     "gemma2": (RMS, ()),
-    "gemma3_text": (RMS, ()),
-    "olmo": (("layer_norm", "rope", "mlp", "flce"), ()),
+    "gemma3_text": (RMS[:-1], ("causal_mask",)),  # its forward copies the mask kwargs: kept
+    "olmo": (("layer_norm", "rope", "mlp", "flce", "causal_mask"), ()),
     "olmo2": (RMS, ()),
     "granite": (RMS, ()),
-    "cohere": (("layer_norm", "rope", "mlp", "flce"), ()),
+    "cohere": (("layer_norm", "rope", "mlp", "flce", "causal_mask"), ()),
     "glm": (RMS, ()),
     "smollm3": (RMS, ()),
     "gpt_neox": (LN_NO_GLU, ("mlp",)),

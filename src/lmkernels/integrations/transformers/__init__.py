@@ -28,6 +28,12 @@ What is replaced (`ops` chooses a subset of SUPPORTED_OPS):
   mean over non-ignored tokens, or sum / `num_items_in_batch` when the Trainer passes it;
   `logits_to_keep` slices the hidden states as the original forward does. Without labels, or in
   eval mode, the original forward runs unchanged and returns logits (generation, evaluation).
+- "causal_mask" (not a kernel): a base model called with no attention_mask, position_ids or
+  past_key_values builds no (B, 1, T, T) causal mask, also under torch.compile, where
+  transformers always builds one: SDPA runs is_causal=True with GQA instead of its masked
+  kernel on repeated K/V. Every other call gets the mask transformers builds. Applied only where the base
+  forward's source shows attention_mask reaching nothing but transformers' mask functions
+  (masks.py); elsewhere kept with the reason.
 
 `strict=True` (default): apply() raises, before changing anything, if a module that looks like
 one of these kinds cannot be patched correctly (a failed check, an activation with no GLU op, a
@@ -41,6 +47,9 @@ copy of a patched model is patched too, without a rope hold of its own.
 
 `backend`: None lets lmkernels' dispatch choose at each call (use_backend(), LMKERNELS_BACKEND,
 auto); a name ("triton") or a spec like "triton,flce=compile" fixes it per op.
+Before torch.compile(model), backend="eager,flce=triton" runs the norms, rope and GLU as
+plain torch code that inductor fuses with its neighbours, while the fused loss stays the
+Triton op (scripts/compile_e2e.py measures both against the default).
 
 Known differences from the unpatched model, all in low precision only: lmkernels' RMSNorm output
 has x's dtype even when the weight has another dtype; rope and GLU compute in fp32 and round
@@ -74,7 +83,7 @@ from lmkernels.integrations.transformers.report import PatchReport
 from lmkernels.integrations.transformers.structure import analyze
 from lmkernels.registry import LMKernelsError, canonical_op, parse_backend_spec
 
-SUPPORTED_OPS = ("rms_norm", "layer_norm", "rope", "mlp", "flce")
+SUPPORTED_OPS = ("rms_norm", "layer_norm", "rope", "mlp", "flce", "causal_mask")
 
 
 def _check_ops(ops: Iterable[str]) -> tuple[str, ...]:
@@ -189,9 +198,10 @@ def family_patches(model_or_class: Any) -> list[str]:
     if model_type in patching.CLASS_PATCHES:
         found.append(f"the {model_type} classes (apply on a class or model type)")
     module_name = FAMILIES[model_type].module_name
-    for name in patching.ROPE_SAVED:
+    for kind, name in patching.MODULE_SAVED:
         if name == module_name:
-            found.append(f"{name}.apply_rotary_pos_emb (held by a patched model)")
+            what = "apply_rotary_pos_emb" if kind == "rope" else "mask functions"
+            found.append(f"{name} {what} (held by a patched model)")
     return found
 
 

@@ -58,5 +58,5 @@ def add_parser(sub) -> None:
     p.add_argument("--config", help="a config.json file or a directory / hub name holding one")
     p.add_argument("--all", action="store_true", help="every family the tests train")
     p.add_argument("--backend", help="backend spec the checks run with (default: dispatch decides)")
-    p.add_argument("--ops", help="comma-separated subset of rms_norm,layer_norm,rope,mlp,flce")
+    p.add_argument("--ops", help="comma-separated subset of rms_norm,layer_norm,rope,mlp,flce,causal_mask")
     p.set_defaults(func=cmd_patch_report)

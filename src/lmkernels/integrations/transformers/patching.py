@@ -2,9 +2,11 @@
 
 Patching a model instance sets `forward` on its own submodules only; patching a class (or a
 model type) replaces `forward` on the classes a tiny model of that family is built from, for
-every model of the family. Rotary embedding is a module-level function in transformers, so
-"rope" is always patched in the modeling module and held until the last apply() that asked for
-it is reverted (or its model garbage collected); it uses the backend of the most recent apply().
+every model of the family. Rotary embedding and the mask functions are module-level functions
+in transformers, so "rope" and "causal_mask" always patch the modeling module too, held until
+the last apply() that asked for them is reverted (or its model garbage collected); rope uses
+the backend of the most recent apply(). (The mask functions behave as the originals unless a
+patched base model passes them its plain-causal marker: see masks.py.)
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from torch import nn
 
+from lmkernels.integrations.transformers import masks
 from lmkernels.integrations.transformers import replacements as rp
 from lmkernels.integrations.transformers.report import PatchReport
 from lmkernels.integrations.transformers.structure import PATCHED, Finding, unwrapped
@@ -48,7 +51,7 @@ class Saved:
 class Patch:
     model_type: str
     saved: list[Saved]
-    rope_modules: tuple[str, ...]  # modeling modules whose rope this patch holds
+    holds: tuple[tuple[str, str], ...]  # (kind, modeling module) of the module-level functions held
     report: PatchReport | None = None
     finalizer: weakref.finalize | None = None
 
@@ -63,10 +66,11 @@ CLASS_PATCHES: dict[str, Patch] = {}
 # modules, so keeping it anywhere else would keep every patched model alive forever.
 RECORD = "_lmkernels_patch_record"
 PATCHED_MODELS: weakref.WeakSet = weakref.WeakSet()
-# Rope per modeling module: who holds it ("class:<type>" strings and/or models), what was saved,
-# and the backend the patched function uses (the most recent apply's).
-_ROPE_HOLDERS: dict[str, tuple[set[str], weakref.WeakSet]] = {}
-ROPE_SAVED: dict[str, Saved] = {}
+# Module-level replacements, per (kind, modeling module): kind "rope" (apply_rotary_pos_emb) or
+# "causal_mask" (the mask functions). Who holds them ("class:<type>" strings and/or models) and
+# what was saved; rope also keeps the backend its function uses (the most recent apply's).
+_HOLDERS: dict[tuple[str, str], tuple[set[str], weakref.WeakSet]] = {}
+MODULE_SAVED: dict[tuple[str, str], list[Saved]] = {}
 _ROPE_BACKEND: dict[str, str | None] = {}
 
 
@@ -74,45 +78,64 @@ def rope_backend_getter(module_name: str):
     return lambda: _ROPE_BACKEND.get(module_name)
 
 
-def _hold_rope(finding: Finding, holder: Any, backend: str | None) -> None:
+def _rope_install(finding: Finding) -> list[Saved]:
     name = finding.module_name
-    classes, models = _ROPE_HOLDERS.setdefault(name, (set(), weakref.WeakSet()))
-    _ROPE_BACKEND[name] = backend
-    if name not in ROPE_SAVED:
-        module = importlib.import_module(name)
-        original = unwrapped(module.apply_rotary_pos_emb)
-        patched = rp.rope_function(original, finding.spec, rope_backend_getter(name))
-        ROPE_SAVED[name] = Saved.replace(module, "apply_rotary_pos_emb", patched)
+    module = importlib.import_module(name)
+    original = unwrapped(module.apply_rotary_pos_emb)
+    patched = rp.rope_function(original, finding.spec, rope_backend_getter(name))
+    return [Saved.replace(module, "apply_rotary_pos_emb", patched)]
+
+
+def _masks_install(finding: Finding) -> list[Saved]:
+    module = importlib.import_module(finding.module_name)
+    found = masks.mask_functions(vars(module))
+    return [Saved.replace(module, name, masks.mask_function_wrapper(name, fn)) for name, fn in found.items()]
+
+
+def _hold(finding: Finding, holder: Any) -> tuple[str, str]:
+    """Replace the module-level functions of `finding` unless already replaced; `holder` holds them."""
+    key = (finding.op, finding.module_name)
+    classes, models = _HOLDERS.setdefault(key, (set(), weakref.WeakSet()))
+    if key not in MODULE_SAVED:
+        MODULE_SAVED[key] = (_rope_install if finding.op == "rope" else _masks_install)(finding)
     if isinstance(holder, str):
         classes.add(holder)
     else:
         models.add(holder)
+    return key
 
 
-def release_rope(module_names, holder: Any) -> None:
-    """Drop `holder` (None: only models already collected) and restore rope nobody holds."""
-    for name in module_names:
-        classes, models = _ROPE_HOLDERS.get(name, (set(), weakref.WeakSet()))
+def release(keys, holder: Any) -> None:
+    """Drop `holder` (None: only models already collected) and restore what nobody holds."""
+    for key in keys:
+        classes, models = _HOLDERS.get(key, (set(), weakref.WeakSet()))
         if isinstance(holder, str):
             classes.discard(holder)
         elif holder is not None:
             models.discard(holder)
         alive = sum(1 for _ in models)  # iterating skips models already collected
-        if not classes and not alive and name in ROPE_SAVED:
-            ROPE_SAVED.pop(name).restore()
-            _ROPE_BACKEND.pop(name, None)
+        if not classes and not alive and key in MODULE_SAVED:
+            for saved in reversed(MODULE_SAVED.pop(key)):
+                saved.restore()
+            if key[0] == "rope":
+                _ROPE_BACKEND.pop(key[1], None)
 
 
-def _class_forward(self, **kwargs):
-    return type(self).forward(self, **kwargs)
+def _class_forward(self, *args, **kwargs):
+    return type(self).forward(self, *args, **kwargs)
 
 
 def install_instance(model: nn.Module, model_type: str, report: PatchReport, table_backend) -> None:
-    saved, rope_modules = [], []
+    saved, holds = [], []
     for f in report.patched:
         if f.op == "rope":
-            _hold_rope(f, model, table_backend("rope"))
-            rope_modules.append(f.module_name)
+            _ROPE_BACKEND[f.module_name] = table_backend("rope")
+            holds.append(_hold(f, model))
+        elif f.op == "causal_mask":
+            holds.append(_hold(f, model))
+            base = f.modules[0]
+            forward = masks.plain_causal_forward(unwrapped(type(base).forward), _class_forward)
+            saved.append(Saved.replace(base, "forward", types.MethodType(forward, base)))
         elif f.op == "flce":
             # The unpatched path goes through the class's forward at call time, so a class-level
             # patch applied or reverted later is honoured.
@@ -124,27 +147,31 @@ def install_instance(model: nn.Module, model_type: str, report: PatchReport, tab
             for module in f.modules:
                 saved.append(Saved.replace(module, "forward", types.MethodType(f.forward, module)))
     finalizer = None
-    if rope_modules:
-        finalizer = weakref.finalize(model, release_rope, tuple(rope_modules), None)
-    patch = Patch(model_type, saved, tuple(rope_modules), report, finalizer)
+    if holds:
+        finalizer = weakref.finalize(model, release, tuple(holds), None)
+    patch = Patch(model_type, saved, tuple(holds), report, finalizer)
     object.__setattr__(model, RECORD, patch)
     PATCHED_MODELS.add(model)
 
 
 def install_class(model_type: str, report: PatchReport, table_backend) -> None:
-    saved, rope_modules = [], []
+    saved, holds = [], []
     holder = f"class:{model_type}"
     for f in report.patched:
         if f.op == "rope":
-            _hold_rope(f, holder, table_backend("rope"))
-            rope_modules.append(f.module_name)
+            _ROPE_BACKEND[f.module_name] = table_backend("rope")
+            holds.append(_hold(f, holder))
+        elif f.op == "causal_mask":
+            holds.append(_hold(f, holder))
+            original = unwrapped(f.cls.forward)
+            saved.append(Saved.replace(f.cls, "forward", masks.plain_causal_forward(original, original)))
         elif f.op == "flce":
             original = unwrapped(f.cls.forward)
             forward = rp.causal_lm_forward(original, f.spec, table_backend("flce"), original)
             saved.append(Saved.replace(f.cls, "forward", forward))
         elif f.cls is not None and f.status == PATCHED:
             saved.append(Saved.replace(f.cls, "forward", f.forward))
-    CLASS_PATCHES[model_type] = Patch(model_type, saved, tuple(rope_modules), report)
+    CLASS_PATCHES[model_type] = Patch(model_type, saved, tuple(holds), report)
 
 
 def uninstall(target: Any, model_type: str) -> bool:
@@ -162,5 +189,5 @@ def uninstall(target: Any, model_type: str) -> bool:
         saved.restore()
     if patch.finalizer is not None:
         patch.finalizer.detach()
-    release_rope(patch.rope_modules, holder)
+    release(patch.holds, holder)
     return True

@@ -54,7 +54,7 @@ class PatchReport:
             lines.append(f"{title}:")
             for f in group:
                 count = f" x{f.count}" if f.count > 1 else ""
-                head = f"  {f.op:<10} {f.what}{count}"
+                head = f"  {f.op:<11} {f.what}{count}"
                 body = textwrap.wrap(f.detail, width - 6) or [""]
                 if len(head) + 2 + len(body[0]) <= width and len(body) == 1:
                     lines.append(f"{head}: {body[0]}")

@@ -14,6 +14,7 @@ modules (same class, same epsilon and shapes: one check covers them all), per ro
   namespace; its layout (neox / interleaved, partial rotary, table form) is probed.
 - the causal-LM head + loss: an nn.Linear output embedding, the standard causal-LM loss, logit
   scaling (Cohere, Granite), final softcapping (Gemma2/3) and router aux loss (MoE).
+- the base model's mask building (masks.py): its forward's source is read, not run.
 
 A Finding is "patched" (verified), "kept" (not a kind lmkernels has an op for: the reason says
 why; no error) or "failed" (looks like a kind we patch but cannot be patched correctly: strict
@@ -28,6 +29,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from lmkernels.integrations.transformers import masks
 from lmkernels.integrations.transformers import replacements as rp
 from lmkernels.integrations.transformers import verify as vf
 from lmkernels.registry import canonical_op
@@ -37,7 +39,7 @@ PATCHED, KEPT, FAILED = "patched", "kept", "failed"
 
 @dataclasses.dataclass
 class Finding:
-    op: str  # the `ops` name that controls it: rms_norm, layer_norm, mlp, rope, flce
+    op: str  # the `ops` name that controls it: rms_norm, layer_norm, mlp, rope, flce, causal_mask
     what: str  # class name, or module.function for rotary
     paths: list[str]  # module paths (instances), or the function's qualified name
     status: str
@@ -46,7 +48,7 @@ class Finding:
     modules: list[nn.Module] = dataclasses.field(default_factory=list)
     forward: Callable | None = None  # the replacement (unbound: takes self) / rope function
     spec: object = None  # rope: the RopeStyle; flce: the HeadSpec
-    module_name: str = ""  # rope: the modeling module's name
+    module_name: str = ""  # rope, causal_mask: the modeling module whose functions are replaced
 
     @property
     def count(self) -> int:
@@ -313,6 +315,28 @@ def _head_findings(model, table, device) -> list[Finding]:
     return [Finding("flce", status=PATCHED, detail=spec.describe(), spec=spec, **base)]
 
 
+def _mask_findings(model: nn.Module) -> list[Finding]:
+    base = masks.base_model(model)
+    if base is None:
+        return []
+    cls = type(base)
+    path = next(p for p, m in model.named_modules() if m is base) or "(model)"
+    module_name = inspect.unwrap(cls.forward).__globals__.get("__name__", "?")
+    found = dict(what=cls.__name__, paths=[path], cls=cls, modules=[base], module_name=module_name)
+    why = masks.forward_problem(base)
+    not_causal = [p for p, m in model.named_modules() if getattr(m, "is_causal", True) is False]
+    if why is None and not_causal:
+        why = f"{not_causal[0]} has is_causal=False"
+    if why is None and masks.own_sdpa_call(model):
+        why = f"{masks.own_sdpa_call(model)} calls scaled_dot_product_attention itself"
+    if why:
+        return [
+            Finding("causal_mask", status=KEPT, detail=f"mask built as transformers does: {why}", **found)
+        ]
+    detail = "plain causal calls build no mask: SDPA is_causal, also compiled"
+    return [Finding("causal_mask", status=PATCHED, detail=detail, **found)]
+
+
 def analyze(model: nn.Module, table: dict[str, str], ops: tuple[str, ...], backend_of) -> list[Finding]:
     """Every patchable part of `model` (for the requested ops), each verified.
 
@@ -323,4 +347,6 @@ def analyze(model: nn.Module, table: dict[str, str], ops: tuple[str, ...], backe
         findings += _rope_findings(model, table, device, backend_of)
     if "flce" in ops:
         findings += _head_findings(model, table, device)
+    if "causal_mask" in ops:
+        findings += _mask_findings(model)
     return findings
