@@ -19,7 +19,7 @@ import math
 import time
 from typing import Any
 
-ALL_OPS = ("rms_norm", "rope", "mlp", "flce")
+ALL_OPS = ("rms_norm", "rope", "mlp", "flce", "causal_mask")
 MIN_TIMED_S = 1.5  # time at least this many seconds of steps per point (see time_steps)
 MAX_STEPS = 40
 

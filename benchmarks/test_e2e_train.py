@@ -37,7 +37,7 @@ def test_parse_config():
     assert e2e_setup.parse_config("lmk:triton-noflce+compile") == (
         "lmk",
         "triton",
-        ("rms_norm", "rope", "mlp"),
+        ("rms_norm", "rope", "mlp", "causal_mask"),
         True,
     )
     assert e2e_setup.parse_config("plain+compile")[3] is True
