@@ -1,4 +1,4 @@
-"""A gated MLP's down projection that keeps no copy of its input for the backward.
+"""A gated MLP's (or MoE expert's) down projection that keeps no copy of its input for the backward.
 
 down_proj(h) with h = act(gate) * up: autograd normally saves h (B*T x intermediate values per
 layer, about a fifth of a Llama layer's saved activations) for down_proj's weight gradient,
@@ -27,7 +27,6 @@ import os
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 ENV = "LMKERNELS_MLP_RECOMPUTE"
 
@@ -67,13 +66,14 @@ def _other_hooks_active() -> bool:
 
 
 def project_recomputed(
-    down_proj: nn.Module,
+    down_proj: Callable[[torch.Tensor], torch.Tensor],
     h: torch.Tensor,
     recompute: Callable[[], torch.Tensor],
     sources: tuple[torch.Tensor, ...],
 ) -> torch.Tensor:
-    """down_proj(h) where autograd saves `recompute` (which must return h's exact values from
-    `sources`, tensors that stay saved until down_proj's backward anyway) instead of h."""
+    """down_proj(h) (a module, or a function of h) where autograd saves `recompute` (which must
+    return h's exact values from `sources`, tensors that stay saved until down_proj's backward
+    anyway) instead of h."""
     if (
         not (torch.is_grad_enabled() and h.requires_grad)
         or type(h) is not torch.Tensor

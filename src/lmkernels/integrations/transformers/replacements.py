@@ -155,7 +155,12 @@ def experts_forward(act_attr: str, backends: dict):
                 continue
             tok = token[rows]
             gate, up = F.linear(hidden_states[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(glu(kind, gate, up, backends), self.down_proj[e]) * weight[rows, None]
+            h = glu(kind, gate, up, backends)
+            again = functools.partial(glu, kind, gate, up, backends, False)  # this expert's gate and up
+            y = project_recomputed(
+                functools.partial(F.linear, weight=self.down_proj[e]), h, again, (gate, up)
+            )
+            y = y * weight[rows, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 
