@@ -355,3 +355,43 @@ def test_first_op_call_inside_fullgraph_compile():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_triton_call_routes_each_kind_of_argument():
+    """backends/triton/_common.call: the raw launcher without a graph to record, the eager
+    Function when an input needs a gradient, the custom op for tensor subclasses and under a
+    dispatch mode; non-tensor options of any type are no tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lmkernels.backends.triton._common import call
+
+    ran = []
+
+    class Function:
+        @staticmethod
+        def raw_forward(*args):
+            ran.append("raw")
+
+        @staticmethod
+        def apply(*args):
+            ran.append("function")
+
+    def op(*args):
+        ran.append("op")
+
+    class Sub(torch.Tensor):
+        pass
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    w = torch.randn(8, requires_grad=True)
+    call(op, Function, X, None, 1e-6, "llama", (1, 2))
+    call(op, Function, X, w, 1e-6)
+    with torch.no_grad():
+        call(op, Function, X, w, 1e-6)
+    call(op, Function, X, X.as_subclass(Sub), 1e-6)
+    with Mode():
+        call(op, Function, X, W)
+    assert ran == ["raw", "function", "raw", "op", "op"]
