@@ -3,7 +3,8 @@ dispatch.py for the precedence rules), call it, with a host cost of a few micros
 
 The checks that need no data (OpSpec.check_inputs) and the resolution are remembered per
 backend argument, override state (use_backend), env value, grad mode and input signature, so a
-repeated call costs building one flat tuple and one dict lookup. In the signature a tensor is
+repeated call costs building one flat tuple and comparing it with the previous call's (a dict
+lookup when that differs). In the signature a tensor is
 its class, shape, dtype, device and requires_grad (only CPU tensors get True for the device: a
 torch.device costs more to build, hash and compare than the other four together); an option is
 its class and value (16 == 16.0 == True, but a check may accept only one of them). An input
@@ -48,7 +49,7 @@ _CACHES: list[tuple[dict[tuple, _Entry], list[_Entry]]] = []
 _CACHE_LIMIT = 4096  # distinct signatures per op; past it the cache starts over (e.g. many shapes)
 _GENERIC: dict[tuple[str, tuple[str, ...]], Callable[..., Any]] = {}
 
-# os.environ.get costs ~1 us when the variable is unset (a KeyError raised and caught inside
+# os.environ.get costs 1-2 us when the variable is unset (a KeyError raised and caught inside
 # os._Environ.__getitem__; `in` and os.getenv take the same route): more than the rest of the
 # state in the key. Its backing dict, which os.environ updates on every change, answers in
 # nanoseconds; it is a CPython detail, so any other Python gets the public call.
