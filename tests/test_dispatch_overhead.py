@@ -3,8 +3,8 @@ benchmarks/dispatch_overhead.py (run it for the reported figures; it says how it
 
 What this test bounds, and why not the 10 us directly: microseconds scale with the machine. On
 the 2-core development machine shared by three agents the overhead (`lk.rms_norm(x, w,
-backend="eager")` minus `rms_norm_reference(x, w)`) measured +7.6..+8.2 us (rms_norm) and
-+8.8..+10.0 us (rope) with the flat-key fast path, +11..+14 with the one before and +28 / +41
+backend="eager")` minus `rms_norm_reference(x, w)`) measured +7.6..+9.1 us (rms_norm) and
++8.4..+10.0 us (rope) with the flat-key fast path, +11..+14 with the one before and +28 / +41
 uncached (issue 13); a throttled CI run of the previous fast path measured 16-20 us with nothing
 wrong. So:
 
