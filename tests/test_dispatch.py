@@ -285,6 +285,47 @@ def test_fast_path_remembers_resolution_per_signature(toys, monkeypatch):
     assert lmkernels.rms_norm(X, W, backend="toy_a") == "replaced"
 
 
+def test_fast_path_key_edge_cases(toys, monkeypatch):
+    """Right after a remembered call with the same shapes, what the key cannot or must not hold
+    still goes through the checks: a non-tensor (even one with a tensor's attributes), an option
+    passed as a tensor (never remembered, nor kept alive), another option value. Alternating
+    signatures each get their own resolution."""
+    import weakref
+
+    from lmkernels.registry.fastpath import clear_cache
+
+    spec = lmkernels.get_op("rms_norm")
+    checks = []
+    real_check = spec.check_inputs
+    monkeypatch.setattr(spec, "check_inputs", lambda **kw: (checks.append(1), real_check(**kw)))
+    clear_cache()
+    for _ in range(2):
+        lmkernels.rms_norm(X, W, backend="toy_a")
+        lmkernels.rms_norm(X, W, backend="toy_b")
+        lmkernels.rms_norm(X[:2], W, backend="toy_a")
+    assert (len(checks), toys) == (3, ["toy_a", "toy_b", "toy_a"] * 2)
+
+    class LooksLikeX:  # every attribute the key reads, equal to X's
+        shape, dtype, device, requires_grad, is_cpu = X.shape, X.dtype, X.device, False, True
+
+    with pytest.raises(lmkernels.LMKernelsError, match="x: expected a torch.Tensor, got LooksLikeX"):
+        lmkernels.rms_norm(LooksLikeX(), W, backend="toy_a")
+    with pytest.raises(lmkernels.LMKernelsError, match="x: expected a torch.Tensor, got list"):
+        lmkernels.rms_norm(X.tolist(), W, backend="toy_a")
+    with pytest.raises(lmkernels.LMKernelsError, match="eps: expected a non-negative number"):
+        lmkernels.rms_norm(X, W, eps=-1.0, backend="toy_a")
+    checks.clear()
+    eps = torch.tensor(1e-6)
+    for _ in range(2):
+        lmkernels.rms_norm(X, W, eps=eps, backend="toy_a")
+    assert len(checks) == 2  # a tensor option: resolved on every call
+    ref = weakref.ref(eps)
+    del eps
+    assert ref() is None  # no cache entry keeps it alive
+    lmkernels.rms_norm(X, torch.nn.Parameter(W), backend="toy_a")  # a subclass: its own entry
+    assert len(checks) == 3
+
+
 def test_value_checks_run_on_every_call(monkeypatch):
     """FLCE's target range check reads values: it must not be cached with the signature."""
     h, w = torch.randn(6, 8), torch.randn(10, 8)
@@ -314,3 +355,43 @@ def test_first_op_call_inside_fullgraph_compile():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_triton_call_routes_each_kind_of_argument():
+    """backends/triton/_common.call: the raw launcher without a graph to record, the eager
+    Function when an input needs a gradient, the custom op for tensor subclasses and under a
+    dispatch mode; non-tensor options of any type are no tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lmkernels.backends.triton._common import call
+
+    ran = []
+
+    class Function:
+        @staticmethod
+        def raw_forward(*args):
+            ran.append("raw")
+
+        @staticmethod
+        def apply(*args):
+            ran.append("function")
+
+    def op(*args):
+        ran.append("op")
+
+    class Sub(torch.Tensor):
+        pass
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    w = torch.randn(8, requires_grad=True)
+    call(op, Function, X, None, 1e-6, "llama", (1, 2))
+    call(op, Function, X, w, 1e-6)
+    with torch.no_grad():
+        call(op, Function, X, w, 1e-6)
+    call(op, Function, X, X.as_subclass(Sub), 1e-6)
+    with Mode():
+        call(op, Function, X, W)
+    assert ran == ["raw", "function", "raw", "op", "op"]

@@ -19,6 +19,7 @@ and BT 8192 that is 320 tokens, 164 MB of fp32 logits per chunk.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -53,9 +54,12 @@ def _compiled(fn):
 def _make_generic(name: str):
     reference = _OPS[name].reference
 
-    def run(**inputs):
-        return _compiled(reference)(**inputs)
+    def run(*args, **kwargs):
+        return _compiled(reference)(*args, **kwargs)
 
+    # The reference's signature, so that the dispatcher passes the inputs positionally: a
+    # compiled function called by keyword costs ~1.5 us more per call (guards read kwargs).
+    run.__signature__ = inspect.signature(reference)
     run.__name__ = f"{name}_compile"
     return run
 
