@@ -268,7 +268,7 @@ def _glu(gate, up, activation, consume_inputs):
     args = (gate, up, activation)
     if traced(args):
         return glu_forward(*args)
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(gate, up):
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return _GLUFunction.apply(*args, consume_inputs)
     return _glu_forward(*args)
 
