@@ -2,7 +2,7 @@
 
 For the patched Llama-3.2-1B-shape model (e2e_setup.LLAMA_1B, bf16, no activation
 checkpointing): the first step's loss and every gradient with the recompute on and off (same
-weights, same batch: expected bit-identical), then tokens/s and peak memory of each setting,
+weights, same batch), against two runs with it on (SDPA's backward is not deterministic), then tokens/s and peak memory of each setting,
 alternated (on, off, on, off) to see drift.
 
     python scripts/mlp_recompute_gpu.py --out OUT [--batches 2,4] [--layers 16]
@@ -44,14 +44,21 @@ def main():
     result = {"environment": es.environment(), "config": cfg, "command": " ".join(sys.argv), "points": []}
 
     ids = es.make_batch(cfg["vocab_size"], 2, 1024, "cuda")
+    # SDPA's backward is not deterministic on CUDA, so two runs with the recompute on give the
+    # noise floor that the on-vs-off difference is read against.
     os.environ[ENV] = "1"
     loss_on, g_on = grads_of(model, ids)
+    _, g_on2 = grads_of(model, ids)
     os.environ[ENV] = "0"
     loss_off, g_off = grads_of(model, ids)
-    diff = max((g_on[n].float() - g_off[n].float()).abs().max().item() for n in g_on)
-    result["identical"] = {"loss_on": loss_on, "loss_off": loss_off, "max_grad_diff": diff}
-    print(f"loss {loss_on} vs {loss_off}, largest gradient difference {diff}", flush=True)
-    del g_on, g_off
+
+    def largest(a, b):
+        return max((a[n].float() - b[n].float()).abs().max().item() for n in a)
+
+    noise, diff = largest(g_on, g_on2), largest(g_on, g_off)
+    result["identical"] = {"loss_on": loss_on, "loss_off": loss_off, "max_grad_diff": diff, "noise": noise}
+    print(f"loss {loss_on} vs {loss_off}; largest gradient difference {diff} (on vs on: {noise})", flush=True)
+    del g_on, g_on2, g_off
     model.zero_grad(set_to_none=True)
 
     opt = es.make_optimizer(model)
