@@ -2,8 +2,8 @@
 
 For the patched Llama-3.2-1B-shape model (e2e_setup.LLAMA_1B, bf16, no activation
 checkpointing): the first step's loss and every gradient with the recompute on and off (same
-weights, same batch), against two runs with it on (SDPA's backward is not deterministic), then tokens/s and peak memory of each setting,
-alternated (on, off, on, off) to see drift.
+weights, same batch), against two runs with it on (SDPA's backward is not deterministic); then
+tokens/s and peak memory of each setting, alternated (on, off, on, off) to see drift.
 
     python scripts/mlp_recompute_gpu.py --out OUT [--batches 2,4] [--layers 16]
 """
