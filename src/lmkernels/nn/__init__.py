@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import lmkernels
-from lmkernels.nn.recompute import project_recomputed
+from lmkernels.nn.recompute import glu_down
 from lmkernels.ops.flce import REDUCTIONS
 from lmkernels.ops.glu import GELU_APPROXIMATIONS
 from lmkernels.ops.rms_norm import CASTING_MODES
@@ -144,10 +144,10 @@ class SwiGLUMLP(_GLUMLP):
         # gate and up are created here and read by nothing else: handed over to the GLU, whose
         # backward may then write the gradients over them (see lmkernels.swiglu).
         gate, up = self.gate_proj(x), self.up_proj(x)
-        h = lmkernels.swiglu(gate, up, consume_inputs=True, backend=self.backend)
-        return project_recomputed(
-            self.down_proj, h, lambda: lmkernels.swiglu(gate, up, backend=self.backend), (gate, up)
-        )
+        return glu_down(self.down_proj, self._glu, gate, up)
+
+    def _glu(self, gate, up, consume_inputs):
+        return lmkernels.swiglu(gate, up, consume_inputs=consume_inputs, backend=self.backend)
 
 
 class GeGLUMLP(_GLUMLP):
@@ -170,9 +170,12 @@ class GeGLUMLP(_GLUMLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)  # handed over: see SwiGLUMLP.forward
-        h = lmkernels.geglu(gate, up, self.approximate, consume_inputs=True, backend=self.backend)
-        again = lambda: lmkernels.geglu(gate, up, self.approximate, backend=self.backend)  # noqa: E731
-        return project_recomputed(self.down_proj, h, again, (gate, up))
+        return glu_down(self.down_proj, self._glu, gate, up)
+
+    def _glu(self, gate, up, consume_inputs):
+        return lmkernels.geglu(
+            gate, up, self.approximate, consume_inputs=consume_inputs, backend=self.backend
+        )
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"

@@ -97,3 +97,16 @@ def project_recomputed(
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         return down_proj(h)
+
+
+def glu_down(
+    down_proj: Callable[[torch.Tensor], torch.Tensor],
+    glu: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor],
+    gate: torch.Tensor,
+    up: torch.Tensor,
+) -> torch.Tensor:
+    """down_proj(glu(gate, up, True)) with the GLU's output recomputed for down_proj's backward.
+    glu(gate, up, consume_inputs) is the MLP's GLU call: True hands gate and up over (see
+    lmkernels.swiglu) for the forward, False leaves them intact for the recomputation."""
+    h = glu(gate, up, True)
+    return project_recomputed(down_proj, h, lambda: glu(gate, up, False), (gate, up))

@@ -18,7 +18,7 @@ from torch import nn
 
 import lmkernels
 from lmkernels.integrations.lm_head_loss import keep_hidden, lm_head_loss
-from lmkernels.nn.recompute import project_recomputed
+from lmkernels.nn.recompute import glu_down
 from lmkernels.registry import LMKernelsError
 
 # transformers activation classes (by name: they were renamed across versions) -> GLU op.
@@ -87,16 +87,23 @@ def layer_norm_forward(eps_attr: str | None, eps: float, backend: str | None):
 
 
 def glu(
-    kind: tuple[str, str | None], gate: torch.Tensor, up: torch.Tensor, backends: dict, consume=True
+    kind: tuple[str, str | None],
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    consume: bool = True,
+    *,
+    backends: dict,
 ) -> torch.Tensor:
     """The one GLU call of every patched MLP and MoE expert. gate and up are created by the
     caller's projections and used by nothing else, so the GLU may consume them (its backward
     writes the gradients over them; it leaves chunk() halves of a fused projection alone).
-    consume=False: the recomputation of the output for down_proj's backward."""
+    consume=False: the recomputation of the output for down_proj's backward (glu_down)."""
     if type(gate).__name__ == "DTensor":  # tensor parallel: the local shard
         from lmkernels.distributed.local import local_call
 
-        return local_call(lambda g, u: glu(kind, g, u, backends), [gate, up], op=kind[0], reduced_dims=())
+        return local_call(
+            lambda g, u: glu(kind, g, u, backends=backends), [gate, up], op=kind[0], reduced_dims=()
+        )
     if kind[0] == "swiglu":
         return lmkernels.swiglu(gate, up, consume_inputs=consume, backend=backends["swiglu"])
     return lmkernels.geglu(gate, up, approximate=kind[1], consume_inputs=consume, backend=backends["geglu"])
@@ -125,8 +132,7 @@ def mlp_forward(layout: str, act_attr: str, backends: dict):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        h = glu(kind, gate, up, backends)
-        return project_recomputed(self.down_proj, h, lambda: glu(kind, gate, up, backends, False), (gate, up))
+        return glu_down(self.down_proj, functools.partial(glu, kind, backends=backends), gate, up)
 
     return mark(forward)
 
@@ -155,12 +161,8 @@ def experts_forward(act_attr: str, backends: dict):
                 continue
             tok = token[rows]
             gate, up = F.linear(hidden_states[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = glu(kind, gate, up, backends)
-            again = functools.partial(glu, kind, gate, up, backends, False)  # this expert's gate and up
-            y = project_recomputed(
-                functools.partial(F.linear, weight=self.down_proj[e]), h, again, (gate, up)
-            )
-            y = y * weight[rows, None]
+            down = functools.partial(F.linear, weight=self.down_proj[e])
+            y = glu_down(down, functools.partial(glu, kind, backends=backends), gate, up) * weight[rows, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 
