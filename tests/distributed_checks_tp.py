@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -115,7 +116,9 @@ def check_fsdp_plus_tp_2d_mesh(ctx):
 @check
 def check_vocab_parallel_flce(ctx):
     """The vocab-parallel loss against the one-device reference: uneven split (V=131), bias,
-    ignored tokens, label smoothing + softcap + z-loss, all reductions; loss and all gradients."""
+    ignored tokens, label smoothing + softcap + z-loss, all reductions, fast and lean modes, an
+    upstream gradient other than 1; loss and all gradients. Then bf16 under the op's policy, in
+    several chunks (grad_weight summed in bf16), and a second backward of a fast graph raises."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from lmkernels.distributed import dtensor_linear_cross_entropy
@@ -137,25 +140,27 @@ def check_vocab_parallel_flce(ctx):
         {"reduction": "none", "label_smoothing": 0.1},
         {"label_smoothing": 0.2, "softcap": 3.0, "z_loss_scale": 1e-2},
     ]
-    for opts in cases:
-        for use_bias in (False, True):
-            h0, w0 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-            b0 = bias.clone().requires_grad_() if use_bias else None
-            expected = ref_fn(h0, w0, target, bias=b0, **opts)
-            up = torch.randn(expected.shape, generator=g).to(common.DEVICE)
-            (expected * up).sum().backward()
-            h1 = hidden.clone().requires_grad_()
-            w1 = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
-            b1 = distribute_tensor(bias, mesh, [Shard(0)]).requires_grad_() if use_bias else None
-            got = dtensor_linear_cross_entropy(h1, w1, target, bias=b1, **opts)
-            (got * up).sum().backward()
-            pairs = [(got.detach(), expected.detach()), (h1.grad, h0.grad), (full(w1.grad), w0.grad)]
-            if use_bias:
-                pairs.append((full(b1.grad), b0.grad))
-            for a, b in pairs:
-                err = rel(a, b)
-                worst = max(worst, err)
-                assert err < RTOL, f"{opts} bias={use_bias}: relative error {err:.2e}"
+    for opts, use_bias, lean, chunk in itertools.product(cases, (False, True), (False, True), ("0", "16")):
+        os.environ["LMKERNELS_FLCE_CHUNK_TOKENS"] = chunk  # 0: the default, all 37 tokens at once
+        h0, w0 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        b0 = bias.clone().requires_grad_() if use_bias else None
+        expected = ref_fn(h0, w0, target, bias=b0, **opts)
+        up = torch.randn(expected.shape, generator=g).to(common.DEVICE)
+        (expected * up).sum().backward()
+        h1 = hidden.clone().requires_grad_()
+        w1 = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+        b1 = distribute_tensor(bias, mesh, [Shard(0)]).requires_grad_() if use_bias else None
+        backend = "triton_lean" if lean else None
+        got = dtensor_linear_cross_entropy(h1, w1, target, bias=b1, backend=backend, **opts)
+        (got * up).sum().backward()
+        del os.environ["LMKERNELS_FLCE_CHUNK_TOKENS"]
+        pairs = [(got.detach(), expected.detach()), (h1.grad, h0.grad), (full(w1.grad), w0.grad)]
+        if use_bias:
+            pairs.append((full(b1.grad), b0.grad))
+        for a, b in pairs:
+            err = rel(a, b)
+            worst = max(worst, err)
+            assert err < RTOL, f"{opts} bias={use_bias} lean={lean} chunk={chunk}: relative error {err:.2e}"
     # bf16 under the op's own policy: error against fp64 on the same bf16 values <= factor x
     # eager bf16's + floor.
     from lmkernels.ops.flce import SPEC
@@ -168,7 +173,19 @@ def check_vocab_parallel_flce(ctx):
     ref_fn(hb, wb, target, label_smoothing=0.1).backward()
     h2 = hidden.bfloat16().requires_grad_()
     w2 = distribute_tensor(weight.bfloat16(), mesh, [Shard(0)]).requires_grad_()
-    dtensor_linear_cross_entropy(h2, w2, target, label_smoothing=0.1).backward()
+    # 5 chunks of 8 tokens: grad_weight is summed in bf16 (at most 8 roundings, the policy's)
+    os.environ["LMKERNELS_FLCE_CHUNK_TOKENS"] = "8"
+    try:
+        loss = dtensor_linear_cross_entropy(h2, w2, target, label_smoothing=0.1)
+    finally:
+        del os.environ["LMKERNELS_FLCE_CHUNK_TOKENS"]
+    loss.backward(retain_graph=True)
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        assert "inplace" in str(e), e
+    else:
+        raise AssertionError("a second backward of a fast vocab-parallel loss did not raise")
     bf16 = {}
     for what, ours, eager, exact in (
         ("grad_hidden", h2.grad, hb.grad, h32.grad),

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import lmkernels
 from lmkernels.distributed.vocab_parallel import vocab_parallel_cross_entropy
 from lmkernels.registry import LMKernelsError
+from lmkernels.registry.dispatch import canonical_op, requested_backend
 from lmkernels.utils import data_checks_enabled
 
 
@@ -83,7 +84,8 @@ def dtensor_linear_cross_entropy(
 ) -> torch.Tensor:
     """`lmkernels.fused_linear_cross_entropy` for DTensor inputs (layouts in the module docstring).
     `backend` applies where the local op runs (Replicate weight); the vocab-parallel loss is
-    plain torch (see vocab_parallel.py)."""
+    plain torch (see vocab_parallel.py), in its lean mode when the FLCE backend asked for (by
+    argument, use_backend or the environment) is "triton_lean", else in its fast mode."""
     mesh = _mesh_of(hidden, weight, bias)
     if is_dtensor(target):
         target = target.full_tensor()
@@ -116,6 +118,7 @@ def dtensor_linear_cross_entropy(
     group = mesh.get_group()
     if data_checks_enabled():
         _check_same_labels(target, group)
+    lean = requested_backend(canonical_op("flce"), backend).backend == "triton_lean"
     return vocab_parallel_cross_entropy(
         h,
         weight.to_local(),
@@ -123,5 +126,6 @@ def dtensor_linear_cross_entropy(
         vocab_size=weight.shape[0],
         group=group,
         bias_shard=None if bias is None else bias.to_local(),
+        lean=lean,
         **opts,
     )

@@ -2,20 +2,30 @@
 
 Each rank holds rows [start, start + V_local) of the (V, H) weight and the same hidden states.
 Per chunk of tokens it computes its shard's logits (fp32, chunk x V_local: the full logits never
-exist anywhere), and from them per-token statistics: the shard's max and sum of exp, the target
-logit when the target falls in the shard, and the sum of the logits (label smoothing). Two
-all-reduces over the group combine them into the global logsumexp and target logit, so the loss
-is the one-device loss of `lmkernels.fused_linear_cross_entropy` (same semantics, see
-ops/flce.py). The backward recomputes each chunk's logits and forms
+exist anywhere) and combines per-token statistics across the group with two small all-reduces:
+the max (MAX), then the sum of exp(z - max), the target logit (0 outside the shard that holds
+it) and, for label smoothing, the sum of the logits (SUM). That gives the global logsumexp, so
+the loss is the one-device loss of `lmkernels.fused_linear_cross_entropy` (same semantics, see
+ops/flce.py). The gradient of the logits is
 
     dz_c = g_i * ((1 + 2 s lse_i) * softmax_c - (1 - e) [c == t_i] - e / V)
 
 (times 1 - (z / softcap)^2 under a softcap), so grad_weight is the local shard's own gradient and
 grad_hidden, a partial sum over the shards, is all-reduced once.
 
-Plain torch ops chunked over tokens (not the Triton FLCE kernels, which are being rewritten):
-the matmuls dominate and run in cuBLAS; the elementwise passes over a chunk are a few extra reads
-of chunk x V_local floats.
+Two modes, as the Triton FLCE has (backends/triton/flce.py):
+- fast (the default): for "mean" / "sum" the forward turns each chunk's logits into dz right
+  away and runs the two gradient GEMMs, so the logits GEMM runs once (6*BT*H*V_local flops, what
+  an unfused lm_head + loss costs); the backward only scales by the upstream scalar (in place:
+  a second backward through the same graph raises autograd's version error).
+- lean (`lean=True`; `dtensor_linear_cross_entropy` picks it for backend "triton_lean"), and
+  always for reduction "none" or without gradients: the forward keeps the logsumexp, the
+  backward recomputes each chunk's logits (8*BT*H*V_local flops), nothing is held in between.
+
+grad_weight accumulates over chunks in the weight's dtype (cuBLAS adds each chunk's product in
+place) when there are at most MAX_LOW_PRECISION_SUMS chunks of bf16 / fp32 weights, the rounding
+count the FLCE's policy allows; otherwise in fp32. Plain torch ops: the GEMMs dominate and run in
+cuBLAS; the elementwise passes over a chunk are a few extra reads of chunk x V_local floats.
 """
 
 from __future__ import annotations
@@ -27,8 +37,9 @@ import torch.distributed as dist
 
 from lmkernels.registry import LMKernelsError
 
-CHUNK_BYTES = 512 * 2**20  # fp32 logits of one chunk; the backward holds about twice that
+CHUNK_BYTES = 512 * 2**20  # fp32 logits of one chunk; the softcap's backward holds twice that
 CHUNK_ENV = "LMKERNELS_FLCE_CHUNK_TOKENS"
+MAX_LOW_PRECISION_SUMS = 8  # as the Triton FLCE's MAX_SUPER_CHUNKS
 _MM_FP32_OUT = True  # torch.mm(..., out_dtype=float32) works here (CUDA); cleared when it does not
 
 
@@ -71,45 +82,135 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias, softcap) -> torch.Tenso
     return z
 
 
+class _Targets:
+    """Per-token target bookkeeping for this rank's shard."""
+
+    def __init__(self, target, ignore_index, start, v_local, smoothing):
+        self.valid = target != ignore_index
+        local_t = target - start
+        self.in_shard = self.valid & (local_t >= 0) & (local_t < v_local)
+        self.safe_t = torch.where(self.in_shard, local_t, 0).long()[:, None]
+        # -(1 - e) at each token's target column when the target is in this shard (else adds 0)
+        self.onehot = torch.where(self.in_shard, -(1.0 - smoothing), 0.0)
+
+
+def _softmax_(z, tg, s, e, group, smoothing):
+    """Turns one chunk's logits into the global softmax in place. Returns (lse, target logit,
+    sum of the logits or None) per token, combined across the group."""
+    n, v_local = z.shape
+    m = z.amax(dim=1) if v_local else z.new_full((n,), float("-inf"))
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    stats = z.new_zeros(3 if smoothing else 2, n)
+    if v_local:
+        stats[1] = torch.where(tg.in_shard[s:e], z.gather(1, tg.safe_t[s:e])[:, 0], 0.0)
+        if smoothing:
+            stats[2] = z.sum(dim=1)
+        # An empty shard contributes sum 0; m is finite (some shard has columns).
+        stats[0] = z.sub_(m[:, None]).exp_().sum(dim=1)
+    dist.all_reduce(stats, group=group)
+    z.div_(stats[0][:, None])
+    return m + torch.log(stats[0]), stats[1], stats[2] if smoothing else None
+
+
+def _grad_logits_(p, capped, lse, tg, s, e, g, opts, vocab_size):
+    """dz of one chunk from its softmax p (in place), times the per-token upstream gradient g."""
+    _, _, smoothing, _, z_scale = opts
+    p.mul_((g * (1.0 + 2.0 * z_scale * lse))[:, None])  # z-loss adds 2 s lse softmax
+    if p.shape[1]:
+        p.scatter_add_(1, tg.safe_t[s:e], (tg.onehot[s:e] * g)[:, None])
+    if smoothing:
+        p.sub_((g * (smoothing / vocab_size))[:, None])
+    if capped is not None:
+        p.mul_(capped)
+    return p
+
+
+def _softcap_slope(z, softcap):
+    """d capped / d uncapped = 1 - (z / softcap)^2, from the capped logits (before they are
+    overwritten)."""
+    return None if softcap is None else z.div(softcap).square_().neg_().add_(1.0)
+
+
+class _GradSums:
+    """grad_hidden (fp32, all-reduced at the end), grad_weight and grad_bias over the chunks."""
+
+    def __init__(self, hidden, weight, bias, needs, n_chunks):
+        need_h, need_w, need_b = needs
+        n, v_local = hidden.shape[0], weight.shape[0]
+        low_ok = weight.dtype != torch.float16 and n_chunks <= MAX_LOW_PRECISION_SUMS
+        self.w_dtype = weight.dtype if low_ok else torch.float32
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        self.h = torch.zeros(n, hidden.shape[1], **f32) if need_h else None
+        self.w = torch.zeros(weight.shape, dtype=self.w_dtype, device=weight.device) if need_w else None
+        self.b = torch.zeros(v_local, **f32) if need_b and bias is not None else None
+
+    def add(self, dz, hidden_c, weight, s, e):
+        if self.b is not None:
+            self.b += dz.sum(dim=0)
+        dz_low = dz.to(weight.dtype)  # the matmuls run in the inputs' dtype, like the fused kernels
+        if self.h is not None:
+            self.h[s:e] = _mm_f32(dz_low, weight)
+        if self.w is not None:
+            if self.w_dtype == torch.float32:
+                self.w += _mm_f32(dz_low.T, hidden_c)
+            else:
+                self.w.addmm_(dz_low.T, hidden_c)
+
+    def finish(self, hidden, weight, bias, group):
+        gh = None
+        if self.h is not None:
+            dist.all_reduce(self.h, group=group)  # each shard's vocab contributes a partial sum
+            gh = self.h.to(hidden.dtype)
+        gw = None if self.w is None else self.w.to(weight.dtype)
+        gb = None if self.b is None else self.b.to(bias.dtype)
+        return gh, gw, gb
+
+
+def _chunks(n, v_local):
+    step = _chunk_tokens(n, v_local)
+    return [(s, min(s + step, n)) for s in range(0, n, step)]
+
+
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, group, start, vocab_size, opts):
+    def forward(ctx, hidden, weight, bias, target, group, start, vocab_size, opts, fast):
         ignore_index, reduction, smoothing, softcap, z_scale = opts
         n, v_local = hidden.shape[0], weight.shape[0]
-        valid = target != ignore_index
-        local_t = target - start
-        in_shard = valid & (local_t >= 0) & (local_t < v_local)
-        safe_t = torch.where(in_shard, local_t, 0).long()
-        # Per token: shard max, shard sum exp(z - shard max), target logit (0 outside), sum of z.
-        m = hidden.new_empty(n, dtype=torch.float32)
-        stats = hidden.new_zeros(3, n, dtype=torch.float32)
-        step = _chunk_tokens(n, v_local)
-        for s in range(0, n, step):
-            e = min(s + step, n)
+        tg = _Targets(target, ignore_index, start, v_local, smoothing)
+        count = tg.valid.sum()
+        needs = ctx.needs_input_grad[:3]
+        chunks = _chunks(n, v_local)
+        if fast:
+            g = tg.valid / count.clamp(min=1) if reduction == "mean" else tg.valid.float()
+            sums = _GradSums(hidden, weight, bias, needs, len(chunks))
+        lse = hidden.new_empty(n, dtype=torch.float32)
+        loss = hidden.new_empty(n, dtype=torch.float32)
+        for s, e in chunks:
             z = _logits(hidden[s:e], weight, bias, softcap)
-            m[s:e] = z.amax(dim=1) if v_local else float("-inf")
-            stats[1, s:e] = z.gather(1, safe_t[s:e, None])[:, 0] if v_local else 0.0
+            capped = _softcap_slope(z, softcap) if fast else None
+            lse_c, target_z, sum_z = _softmax_(z, tg, s, e, group, smoothing)
+            loss_c = (1.0 - smoothing) * (lse_c - target_z)
             if smoothing:
-                stats[2, s:e] = z.sum(dim=1)
-            stats[0, s:e] = z.sub_(m[s:e, None]).exp_().sum(dim=1)
-            del z
-        stats[1] = torch.where(in_shard, stats[1], 0.0)
-        m_global = m.clone()
-        dist.all_reduce(m_global, op=dist.ReduceOp.MAX, group=group)
-        # An empty shard has m = -inf and sum 0: exp(-inf - M) * 0 = 0, no nan.
-        scale = torch.exp(m - m_global)
-        stats[0] = torch.where(stats[0] > 0, stats[0] * scale, 0.0)
-        dist.all_reduce(stats, group=group)
-        lse = m_global + torch.log(stats[0])
-        loss = (1.0 - smoothing) * (lse - stats[1])
-        if smoothing:
-            loss = loss + (smoothing / vocab_size) * (vocab_size * lse - stats[2])
-        if z_scale:
-            loss = loss + z_scale * lse.square()
-        loss = torch.where(valid, loss, 0.0)
-        count = valid.sum()
-        ctx.save_for_backward(hidden, weight, bias, target, lse, count)
-        ctx.meta = (group, start, vocab_size, opts)
+                loss_c = loss_c + (smoothing / vocab_size) * (vocab_size * lse_c - sum_z)
+            if z_scale:
+                loss_c = loss_c + z_scale * lse_c.square()
+            lse[s:e], loss[s:e] = lse_c, loss_c
+            if fast:
+                sums.add(
+                    _grad_logits_(z, capped, lse_c, tg, s, e, g[s:e], opts, vocab_size),
+                    hidden[s:e],
+                    weight,
+                    s,
+                    e,
+                )
+            del z, capped
+        loss = torch.where(tg.valid, loss, 0.0)
+        ctx.fast = fast
+        if fast:
+            ctx.save_for_backward(*sums.finish(hidden, weight, bias, group))
+        else:
+            ctx.save_for_backward(hidden, weight, bias, target, lse, count)
+            ctx.meta = (group, start, vocab_size, opts)
         if reduction == "none":
             return loss
         if reduction == "sum":
@@ -118,62 +219,32 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.fast:
+            # The gradients of the reduced loss, computed in the forward; the buffers are ours.
+            grads = [None if t is None else t.mul_(grad_out) for t in ctx.saved_tensors]
+            return (*grads, None, None, None, None, None, None)
         hidden, weight, bias, target, lse, count = ctx.saved_tensors
-        group, start, vocab_size, (ignore_index, reduction, smoothing, softcap, z_scale) = ctx.meta
+        group, start, vocab_size, opts = ctx.meta
+        ignore_index, reduction, smoothing, softcap, _ = opts
         n, v_local = hidden.shape[0], weight.shape[0]
-        valid = target != ignore_index
-        if reduction == "mean":
-            g = grad_out.float() / count.clamp(min=1)
-        else:
-            g = grad_out.float()
-        g = torch.where(valid, g.expand(n), 0.0)
-        local_t = target - start
-        # -(1 - e) at each token's target column when the target is in this shard (else adds 0)
-        in_shard = valid & (local_t >= 0) & (local_t < v_local)
-        onehot = torch.where(in_shard, -(1.0 - smoothing), 0.0)
-        safe_t = torch.where(in_shard, local_t, 0).long()[:, None]
-        p_scale = 1.0 + 2.0 * z_scale * lse  # z-loss adds 2 s lse softmax
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_h = (
-            torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device) if need_h else None
-        )
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(v_local, dtype=torch.float32, device=weight.device) if need_b else None
-        step = _chunk_tokens(n, v_local)
-        for s in range(0, n, step):
-            e = min(s + step, n)
+        tg = _Targets(target, ignore_index, start, v_local, smoothing)
+        g = grad_out.float() / count.clamp(min=1) if reduction == "mean" else grad_out.float()
+        g = torch.where(tg.valid, g.expand(n), 0.0)
+        chunks = _chunks(n, v_local)
+        sums = _GradSums(hidden, weight, bias, ctx.needs_input_grad[:3], len(chunks))
+        for s, e in chunks:
             z = _logits(hidden[s:e], weight, bias, softcap)
-            capped = z.div(softcap).square_().neg_().add_(1.0) if softcap is not None else None
-            dz = z.sub_(lse[s:e, None]).exp_().mul_(p_scale[s:e, None])
-            if v_local:
-                dz.scatter_add_(1, safe_t[s:e], onehot[s:e, None])
-            if smoothing:
-                dz -= smoothing / vocab_size
-            dz.mul_(g[s:e, None])
-            if capped is not None:
-                dz.mul_(capped)
-                del capped
-            if need_b:
-                grad_b += dz.sum(dim=0)
-            dz_low = dz.to(weight.dtype)  # the matmuls run in the inputs' dtype, like the fused kernels
-            del dz
-            if need_h:
-                grad_h[s:e] = dz_low @ weight
-            if need_w:
-                grad_w += _mm_f32(dz_low.T, hidden[s:e])
-        if need_h:
-            dist.all_reduce(grad_h, group=group)  # each shard's vocab contributes a partial sum
-            grad_h = grad_h.to(hidden.dtype)
-        return (
-            grad_h,
-            None if grad_w is None else grad_w.to(weight.dtype),
-            None if grad_b is None else grad_b.to(bias.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+            capped = _softcap_slope(z, softcap)
+            p = z.sub_(lse[s:e, None]).exp_()
+            sums.add(
+                _grad_logits_(p, capped, lse[s:e], tg, s, e, g[s:e], opts, vocab_size),
+                hidden[s:e],
+                weight,
+                s,
+                e,
+            )
+            del z, p, capped
+        return (*sums.finish(hidden, weight, bias, group), None, None, None, None, None, None)
 
 
 def vocab_parallel_cross_entropy(
@@ -190,12 +261,15 @@ def vocab_parallel_cross_entropy(
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     z_loss_scale: float = 0.0,
+    lean: bool = False,
 ) -> torch.Tensor:
     """`lmkernels.fused_linear_cross_entropy` of the full (vocab_size, H) weight, from this rank's
     rows [vocab_start, vocab_start + len(weight_shard)) of it (default: DTensor's Shard(0) split
     over `group`). hidden (..., H) and target (...) must be the same on every rank of the group.
     Returns what one device returns; gradients: the local shard's for weight_shard / bias_shard,
-    the full one (all-reduced) for hidden. Class weights and return_lse are not supported."""
+    the full one (all-reduced) for hidden. Class weights and return_lse are not supported.
+    `lean`: recompute the logits in the backward instead of computing the gradients in the
+    forward (module docstring)."""
     if reduction not in ("mean", "sum", "none"):
         raise LMKernelsError(f"reduction: expected one of ('mean', 'sum', 'none'), got {reduction!r}")
     if weight_shard.dim() != 2 or hidden.shape[-1] != weight_shard.shape[1]:
@@ -228,7 +302,9 @@ def vocab_parallel_cross_entropy(
         )
     opts = (ignore_index, reduction, float(label_smoothing), softcap, float(z_loss_scale))
     h = hidden.reshape(-1, hidden.shape[-1])
+    wants_grad = any(t is not None and t.requires_grad for t in (h, weight_shard, bias_shard))
+    fast = not lean and reduction != "none" and torch.is_grad_enabled() and wants_grad
     loss = _VocabParallelCE.apply(
-        h, weight_shard, bias_shard, target.reshape(-1), group, vocab_start, vocab_size, opts
+        h, weight_shard, bias_shard, target.reshape(-1), group, vocab_start, vocab_size, opts, fast
     )
     return loss.view(target.shape) if reduction == "none" else loss
