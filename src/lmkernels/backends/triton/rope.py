@@ -53,15 +53,16 @@ MIN_PROGRAMS = 8192
 # The tile kernel (_rope_tile_kernel: positions x head dims per head, heads looped over) where
 # a head's positions are contiguous rows, i.e. (B, H, T, D) memory, per (rotary half width,
 # copy): (elements of one positions x head-dims tile, warps, least programs, tables kept in
-# registers over the head loop). The keys are those where the kernel above lost to
-# torch.compile on an H200 (D = 64, partial rotary: 0.94-0.97x; tiles of a few KB spread over
-# 1 MB-apart head rows); the values are a first guess, to be confirmed by
-# `scripts/roofline_tune.py --grid rope --short` (see TILE_CANDIDATES there).
-TILE_TUNED = {(32, False): (2048, 4, 2048, True), (32, True): (2048, 4, 2048, True),
-              (16, True): (2048, 4, 2048, True)}  # fmt: skip
+# registers over the head loop). The keys are those where the position kernel lost to
+# torch.compile on an H200 (D = 64, partial rotary: 0.94-0.97x, 73-75% of copy; its tiles of a
+# few KB spread over head rows 1 MB apart). The values are a first guess (4 KB tiles, 47-74
+# registers for sm_90 per scripts/roofline_ptxas.py, ~10 waves of programs), to be confirmed
+# by `scripts/roofline_tune.py --ops rope --grid rope --short` (it prints the entries to use).
+TILE_TUNED = {(32, False): (2048, 4, 8192, True), (32, True): (2048, 4, 8192, True),
+              (16, True): (2048, 4, 8192, True)}  # fmt: skip
 # Tuning hooks: KERNEL "pos" / "tile" forces a kernel (any layout), TILE_CONFIG a tile config.
 KERNEL: str | None = None
-FORCED_TILE_DEFAULT = (2048, 4, 2048, True)  # KERNEL == "tile" for a key not in TILE_TUNED
+FORCED_TILE_DEFAULT = (2048, 4, 8192, True)  # KERNEL == "tile" for a key not in TILE_TUNED
 TILE_CONFIG: tuple[int, int, int, bool] | None = None
 
 
