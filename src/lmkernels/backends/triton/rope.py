@@ -375,13 +375,15 @@ def _cached_launch_config(n_pos, n_q_heads, n_k_heads, rot_dim, head_dim, tile, 
 def _tile_config(B: int, T: int, n_q_heads: int, n_k_heads: int, rot_dim: int, head_dim: int, rows: bool):
     """The tile kernel's (BLOCK_T, n_t_blocks, splits, warps, tables_once), or None where the
     position kernel runs. rows: every head of q, k and the outputs has contiguous positions."""
-    return _cached_tile_config(B, T, n_q_heads, n_k_heads, rot_dim, head_dim, rows, KERNEL, TILE_CONFIG)
+    # The table's entry (not the table) is an argument of the cached function: tests and the
+    # tuner change TILE_TUNED.
+    entry = TILE_TUNED.get((1 << max(rot_dim // 2 - 1, 0).bit_length(), head_dim > rot_dim))
+    return _cached_tile_config(B, T, n_q_heads, n_k_heads, head_dim, rows, KERNEL, TILE_CONFIG or entry)
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_tile_config(B, T, n_q_heads, n_k_heads, rot_dim, head_dim, rows, kernel, forced):
-    key = (triton.next_power_of_2(rot_dim // 2), head_dim > rot_dim)
-    cfg = forced or TILE_TUNED.get(key) or (FORCED_TILE_DEFAULT if kernel == "tile" else None)
+def _cached_tile_config(B, T, n_q_heads, n_k_heads, head_dim, rows, kernel, cfg):
+    cfg = cfg or (FORCED_TILE_DEFAULT if kernel == "tile" else None)
     if kernel == "pos" or cfg is None:
         return None
     tile_elements, num_warps, min_programs, tables_once = cfg
@@ -438,7 +440,7 @@ def _rope_rotate(
     stride_pb, stride_pt = position_ids.stride() if has_pos else (0, 0)
     block_half = triton.next_power_of_2(rotary_dim // 2)
     block_rest = triton.next_power_of_2(D - rotary_dim) if rotary_dim < D else 1
-    rows = all(t.stride(2) == D for t in (q, k, q_out, k_out))
+    rows = q.stride(2) == D and k.stride(2) == D and q_out.stride(2) == D and k_out.stride(2) == D
     tile = _tile_config(B, T, Hq, Hkv, rotary_dim, D, rows)
     common = (
         q, k, q_out, k_out, cos, sin, position_ids if has_pos else cos,
