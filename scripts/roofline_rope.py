@@ -54,6 +54,8 @@ def suggestions(rows):
         def score(n, pts=pts, names=names):
             return math.exp(sum(math.log(t[n] / min(t[m] for m in names)) for _, t in pts) / len(pts))
 
+        now = ", ".join(f"{n} {score(n):.3f}" for n in ("table", POS) if all(n in t for _, t in pts))
+
         ranked = sorted(names, key=score)
         best = ranked[0]
         if best == POS:
@@ -68,5 +70,5 @@ def suggestions(rows):
             for shape, t in pts
         )
         runner = ", ".join(f"{n} {score(n):.3f}" for n in ranked[1:4])
-        lines.append(f"- {key}: **{best}** ({score(best):.3f}) -> {entry}; {vs}; next: {runner}")
+        lines.append(f"- {key}: **{best}** ({score(best):.3f}) -> {entry}; {vs}; next: {runner}; now: {now}")
     return lines

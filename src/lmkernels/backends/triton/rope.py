@@ -534,5 +534,5 @@ def _supports(q=None, k=None, cos=None, sin=None, **options) -> list[str]:
 register(
     "rope", "triton", rope_triton, priority=100, devices=triton_devices(), auto_devices=("cuda",),
     available=triton_unavailable_reason, supports=_supports,
-    description="Triton, q and k in one launch, program per position (x head groups)",
+    description="Triton, q and k in one launch, programs per position or per tile of positions",
 )  # fmt: skip
