@@ -591,9 +591,16 @@ def main(argv=None):
     ap.add_argument(
         "--lean", action="store_true", help="only the table and the previous table where it changed"
     )
+    ap.add_argument(
+        "--rope-layout",
+        default="bhtd",
+        choices=["bhtd", "bthd"],
+        help="RoPE's q, k: contiguous (B, H, T, D), or transposes of (B, T, H, D) (transformers)",
+    )
     ap.add_argument("--warm-budget", type=float, default=150.0, help="seconds for the parallel compile")
     args = ap.parse_args(argv)
     SHORT["on"], LEAN["on"] = args.short, args.lean
+    os.environ["ROOFLINE_ROPE_LAYOUT"] = args.rope_layout  # read by RopeCase, workers included
     # One compiled reference per shape, all of the same function: past dynamo's default limit
     # of 8 recompiles the peer silently ran eager (run 4's 12-17x slower compile column).
     torch._dynamo.config.cache_size_limit = 4096
