@@ -4,6 +4,8 @@ peers (torch.compile of the eager reference, Liger when importable)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 E = 2  # bytes per bf16 element
@@ -112,12 +114,20 @@ class RopeCase:
 
         self.shape = (B, Hq, Hkv, T, D, rdim)
         g = torch.Generator(device=DEVICE).manual_seed(T + Hq)
-        self.q = torch.randn(B, Hq, T, D, device=DEVICE, generator=g).bfloat16()
-        self.k = torch.randn(B, Hkv, T, D, device=DEVICE, generator=g).bfloat16()
+        # ROOFLINE_ROPE_LAYOUT=bthd (roofline_tune.py --rope-layout): q, k and their gradients
+        # as transposes of (B, T, H, D) memory, as transformers' attention passes them.
+        bthd = os.environ.get("ROOFLINE_ROPE_LAYOUT") == "bthd"
+
+        def x(H):
+            if bthd:
+                return torch.randn(B, T, H, D, device=DEVICE, generator=g).bfloat16().transpose(1, 2)
+            return torch.randn(B, H, T, D, device=DEVICE, generator=g).bfloat16()
+
+        self.q, self.k = x(Hq), x(Hkv)
         cos, sin = rope_tables(torch.arange(T), rdim or D, "neox")
         self.cos, self.sin = cos.to(DEVICE).bfloat16(), sin.to(DEVICE).bfloat16()
         self.rdim = rdim
-        self.dq, self.dk = torch.randn_like(self.q), torch.randn_like(self.k)
+        self.dq, self.dk = x(Hq), x(Hkv)
         self.ref = rope_reference
         self.bytes = 4 * (self.q.numel() + self.k.numel()) * E
 

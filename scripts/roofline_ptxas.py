@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Registers and spills of the norm backward kernels for Hopper (sm_90), without a GPU.
+"""Registers and spills of the norm backward and RoPE kernels for Hopper (sm_90), without a GPU.
 
 Compiles each candidate configuration of the RMSNorm / LayerNorm backward with the installed
 Triton for target cuda:90 and reads the cubin's resource usage (cuobjdump): registers per
 thread and stack bytes (spills). The Triton on the GPU machine may allocate differently; this
 only prunes candidates that spill before a GPU run.
 
-Usage: python3 scripts/roofline_ptxas.py [--ops rms_norm,layer_norm] [--n 5120,11008,16384]
+Usage: python3 scripts/roofline_ptxas.py [--ops rms_norm,layer_norm,rope] [--n 5120,11008,16384]
+  (rope: the tile kernel's candidates and the position kernel's table at the --grid rope points)
 """
 
 from __future__ import annotations
@@ -33,10 +34,14 @@ PTRS = {
 }  # fmt: skip
 
 
-def usage(kernel, signature, constexprs, num_warps):
+def usage(kernel, signature, constexprs, num_warps, aligned=()):
+    """aligned: arguments that the launch specializes as multiples of 16 (pointers, strides)."""
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     compiled = triton.compile(
-        ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}
+        ASTSource(kernel, sig, constexprs, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps},
     )
     from triton.backends.nvidia import compiler
 
@@ -67,6 +72,49 @@ def bwd_usage(op, cfg):
     return usage(kernel, PTRS[op], const, cfg.num_warps)
 
 
+def rope_usage(kernel_name, D, R, backward, constexprs, num_warps):
+    from lmkernels.backends.triton import rope
+
+    ptrs = ["q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "cos_ptr", "sin_ptr", "pos_ptr"]
+    kernel = getattr(rope, kernel_name)
+    names = kernel.arg_names
+    constexprs_all = {p.name for p in kernel.params if p.is_constexpr}
+    sig = {n: "*bf16" if n in ptrs else "i32" for n in names if n not in constexprs_all}
+    rest = D - R
+    const = dict(
+        BLOCK_HALF=1 << (R // 2 - 1).bit_length(), BLOCK_REST=1 << (rest - 1).bit_length() if rest else 1,
+        INTERLEAVED=False, HAS_POS=False, HAS_REST=rest > 0, BACKWARD=backward, **constexprs,
+    )  # fmt: skip
+    # Arguments in the kernel's order (the constexprs among them). At the --grid rope points
+    # (contiguous bf16 q, k; a (T, R) table) pointers, strides, T, D and R / 2 are multiples of 16.
+    sig = {n: sig.get(n, "constexpr") for n in names}
+    aligned = [n for n in sig if n in ptrs or n.startswith("stride") or n in ("T", "head_dim")]
+    aligned += ["half"] if R % 32 == 0 else []
+    return usage(kernel, sig, const, num_warps, aligned)
+
+
+def rope_main():
+    from roofline_rope import TILE_CANDIDATES
+    from roofline_tune import ROPE_GRID
+
+    from lmkernels.backends.triton import rope
+
+    print(f"{'D':>4} {'R':>4}  {'variant':<34} {'regs':>4} {'stack':>6}")
+    for D, R in sorted({(s[4], s[5] or s[4]) for s in ROPE_GRID["rope"]}):
+        block_h, _, _, _, warps = rope._launch_config(1 << 20, 32, 8, R, D)
+        variants = [("pos table", "_rope_kernel", dict(BLOCK_H=block_h), warps)]
+        for e, w, once in dict.fromkeys((e, w, once) for e, w, _, once in TILE_CANDIDATES):
+            block_t = max(1, e // (1 << (D - 1).bit_length()))
+            name = f"2d e{e} w{w} {'once' if once else 'reload'}"
+            variants.append((name, "_rope_tile_kernel", dict(BLOCK_T=block_t, TABLES_ONCE=once), w))
+        for name, kernel, const, w in variants:
+            try:
+                regs, stack = rope_usage(kernel, D, R, True, const, w)
+                print(f"{D:>4} {R:>4}  {name:<34} {regs:>4} {stack:>6}", flush=True)
+            except Exception as e:  # noqa: BLE001 (reported, the others go on)
+                print(f"{D:>4} {R:>4}  {name:<34} error {type(e).__name__}: {str(e)[:100]}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", default="rms_norm,layer_norm")
@@ -75,8 +123,13 @@ def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from roofline_tune import bwd_name, norm_bwd_candidates
 
+    ops = args.ops.split(",")
+    if "rope" in ops:
+        rope_main()
+        ops.remove("rope")
+
     print(f"{'op':<10} {'N':>6}  {'variant':<44} {'regs':>4} {'stack':>6}")
-    for op in args.ops.split(","):
+    for op in ops:
         for N in map(int, args.n.split(",")):
             from lmkernels.backends.triton import _norms
 

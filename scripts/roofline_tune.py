@@ -12,8 +12,10 @@ Triton kernels and the compiled references are compiled first in --jobs worker p
 on-disk caches then serve the timing process).
 
 Usage (GPU machine, repo root): PYTHONPATH=src python3 scripts/roofline_tune.py --out DIR
-  [--ops rms_norm,layer_norm,rope] [--grid tune|wide|final] [--short | --lean] [--reps 30]
+  [--ops rms_norm,layer_norm,rope] [--grid tune|wide|final|rope] [--short | --lean] [--reps 30]
   [--jobs 12]
+RoPE's tile kernel against the position kernel (which table entry wins, roofline_rope.py):
+  --ops rope --grid rope --short
 Writes DIR/roofline.json and DIR/roofline.md; prints a short table last.
 """
 
@@ -31,6 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import roofline_rope  # noqa: E402
 from roofline_cases import DEVICE, E, NormCase, RopeCase  # noqa: E402
 
 # --- shapes and candidate configurations ------------------------------------------------------
@@ -45,6 +48,15 @@ NORM_GRID = {
 }
 # (B, Hq, Hkv, T, D, rotary_dim or None)
 ROPE_GRID = {
+    # Where the position kernel lost to torch.compile or stayed under 75% of copy (2026-11-23),
+    # and Llama's D = 128 as a check that the tile kernel is not better there too.
+    "rope": [
+        (2, 16, 16, 8192, 64, None),
+        (1, 12, 12, 65536, 64, None),
+        (1, 32, 8, 16384, 128, 64),
+        (1, 32, 8, 65536, 128, 32),
+        (1, 32, 8, 16384, 128, None),
+    ],
     "tune": [
         (1, 32, 8, 1024, 128, None),
         (1, 32, 8, 8192, 128, None),
@@ -166,7 +178,8 @@ def bwd_name(b):
 # Column-kernel configurations tried with the "apart" candidates: (BLOCK_M, BLOCK_N, warps, per SM).
 COL_CANDIDATES = [(32, 128, 4, 8), (16, 256, 4, 8), (64, 64, 8, 4)]
 
-ROPE_CANDIDATES = [  # (TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS); 2**30: one head group per program
+# Position kernel: (TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS); 2**30: one head group per program.
+ROPE_CANDIDATES = [
     (t, w, p)
     for t in (1024, 2048, 4096)
     for w in (2, 4, 8)
@@ -246,11 +259,14 @@ def set_norm_config(fwd=None, bwd=None, col=None):
     _norms.COL_CONFIG = col or default
 
 
-def set_rope_config(cfg):
+def set_rope_config(cfg=None, kernel=None, tile=None):
+    """cfg: position-kernel hooks (TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS); kernel: "pos" /
+    "tile" forced; tile: a tile-kernel config. None everywhere: the committed table."""
     from lmkernels.backends.triton import rope
 
     default = _STATE.setdefault("rope_default", (rope.TILE_ELEMENTS, rope.NUM_WARPS, rope.MIN_PROGRAMS))
     rope.TILE_ELEMENTS, rope.NUM_WARPS, rope.MIN_PROGRAMS = default if cfg is None else cfg
+    rope.KERNEL, rope.TILE_CONFIG = kernel, tile
 
 
 def norm_variants(case):
@@ -273,9 +289,18 @@ def norm_variants(case):
 
 
 def rope_variants(case):
-    out = [("table", lambda: set_rope_config(None))]
-    for cfg in ROPE_CANDIDATES:
-        out.append((f"tile{cfg[0]} w{cfg[1]} p{cfg[2]}", lambda cfg=cfg: set_rope_config(cfg)))
+    """The table, the position kernel at the previous table ("pos table"), the tile kernel's
+    candidates, and (not --short) the position kernel's candidates."""
+    out = [
+        ("table", lambda: set_rope_config(None)),
+        (roofline_rope.POS, lambda: set_rope_config(kernel="pos")),
+    ]
+    for cfg in roofline_rope.TILE_CANDIDATES:
+        out.append((roofline_rope.tile_name(cfg), lambda cfg=cfg: set_rope_config(kernel="tile", tile=cfg)))
+    if not SHORT["on"]:
+        for cfg in ROPE_CANDIDATES:
+            name = f"tile{cfg[0]} w{cfg[1]} p{cfg[2]}"
+            out.append((name, lambda cfg=cfg: set_rope_config(cfg, kernel="pos")))
     return out
 
 
@@ -297,7 +322,13 @@ PREVIOUS_BWD = {
 
 def lean_variants(op, case):
     out = [("table", lambda: reset(op))]
-    if op != "rope":
+    if op == "rope":
+        from lmkernels.backends.triton import rope
+
+        B, Hq, Hkv, T, D, R = case.shape
+        if rope._tile_config(B, T, Hq, Hkv, R or D, D, True) is not None:
+            out.append(("previous table", lambda: set_rope_config(kernel="pos")))
+    else:
         from lmkernels.backends.triton import _norms
 
         block = 1 << (case.N - 1).bit_length()
@@ -310,9 +341,11 @@ def lean_variants(op, case):
 def variants(op, case):
     if LEAN["on"]:  # the table, and the table before this session's changes where they differ
         return lean_variants(op, case)
-    out = rope_variants(case) if op == "rope" else norm_variants(case)
+    if op == "rope":
+        return rope_variants(case)
+    out = norm_variants(case)
     if SHORT["on"]:  # the table, and what the last tuning run did not cover (norm_variants)
-        keep = ("bwd", "fwd-wide", "tile1024 w2", "tile2048 w4", "tile1024 w4", "tile2048 w2")
+        keep = ("bwd", "fwd-wide")
         out = [v for v in out if v[0] == "table" or v[0].startswith(keep)]
     return out
 
@@ -321,9 +354,10 @@ def reset(op):
     set_rope_config(None) if op == "rope" else set_norm_config()
 
 
-def warm(group, short=False, lean=False):
+def warm(group, short=False, lean=False, part=0, parts=1):
     """Worker: compile every variant and peer of a group of (op, shape) points once (fills the
-    disk caches). A group shares its Triton kernels (same op and row block)."""
+    disk caches). A group shares its Triton kernels (same op and row block). part / parts: this
+    worker's share of the variants (the peers with part 0)."""
     SHORT["on"], LEAN["on"] = short, lean
     torch._dynamo.config.cache_size_limit = 4096
     torch._dynamo.config.accumulated_cache_size_limit = 4096
@@ -333,7 +367,7 @@ def warm(group, short=False, lean=False):
     for op, shape in group:
         case = make_case(op, shape)
         fn = case.triton_fn()
-        for _, setter in variants(op, case):
+        for _, setter in variants(op, case)[part::parts]:
             try:
                 setter()
                 case.run_full(fn)[0]()
@@ -341,7 +375,7 @@ def warm(group, short=False, lean=False):
             except Exception:  # noqa: BLE001 (the timing process records the error)
                 pass
         reset(op)
-        for peer in case.peers().values():
+        for peer in case.peers().values() if part == 0 else ():
             try:
                 case.run_full(peer)[0]()
             except Exception:  # noqa: BLE001
@@ -349,7 +383,7 @@ def warm(group, short=False, lean=False):
         del case
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    return f"{group[0][0]} {[g[1] for g in group]}: {n} runs"
+    return f"{group[0][0]} {[g[1] for g in group]} part {part + 1}/{parts}: {n} runs"
 
 
 def warm_groups(jobs):
@@ -361,8 +395,13 @@ def warm_groups(jobs):
             else (op, 1 << (shape[1] - 1).bit_length())
         )
         groups.setdefault(key, []).append((op, shape))
-    # Largest groups first, so that the pool's last round is short.
-    return sorted(groups.values(), key=len, reverse=True)
+    # Largest groups first, so that the pool's last round is short. A RoPE point has some 25
+    # variants of its own: over 3 workers.
+    out = []
+    for g in sorted(groups.values(), key=len, reverse=True):
+        parts = 3 if g[0][0] == "rope" and not LEAN["on"] else 1
+        out += [(g, part, parts) for part in range(parts)]
+    return out
 
 
 # --- measure ------------------------------------------------------------------------------------
@@ -513,7 +552,7 @@ def summary_line(op, shape, rows):
     return f"{op} {s['shape']}: table {f(s['table_ms'])} best {f(s['best_ms'])} ({s['best']}) compile {f(s['compile_ms'])} liger {f(s['liger_ms'])}"
 
 
-def markdown(summaries, bw, meta):
+def markdown(summaries, bw, meta, rows=()):
     lines = [
         "# Roofline tuning (fwd+bwd, bf16, GPU time)",
         "",
@@ -535,6 +574,8 @@ def markdown(summaries, bw, meta):
         )
     lines.append("")
     lines.append("Ratios: peer time / our table time (> 1: ours faster). 'wrong' variants failed the check.")
+    if any(s["op"] == "rope" for s in summaries) and not LEAN["on"]:
+        lines += roofline_rope.suggestions(rows)
     return "\n".join(lines)
 
 
@@ -542,7 +583,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--ops", default="rms_norm,layer_norm,rope")
-    ap.add_argument("--grid", default="tune", choices=["tune", "wide", "final"])
+    ap.add_argument("--grid", default="tune", choices=["tune", "wide", "final", "rope"])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--budget", type=float, default=330.0, help="seconds; stop starting new points after")
@@ -550,9 +591,16 @@ def main(argv=None):
     ap.add_argument(
         "--lean", action="store_true", help="only the table and the previous table where it changed"
     )
+    ap.add_argument(
+        "--rope-layout",
+        default="bhtd",
+        choices=["bhtd", "bthd"],
+        help="RoPE's q, k: contiguous (B, H, T, D), or transposes of (B, T, H, D) (transformers)",
+    )
     ap.add_argument("--warm-budget", type=float, default=150.0, help="seconds for the parallel compile")
     args = ap.parse_args(argv)
     SHORT["on"], LEAN["on"] = args.short, args.lean
+    os.environ["ROOFLINE_ROPE_LAYOUT"] = args.rope_layout  # read by RopeCase, workers included
     # One compiled reference per shape, all of the same function: past dynamo's default limit
     # of 8 recompiles the peer silently ran eager (run 4's 12-17x slower compile column).
     torch._dynamo.config.cache_size_limit = 4096
@@ -568,7 +616,7 @@ def main(argv=None):
     log = lambda msg: print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
     if args.jobs > 1:
         pool = cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"))
-        futures = [pool.submit(warm, g, args.short, args.lean) for g in warm_groups(jobs)]
+        futures = [pool.submit(warm, g, args.short, args.lean, p, n) for g, p, n in warm_groups(jobs)]
         try:
             for f in cf.as_completed(futures, timeout=args.warm_budget):
                 log(f"warm {f.result()}")
@@ -610,7 +658,7 @@ def main(argv=None):
         summaries.append(point_summary(op, shape, point))
         with open(os.path.join(args.out, "roofline.json"), "w") as f:
             json.dump({"meta": meta, "copy_gbps": bw, "summary": summaries, "rows": rows}, f, indent=1)
-    md = markdown(summaries, bw, meta)
+    md = markdown(summaries, bw, meta, rows)
     with open(os.path.join(args.out, "roofline.md"), "w") as f:
         f.write(md + "\n")
     print(md)

@@ -204,6 +204,73 @@ def test_rope_launch_configs(monkeypatch, tile, min_programs, case):
     run_rope_check(shape, torch.float32, ROPE_CASES[case])
 
 
+# The tile kernel (positions x head dims per head), forced whatever the layout. T = 7 is no
+# multiple of BLOCK_T = 64 // 16 = 4, so the last tile of each sequence is partly masked.
+TILE_CONFIGS = {
+    "loop-heads-tables-once": (64, 1, 1, True),  # every program loops over all 6 heads
+    "loop-heads-tables-reloaded": (64, 2, 1, False),
+    "head-per-program": (64, 1, 2**30, True),  # splits = Hq + Hkv
+    "two-splits": (32, 1, 8, False),  # BLOCK_T = 2, 8 tiles, 3 heads each
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_rope_tile_kernel(monkeypatch, case):
+    """Every case (GQA, partial rotary, interleaved, position ids, batched tables, (B, T, H, D)
+    transposes, ...) through the tile kernel, several positions and heads per program."""
+    monkeypatch.setattr(rope_mod, "KERNEL", "tile")
+    monkeypatch.setattr(rope_mod, "TILE_CONFIG", TILE_CONFIGS["loop-heads-tables-once"])
+    run_rope_check(ROPE_SHAPES["gqa"], torch.float32, ROPE_CASES[case])
+
+
+@pytest.mark.parametrize("config", list(TILE_CONFIGS)[1:])
+@pytest.mark.parametrize("case", ["neox", "partial-interleaved", "ids-interleaved-partial"])
+def test_rope_tile_kernel_configs(monkeypatch, config, case):
+    monkeypatch.setattr(rope_mod, "KERNEL", "tile")
+    monkeypatch.setattr(rope_mod, "TILE_CONFIG", TILE_CONFIGS[config])
+    B, Hq, Hkv, T, D = ROPE_SHAPES["gqa"]
+    block_t, n_t_blocks, splits, _, _ = rope_mod._tile_config(B, T, Hq, Hkv, D, D, True)
+    assert T % block_t and n_t_blocks == math.ceil(T / block_t)
+    run_rope_check(ROPE_SHAPES["gqa"], torch.float32, ROPE_CASES[case])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_rope_tile_kernel_strided_rows(monkeypatch, dtype):
+    """q and k that are column slices of wider tensors (rows along T not contiguous) and a
+    non-contiguous head stride, through the tile kernel, forward and backward."""
+    monkeypatch.setattr(rope_mod, "KERNEL", "tile")
+    monkeypatch.setattr(rope_mod, "TILE_CONFIG", TILE_CONFIGS["two-splits"])
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 7, 24, generator=g).to(DEVICE, dtype)[..., 4:20]  # row stride 24
+    k = torch.randn(2, 4, 7, 16, generator=g).to(DEVICE, dtype)[:, ::2]  # head stride 2 * T * D
+    cos, sin = (t.to(DEVICE, dtype) for t in rope_tables(torch.arange(7) * 3 + 1, 8, "neox"))
+    grads = [torch.randn(t.shape, generator=g).to(DEVICE, dtype) for t in (q, k)]
+
+    def run(fn, cast=None):
+        leaves = [(t if cast is None else t.to(cast)).detach().requires_grad_() for t in (q, k)]
+        outs = fn(leaves[0], leaves[1], cos, sin, rotary_dim=8)
+        torch.autograd.backward(outs, [gr if cast is None else gr.to(cast) for gr in grads])
+        return [o.detach() for o in outs] + [t.grad for t in leaves]
+
+    got = run(lambda *a, **kw: lmkernels.rope(*a, **kw, backend="triton"))
+    expected = zip(run(rope_reference), run(rope64, torch.float64))
+    for name, x, (e, r) in zip(("q_out", "k_out", "dq", "dk"), got, expected):
+        check_close(name, x, e, r)
+
+
+def test_rope_kernel_choice(monkeypatch):
+    """TILE_TUNED's keys take the tile kernel where each head's positions are contiguous rows
+    and T fills a tile; (B, T, H, D) memory, short sequences and other keys the position one."""
+    monkeypatch.setattr(rope_mod, "TILE_TUNED", {(32, False): (2048, 4, 2048, True)})
+    config = rope_mod._tile_config
+    assert config(2, 8192, 16, 16, 64, 64, True) == (32, 256, 4, 4, True)
+    assert config(2, 8192, 16, 16, 64, 64, False) is None  # (B, T, H, D) memory
+    assert config(1, 16, 16, 16, 64, 64, True) is None  # T < BLOCK_T = 32
+    assert config(2, 8192, 16, 16, 128, 128, True) is None  # not in the table
+    monkeypatch.setattr(rope_mod, "KERNEL", "pos")
+    assert config(2, 8192, 16, 16, 64, 64, True) is None
+
+
 @pytest.mark.parametrize("layout", ["neox", "interleaved"])
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1, 4), (3, 2, 1, 2, 6)], ids=["rotary_dim2-T1", "B3-D6"])
 def test_rope_edge_shapes(shape, layout):

@@ -1,8 +1,12 @@
 """Rotary position embedding of q and k in Triton: both tensors in one launch.
 
-Grid (B*T, splits): program (p, s) handles position p = b*T + t and every `splits`-th group of
-BLOCK_H heads, q's groups first, then k's. cos/sin for the position are loaded once per program;
-with splits == 1 (long sequences) one program rotates all Hq + Hkv heads of its position.
+Two kernels, same arithmetic (_rotate_rows). The position kernel, grid (B*T, splits): program
+(p, s) handles position p = b*T + t and every `splits`-th group of BLOCK_H heads, q's groups
+first, then k's. cos/sin for the position are loaded once per program; with splits == 1 (long
+sequences) one program rotates all Hq + Hkv heads of its position. The tile kernel, grid
+(B * T/BLOCK_T, splits): BLOCK_T positions x every `splits`-th head, a (positions x head dims)
+tile per head; it runs where a head's positions are contiguous in memory and TILE_TUNED names
+the head / rotary dims (see there).
 
 Each head's first R = rotary_dim dims are split into the two halves of the rotation pairs
 (x_a, x_b): neox pairs j with j + R/2 (two contiguous loads), interleaved pairs 2i with 2i+1
@@ -46,17 +50,32 @@ NUM_WARPS: int | None = None
 # that the GPU still gets enough programs to keep every SM's memory pipe busy.
 MIN_PROGRAMS = 8192
 
+# The tile kernel (_rope_tile_kernel: positions x head dims per head, heads looped over) where
+# a head's positions are contiguous rows, i.e. (B, H, T, D) memory, per (rotary half width,
+# copy): (elements of one positions x head-dims tile, warps, least programs, tables kept in
+# registers over the head loop). The keys are those where the position kernel lost to
+# torch.compile on an H200 (D = 64, partial rotary: 0.94-0.97x, 73-75% of copy; its tiles of a
+# few KB spread over head rows 1 MB apart). The values are a first guess (4 KB tiles, 47-74
+# registers for sm_90 per scripts/roofline_ptxas.py, ~10 waves of programs), to be confirmed
+# by `scripts/roofline_tune.py --ops rope --grid rope --short` (it prints the entries to use).
+TILE_TUNED = {(32, False): (2048, 4, 8192, True), (32, True): (2048, 4, 8192, True),
+              (16, True): (2048, 4, 8192, True)}  # fmt: skip
+# Tuning hooks: KERNEL "pos" / "tile" forces a kernel (any layout), TILE_CONFIG a tile config.
+KERNEL: str | None = None
+FORCED_TILE_DEFAULT = (2048, 4, 8192, True)  # KERNEL == "tile" for a key not in TILE_TUNED
+TILE_CONFIG: tuple[int, int, int, bool] | None = None
+
 
 @triton.jit
-def _rotate_heads(
+def _rotate_rows(
     x_ptr,
     out_ptr,
     x_base,
     out_base,
-    stride_xh,
-    stride_oh,
-    h0,
-    n_heads,
+    stride_xr,
+    stride_or,
+    r0,
+    n_rows,
     cos_a,
     cos_b,
     sin_a,
@@ -64,42 +83,44 @@ def _rotate_heads(
     half,
     rot_dim,
     head_dim,
-    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_REST: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     HAS_REST: tl.constexpr,
 ):
-    """Rotate heads h0 .. h0 + BLOCK_H (masked to n_heads) of one position."""
-    heads = h0 + tl.arange(0, BLOCK_H)
-    head_mask = heads < n_heads
-    # 64-bit: heads * stride can pass 2^31 for long sequences.
-    x_rows = x_ptr + x_base + heads.to(tl.int64) * stride_xh
-    o_rows = out_ptr + out_base + heads.to(tl.int64) * stride_oh
+    """Rotate rows r0 .. r0 + BLOCK_R (masked to n_rows) of head dims: the heads of one position
+    (_rope_kernel) or the positions of one head (_rope_tile_kernel). The tables are
+    (1, BLOCK_HALF) (one position) or (BLOCK_R, BLOCK_HALF) (a row each)."""
+    rows = r0 + tl.arange(0, BLOCK_R)
+    row_mask = rows < n_rows
+    # 64-bit: rows * stride can pass 2^31 for long sequences.
+    x_rows = x_ptr + x_base + rows.to(tl.int64) * stride_xr
+    o_rows = out_ptr + out_base + rows.to(tl.int64) * stride_or
     if INTERLEAVED:
         # Load the rows contiguously (vector loads along D), then view each row as
         # (BLOCK_HALF, 2) pairs (2i, 2i+1) and split them in registers.
         d = tl.arange(0, 2 * BLOCK_HALF)
-        mask = head_mask[:, None] & (d < 2 * half)[None, :]
+        mask = row_mask[:, None] & (d < 2 * half)[None, :]
         x = tl.load(x_rows[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        x_a, x_b = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_HALF, 2)))
-        o_a = x_a * cos_a[None, :] - x_b * sin_a[None, :]
-        o_b = x_b * cos_b[None, :] + x_a * sin_b[None, :]
-        out = tl.reshape(tl.join(o_a, o_b), (BLOCK_H, 2 * BLOCK_HALF))
+        x_a, x_b = tl.split(tl.reshape(x, (BLOCK_R, BLOCK_HALF, 2)))
+        o_a = x_a * cos_a - x_b * sin_a
+        o_b = x_b * cos_b + x_a * sin_b
+        out = tl.reshape(tl.join(o_a, o_b), (BLOCK_R, 2 * BLOCK_HALF))
         tl.store(o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         i = tl.arange(0, BLOCK_HALF)
-        mask = head_mask[:, None] & (i < half)[None, :]
+        mask = row_mask[:, None] & (i < half)[None, :]
         x_a = tl.load(x_rows[:, None] + i[None, :], mask=mask, other=0.0).to(tl.float32)
         x_b = tl.load(x_rows[:, None] + (i + half)[None, :], mask=mask, other=0.0).to(tl.float32)
-        o_a = x_a * cos_a[None, :] - x_b * sin_a[None, :]
-        o_b = x_b * cos_b[None, :] + x_a * sin_b[None, :]
+        o_a = x_a * cos_a - x_b * sin_a
+        o_b = x_b * cos_b + x_a * sin_b
         tl.store(o_rows[:, None] + i[None, :], o_a.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(o_rows[:, None] + (i + half)[None, :], o_b.to(out_ptr.dtype.element_ty), mask=mask)
     if HAS_REST:
         # Dims rot_dim .. head_dim are not rotated: copied as they are.
         r = rot_dim + tl.arange(0, BLOCK_REST)
-        mask = head_mask[:, None] & (r < head_dim)[None, :]
+        mask = row_mask[:, None] & (r < head_dim)[None, :]
         rest = tl.load(x_rows[:, None] + r[None, :], mask=mask, other=0.0)
         tl.store(o_rows[:, None] + r[None, :], rest.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -174,6 +195,7 @@ def _rope_kernel(
     if BACKWARD:
         # The transpose of the rotation (see the module docstring).
         sin_a, sin_b = -sin_b, -sin_a
+    cos_a, cos_b, sin_a, sin_b = cos_a[None, :], cos_b[None, :], sin_a[None, :], sin_b[None, :]
     rot_dim = 2 * half
     # Outputs are dense with unit stride along D, laid out (B, H, T, D) or (B, T, H, D) (see
     # _rope_rotate); their strides come from the host (64-bit if need be).
@@ -181,18 +203,128 @@ def _rope_kernel(
     n_groups = n_q_groups + tl.cdiv(n_k_heads, BLOCK_H)
     for g in range(tl.program_id(1), n_groups, splits):
         if g < n_q_groups:
-            _rotate_heads(
+            _rotate_rows(
                 q_ptr, q_out_ptr, b * stride_qb + t * stride_qt,
                 b * stride_oqb + t * stride_oqt, stride_qh, stride_oqh,
                 g * BLOCK_H, n_q_heads, cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
                 BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
             )  # fmt: skip
         else:
-            _rotate_heads(
+            _rotate_rows(
                 k_ptr, k_out_ptr, b * stride_kb + t * stride_kt,
                 b * stride_okb + t * stride_okt, stride_kh, stride_okh,
                 (g - n_q_groups) * BLOCK_H, n_k_heads, cos_a, cos_b, sin_a, sin_b, half, rot_dim,
                 head_dim, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
+            )  # fmt: skip
+
+
+@triton.jit
+def _load_tables(cos_rows, sin_rows, row_mask, half, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr):  # fmt: skip
+    """(c_a, c_b, s_a, s_b) in fp32, (BLOCK_R, BLOCK_HALF), for BLOCK_R table row pointers."""
+    if INTERLEAVED:
+        d = tl.arange(0, 2 * BLOCK_HALF)
+        m = row_mask[:, None] & (d < 2 * half)[None, :]
+        c = tl.load(cos_rows[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+        s = tl.load(sin_rows[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
+        cos_a, cos_b = tl.split(tl.reshape(c, (BLOCK_R, BLOCK_HALF, 2)))
+        sin_a, sin_b = tl.split(tl.reshape(s, (BLOCK_R, BLOCK_HALF, 2)))
+    else:
+        i = tl.arange(0, BLOCK_HALF)
+        m = row_mask[:, None] & (i < half)[None, :]
+        cos_a = tl.load(cos_rows[:, None] + i[None, :], mask=m, other=0.0).to(tl.float32)
+        cos_b = tl.load(cos_rows[:, None] + (half + i)[None, :], mask=m, other=0.0).to(tl.float32)
+        sin_a = tl.load(sin_rows[:, None] + i[None, :], mask=m, other=0.0).to(tl.float32)
+        sin_b = tl.load(sin_rows[:, None] + (half + i)[None, :], mask=m, other=0.0).to(tl.float32)
+    if BACKWARD:
+        sin_a, sin_b = -sin_b, -sin_a
+    return cos_a, cos_b, sin_a, sin_b
+
+
+@triton.jit
+def _rope_tile_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    T,
+    n_t_blocks,
+    n_q_heads,
+    n_k_heads,
+    head_dim,
+    half,
+    stride_oqb,
+    stride_oqh,
+    stride_oqt,
+    stride_okb,
+    stride_okh,
+    stride_okt,
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_cb,
+    stride_ct,
+    stride_sb,
+    stride_st,
+    stride_pb,
+    stride_pt,
+    splits,
+    BLOCK_T: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_REST: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    TABLES_ONCE: tl.constexpr,
+):
+    """Program (p, s): BLOCK_T positions of one sequence x every `splits`-th head (q's, then
+    k's), one (positions x head dims) tile per head: where a head's positions are contiguous
+    rows ((B, H, T, D) memory), each tile is one contiguous stretch of BLOCK_T * D elements.
+    The tables are per position row; TABLES_ONCE keeps them in registers for the whole head
+    loop, else they are loaded again per head (from L1/L2), which spares those registers."""
+    pid = tl.program_id(0)
+    b = (pid // n_t_blocks).to(tl.int64)
+    t0 = (pid % n_t_blocks) * BLOCK_T
+    t = t0 + tl.arange(0, BLOCK_T)
+    t_mask = t < T
+    t = t.to(tl.int64)
+    if HAS_POS:
+        row = tl.load(pos_ptr + b * stride_pb + t * stride_pt, mask=t_mask, other=0).to(tl.int64)
+        cos_rows = cos_ptr + row * stride_ct
+        sin_rows = sin_ptr + row * stride_st
+    else:
+        cos_rows = cos_ptr + b * stride_cb + t * stride_ct
+        sin_rows = sin_ptr + b * stride_sb + t * stride_st
+    if TABLES_ONCE:
+        cos_a, cos_b, sin_a, sin_b = _load_tables(
+            cos_rows, sin_rows, t_mask, half, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD
+        )
+    rot_dim = 2 * half
+    for h in range(tl.program_id(1), n_q_heads + n_k_heads, splits):
+        if not TABLES_ONCE:
+            cos_a, cos_b, sin_a, sin_b = _load_tables(
+                cos_rows, sin_rows, t_mask, half, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD
+            )
+        if h < n_q_heads:
+            hq = tl.cast(h, tl.int64)
+            _rotate_rows(
+                q_ptr, q_out_ptr, b * stride_qb + hq * stride_qh, b * stride_oqb + hq * stride_oqh,
+                stride_qt, stride_oqt, t0, T, cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
+                BLOCK_T, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
+            )  # fmt: skip
+        else:
+            hk = tl.cast(h - n_q_heads, tl.int64)
+            _rotate_rows(
+                k_ptr, k_out_ptr, b * stride_kb + hk * stride_kh, b * stride_okb + hk * stride_okh,
+                stride_kt, stride_okt, t0, T, cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
+                BLOCK_T, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
             )  # fmt: skip
 
 
@@ -240,6 +372,32 @@ def _cached_launch_config(n_pos, n_q_heads, n_k_heads, rot_dim, head_dim, tile, 
     return block_h, block_half, block_rest, splits, num_warps
 
 
+def _tile_config(B: int, T: int, n_q_heads: int, n_k_heads: int, rot_dim: int, head_dim: int, rows: bool):
+    """The tile kernel's (BLOCK_T, n_t_blocks, splits, warps, tables_once), or None where the
+    position kernel runs. rows: every head of q, k and the outputs has contiguous positions."""
+    # The table's entry (not the table) is an argument of the cached function: tests and the
+    # tuner change TILE_TUNED.
+    entry = TILE_TUNED.get((1 << max(rot_dim // 2 - 1, 0).bit_length(), head_dim > rot_dim))
+    return _cached_tile_config(B, T, n_q_heads, n_k_heads, head_dim, rows, KERNEL, TILE_CONFIG or entry)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_tile_config(B, T, n_q_heads, n_k_heads, head_dim, rows, kernel, cfg):
+    cfg = cfg or (FORCED_TILE_DEFAULT if kernel == "tile" else None)
+    if kernel == "pos" or cfg is None:
+        return None
+    tile_elements, num_warps, min_programs, tables_once = cfg
+    block_t = max(1, tile_elements // triton.next_power_of_2(head_dim))
+    # Decoding and short sequences (most of a tile masked off) and (B, T, H, D) memory (the
+    # position kernel reads it contiguously) stay on the position kernel unless forced.
+    if kernel != "tile" and (not rows or T < block_t):
+        return None
+    block_t = min(block_t, triton.next_power_of_2(T))
+    n_t_blocks = cdiv(T, block_t)
+    splits = max(1, min(n_q_heads + n_k_heads, cdiv(min_programs, max(B * n_t_blocks, 1))))
+    return block_t, n_t_blocks, splits, num_warps, tables_once
+
+
 def _rope_rotate(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -280,19 +438,36 @@ def _rope_rotate(
         stride_cb, stride_ct, stride_sb, stride_st = 0, cos.stride(0), 0, sin.stride(0)
     has_pos = position_ids is not None
     stride_pb, stride_pt = position_ids.stride() if has_pos else (0, 0)
-    block_h, block_half, block_rest, splits, num_warps = _launch_config(n_pos, Hq, Hkv, rotary_dim, D)
+    block_half = triton.next_power_of_2(rotary_dim // 2)
+    block_rest = triton.next_power_of_2(D - rotary_dim) if rotary_dim < D else 1
+    rows = q.stride(2) == D and k.stride(2) == D and q_out.stride(2) == D and k_out.stride(2) == D
+    tile = _tile_config(B, T, Hq, Hkv, rotary_dim, D, rows)
+    common = (
+        q, k, q_out, k_out, cos, sin, position_ids if has_pos else cos,
+    )  # fmt: skip
+    strides = (
+        q_out.stride(0), q_out.stride(1), q_out.stride(2),
+        k_out.stride(0), k_out.stride(1), k_out.stride(2),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        stride_cb, stride_ct, stride_sb, stride_st, stride_pb, stride_pt,
+    )  # fmt: skip
+    flags = dict(
+        BLOCK_HALF=block_half, BLOCK_REST=block_rest, INTERLEAVED=interleaved, HAS_POS=has_pos,
+        HAS_REST=rotary_dim < D, BACKWARD=inverse,
+    )  # fmt: skip
     with device_guard(q):
-        _rope_kernel[(n_pos, splits)](
-            q, k, q_out, k_out, cos, sin, position_ids if has_pos else cos,
-            T, Hq, Hkv, D, rotary_dim // 2,
-            q_out.stride(0), q_out.stride(1), q_out.stride(2),
-            k_out.stride(0), k_out.stride(1), k_out.stride(2),
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            stride_cb, stride_ct, stride_sb, stride_st, stride_pb, stride_pt, splits,
-            BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_REST=block_rest,
-            INTERLEAVED=interleaved, HAS_POS=has_pos, HAS_REST=rotary_dim < D, BACKWARD=inverse,
-            num_warps=num_warps,
-        )  # fmt: skip
+        if tile is not None:
+            block_t, n_t_blocks, splits, num_warps, tables_once = tile
+            _rope_tile_kernel[(B * n_t_blocks, splits)](
+                *common, T, n_t_blocks, Hq, Hkv, D, rotary_dim // 2, *strides, splits,
+                BLOCK_T=block_t, TABLES_ONCE=tables_once, num_warps=num_warps, **flags,
+            )  # fmt: skip
+        else:
+            block_h, _, _, splits, num_warps = _launch_config(n_pos, Hq, Hkv, rotary_dim, D)
+            _rope_kernel[(n_pos, splits)](
+                *common, T, Hq, Hkv, D, rotary_dim // 2, *strides, splits,
+                BLOCK_H=block_h, num_warps=num_warps, **flags,
+            )  # fmt: skip
     return q_out, k_out
 
 
@@ -359,5 +534,5 @@ def _supports(q=None, k=None, cos=None, sin=None, **options) -> list[str]:
 register(
     "rope", "triton", rope_triton, priority=100, devices=triton_devices(), auto_devices=("cuda",),
     available=triton_unavailable_reason, supports=_supports,
-    description="Triton, q and k in one launch, program per position (x head groups)",
+    description="Triton, q and k in one launch, programs per position or per tile of positions",
 )  # fmt: skip
