@@ -94,9 +94,10 @@ class _Targets:
         self.onehot = torch.where(self.in_shard, -(1.0 - smoothing), 0.0)
 
 
-def _softmax_(z, tg, s, e, group, smoothing):
-    """Turns one chunk's logits into the global softmax in place. Returns (lse, target logit,
-    sum of the logits or None) per token, combined across the group."""
+def _exp_stats_(z, tg, s, e, group, smoothing):
+    """Turns one chunk's logits z into exp(z - m) in place, m the global row max. Returns (lse,
+    sum of exp(z - m), target logit, sum of the logits or None) per token, combined across the
+    group: the softmax is z / that sum."""
     n, v_local = z.shape
     m = z.amax(dim=1) if v_local else z.new_full((n,), float("-inf"))
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
@@ -108,21 +109,30 @@ def _softmax_(z, tg, s, e, group, smoothing):
         # An empty shard contributes sum 0; m is finite (some shard has columns).
         stats[0] = z.sub_(m[:, None]).exp_().sum(dim=1)
     dist.all_reduce(stats, group=group)
-    z.div_(stats[0][:, None])
-    return m + torch.log(stats[0]), stats[1], stats[2] if smoothing else None
+    return m + torch.log(stats[0]), stats[0], stats[1], stats[2] if smoothing else None
 
 
-def _grad_logits_(p, capped, lse, tg, s, e, g, opts, vocab_size):
-    """dz of one chunk from its softmax p (in place), times the per-token upstream gradient g."""
+def _dlogits(ez, inv_sum, capped, lse, tg, s, e, g, opts, vocab_size, low_dtype):
+    """dz of one chunk in low_dtype, from ez = sum_i * softmax (in place) and g, the per-token
+    upstream gradient. The common case (no smoothing, softcap or z-loss) folds every per-row factor
+    into one multiply that writes low_dtype directly: two fewer passes over the chunk."""
     _, _, smoothing, _, z_scale = opts
-    p.mul_((g * (1.0 + 2.0 * z_scale * lse))[:, None])  # z-loss adds 2 s lse softmax
-    if p.shape[1]:
-        p.scatter_add_(1, tg.safe_t[s:e], (tg.onehot[s:e] * g)[:, None])
+    scale = g * (1.0 + 2.0 * z_scale * lse) * inv_sum  # z-loss adds 2 s lse softmax
+    onehot = tg.onehot[s:e] * g
+    if capped is None and not smoothing and not z_scale:
+        if ez.shape[1]:
+            # (ez + onehot / scale) * scale; scale is 0 only where g is (e.g. ignored tokens)
+            fix = torch.where(scale != 0, onehot / scale, 0.0)
+            ez.scatter_add_(1, tg.safe_t[s:e], fix[:, None])
+        return torch.mul(ez, scale[:, None], out=torch.empty(ez.shape, dtype=low_dtype, device=ez.device))
+    ez.mul_(scale[:, None])
+    if ez.shape[1]:
+        ez.scatter_add_(1, tg.safe_t[s:e], onehot[:, None])
     if smoothing:
-        p.sub_((g * (smoothing / vocab_size))[:, None])
+        ez.sub_((g * (smoothing / vocab_size))[:, None])
     if capped is not None:
-        p.mul_(capped)
-    return p
+        ez.mul_(capped)
+    return ez.to(low_dtype)
 
 
 def _softcap_slope(z, softcap):
@@ -144,10 +154,11 @@ class _GradSums:
         self.w = torch.zeros(weight.shape, dtype=self.w_dtype, device=weight.device) if need_w else None
         self.b = torch.zeros(v_local, **f32) if need_b and bias is not None else None
 
-    def add(self, dz, hidden_c, weight, s, e):
+    def add(self, dz_low, hidden_c, weight, s, e):
+        """dz_low: the chunk's d loss / d logits in the weight's dtype (the matmuls run in the
+        inputs' dtype, like the fused kernels)."""
         if self.b is not None:
-            self.b += dz.sum(dim=0)
-        dz_low = dz.to(weight.dtype)  # the matmuls run in the inputs' dtype, like the fused kernels
+            self.b += dz_low.sum(dim=0, dtype=torch.float32)
         if self.h is not None:
             self.h[s:e] = _mm_f32(dz_low, weight)
         if self.w is not None:
@@ -188,7 +199,7 @@ class _VocabParallelCE(torch.autograd.Function):
         for s, e in chunks:
             z = _logits(hidden[s:e], weight, bias, softcap)
             capped = _softcap_slope(z, softcap) if fast else None
-            lse_c, target_z, sum_z = _softmax_(z, tg, s, e, group, smoothing)
+            lse_c, sum_exp, target_z, sum_z = _exp_stats_(z, tg, s, e, group, smoothing)
             loss_c = (1.0 - smoothing) * (lse_c - target_z)
             if smoothing:
                 loss_c = loss_c + (smoothing / vocab_size) * (vocab_size * lse_c - sum_z)
@@ -197,7 +208,9 @@ class _VocabParallelCE(torch.autograd.Function):
             lse[s:e], loss[s:e] = lse_c, loss_c
             if fast:
                 sums.add(
-                    _grad_logits_(z, capped, lse_c, tg, s, e, g[s:e], opts, vocab_size),
+                    _dlogits(
+                        z, 1.0 / sum_exp, capped, lse_c, tg, s, e, g[s:e], opts, vocab_size, weight.dtype
+                    ),
                     hidden[s:e],
                     weight,
                     s,
@@ -237,7 +250,7 @@ class _VocabParallelCE(torch.autograd.Function):
             capped = _softcap_slope(z, softcap)
             p = z.sub_(lse[s:e, None]).exp_()
             sums.add(
-                _grad_logits_(p, capped, lse[s:e], tg, s, e, g[s:e], opts, vocab_size),
+                _dlogits(p, 1.0, capped, lse[s:e], tg, s, e, g[s:e], opts, vocab_size, weight.dtype),
                 hidden[s:e],
                 weight,
                 s,

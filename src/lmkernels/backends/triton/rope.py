@@ -55,10 +55,10 @@ MIN_PROGRAMS = 8192
 # copy): (elements of one positions x head-dims tile, warps, least programs, tables kept in
 # registers over the head loop). The keys are those where the position kernel lost to
 # torch.compile on an H200 (D = 64, partial rotary: 0.94-0.97x, 73-75% of copy; its tiles of a
-# few KB spread over head rows 1 MB apart). The values are a first guess (4 KB tiles, 47-74
-# registers for sm_90 per scripts/roofline_ptxas.py, ~10 waves of programs), to be confirmed
-# by `scripts/roofline_tune.py --ops rope --grid rope --short` (it prints the entries to use).
-TILE_TUNED = {(32, False): (2048, 4, 8192, True), (32, True): (2048, 4, 8192, True),
+# few KB spread over head rows 1 MB apart). Values measured on an H200 by `scripts/roofline_tune.py
+# --ops rope --grid rope --short` (benchmarks/results/2026-11-23-h200-rope-tile/): the tile kernel
+# is 7-11% faster than the position kernel at these keys; D = 128 keeps the position kernel.
+TILE_TUNED = {(32, False): (1024, 2, 8192, True), (32, True): (2048, 4, 8192, True),
               (16, True): (2048, 4, 8192, True)}  # fmt: skip
 # Tuning hooks: KERNEL "pos" / "tile" forces a kernel (any layout), TILE_CONFIG a tile config.
 KERNEL: str | None = None
