@@ -231,7 +231,7 @@ def environment(args) -> dict:
 
 
 def launch(args, mode: str, config: str, part: Path, ckpt_dir: str, timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
     cmd += [
         __file__,
         "--worker",
@@ -276,6 +276,9 @@ def parse_args(argv=None):
         default=",".join(CONFIGS),
         help="plain, lmk[:BACKEND] (BACKEND a spec with '/' for ',': lmk:triton/flce=eager), liger; "
         "-noflce for the patch without the fused loss",
+    )
+    p.add_argument(
+        "--nproc", type=int, default=2, help="processes (GPUs); 1 runs the FSDP2 wrappings on one GPU"
     )
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank (per TP group under tp)")
