@@ -9,7 +9,12 @@ MODES = ("fsdp", "fsdp_lm_head", "tp")
 
 
 def summary(rows: list[dict], env: dict) -> str:
-    lines = [f"# Distributed training, 2 x {env['device']}", "", f"`{env['command']}`", ""]
+    lines = [
+        f"# Distributed training, {env.get('processes', 2)} x {env['device']}",
+        "",
+        f"`{env['command']}`",
+        "",
+    ]
     lines += ["| mode | config | tokens/s/GPU | vs plain | vs liger | peak GiB | final loss | status |"]
     lines += ["|---|---|---|---|---|---|---|---|"]
     by = {(r["mode"], r["config"]): r for r in rows}
