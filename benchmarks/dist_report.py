@@ -10,7 +10,7 @@ MODES = ("fsdp", "fsdp_lm_head", "tp")
 
 def summary(rows: list[dict], env: dict) -> str:
     lines = [
-        f"# Distributed training, {env.get('processes', 2)} x {env['device']}",
+        f"# Distributed training, {env.get('gpus', 2)} x {env['device']}",
         "",
         f"`{env['command']}`",
         "",

@@ -211,7 +211,7 @@ def environment(args) -> dict:
 
     env = {"command": " ".join([sys.executable, *sys.argv]), "torch": torch.__version__}
     env["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu"
-    env["gpus"] = 2
+    env["gpus"] = args.nproc
     from importlib.metadata import PackageNotFoundError, version
 
     for pkg in ("transformers", "triton", "liger-kernel", "lmkernels"):
