@@ -161,6 +161,21 @@ def check_vocab_parallel_flce(ctx):
             err = rel(a, b)
             worst = max(worst, err)
             assert err < RTOL, f"{opts} bias={use_bias} lean={lean} chunk={chunk}: relative error {err:.2e}"
+    # The modes differ where they should: fast computes each chunk's logits once, lean twice.
+    import lmkernels.distributed.vocab_parallel as vp
+
+    for backend, passes in ((None, 1), ("triton_lean", 2)):
+        calls = []
+        original = vp._logits
+        vp._logits = lambda *a, calls=calls, original=original, **k: calls.append(1) or original(*a, **k)
+        try:
+            w1 = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+            dtensor_linear_cross_entropy(
+                hidden.clone().requires_grad_(), w1, target, backend=backend
+            ).backward()
+        finally:
+            vp._logits = original
+        assert len(calls) == passes, f"backend={backend}: {len(calls)} logits passes, expected {passes}"
     # bf16 under the op's own policy: error against fp64 on the same bf16 values <= factor x
     # eager bf16's + floor.
     from lmkernels.ops.flce import SPEC
