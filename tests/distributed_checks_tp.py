@@ -177,40 +177,42 @@ def check_vocab_parallel_flce(ctx):
             vp._logits = original
         assert len(calls) == passes, f"backend={backend}: {len(calls)} logits passes, expected {passes}"
     # bf16 under the op's own policy: error against fp64 on the same bf16 values <= factor x
-    # eager bf16's + floor.
+    # eager bf16's + floor; without options (the folded dlogits path) and with label smoothing.
     from lmkernels.ops.flce import SPEC
 
     tol = SPEC.tolerances[torch.bfloat16]
-    h32 = hidden.bfloat16().double().requires_grad_()
-    w32 = weight.bfloat16().double().requires_grad_()
-    ref_fn(h32, w32, target, label_smoothing=0.1).backward()
-    hb, wb = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
-    ref_fn(hb, wb, target, label_smoothing=0.1).backward()
-    h2 = hidden.bfloat16().requires_grad_()
-    w2 = distribute_tensor(weight.bfloat16(), mesh, [Shard(0)]).requires_grad_()
-    # 5 chunks of 8 tokens: grad_weight is summed in bf16 (at most 8 roundings, the policy's)
-    os.environ["LMKERNELS_FLCE_CHUNK_TOKENS"] = "8"
-    try:
-        loss = dtensor_linear_cross_entropy(h2, w2, target, label_smoothing=0.1)
-    finally:
-        del os.environ["LMKERNELS_FLCE_CHUNK_TOKENS"]
-    loss.backward(retain_graph=True)
-    try:
-        loss.backward()
-    except RuntimeError as e:
-        assert "inplace" in str(e), e
-    else:
-        raise AssertionError("a second backward of a fast vocab-parallel loss did not raise")
     bf16 = {}
-    for what, ours, eager, exact in (
-        ("grad_hidden", h2.grad, hb.grad, h32.grad),
-        ("grad_weight", full(w2.grad), wb.grad, w32.grad),
-    ):
-        bf16[what] = (rel(ours, exact), rel(eager, exact))
-        bound = tol.factor * bf16[what][1] + tol.floor
-        assert bf16[what][0] <= bound, (
-            f"bf16 {what}: error {bf16[what][0]:.2e} > {bound:.2e} (eager bf16 {bf16[what][1]:.2e})"
-        )
+    for opts in ({}, {"label_smoothing": 0.1}):
+        h32 = hidden.bfloat16().double().requires_grad_()
+        w32 = weight.bfloat16().double().requires_grad_()
+        ref_fn(h32, w32, target, **opts).backward()
+        hb, wb = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+        ref_fn(hb, wb, target, **opts).backward()
+        h2 = hidden.bfloat16().requires_grad_()
+        w2 = distribute_tensor(weight.bfloat16(), mesh, [Shard(0)]).requires_grad_()
+        # 5 chunks of 8 tokens: grad_weight is summed in bf16 (at most 8 roundings, the policy's)
+        os.environ["LMKERNELS_FLCE_CHUNK_TOKENS"] = "8"
+        try:
+            loss = dtensor_linear_cross_entropy(h2, w2, target, **opts)
+        finally:
+            del os.environ["LMKERNELS_FLCE_CHUNK_TOKENS"]
+        loss.backward(retain_graph=True)
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            assert "inplace" in str(e), e
+        else:
+            raise AssertionError("a second backward of a fast vocab-parallel loss did not raise")
+        for what, ours, eager, exact in (
+            ("grad_hidden", h2.grad, hb.grad, h32.grad),
+            ("grad_weight", full(w2.grad), wb.grad, w32.grad),
+        ):
+            key = f"{what} {opts}"
+            bf16[key] = (rel(ours, exact), rel(eager, exact))
+            bound = tol.factor * bf16[key][1] + tol.floor
+            assert bf16[key][0] <= bound, (
+                f"bf16 {key}: error {bf16[key][0]:.2e} > {bound:.2e} (eager bf16 {bf16[key][1]:.2e})"
+            )
     return {"worst_rel_err": worst, "bf16_err_vs_eager_bf16": bf16}
 
 

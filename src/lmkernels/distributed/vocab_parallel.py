@@ -113,13 +113,14 @@ def _exp_stats_(z, tg, s, e, group, smoothing):
 
 
 def _dlogits(ez, inv_sum, capped, lse, tg, s, e, g, opts, vocab_size, low_dtype):
-    """dz of one chunk in low_dtype, from ez = sum_i * softmax (in place) and g, the per-token
-    upstream gradient. The common case (no smoothing, softcap or z-loss) folds every per-row factor
-    into one multiply that writes low_dtype directly: two fewer passes over the chunk."""
+    """dz of one chunk from ez = softmax / inv_sum (overwritten) and g, the per-token upstream
+    gradient: in low_dtype, or fp32 if low_dtype is None. The common case (low_dtype given; no
+    smoothing, softcap or z-loss) folds every per-row factor into one multiply that writes
+    low_dtype directly: two fewer passes over the chunk."""
     _, _, smoothing, _, z_scale = opts
     scale = g * (1.0 + 2.0 * z_scale * lse) * inv_sum  # z-loss adds 2 s lse softmax
     onehot = tg.onehot[s:e] * g
-    if capped is None and not smoothing and not z_scale:
+    if low_dtype is not None and capped is None and not smoothing and not z_scale:
         if ez.shape[1]:
             # (ez + onehot / scale) * scale; scale is 0 only where g is (e.g. ignored tokens)
             fix = torch.where(scale != 0, onehot / scale, 0.0)
@@ -132,7 +133,7 @@ def _dlogits(ez, inv_sum, capped, lse, tg, s, e, g, opts, vocab_size, low_dtype)
         ez.sub_((g * (smoothing / vocab_size))[:, None])
     if capped is not None:
         ez.mul_(capped)
-    return ez.to(low_dtype)
+    return ez if low_dtype is None else ez.to(low_dtype)
 
 
 def _softcap_slope(z, softcap):
@@ -154,11 +155,16 @@ class _GradSums:
         self.w = torch.zeros(weight.shape, dtype=self.w_dtype, device=weight.device) if need_w else None
         self.b = torch.zeros(v_local, **f32) if need_b and bias is not None else None
 
-    def add(self, dz_low, hidden_c, weight, s, e):
-        """dz_low: the chunk's d loss / d logits in the weight's dtype (the matmuls run in the
-        inputs' dtype, like the fused kernels)."""
+    def low_dtype(self, weight):
+        """The dtype _dlogits should return: fp32 while the bias gradient sums it (rare: an
+        lm_head bias), else the weight's (the matmuls run in the inputs' dtype, like the fused
+        kernels)."""
+        return None if self.b is not None else weight.dtype
+
+    def add(self, dz, hidden_c, weight, s, e):
         if self.b is not None:
-            self.b += dz_low.sum(dim=0, dtype=torch.float32)
+            self.b += dz.sum(dim=0)
+        dz_low = dz.to(weight.dtype)
         if self.h is not None:
             self.h[s:e] = _mm_f32(dz_low, weight)
         if self.w is not None:
@@ -209,7 +215,17 @@ class _VocabParallelCE(torch.autograd.Function):
             if fast:
                 sums.add(
                     _dlogits(
-                        z, 1.0 / sum_exp, capped, lse_c, tg, s, e, g[s:e], opts, vocab_size, weight.dtype
+                        z,
+                        1.0 / sum_exp,
+                        capped,
+                        lse_c,
+                        tg,
+                        s,
+                        e,
+                        g[s:e],
+                        opts,
+                        vocab_size,
+                        sums.low_dtype(weight),
                     ),
                     hidden[s:e],
                     weight,
@@ -250,7 +266,9 @@ class _VocabParallelCE(torch.autograd.Function):
             capped = _softcap_slope(z, softcap)
             p = z.sub_(lse[s:e, None]).exp_()
             sums.add(
-                _dlogits(p, 1.0, capped, lse[s:e], tg, s, e, g[s:e], opts, vocab_size, weight.dtype),
+                _dlogits(
+                    p, 1.0, capped, lse[s:e], tg, s, e, g[s:e], opts, vocab_size, sums.low_dtype(weight)
+                ),
                 hidden[s:e],
                 weight,
                 s,
