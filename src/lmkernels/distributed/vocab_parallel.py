@@ -40,6 +40,9 @@ from lmkernels.registry import LMKernelsError
 CHUNK_BYTES = 512 * 2**20  # fp32 logits of one chunk; the softcap's backward holds twice that
 CHUNK_ENV = "LMKERNELS_FLCE_CHUNK_TOKENS"
 MAX_LOW_PRECISION_SUMS = 8  # as the Triton FLCE's MAX_SUPER_CHUNKS
+# The FLCE's Triton row kernel for the elementwise passes: None = where _use_triton allows,
+# True / False = always / never (tests force it to run the kernel on the CPU interpreter).
+TRITON_ROWS: bool | None = None
 _MM_FP32_OUT = True  # torch.mm(..., out_dtype=float32) works here (CUDA); cleared when it does not
 
 
@@ -72,11 +75,17 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-def _logits(h: torch.Tensor, weight: torch.Tensor, bias, softcap) -> torch.Tensor:
-    """fp32 logits of one chunk of tokens."""
+def _raw_logits(h: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """fp32 logits of one chunk of tokens, before the softcap."""
     z = _mm_f32(h, weight.T)
     if bias is not None:
         z += bias.float()
+    return z
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias, softcap) -> torch.Tensor:
+    """fp32 logits of one chunk of tokens."""
+    z = _raw_logits(h, weight, bias)
     if softcap is not None:
         z = torch.tanh_(z / softcap).mul_(softcap)
     return z
@@ -94,22 +103,61 @@ class _Targets:
         self.onehot = torch.where(self.in_shard, -(1.0 - smoothing), 0.0)
 
 
-def _exp_stats_(z, tg, s, e, group, smoothing):
-    """Turns one chunk's logits z into exp(z - m) in place, m the global row max. Returns (lse,
-    sum of exp(z - m), target logit, sum of the logits or None) per token, combined across the
-    group: the softmax is z / that sum."""
+def _local_stats_torch_(z, tg, s, e, smoothing):
+    """One chunk's logits z (bias and softcap applied) -> exp(z - m) in place, m the row max
+    over this shard. Returns (this shard's logsumexp, m, target logit (0 outside the shard),
+    sum of the logits or None)."""
     n, v_local = z.shape
-    m = z.amax(dim=1) if v_local else z.new_full((n,), float("-inf"))
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    stats = z.new_zeros(3 if smoothing else 2, n)
+    if not v_local:
+        none = z.new_full((n,), float("-inf"))
+        return none, none, z.new_zeros(n), z.new_zeros(n) if smoothing else None
+    target_z = torch.where(tg.in_shard[s:e], z.gather(1, tg.safe_t[s:e])[:, 0], 0.0)
+    sum_z = z.sum(dim=1) if smoothing else None
+    m = z.amax(dim=1)
+    lse_local = m + torch.log(z.sub_(m[:, None]).exp_().sum(dim=1))
+    return lse_local, m, target_z, sum_z
+
+
+def _local_stats_triton(z, tg, s, e, smoothing, softcap):
+    """The same from raw logits z (no softcap applied; kept), through the FLCE's row kernel:
+    one read of the chunk (two with label smoothing)."""
+    from lmkernels.backends.triton import _flce_kernels as kernels
+
+    n, v_local = z.shape
+    target_z = torch.where(tg.in_shard[s:e], _cap(z.gather(1, tg.safe_t[s:e])[:, 0], softcap), 0.0)
+    sum_z = None
+    if smoothing:
+        sum_z = z.sum(dim=1) if softcap is None else torch.tanh(z / softcap).sum(dim=1) * softcap
+    lse_local = z.new_full((n,), float("-inf"))
     if v_local:
-        stats[1] = torch.where(tg.in_shard[s:e], z.gather(1, tg.safe_t[s:e])[:, 0], 0.0)
-        if smoothing:
-            stats[2] = z.sum(dim=1)
-        # An empty shard contributes sum 0; m is finite (some shard has columns).
-        stats[0] = z.sub_(m[:, None]).exp_().sum(dim=1)
+        no_target = torch.full((n,), -1, dtype=torch.long, device=z.device)
+        rows = kernels.Rows(no_target, None, None, -1, 0.0, softcap, 0.0, v_local)
+        rows.launch(z, None, slice(None), lse_local, torch.empty_like(lse_local), None, 0, False)
+    return lse_local, None, target_z, sum_z
+
+
+def _cap(x, softcap):
+    return x if softcap is None else torch.tanh(x / softcap) * softcap
+
+
+def _combine(lse_local, target_z, sum_z, group):
+    """The global logsumexp, target logit and sum of logits per token, from every shard's."""
+    m = lse_local.clone()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # finite: some shard has columns
+    parts = [torch.exp(lse_local - m), target_z] + ([sum_z] if sum_z is not None else [])
+    stats = torch.stack(parts)
     dist.all_reduce(stats, group=group)
-    return m + torch.log(stats[0]), stats[0], stats[1], stats[2] if smoothing else None
+    return m + torch.log(stats[0]), stats[1], stats[2] if sum_z is not None else None
+
+
+def _dlogits_triton(z, lse, g, rows, s, e, start, low_dtype):
+    """dz of one chunk from its raw logits z, through the FLCE's row kernel: written in
+    low_dtype over z's own memory (each row's values fill the first bytes of its fp32 row)."""
+    from lmkernels.backends.triton import _flce_kernels as kernels
+
+    dz = kernels._dlogits_view(z, low_dtype)
+    rows.launch(z, dz, slice(s, e), lse, None, g, start, True)
+    return dz
 
 
 def _dlogits(ez, inv_sum, capped, lse, tg, s, e, g, opts, vocab_size, low_dtype):
@@ -188,6 +236,26 @@ def _chunks(n, v_local):
     return [(s, min(s + step, n)) for s in range(0, n, step)]
 
 
+def _use_triton(weight, bias) -> bool:
+    """The FLCE's Triton row kernel does the elementwise work when it can: on CUDA (or when
+    TRITON_ROWS forces it, e.g. the CPU interpreter in tests), without a bias (its kernel reads
+    a full-vocabulary bias) and not in fp16 (whose dlogits need the FLCE's scaling)."""
+    if TRITON_ROWS is not None:
+        return TRITON_ROWS
+    if not weight.is_cuda or bias is not None or weight.dtype == torch.float16:
+        return False
+    from lmkernels.backends.triton import triton_unavailable_reason
+
+    return triton_unavailable_reason() is None
+
+
+def _triton_rows(target, opts, vocab_size):
+    from lmkernels.backends.triton import _flce_kernels as kernels
+
+    ignore_index, _, smoothing, softcap, z_scale = opts
+    return kernels.Rows(target, None, None, ignore_index, smoothing, softcap, z_scale, vocab_size)
+
+
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, group, start, vocab_size, opts, fast):
@@ -195,44 +263,42 @@ class _VocabParallelCE(torch.autograd.Function):
         n, v_local = hidden.shape[0], weight.shape[0]
         tg = _Targets(target, ignore_index, start, v_local, smoothing)
         count = tg.valid.sum()
-        needs = ctx.needs_input_grad[:3]
         chunks = _chunks(n, v_local)
+        triton_rows = _triton_rows(target, opts, vocab_size) if _use_triton(weight, bias) else None
         if fast:
-            g = tg.valid / count.clamp(min=1) if reduction == "mean" else tg.valid.float()
-            sums = _GradSums(hidden, weight, bias, needs, len(chunks))
+            # The upstream gradient of each token's loss, with the loss's own reduction; the
+            # backward multiplies by grad_out.
+            g = 1.0 / count.clamp(min=1) if reduction == "mean" else torch.ones((), device=hidden.device)
+            g_rows = torch.where(tg.valid, g, 0.0)
+            sums = _GradSums(hidden, weight, bias, ctx.needs_input_grad[:3], len(chunks))
         lse = hidden.new_empty(n, dtype=torch.float32)
         loss = hidden.new_empty(n, dtype=torch.float32)
         for s, e in chunks:
-            z = _logits(hidden[s:e], weight, bias, softcap)
-            capped = _softcap_slope(z, softcap) if fast else None
-            lse_c, sum_exp, target_z, sum_z = _exp_stats_(z, tg, s, e, group, smoothing)
+            if triton_rows is not None:
+                z = _raw_logits(hidden[s:e], weight, bias)  # the kernel applies the softcap
+                lse_local, m, target_z, sum_z = _local_stats_triton(z, tg, s, e, smoothing, softcap)
+            else:
+                z = _logits(hidden[s:e], weight, bias, softcap)
+                capped = _softcap_slope(z, softcap) if fast else None
+                lse_local, m, target_z, sum_z = _local_stats_torch_(z, tg, s, e, smoothing)
+            lse_c, target_z, sum_z = _combine(lse_local, target_z, sum_z, group)
             loss_c = (1.0 - smoothing) * (lse_c - target_z)
             if smoothing:
                 loss_c = loss_c + (smoothing / vocab_size) * (vocab_size * lse_c - sum_z)
             if z_scale:
                 loss_c = loss_c + z_scale * lse_c.square()
             lse[s:e], loss[s:e] = lse_c, loss_c
+            if fast and triton_rows is not None:
+                dz = _dlogits_triton(z, lse, g, triton_rows, s, e, start, weight.dtype)
+            elif fast:
+                # z holds exp(z - m): the softmax is z * exp(m - lse)
+                inv_sum = torch.exp(m - lse_c)
+                low = sums.low_dtype(weight)
+                dz = _dlogits(z, inv_sum, capped, lse_c, tg, s, e, g_rows[s:e], opts, vocab_size, low)
             if fast:
-                sums.add(
-                    _dlogits(
-                        z,
-                        1.0 / sum_exp,
-                        capped,
-                        lse_c,
-                        tg,
-                        s,
-                        e,
-                        g[s:e],
-                        opts,
-                        vocab_size,
-                        sums.low_dtype(weight),
-                    ),
-                    hidden[s:e],
-                    weight,
-                    s,
-                    e,
-                )
-            del z, capped
+                sums.add(dz, hidden[s:e], weight, s, e)
+                del dz
+            del z
         loss = torch.where(tg.valid, loss, 0.0)
         ctx.fast = fast
         if fast:
@@ -258,23 +324,22 @@ class _VocabParallelCE(torch.autograd.Function):
         n, v_local = hidden.shape[0], weight.shape[0]
         tg = _Targets(target, ignore_index, start, v_local, smoothing)
         g = grad_out.float() / count.clamp(min=1) if reduction == "mean" else grad_out.float()
-        g = torch.where(tg.valid, g.expand(n), 0.0)
         chunks = _chunks(n, v_local)
         sums = _GradSums(hidden, weight, bias, ctx.needs_input_grad[:3], len(chunks))
+        triton_rows = _triton_rows(target, opts, vocab_size) if _use_triton(weight, bias) else None
+        g_rows = torch.where(tg.valid, g.expand(n), 0.0)
         for s, e in chunks:
-            z = _logits(hidden[s:e], weight, bias, softcap)
-            capped = _softcap_slope(z, softcap)
-            p = z.sub_(lse[s:e, None]).exp_()
-            sums.add(
-                _dlogits(
-                    p, 1.0, capped, lse[s:e], tg, s, e, g[s:e], opts, vocab_size, sums.low_dtype(weight)
-                ),
-                hidden[s:e],
-                weight,
-                s,
-                e,
-            )
-            del z, p, capped
+            if triton_rows is not None:
+                z = _raw_logits(hidden[s:e], weight, bias)
+                dz = _dlogits_triton(z, lse, g, triton_rows, s, e, start, weight.dtype)
+            else:
+                z = _logits(hidden[s:e], weight, bias, softcap)
+                capped = _softcap_slope(z, softcap)
+                p = z.sub_(lse[s:e, None]).exp_()
+                low = sums.low_dtype(weight)
+                dz = _dlogits(p, 1.0, capped, lse[s:e], tg, s, e, g_rows[s:e], opts, vocab_size, low)
+            sums.add(dz, hidden[s:e], weight, s, e)
+            del z, dz
         return (*sums.finish(hidden, weight, bias, group), None, None, None, None, None, None)
 
 
