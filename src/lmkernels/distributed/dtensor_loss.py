@@ -83,8 +83,8 @@ def dtensor_linear_cross_entropy(
     backend: str | None = None,
 ) -> torch.Tensor:
     """`lmkernels.fused_linear_cross_entropy` for DTensor inputs (layouts in the module docstring).
-    `backend` applies where the local op runs (Replicate weight); the vocab-parallel loss is
-    plain torch (see vocab_parallel.py), in its lean mode when the FLCE backend asked for (by
+    `backend` applies where the local op runs (Replicate weight); the vocab-parallel loss has its
+    own implementation (see vocab_parallel.py), in its lean mode when the FLCE backend asked for (by
     argument, use_backend or the environment) is "triton_lean", else in its fast mode."""
     mesh = _mesh_of(hidden, weight, bias)
     if is_dtensor(target):
