@@ -242,10 +242,13 @@ def _chunks(n, v_local):
 def _use_triton(weight, bias) -> bool:
     """The FLCE's Triton row kernel does the elementwise work when it can: on CUDA (or when
     TRITON_ROWS forces it, e.g. the CPU interpreter in tests), without a bias (its kernel reads
-    a full-vocabulary bias) and not in fp16 (whose dlogits need the FLCE's scaling)."""
+    a full-vocabulary bias), not in fp16 (whose dlogits need the FLCE's scaling), and not while
+    torch.compile traces (torch ops are what it can trace)."""
     if TRITON_ROWS is not None:
         return TRITON_ROWS
     if not weight.is_cuda or bias is not None or weight.dtype == torch.float16:
+        return False
+    if torch.compiler.is_compiling():
         return False
     from lmkernels.backends.triton import triton_unavailable_reason
 
