@@ -121,24 +121,6 @@ def _local_stats_torch_(z, tg, s, e, smoothing):
     return lse_local, m, target_z, sum_z
 
 
-def _local_stats_triton(z, tg, s, e, smoothing, softcap):
-    """The same from raw logits z (no softcap applied; kept), through the FLCE's row kernel:
-    one read of the chunk (two with label smoothing)."""
-    from lmkernels.backends.triton import _flce_kernels as kernels
-
-    n, v_local = z.shape
-    target_z = torch.where(tg.in_shard[s:e], _cap(z.gather(1, tg.safe_t[s:e])[:, 0], softcap), 0.0)
-    sum_z = None
-    if smoothing:
-        sum_z = z.sum(dim=1) if softcap is None else torch.tanh(z / softcap).sum(dim=1) * softcap
-    lse_local = z.new_full((n,), float("-inf"))
-    if v_local:
-        no_target = torch.full((n,), -1, dtype=torch.long, device=z.device)
-        rows = kernels.Rows(no_target, None, None, -1, 0.0, softcap, 0.0, v_local)
-        rows.launch(z, None, slice(None), lse_local, torch.empty_like(lse_local), None, 0, False)
-    return lse_local, None, target_z, sum_z
-
-
 def _cap(x, softcap):
     return x if softcap is None else torch.tanh(x / softcap) * softcap
 
@@ -151,16 +133,6 @@ def _combine(lse_local, target_z, sum_z, group):
     stats = torch.stack(parts)
     dist.all_reduce(stats, group=group)
     return m + torch.log(stats[0]), stats[1], stats[2] if sum_z is not None else None
-
-
-def _dlogits_triton(z, lse, g, rows, s, e, start, low_dtype):
-    """dz of one chunk from its raw logits z, through the FLCE's row kernel: written in
-    low_dtype over z's own memory (each row's values fill the first bytes of its fp32 row)."""
-    from lmkernels.backends.triton import _flce_kernels as kernels
-
-    dz = kernels._dlogits_view(z, low_dtype)
-    rows.launch(z, dz, slice(s, e), lse, None, g, start, True)
-    return dz
 
 
 def _dlogits(ez, inv_sum, capped, lse, tg, s, e, g, opts, vocab_size, low_dtype):
@@ -255,11 +227,53 @@ def _use_triton(weight, bias) -> bool:
     return triton_unavailable_reason() is None
 
 
-def _triton_rows(target, opts, vocab_size):
-    from lmkernels.backends.triton import _flce_kernels as kernels
+class _TritonRows:
+    """The one-device FLCE's Triton row kernel (backends/triton/_flce_kernels.py) on this
+    shard's chunks, set up once per call."""
 
-    ignore_index, _, smoothing, softcap, z_scale = opts
-    return kernels.Rows(target, None, None, ignore_index, smoothing, softcap, z_scale, vocab_size)
+    def __init__(self, target, tg, opts, vocab_size, v_local, max_chunk, device):
+        from lmkernels.backends.triton import _flce_kernels as kernels
+
+        ignore_index, _, smoothing, softcap, z_scale = opts
+        self.kernels, self.tg, self.smoothing, self.softcap = kernels, tg, smoothing, softcap
+        self.v_local, self.max_chunk, self.device = v_local, max_chunk, device
+        # Pass 2 (dlogits): the full problem, the chunk's columns starting at the shard's first
+        # vocabulary row. Pass 1 (this shard's logsumexp, forward only) is set up when first used.
+        self.grads = kernels.Rows(target, None, None, ignore_index, smoothing, softcap, z_scale, vocab_size)
+        self.stats = None
+
+    def local_stats(self, z, s, e):
+        """_local_stats_torch_'s results from raw logits z (no softcap applied; kept): one read
+        of the chunk (two with label smoothing)."""
+        n, cap = z.shape[0], self.softcap
+        tg = self.tg
+        target_z = torch.where(tg.in_shard[s:e], _cap(z.gather(1, tg.safe_t[s:e])[:, 0], cap), 0.0)
+        sum_z = None
+        if self.smoothing:
+            sum_z = z.sum(dim=1) if cap is None else torch.tanh(z / cap).sum(dim=1) * cap
+        lse_local = z.new_full((n,), float("-inf"))
+        if self.v_local:
+            if self.stats is None:  # no target, no smoothing: only the logsumexp is wanted
+                no_target = torch.full((self.max_chunk,), -1, dtype=torch.long, device=self.device)
+                self.stats = self.kernels.Rows(no_target, None, None, -1, 0.0, cap, 0.0, self.v_local)
+                self.scratch = torch.empty(self.max_chunk, dtype=torch.float32, device=self.device)
+            self.stats.launch(z, None, slice(0, n), lse_local, self.scratch, None, 0, False)
+        return lse_local, None, target_z, sum_z
+
+    def dlogits(self, z, lse, g, s, e, start, low_dtype):
+        """dz of one chunk from its raw logits z: written in low_dtype over z's own memory (each
+        row's values fill the first bytes of its fp32 row)."""
+        dz = self.kernels._dlogits_view(z, low_dtype)
+        self.grads.launch(z, dz, slice(s, e), lse, None, g, start, True)
+        return dz
+
+
+def _triton_rows(target, tg, opts, vocab_size, weight, bias, chunks):
+    """A _TritonRows where _use_triton allows, else None (torch ops)."""
+    if not _use_triton(weight, bias):
+        return None
+    max_chunk = max(e - s for s, e in chunks)
+    return _TritonRows(target, tg, opts, vocab_size, weight.shape[0], max_chunk, weight.device)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -270,7 +284,7 @@ class _VocabParallelCE(torch.autograd.Function):
         tg = _Targets(target, ignore_index, start, v_local, smoothing)
         count = tg.valid.sum()
         chunks = _chunks(n, v_local)
-        triton_rows = _triton_rows(target, opts, vocab_size) if _use_triton(weight, bias) else None
+        triton_rows = _triton_rows(target, tg, opts, vocab_size, weight, bias, chunks)
         if fast:
             # The upstream gradient of each token's loss, with the loss's own reduction; the
             # backward multiplies by grad_out.
@@ -282,7 +296,7 @@ class _VocabParallelCE(torch.autograd.Function):
         for s, e in chunks:
             if triton_rows is not None:
                 z = _raw_logits(hidden[s:e], weight, bias)  # the kernel applies the softcap
-                lse_local, m, target_z, sum_z = _local_stats_triton(z, tg, s, e, smoothing, softcap)
+                lse_local, m, target_z, sum_z = triton_rows.local_stats(z, s, e)
             else:
                 z = _logits(hidden[s:e], weight, bias, softcap)
                 capped = _softcap_slope(z, softcap) if fast else None
@@ -295,7 +309,7 @@ class _VocabParallelCE(torch.autograd.Function):
                 loss_c = loss_c + z_scale * lse_c.square()
             lse[s:e], loss[s:e] = lse_c, loss_c
             if fast and triton_rows is not None:
-                dz = _dlogits_triton(z, lse, g, triton_rows, s, e, start, weight.dtype)
+                dz = triton_rows.dlogits(z, lse, g, s, e, start, weight.dtype)
             elif fast:
                 # z holds exp(z - m): the softmax is z * exp(m - lse)
                 inv_sum = torch.exp(m - lse_c)
@@ -332,12 +346,12 @@ class _VocabParallelCE(torch.autograd.Function):
         g = grad_out.float() / count.clamp(min=1) if reduction == "mean" else grad_out.float()
         chunks = _chunks(n, v_local)
         sums = _GradSums(hidden, weight, bias, ctx.needs_input_grad[:3], len(chunks))
-        triton_rows = _triton_rows(target, opts, vocab_size) if _use_triton(weight, bias) else None
-        g_rows = torch.where(tg.valid, g.expand(n), 0.0)
+        triton_rows = _triton_rows(target, tg, opts, vocab_size, weight, bias, chunks)
+        g_rows = torch.where(tg.valid, g.expand(n), 0.0) if triton_rows is None else None  # torch ops
         for s, e in chunks:
             if triton_rows is not None:
                 z = _raw_logits(hidden[s:e], weight, bias)
-                dz = _dlogits_triton(z, lse, g, triton_rows, s, e, start, weight.dtype)
+                dz = triton_rows.dlogits(z, lse, g, s, e, start, weight.dtype)
             else:
                 z = _logits(hidden[s:e], weight, bias, softcap)
                 capped = _softcap_slope(z, softcap)
