@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -42,6 +43,9 @@ NORM_GRID = {
     "tune": [(16384, n) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)]
     + [(4096, 1024), (4096, 16384), (65536, 1024), (65536, 4096), (65536, 16384)],
     "wide": [(m, n) for m in (16384, 65536) for n in (5120, 8192, 11008, 16384)],
+    "tiles": [(m, n) for m in (65536, 16384, 4096) for n in (2048, 3584, 4096, 5120, 8192, 11008, 16384)],
+    # Rows wider than MAX_FUSED_N (the wide path), outside the issue's grid.
+    "over": [(8192, 32768), (2048, 65536)],
     "final": [
         (m, n) for m in (1024, 4096, 16384, 65536) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)
     ],
@@ -89,7 +93,7 @@ def norm_fwd_candidates(N):
 
     block = 1 << (N - 1).bit_length()
     out = []
-    for rows in (1, 2, 4, 8):
+    for rows in (1, 2, 4, 8) if N <= _norms.MAX_FUSED_N else ():
         for warps in (2, 4, 8, 16, 32):
             per_thread = rows * block // (32 * warps)
             if (
@@ -98,21 +102,26 @@ def norm_fwd_candidates(N):
                 or (block >= 16384 and warps == 32 and rows == 1)
             ):
                 out.append(_norms.FwdConfig(rows, block, True, warps))
-    if block >= 8192:  # the row in blocks, read again from L2: more rows in flight per SM
-        for wb, warps in ((1024, 2), (1024, 4), (2048, 4), (4096, 4), (4096, 8)):
-            out.append(_norms.FwdConfig(1, wb, False, warps))
+    if block >= 4096:  # the row in blocks, read again from L2: more rows in flight per SM
+        for wb, warps in ((1024, 2), (1024, 4), (2048, 4), (4096, 4), (4096, 8), (4096, 16)):
+            if wb < N:
+                for hints in (False, True):
+                    for stages in (1, 2) if N > _norms.MAX_FUSED_N else (1,):
+                        out.append(_norms.FwdConfig(1, wb, False, warps, hints, stages))
     return out
 
 
 def norm_bwd_candidates(N, op="rms_norm", new_only=False):
-    """Backward configurations to time; new_only: those added since run 3 (two register blocks,
-    "apart" gradient sums)."""
+    """Backward configurations to time; new_only: those added since the "tiles" run (the loop
+    over row tiles software-pipelined, as inductor's fused norm backward does)."""
     from lmkernels.backends.triton import _norms
 
     block = 1 << (N - 1).bit_length()
+    if new_only and N > _norms.MAX_FUSED_N:
+        return _wide_bwd_candidates(_norms)
     if new_only:
-        return _new_bwd_candidates(N, op, block, _norms)
-    out = []
+        return _pipelined_bwd_candidates(N, op, block, _norms)
+    out = _split_bwd_candidates(N, op, block, _norms) + _wide_tile_bwd_candidates(N, _norms)
     paths = [_norms.PATH_REGS] + ([_norms.PATH_MEM] if block >= 4096 else [])
     for path in paths:
         for rows in (1, 2, 4, 8):
@@ -132,7 +141,68 @@ def norm_bwd_candidates(N, op="rms_norm", new_only=False):
     return out
 
 
-def _new_bwd_candidates(N, op, block, _norms):
+def _pipelined_bwd_candidates(N, op, block, _norms):
+    """The table's backward with 2 and 3 stages, and one row of the whole power-of-two block per
+    iteration (no tail) with the weight reloaded, at inductor's warps (8 up to 8192 columns,
+    then 16) and 2 or 3 stages, 1-4 programs per SM."""
+    table = _norms.bwd_config(op, N)
+    out = []
+    if table.single_block:
+        for stages in (2, 3):
+            for pps in sorted({1, table.programs_per_sm}):
+                out.append(dataclasses.replace(table, stages=stages, programs_per_sm=pps))
+    if block >= 2048:
+        warps = 8 if block <= 8192 else 16
+        for stages in (2, 3):
+            for pps in (1, 2, 4):
+                out.append(_norms.BwdConfig(1, block, _norms.PATH_REGS, warps, pps, True, stages=stages))
+    return list(dict.fromkeys(out))
+
+
+def _wide_bwd_candidates(_norms):
+    """Rows wider than MAX_FUSED_N: the column loops pipelined or not, the weight gradients in
+    the backward kernel (partial rows in memory) or left to the column kernel."""
+    out = []
+    for block, warps in ((2048, 8), (4096, 8), (4096, 16)):
+        for pps in (1, 2):
+            for stages in (1, 3):
+                for apart in (_norms.APART_NONE, _norms.APART_ALL):
+                    out.append(
+                        _norms.BwdConfig(1, block, _norms.PATH_WIDE, warps, pps, apart=apart, stages=stages)
+                    )
+    return out
+
+
+# Wide-path tiles (rows, column block, warps, programs per SM): few registers per program, so
+# several rows in flight per SM; x and dy are read twice (the second time from L2). Measured in
+# benchmarks/results/2026-11-23-norm-pipelining/tiles: 1.2-4x slower than the table everywhere.
+WIDE_TILES = [
+    (1, 1024, 4, 4),
+    (1, 1024, 4, 8),
+    (1, 2048, 4, 4),
+    (1, 2048, 8, 4),
+    (2, 512, 4, 8),
+    (2, 1024, 4, 4),
+    (2, 1024, 8, 2),
+    (2, 1024, 8, 4),
+    (2, 2048, 8, 2),
+    (4, 512, 4, 4),
+    (4, 512, 4, 8),
+    (4, 1024, 8, 2),
+    (4, 1024, 8, 4),
+]
+
+
+def _wide_tile_bwd_candidates(N, _norms):
+    return [
+        _norms.BwdConfig(rows, block, _norms.PATH_WIDE, warps, pps)
+        for rows, block, warps, pps in WIDE_TILES
+        if block < N
+    ]
+
+
+def _split_bwd_candidates(N, op, block, _norms):
+    """Two register blocks per row and "apart" gradient sums (tune2)."""
     B = _norms.BwdConfig
     regs, db, all_ = _norms.PATH_REGS, _norms.APART_DB, _norms.APART_ALL
     out = []
@@ -172,6 +242,8 @@ def bwd_name(b):
         tag += f" t{b.tail}"
     if b.apart:
         tag += " apart-" + ("db" if b.apart == _norms.APART_DB else "all")
+    if b.stages > 1:
+        tag += f" s{b.stages}"
     return tag
 
 
@@ -276,6 +348,7 @@ def norm_variants(case):
     out = [("table", lambda: set_norm_config())]
     for f in norm_fwd_candidates(case.N):
         tag = f"fwd r{f.rows} w{f.num_warps}" if f.single_block else f"fwd-wide b{f.block} w{f.num_warps}"
+        tag += (" hints" if f.hints else "") + (f" s{f.stages}" if f.stages > 1 else "")
         out.append((tag, lambda f=f: set_norm_config(fwd=f)))
     if not SHORT["on"]:
         for b in norm_bwd_candidates(case.N, case.op):
@@ -311,12 +384,28 @@ def make_case(op, shape):
 SHORT = {"on": False}
 LEAN = {"on": False}
 
-# Backward configurations that the table replaced after the 2026-11-23 runs (per op, block and
-# "part"): --lean times them beside the table, as "previous table", in the same run.
-PREVIOUS_BWD = {
-    ("rms_norm", 16384, True): (1, 16384, 0, 16, 1, True),
-    ("layer_norm", 16384, True): (1, 16384, 0, 16, 1, True),
-    ("layer_norm", 16384, False): (1, 16384, 0, 16, 1, True),
+# The table before the pipelined backward (per op, block and "part"; fwd args of FwdConfig or
+# None where unchanged, bwd args of BwdConfig): --lean times it beside the table, as "previous
+# table", in the same run. P = PATH_REGS.
+P = 0
+PREVIOUS = {
+    ("rms_norm", 2048, False): (None, (1, 2048, P, 8, 4)),
+    ("rms_norm", 4096, False): (None, (1, 4096, P, 16, 2)),
+    ("rms_norm", 8192, True): (None, (1, 8192, P, 16, 1, True)),
+    ("rms_norm", 8192, False): (None, (1, 8192, P, 32, 1, True)),
+    ("rms_norm", 16384, True): ((1, 4096, False, 8), None),
+    ("layer_norm", 2048, False): (None, (1, 2048, P, 8, 4)),
+    ("layer_norm", 4096, False): (None, (1, 4096, P, 16, 2)),
+    ("layer_norm", 8192, True): (None, (1, 8192, P, 16, 2)),
+    ("layer_norm", 8192, False): (None, (1, 8192, P, 16, 2)),
+    ("layer_norm", 16384, True): (None, (1, 8192, P, 16, 1, True, 4096)),
+    ("layer_norm", 16384, False): (None, (1, 16384, P, 16, 2, True, 0, 2)),
+    # Rows wider than MAX_FUSED_N (grid "over"): WIDE = 2, partial rows updated per row.
+    **{
+        (op, block, False): ((1, 4096, False, 8), (1, 4096, 2, 16, 2))
+        for op in ("rms_norm", "layer_norm")
+        for block in (32768, 65536)
+    },
 }
 
 
@@ -332,9 +421,13 @@ def lean_variants(op, case):
         from lmkernels.backends.triton import _norms
 
         block = 1 << (case.N - 1).bit_length()
-        prev = PREVIOUS_BWD.get((op, block, 4 * case.N <= 3 * block))
-        if prev is not None:
-            out.append(("previous table", lambda: set_norm_config(bwd=_norms.BwdConfig(*prev))))
+        key = (op, block, 4 * case.N <= 3 * block)
+        few = case.M < _norms.M_FEW and key in _norms.FEW_ROWS  # FEW_ROWS did not change
+        if key in PREVIOUS and not few:
+            fwd, bwd = PREVIOUS[key]
+            fwd = _norms.FwdConfig(*fwd) if fwd else None
+            bwd = _norms.BwdConfig(*bwd) if bwd else None
+            out.append(("previous table", lambda: set_norm_config(fwd=fwd, bwd=bwd)))
     return out
 
 
@@ -468,7 +561,7 @@ def breakdown(op, case, fn, rows, reps):
             from lmkernels.backends.triton import _norms
 
             cfg = _norms.bwd_config(op, case.N, case.M)
-            tiles = _norms.num_tiles(case.M, cfg.rows if cfg.single_block else 1)
+            tiles = _norms.num_tiles(case.M, cfg.rows)
             P = _norms.persistent_programs(tiles, cfg.programs_per_sm, case.x.device)
             partial = torch.randn(P, case.N, device=DEVICE)
             total = torch.empty(case.N, device=DEVICE, dtype=torch.bfloat16)
@@ -583,11 +676,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--ops", default="rms_norm,layer_norm,rope")
-    ap.add_argument("--grid", default="tune", choices=["tune", "wide", "final", "rope"])
+    ap.add_argument("--grid", default="tune", choices=["tune", "wide", "tiles", "over", "final", "rope"])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--budget", type=float, default=330.0, help="seconds; stop starting new points after")
-    ap.add_argument("--short", action="store_true", help="only the table and the variants added since run 1")
+    ap.add_argument(
+        "--short", action="store_true", help="only the table and the variants added since the last tuning run"
+    )
     ap.add_argument(
         "--lean", action="store_true", help="only the table and the previous table where it changed"
     )

@@ -287,7 +287,10 @@ def test_layer_norm_wide_rows_default_config():
 # first tile and added after, so 3 interpreter programs over 11 tiles exercise both; rows = 4
 # with M = 41 leaves a partial last tile. "tail": the row of 100 as register blocks of 64 and 64
 # (36 used); "apart": gradient sums left to the column kernel (2 row ranges of 21 rows, each
-# 16 + 5, two column blocks of 64, the second partial).
+# 16 + 5, two column blocks of 64, the second partial). "wide": the row in column blocks of 32
+# (the last one partial), read twice, the partial sums in memory; its forward too, with eviction
+# hints. "stages": the loops software-pipelined (a GPU-only transformation; the interpreter runs
+# the same loops).
 _PATHS = {
     "regs-rows4": (4, "PATH_REGS", False, 0, "APART_NONE"),
     "regs-reload-w": (2, "PATH_REGS", True, 0, "APART_NONE"),
@@ -297,17 +300,26 @@ _PATHS = {
     "mem-tail": (1, "PATH_MEM", False, 64, "APART_NONE"),
     "tail-reload-w-apart-db": (1, "PATH_REGS", True, 64, "APART_DB"),
     "apart-all": (2, "PATH_REGS", False, 0, "APART_ALL"),
+    "wide-rows1": (1, "PATH_WIDE", False, 0, "APART_NONE"),
+    "wide-rows4": (4, "PATH_WIDE", False, 0, "APART_NONE"),
+    "regs-stages2": (2, "PATH_REGS", True, 0, "APART_NONE", 2),
+    "tail-stages3": (1, "PATH_REGS", False, 64, "APART_NONE", 3),
+    "wide-apart-all-stages3": (2, "PATH_WIDE", False, 0, "APART_ALL", 3),
 }
 
 
 @pytest.fixture(params=list(_PATHS))
 def forced_config(request, monkeypatch):
-    rows, path, reload_w, tail, apart = _PATHS[request.param]
-    block = 64 if tail else 128
+    rows, path, reload_w, tail, apart, *stages = _PATHS[request.param]
+    wide = path == "PATH_WIDE"
+    block = 32 if wide else 64 if tail else 128
     path, apart = getattr(norms_mod, path), getattr(norms_mod, apart)
-    bwd = norms_mod.BwdConfig(rows, block, path, 4, 1, reload_w, tail, apart)
+    bwd = norms_mod.BwdConfig(rows, block, path, 4, 1, reload_w, tail, apart, *stages)
+    fwd = (
+        norms_mod.FwdConfig(1, 32, False, 4, hints=True) if wide else norms_mod.FwdConfig(rows, 128, True, 4)
+    )
     monkeypatch.setattr(norms_mod, "COL_CONFIG", (16, 64, 4, 1))
-    monkeypatch.setattr(norms_mod, "FORCE_FWD", norms_mod.FwdConfig(rows, 128, True, 4))
+    monkeypatch.setattr(norms_mod, "FORCE_FWD", fwd)
     monkeypatch.setattr(norms_mod, "FORCE_BWD", bwd)
     return request.param
 

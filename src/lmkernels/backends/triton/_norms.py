@@ -34,9 +34,14 @@ import triton.language as tl
 from lmkernels.backends.triton._common import cdiv, soft_bf16
 from lmkernels.utils import empty
 
-# Rows up to this width are kept in registers; wider rows loop over blocks of WIDE_BLOCK.
+# Rows up to this width are kept in registers; wider rows loop over blocks of WIDE_BLOCK: the
+# forward with eviction hints, the backward writing dx only (its column loops pipelined) and the
+# column kernel summing the weight gradients (benchmarks/results/2026-11-23-norm-pipelining/over:
+# fwd+bwd 1.3-1.9x faster than with partial rows updated per row).
 MAX_FUSED_N = 16384
 WIDE_BLOCK = 4096
+WIDE_FWD_WARPS = 16
+WIDE_BWD_WARPS = 8
 # Programs of the backward under the CPU interpreter: few, so each one loops over several tiles.
 INTERPRETER_PROGRAMS = 3
 
@@ -72,6 +77,20 @@ def to_dtype(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
 def round_as(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
     """fp32 `v` as if stored in `dtype` and loaded back: emulates one eager op in `dtype`."""
     return to_dtype(v, dtype, SOFT_BF16).to(tl.float32)
+
+
+@triton.jit
+def load_block(ptr, mask, HINTS: tl.constexpr, AGAIN: tl.constexpr):
+    """A block of a row read in passes (the wide forward), in fp32. HINTS: tell the cache
+    that the block will be read again by a later pass (AGAIN: keep it in L2) or not (evict it
+    first), so that the later passes find the row in L2."""
+    if HINTS and AGAIN:
+        v = tl.load(ptr, mask=mask, other=0.0, eviction_policy="evict_last")
+    elif HINTS:
+        v = tl.load(ptr, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        v = tl.load(ptr, mask=mask, other=0.0)
+    return v.to(tl.float32)
 
 
 @triton.jit
@@ -119,6 +138,8 @@ class FwdConfig:
     block: int  # columns a program handles at once
     single_block: bool  # the whole row fits in one block (kept in registers)
     num_warps: int
+    hints: bool = False  # wide path: eviction hints that keep the row in L2 between passes
+    stages: int = 1  # wide path: software pipelining of the loops over column blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,43 +152,60 @@ class BwdConfig:
     reload_w: bool = False  # PATH_REGS: load the weight per tile (an L1 hit) instead of holding it
     tail: int = 0  # single-block paths: a second register block of the row, columns block.. +tail
     apart: int = APART_NONE  # the gradient sums left to the column kernel
+    stages: int = 1  # software pipelining of the loop over row tiles (wide path: column blocks)
 
     @property
     def single_block(self) -> bool:
         return self.path != PATH_WIDE
 
 
+@dataclasses.dataclass(frozen=True)
+class Tuned:
+    """A table entry: the forward's and the backward's configuration for a row block."""
+
+    fwd_rows: int  # rows per program (row in registers)
+    fwd_warps: int
+    bwd_warps: int
+    programs_per_sm: int  # of the persistent backward
+    fwd_chunk: int = 0  # > 0: the forward reads the row in chunks of this many columns, in passes
+    hints: bool = False  # chunked forward: eviction hints (the row stays in L2 between passes)
+    bwd_rows: int = 1
+    path: int = PATH_REGS
+    reload_w: bool = False
+    tail: bool = False  # the backward holds the row as two register blocks: block / 2 and the rest
+    apart: int = APART_NONE
+    stages: int = 1  # software pipelining of the backward's loop over row tiles
+
+
 # Per op and next_power_of_2(N) =: block, optionally "part" (rows that fill at most 3/4 of their
-# block, e.g. 5120 and 11008): (fwd rows, fwd warps, fwd chunk, bwd rows, bwd warps, bwd path,
-# bwd programs per SM, bwd reload w[, bwd tail, bwd apart]). fwd chunk 0 keeps the row in
-# registers; otherwise the forward reads the row in chunks of that many columns (the wide path:
-# several passes, the later ones from L2, with more rows in flight per SM). bwd tail 1: the row
-# as two register blocks, block / 2 and the rest (next power of two). Each entry is the fastest
-# fwd+bwd combination measured on an H200 (scripts/roofline_tune.py,
-# benchmarks/results/2026-11-23-roofline-tune/ and -tune2/).
-TUNED: dict[tuple, tuple] = {
-    ("rms_norm", 1024): (2, 4, 0, 1, 4, PATH_REGS, 8, False),
-    ("rms_norm", 2048): (2, 8, 0, 1, 8, PATH_REGS, 4, False),
-    ("rms_norm", 4096): (1, 8, 0, 1, 16, PATH_REGS, 2, False),
-    ("rms_norm", 8192): (1, 8, 0, 1, 32, PATH_REGS, 1, True),
-    ("rms_norm", 8192, "part"): (1, 8, 0, 1, 16, PATH_REGS, 1, True),
-    ("rms_norm", 16384): (1, 32, 0, 1, 16, PATH_REGS, 1, True),
-    ("rms_norm", 16384, "part"): (1, 8, 4096, 1, 16, PATH_REGS, 2, False, 1),
-    ("layer_norm", 1024): (2, 4, 0, 1, 4, PATH_REGS, 8, False),
-    ("layer_norm", 2048): (1, 4, 0, 1, 8, PATH_REGS, 4, False),
-    ("layer_norm", 4096): (1, 8, 0, 1, 16, PATH_REGS, 2, False),
-    ("layer_norm", 8192): (1, 8, 0, 1, 16, PATH_REGS, 2, False),
-    ("layer_norm", 8192, "part"): (1, 4, 2048, 1, 16, PATH_REGS, 2, False),
-    ("layer_norm", 16384, "part"): (1, 8, 4096, 1, 16, PATH_REGS, 1, True, 1),
-    ("layer_norm", 16384): (1, 8, 4096, 1, 16, PATH_REGS, 2, True, 0, APART_ALL),
+# block, e.g. 5120 and 11008). Each entry is the fastest fwd+bwd combination measured on an H200
+# (scripts/roofline_tune.py; benchmarks/results/2026-11-23-roofline-tune/, -tune2/ and
+# 2026-11-23-norm-pipelining/). The backward's loop over row tiles is pipelined (stages 2-3,
+# Triton keeps the next tiles' loads in flight in shared memory) wherever that measured faster:
+# 8-22% of the fwd+bwd time at 2048-8192 columns.
+TUNED: dict[tuple, Tuned] = {
+    ("rms_norm", 1024): Tuned(2, 4, 4, 8),
+    ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
+    ("rms_norm", 4096): Tuned(1, 8, 16, 2, stages=3),
+    ("rms_norm", 8192): Tuned(1, 8, 8, 1, reload_w=True, stages=3),
+    ("rms_norm", 8192, "part"): Tuned(1, 8, 8, 1, reload_w=True, stages=3),
+    ("rms_norm", 16384): Tuned(1, 32, 16, 1, reload_w=True),
+    ("rms_norm", 16384, "part"): Tuned(1, 8, 16, 2, fwd_chunk=4096, hints=True, tail=True),
+    ("layer_norm", 1024): Tuned(2, 4, 4, 8),
+    ("layer_norm", 2048): Tuned(1, 4, 8, 4, stages=3),
+    ("layer_norm", 4096): Tuned(1, 8, 8, 2, reload_w=True, stages=3),
+    ("layer_norm", 8192): Tuned(1, 8, 16, 1, stages=3),
+    ("layer_norm", 8192, "part"): Tuned(1, 4, 16, 1, fwd_chunk=2048, stages=3),
+    ("layer_norm", 16384, "part"): Tuned(1, 8, 16, 1, fwd_chunk=4096, reload_w=True, tail=True, stages=2),
+    ("layer_norm", 16384): Tuned(1, 8, 16, 2, fwd_chunk=4096, reload_w=True, apart=APART_ALL, stages=3),
 }
 
 # Below M_FEW rows, per (op, block, part): the table entry (its backward half) where the one
 # above lost at 1024 rows (tune2/run2-final: LayerNorm 1024 x 16384, 0.1016 ms against 0.1031
 # for the column kernel, which has few rows per program there).
 M_FEW = 2048
-FEW_ROWS: dict[tuple, tuple] = {
-    ("layer_norm", 16384, False): (1, 8, 4096, 1, 16, PATH_REGS, 1, True),
+FEW_ROWS: dict[tuple, Tuned] = {
+    ("layer_norm", 16384, False): Tuned(1, 8, 16, 1, fwd_chunk=4096, reload_w=True),
 }
 
 # Tuning hook (scripts/roofline_tune.py, tests): configurations used instead of the table.
@@ -195,7 +233,7 @@ def _default_warps(elements: int, per_thread: int, cap: int) -> int:
     return min(cap, max(1, triton.next_power_of_2(max(1, elements // (32 * per_thread)))))
 
 
-def _tuned(op: str, N: int, block: int, few: bool = False):
+def _tuned(op: str, N: int, block: int, few: bool = False) -> Tuned | None:
     if few and (op, block, 4 * N <= 3 * block) in FEW_ROWS:
         return FEW_ROWS[(op, block, 4 * N <= 3 * block)]
     part = TUNED.get((op, block, "part")) if 4 * N <= 3 * block else None
@@ -205,12 +243,13 @@ def _tuned(op: str, N: int, block: int, few: bool = False):
 @functools.cache
 def _fwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> FwdConfig:
     if N > max_fused_n:
-        return FwdConfig(1, wide_block, False, _default_warps(wide_block, 16, 16))
+        return FwdConfig(1, wide_block, False, WIDE_FWD_WARPS, hints=True)
     block = triton.next_power_of_2(N)
-    tuned = _tuned(op, N, block)
-    if tuned is not None:
-        rows, warps, chunk = tuned[:3]
-        return FwdConfig(1, chunk, False, warps) if chunk else FwdConfig(rows, block, True, warps)
+    t = _tuned(op, N, block)
+    if t is not None:
+        if t.fwd_chunk:
+            return FwdConfig(1, t.fwd_chunk, False, t.fwd_warps, t.hints)
+        return FwdConfig(t.fwd_rows, block, True, t.fwd_warps)
     # Narrow rows (below the table): several rows per program, about 16 elements per thread.
     rows = max(1, 1024 // block)
     return FwdConfig(rows, block, True, _default_warps(rows * block, 16, 16))
@@ -219,16 +258,17 @@ def _fwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> FwdConfig
 @functools.cache
 def _bwd_config(op: str, N: int, few: bool, max_fused_n: int, wide_block: int) -> BwdConfig:
     if N > max_fused_n:
-        return BwdConfig(1, wide_block, PATH_WIDE, _default_warps(wide_block, 8, 16), 2)
+        return BwdConfig(1, wide_block, PATH_WIDE, WIDE_BWD_WARPS, 2, apart=APART_ALL, stages=3)
     block = triton.next_power_of_2(N)
-    tuned = _tuned(op, N, block, few)
-    if tuned is not None:
-        rows, warps, path, programs_per_sm, reload_w, *extra = tuned[3:]
-        tail, apart = (*extra, 0, APART_NONE)[:2]
-        if tail:  # two register blocks: the largest power of two <= N, then the rest
+    t = _tuned(op, N, block, few)
+    if t is not None:
+        tail = 0
+        if t.tail:  # two register blocks: the largest power of two <= N, then the rest
             block //= 2
             tail = triton.next_power_of_2(N - block)
-        return BwdConfig(rows, block, path, warps, programs_per_sm, reload_w, tail, apart)
+        return BwdConfig(
+            t.bwd_rows, block, t.path, t.bwd_warps, t.programs_per_sm, t.reload_w, tail, t.apart, t.stages
+        )
     rows = max(1, 1024 // block)
     num_warps = _default_warps(rows * block, 8, 16)
     return BwdConfig(rows, block, PATH_REGS, num_warps, max(1, 32 // num_warps))

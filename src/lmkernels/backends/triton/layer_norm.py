@@ -23,6 +23,7 @@ from lmkernels.backends.triton._norms import (
     bwd_config,
     column_splits,
     fwd_config,
+    load_block,
     num_rows,
     num_tiles,
     partial_buffer,
@@ -57,6 +58,8 @@ def _layer_norm_fwd_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
+    HINTS: tl.constexpr,
+    STAGES: tl.constexpr,
     SOFT_BF16: tl.constexpr,
 ):
     dtype = y_ptr.dtype.element_ty
@@ -87,19 +90,19 @@ def _layer_norm_fwd_kernel(
         x_row = x_ptr + row * N
         y_row = y_ptr + row * N
         acc = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, N, BLOCK):
-            acc += tl.load(x_row + start + cols, mask=start + cols < N, other=0.0).to(tl.float32)
+        for start in tl.range(0, N, BLOCK, num_stages=STAGES):
+            acc += load_block(x_row + start + cols, start + cols < N, HINTS, True)
         mean = tl.sum(acc, axis=0) / N
         acc = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, N, BLOCK):
+        for start in tl.range(0, N, BLOCK, num_stages=STAGES):
             mask = start + cols < N
-            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            x = load_block(x_row + start + cols, mask, HINTS, True)
             centered = tl.where(mask, x - mean, 0.0)
             acc += centered * centered
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
-        for start in range(0, N, BLOCK):
+        for start in tl.range(0, N, BLOCK, num_stages=STAGES):
             mask = start + cols < N
-            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            x = load_block(x_row + start + cols, mask, HINTS, False)
             y = (x - mean) * rstd
             if HAS_WEIGHT:
                 y = y * tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -175,6 +178,7 @@ def _layer_norm_bwd_kernel(
     TAIL: tl.constexpr,
     PATH: tl.constexpr,
     RELOAD_W: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
     SOFT_BF16: tl.constexpr,
 ):
     """dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dy * w, x_hat = (x - mean) * rstd;
@@ -187,7 +191,6 @@ def _layer_norm_bwd_kernel(
     """
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    dtype = dx_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     dw_row = dw_partial_ptr + pid.to(tl.int64) * N
     db_row = db_partial_ptr + pid.to(tl.int64) * N
@@ -206,7 +209,8 @@ def _layer_norm_bwd_kernel(
                 w_t = tl.load(w_ptr + cols_t, mask=tail_mask, other=0.0).to(tl.float32)
             dw_acc_t = tl.zeros([TAIL], tl.float32)
             db_acc_t = tl.zeros([TAIL], tl.float32)
-        for i in range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs)):
+        # NUM_STAGES > 1: the next tiles' loads are issued while this one is computed.
+        for i in tl.range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs), num_stages=NUM_STAGES):
             rows = (pid + i * num_programs).to(tl.int64) * ROWS + tl.arange(0, ROWS)
             row_mask = rows < M
             mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
@@ -243,38 +247,36 @@ def _layer_norm_bwd_kernel(
                 if TAIL > 0:
                     tl.store(db_row + cols_t, db_acc_t, mask=tail_mask)
     else:
-        # Wide rows: pass 1 reduces the two row sums, pass 2 writes dx block by block and adds
-        # this program's contributions into its partial rows (stored on its first row).
-        for i in range(0, tl.cdiv(M - pid, num_programs)):
-            row = (pid + i * num_programs).to(tl.int64)
-            mean = tl.load(mean_ptr + row)
-            rstd = tl.load(rstd_ptr + row)
-            acc_g = tl.zeros([BLOCK], tl.float32)
-            acc_gx = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, N, BLOCK):
-                mask = start + cols < N
-                x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
-                g = tl.load(dy_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
-                if HAS_WEIGHT:
-                    g = g * tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+        # Wide rows, in tiles of ROWS rows x BLOCK columns: pass 1 reduces the two row sums,
+        # pass 2 reads x and dy again (from L2), writes dx and adds this program's
+        # contributions into its partial rows. NUM_STAGES > 1 pipelines the loops over blocks.
+        for i in range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs)):
+            rows = (pid + i * num_programs).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+            row_mask = rows < M
+            mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            acc_g = tl.zeros([ROWS, BLOCK], tl.float32)
+            acc_gx = tl.zeros([ROWS, BLOCK], tl.float32)
+            for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
+                block_cols = start + cols
+                block_mask = block_cols < N
+                mask = row_mask[:, None] & block_mask[None, :]
+                offs = rows[:, None] * N + block_cols[None, :]
+                x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, mean,
+                                         rstd, True, HAS_WEIGHT)  # fmt: skip
                 acc_g += g
-                acc_gx += g * ((x - mean) * rstd)
-            mean_g = tl.sum(acc_g, axis=0) / N
-            mean_gx = tl.sum(acc_gx, axis=0) / N
-            for start in range(0, N, BLOCK):
-                mask = start + cols < N
-                x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(dy_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
-                x_hat = (x - mean) * rstd
-                g = dy
-                if HAS_WEIGHT:
-                    g = dy * tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-                dx = (g - mean_g - x_hat * mean_gx) * rstd
-                tl.store(dx_ptr + row * N + start + cols, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
-                if ACC_DW:
-                    _add_to_partial(dw_row + start, cols, mask, dy * x_hat, i)
-                if ACC_DB:
-                    _add_to_partial(db_row + start, cols, mask, dy, i)
+                acc_gx += g * x_hat
+            mean_g = tl.sum(acc_g, axis=1) / N
+            mean_gx = tl.sum(acc_gx, axis=1) / N
+            for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
+                block_cols = start + cols
+                block_mask = block_cols < N
+                mask = row_mask[:, None] & block_mask[None, :]
+                offs = rows[:, None] * N + block_cols[None, :]
+                x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, mean,
+                                         rstd, True, HAS_WEIGHT)  # fmt: skip
+                _bwd_store(dx_ptr, offs, mask, block_cols, block_mask, x_hat, dy, g, rstd, mean_g, mean_gx,
+                           acc_g, acc_gx, dw_row, db_row, i, MEM, ACC_DW, ACC_DB, SOFT_BF16)  # fmt: skip
 
 
 @triton.jit
@@ -356,6 +358,8 @@ def _layer_norm_fwd(
             ROWS=rows,
             BLOCK=cfg.block,
             SINGLE_BLOCK=cfg.single_block,
+            HINTS=cfg.hints,
+            STAGES=cfg.stages,
             SOFT_BF16=soft_bf16(x),
             num_warps=cfg.num_warps,
         )
@@ -380,7 +384,7 @@ def _layer_norm_bwd(
     if M == 0:
         return dx, dw.zero_(), db.zero_()
     cfg = bwd_config("layer_norm", N, M)
-    rows = cfg.rows if cfg.single_block else 1
+    rows = cfg.rows
     P = persistent_programs(num_tiles(M, rows), cfg.programs_per_sm, x.device)
     acc_dw = weight is not None and cfg.apart != APART_ALL
     acc_db = bias_dtype is not None and cfg.apart == APART_NONE
@@ -431,6 +435,7 @@ def _layer_norm_bwd(
             TAIL=cfg.tail,
             PATH=cfg.path,
             RELOAD_W=cfg.reload_w or cfg.path == PATH_MEM,
+            NUM_STAGES=cfg.stages,
             SOFT_BF16=soft_bf16(x),
             num_warps=cfg.num_warps,
         )

@@ -24,6 +24,7 @@ from lmkernels.backends.triton._norms import (
     bwd_config,
     column_splits,
     fwd_config,
+    load_block,
     num_rows,
     num_tiles,
     partial_buffer,
@@ -94,6 +95,8 @@ def _rms_norm_fwd_kernel(
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
+    HINTS: tl.constexpr,
+    STAGES: tl.constexpr,
     SOFT_BF16: tl.constexpr,
 ):
     dtype = y_ptr.dtype.element_ty
@@ -118,14 +121,14 @@ def _rms_norm_fwd_kernel(
         x_row = x_ptr + row * N
         y_row = y_ptr + row * N
         acc = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, N, BLOCK):
+        for start in tl.range(0, N, BLOCK, num_stages=STAGES):
             mask = start + cols < N
-            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            x = load_block(x_row + start + cols, mask, HINTS, True)
             acc += _square(x, MODE, dtype, SOFT_BF16)
         rstd = _rstd(tl.sum(acc, axis=0), N, eps, MODE, dtype, SOFT_BF16)
-        for start in range(0, N, BLOCK):
+        for start in tl.range(0, N, BLOCK, num_stages=STAGES):
             mask = start + cols < N
-            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            x = load_block(x_row + start + cols, mask, HINTS, False)
             y = _normalized(x, rstd, MODE, dtype, SOFT_BF16)
             if HAS_WEIGHT:
                 w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
@@ -187,6 +190,7 @@ def _rms_norm_bwd_kernel(
     TAIL: tl.constexpr,
     PATH: tl.constexpr,
     RELOAD_W: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
     SOFT_BF16: tl.constexpr,
 ):
     """dx = rstd * (g - x * rstd^2 * mean(g * x)) with g = dy * (w + offset); dw = sum dy * x_hat.
@@ -218,7 +222,8 @@ def _rms_norm_bwd_kernel(
                 w = tl.load(w_ptr + cols_t, mask=tail_mask, other=0.0).to(tl.float32)
                 w_factor_t = _weight_factor(w, offset, MODE, dtype, SOFT_BF16)
             dw_acc_t = tl.zeros([TAIL], tl.float32)
-        for i in range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs)):
+        # NUM_STAGES > 1: the next tiles' loads are issued while this one is computed.
+        for i in tl.range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs), num_stages=NUM_STAGES):
             rows = (pid + i * num_programs).to(tl.int64) * ROWS + tl.arange(0, ROWS)
             row_mask = rows < M
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
@@ -244,35 +249,32 @@ def _rms_norm_bwd_kernel(
             if TAIL > 0:
                 tl.store(partial_row + cols_t, dw_acc_t, mask=tail_mask)
     else:
-        # Wide rows: pass 1 reduces g * x over the row, pass 2 writes dx block by block and adds
-        # this program's dw contribution into its partial row (stored on its first row).
-        for i in range(0, tl.cdiv(M - pid, num_programs)):
-            row = (pid + i * num_programs).to(tl.int64)
-            rstd = tl.load(rstd_ptr + row)
-            acc = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, N, BLOCK):
-                mask = start + cols < N
-                x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
-                g = tl.load(dy_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
-                if HAS_WEIGHT:
-                    w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-                    g = g * _weight_factor(w, offset, MODE, dtype, SOFT_BF16)
+        # Wide rows, in tiles of ROWS rows x BLOCK columns: pass 1 reduces g * x over the rows,
+        # pass 2 reads x and dy again (from L2), writes dx and adds this program's dw
+        # contributions into its partial row. NUM_STAGES > 1 pipelines the loops over blocks.
+        for i in range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs)):
+            rows = (pid + i * num_programs).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+            row_mask = rows < M
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            acc = tl.zeros([ROWS, BLOCK], tl.float32)
+            for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
+                block_cols = start + cols
+                block_mask = block_cols < N
+                mask = row_mask[:, None] & block_mask[None, :]
+                offs = rows[:, None] * N + block_cols[None, :]
+                x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, offset,
+                                     True, MODE, HAS_WEIGHT, dtype, SOFT_BF16)  # fmt: skip
                 acc += g * x
-            scale = rstd * rstd * tl.sum(acc, axis=0) / N
-            for start in range(0, N, BLOCK):
-                mask = start + cols < N
-                x = tl.load(x_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(dy_ptr + row * N + start + cols, mask=mask, other=0.0).to(tl.float32)
-                g = dy
-                if HAS_WEIGHT:
-                    w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
-                    g = dy * _weight_factor(w, offset, MODE, dtype, SOFT_BF16)
-                dx = (g - x * scale) * rstd
-                tl.store(dx_ptr + row * N + start + cols, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
-                if ACC:
-                    dw = tl.load(partial_row + start + cols, mask=mask & (i > 0), other=0.0)
-                    dw += dy * _normalized(x, rstd, MODE, dtype, SOFT_BF16)
-                    tl.store(partial_row + start + cols, dw, mask=mask)
+            scale = rstd * rstd * tl.sum(acc, axis=1) / N
+            for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
+                block_cols = start + cols
+                block_mask = block_cols < N
+                mask = row_mask[:, None] & block_mask[None, :]
+                offs = rows[:, None] * N + block_cols[None, :]
+                x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, offset,
+                                     True, MODE, HAS_WEIGHT, dtype, SOFT_BF16)  # fmt: skip
+                _bwd_store(dx_ptr, offs, mask, block_cols, block_mask, x, dy, g, rstd, scale, acc, partial_row,
+                           i, MEM, ACC, MODE, SOFT_BF16)  # fmt: skip
 
 
 @triton.jit
@@ -341,6 +343,8 @@ def _rms_norm_fwd(
             ROWS=rows,
             BLOCK=cfg.block,
             SINGLE_BLOCK=cfg.single_block,
+            HINTS=cfg.hints,
+            STAGES=cfg.stages,
             SOFT_BF16=soft_bf16(x),
             num_warps=cfg.num_warps,
         )
@@ -357,7 +361,7 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
     if M == 0:
         return dw.zero_()
     cfg = bwd_config("rms_norm", N, M)
-    rows = cfg.rows if cfg.single_block else 1
+    rows = cfg.rows
     P = persistent_programs(num_tiles(M, rows), cfg.programs_per_sm, x.device)
     acc = weight is not None and cfg.apart == APART_NONE
     partial = partial_buffer(P, N, x.device) if acc else None
@@ -383,6 +387,7 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
             TAIL=cfg.tail,
             PATH=cfg.path,
             RELOAD_W=cfg.reload_w or cfg.path == PATH_MEM,
+            NUM_STAGES=cfg.stages,
             SOFT_BF16=soft_bf16(x),
             num_warps=cfg.num_warps,
         )
