@@ -59,7 +59,8 @@ def parser(description: str, steps: int) -> argparse.ArgumentParser:
 
 
 def prepare_run(args):
-    """(device, output folder (made), training batches): the same batches for every family."""
+    """The device, the output folder (made here) and the training batches, the same for every
+    family."""
     from lmkernels.convergence import data
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
