@@ -41,21 +41,13 @@ from pathlib import Path
 
 import e2e_setup
 from dist_report import MODES, plot, summary
-from e2e_setup import LLAMA_1B
+from e2e_setup import LLAMA_1B, TINY_SIZES
 
 CONFIGS = ("plain", "lmk", "liger")
 # The Llama-3.2-1B shape of the single-GPU benchmark, with untied embeddings (so lm_head can be
 # sharded on its own) and the layer count from --layers.
 MODEL = {k: v for k, v in LLAMA_1B.items() if k != "num_hidden_layers"} | {"tie_word_embeddings": False}
-TINY = dict(
-    MODEL,
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=256,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)
+TINY = MODEL | TINY_SIZES
 # Multicast over NVLink is unavailable on the lent machines (see the device notes).
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 

@@ -36,22 +36,22 @@ LLAMA_1B = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=True,
 )
+# The tiny models' sizes (over a full-size preset's other fields), here and in dist_train.py: to
+# check the scripts themselves on the CPU.
+TINY_SIZES = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 MODELS: dict[str, dict[str, Any]] = {
     "llama-1b": LLAMA_1B,
     # The same ~1B body with a Gemma-sized vocabulary (tied, 0.5B embedding parameters): the
     # lm_head + loss take the largest share of the step, where FLCE matters most.
     "llama-1b-v256k": dict(LLAMA_1B, vocab_size=256000),
-    "tiny": dict(
-        LLAMA_1B,
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-    ),
+    "tiny": dict(LLAMA_1B, **TINY_SIZES, num_hidden_layers=2, max_position_embeddings=4096),
 }
 MODEL_TITLES = {
     "llama-1b": "Llama-3.2-1B shape (vocab 128256)",

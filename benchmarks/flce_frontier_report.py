@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import csv
-import json
 from pathlib import Path
 from typing import Any
+
+from lmkernels.harness.bench.report import write_tables
 
 # The run's settings (flce_frontier.py writes them into meta; this module imports nothing of it).
 TIME_BASE, MEM_BASE = "compile_naive", "cce"
@@ -114,14 +114,7 @@ def write_reports(
     rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, plots: bool = True
 ) -> list[Path]:
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "results.csv", out / "results.json", out / "summary.md"]
-    with open(paths[0], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    paths[1].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-    paths[2].write_text(summary_markdown(rows, meta))
+    paths = write_tables(rows, meta, out, FIELDS, summary_markdown(rows, meta))
     if plots:
         from lmkernels.harness.plots import plot_ratio_panels
 

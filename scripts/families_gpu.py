@@ -42,33 +42,57 @@ SIZE = {
 }
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# The options, data and models of this script and of families_stepcheck.py, so that the step
+# check trains exactly what the validation run trains.
+
+
+def parser(description: str, steps: int) -> argparse.ArgumentParser:
+    """The options both scripts take; `steps`: the default of --steps."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", required=True)
     p.add_argument("--families", nargs="+", default=list(DEFAULT))
     p.add_argument("--backend", default="triton")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
-    args = p.parse_args(argv)
+    return p
 
-    import transformers
 
-    import lmkernels
+def prepare_run(args):
+    """The device, the output folder (made here) and the training batches, the same for every
+    family."""
     from lmkernels.convergence import data
-    from lmkernels.convergence.compare import compare
-    from lmkernels.convergence.train import Patch, TrainConfig, train_run
-    from lmkernels.integrations import transformers as lk_hf
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     batches = data.make_batches(args.steps, args.batch_size, args.seq_len, 2, seed=0)
+    return device, out, batches
+
+
+def family_model(model_type: str, batches, seq_len: int):
+    """The family's small random model (SIZE, the batches' vocabulary), on the CPU in fp32."""
+    from lmkernels.integrations import transformers as lk_hf
+
+    overrides = dict(SIZE, vocab_size=batches.vocab_size, max_position_embeddings=seq_len)
+    return lk_hf.tiny_model(model_type, seed=0, **overrides)
+
+
+def main(argv=None) -> int:
+    args = parser(__doc__.splitlines()[0], steps=30).parse_args(argv)
+
+    import transformers
+
+    import lmkernels
+    from lmkernels.convergence.compare import compare
+    from lmkernels.convergence.train import Patch, TrainConfig, train_run
+    from lmkernels.integrations import transformers as lk_hf
+
+    device, out, batches = prepare_run(args)
     results, rows = [], []
     for model_type in args.families:
         start = time.perf_counter()
-        overrides = dict(SIZE, vocab_size=batches.vocab_size, max_position_embeddings=args.seq_len)
-        base = lk_hf.tiny_model(model_type, seed=0, **overrides)
+        base = family_model(model_type, batches, args.seq_len)
         report = lk_hf.patch_report(base.to(device), backend=args.backend)
         base = base.cpu()
         init = {n: p.detach().float().clone() for n, p in base.named_parameters()}

@@ -14,7 +14,6 @@ Writes stepcheck.json and stepcheck.md (device, versions, command) under --out.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from families_gpu import DEFAULT, SIZE  # noqa: E402  (the validation run's families and sizes)
+from families_gpu import family_model, parser, prepare_run  # noqa: E402  (the validation run's options, data, models)
 
 # The bf16 rule of lmkernels.convergence.compare, applied per step on shared weights; the floors
 # are bf16's own resolution (a relative error below 2^-8 is not a bf16 difference).
@@ -76,8 +75,7 @@ def check_family(model_type, batches, args, device):
     all three on the patched model's current weights and the same batch."""
     from lmkernels.integrations import transformers as lk_hf
 
-    overrides = dict(SIZE, vocab_size=batches.vocab_size, max_position_embeddings=args.seq_len)
-    base = lk_hf.tiny_model(model_type, seed=0, **overrides)
+    base = family_model(model_type, batches, args.seq_len)
     runs = []
     for repeat in range(args.repeat):
         plain = copy.deepcopy(base).to(device=device, dtype=torch.bfloat16)
@@ -153,24 +151,13 @@ def verdict(steps) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--families", nargs="+", default=list(DEFAULT))
-    p.add_argument("--backend", default="triton")
-    p.add_argument("--steps", type=int, default=20)
+    p = parser(__doc__.splitlines()[0], steps=20)
     p.add_argument("--repeat", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
     args = p.parse_args(argv)
 
     import transformers
 
-    from lmkernels.convergence import data
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    batches = data.make_batches(args.steps, args.batch_size, args.seq_len, 2, seed=0)
+    device, out, batches = prepare_run(args)
     results = {}
     lines = []
     for model_type in args.families:

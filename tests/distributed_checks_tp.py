@@ -54,16 +54,12 @@ def check_tp_transformers_auto(ctx):
     return compare(losses, params(model), reference(ctx["world"]))
 
 
-@check
-def check_tp_torch_parallel_styles(ctx):
-    """torch.distributed.tensor.parallel styles as torchtitan uses them: q/k/v/gate/up
-    ColwiseParallel, o/down RowwiseParallel, lm_head ColwiseParallel with a vocab-sharded output
-    (what loss_parallel takes; the patched model reads its Shard(0) weight instead)."""
+def torchtitan_plan(model) -> dict:
+    """torchtitan's tensor parallel plan for a Llama `model` (the styles
+    check_tp_torch_parallel_styles names), shared by the checks that shard with it."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    mesh = device_mesh((ctx["world"],))
-    model = patched(tiny())
     plan = {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
     for i in range(len(model.model.layers)):
         for name in (
@@ -76,7 +72,19 @@ def check_tp_torch_parallel_styles(ctx):
             plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
         for name in ("self_attn.o_proj", "mlp.down_proj"):
             plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
-    parallelize_module(model, mesh, plan)
+    return plan
+
+
+@check
+def check_tp_torch_parallel_styles(ctx):
+    """torch.distributed.tensor.parallel styles as torchtitan uses them: q/k/v/gate/up
+    ColwiseParallel, o/down RowwiseParallel, lm_head ColwiseParallel with a vocab-sharded output
+    (what loss_parallel takes; the patched model reads its Shard(0) weight instead)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = device_mesh((ctx["world"],))
+    model = patched(tiny())
+    parallelize_module(model, mesh, torchtitan_plan(model))
     losses = train(model, global_batches(ctx["world"]))
     return compare(losses, params(model), reference(ctx["world"]))
 
@@ -87,24 +95,11 @@ def check_fsdp_plus_tp_2d_mesh(ctx):
     (size 2), lm_head sharded on its own: inside lm_head's FSDP forward the weight is the TP
     DTensor, which goes to the vocab-parallel loss."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = device_mesh((1, ctx["world"]), ("dp", "tp"))
     model = patched(tiny())
-    plan = {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
-    for i in range(len(model.model.layers)):
-        for name in (
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-        ):
-            plan[f"model.layers.{i}.{name}"] = ColwiseParallel()
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
-    parallelize_module(model, mesh["tp"], plan)
+    parallelize_module(model, mesh["tp"], torchtitan_plan(model))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model.lm_head, mesh=mesh["dp"])

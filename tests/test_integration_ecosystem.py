@@ -70,11 +70,10 @@ def _collate(rows):
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def _trainer_run(model, tmp_path, **extra):
-    from transformers import Trainer, TrainingArguments
-
-    rows = _rows()
-    args = TrainingArguments(
+def _run_args(tmp_path) -> dict:
+    """The training arguments the Trainer and SFTTrainer runs share: 2 optimizer steps of 2
+    accumulated batches of 2 rows on the CPU, a loss logged per step, nothing saved or reported."""
+    return dict(
         output_dir=str(tmp_path),
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
@@ -85,6 +84,15 @@ def _trainer_run(model, tmp_path, **extra):
         save_strategy="no",
         use_cpu=True,
         seed=0,
+    )
+
+
+def _trainer_run(model, tmp_path, **extra):
+    from transformers import Trainer, TrainingArguments
+
+    rows = _rows()
+    args = TrainingArguments(
+        **_run_args(tmp_path),
         data_seed=0,
         dataloader_num_workers=0,
         remove_unused_columns=False,  # the collator reads the raw "row" field
@@ -131,17 +139,8 @@ def _sft_run(model, tmp_path):
 
     texts = [" ".join(f"w{t}" for t in row) for row in _rows()]
     args = SFTConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
+        **_run_args(tmp_path),
         bf16=False,  # fp32: under bf16 autocast the fused GLU / rope round once, transformers per op
-        seed=0,
         max_length=T,
     )
     trainer = SFTTrainer(

@@ -25,6 +25,17 @@ def _pyplot():
     return plt
 
 
+def save_figure(fig, path: Path, dpi: int = 100) -> Path:
+    """Lay `fig` out, write it to `path` (its folder made where missing) and close it (pyplot keeps
+    every open figure alive)."""
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    _pyplot().close(fig)
+    return path
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text).strip("_")
 
@@ -99,11 +110,7 @@ def plot_bench(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
             fig.suptitle(f"{title}, sweep over {sweep}")
         ax_t.set_ylabel("GPU time (ms, median)" if t == "gpu_ms" else "wall time (ms, median)")
         ax_m.set_ylabel("peak memory above inputs (MiB)")
-        fig.tight_layout()
-        path = out_dir / f"{_slug(f'{op}_{sweep}_{mode}_{options}')}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, out_dir / f"{_slug(f'{op}_{sweep}_{mode}_{options}')}.png"))
     return paths
 
 
@@ -139,11 +146,7 @@ def plot_e2e(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
         fixed = "" if several else f", {other} {group[0][other]}"
         model = f"{group[0]['model']}, " if group[0].get("model") else ""
         fig.suptitle(f"end-to-end training, {model}{sweep} sweep{fixed}")
-        fig.tight_layout()
-        path = out_dir / f"e2e_{_slug(str(sweep))}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, out_dir / f"e2e_{_slug(str(sweep))}.png"))
     return paths
 
 
@@ -159,12 +162,7 @@ def plot_memory_timeline(timelines: dict[str, dict[str, list[float]]], path: Pat
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title or "allocated memory over one training step")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_ratio_panels(
@@ -194,9 +192,4 @@ def plot_ratio_panels(
     axes[0][0].set_ylabel(ylabel)
     axes[0][-1].legend(fontsize=7)
     fig.suptitle(title or ylabel)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -144,18 +144,28 @@ def summary_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_reports(
-    rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path, plots: bool = True
+def write_tables(
+    rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path, fields: list[str], summary: str
 ) -> list[Path]:
+    """results.csv (the columns `fields`), results.json (meta and rows) and summary.md (the text
+    `summary`) in out_dir, made where missing; returns their paths. Also used by the FLCE
+    frontier benchmark (benchmarks/flce_frontier_report.py) for its own columns and summary."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "results.csv", out_dir / "results.json", out_dir / "summary.md"]
     with open(paths[0], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     paths[1].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-    paths[2].write_text(summary_markdown(rows, meta))
+    paths[2].write_text(summary)
+    return paths
+
+
+def write_reports(
+    rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path, plots: bool = True
+) -> list[Path]:
+    paths = write_tables(rows, meta, out_dir, CSV_FIELDS, summary_markdown(rows, meta))
     if plots:
         from lmkernels.harness.plots import plot_bench
 
