@@ -37,7 +37,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _first(out):
-    return out[0] if isinstance(out, tuple) else out
+    """A module output's main tensor: the tensor itself, a tuple's first item, or a transformers
+    ModelOutput's first field (a patched model forward returns one: BaseModelOutputWithPast)."""
+    return out if isinstance(out, torch.Tensor) else out[0]
 
 
 def _hook_patched_modules(model, worst: dict):
