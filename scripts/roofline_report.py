@@ -5,7 +5,8 @@ Each point's time is the run's "table" row, or, for the runs before --lean (runs
 committed table adopted a variant that the run measured against that table (same fwd+bwd call,
 same run), that variant's row. A --lean run times the committed table as is, and where the
 table changed in this session also the previous one ("previous table"): the "before" column.
-Usage: python3 scripts/roofline_report.py RUN_DIR/roofline.json > SUMMARY.md
+Usage: python3 scripts/roofline_report.py RUN_DIR/roofline.json [--plot PNG] > SUMMARY.md
+--plot: % of the copy bandwidth per point (ours, torch.compile, Liger), one panel per op.
 """
 
 from __future__ import annotations
@@ -33,7 +34,29 @@ def shape_key(op, shape):
     return "x".join(str(s) for s in shape if s is not None)
 
 
-def main(path):
+def plot(data, points, path):
+    """points: (op, shape key, {"ours" / "compile" / "liger": % of copy})."""
+    from lmkernels.harness.plots import _pyplot, save_figure
+
+    plt = _pyplot()
+    ops = list(dict.fromkeys(op for op, _, _ in points))
+    fig, axes = plt.subplots(len(ops), 1, figsize=(14, 3.6 * len(ops)), squeeze=False)
+    for ax, op in zip(axes[:, 0], ops):
+        mine = [(key, pct) for o, key, pct in points if o == op]
+        xs = range(len(mine))
+        for name, marker in (("ours", "o"), ("compile", "s"), ("liger", "^")):
+            ax.plot(xs, [pct.get(name) for _, pct in mine], marker=marker, lw=1, ms=4, label=name)
+        ax.axhline(TARGET_PCT, color="gray", ls="--", lw=0.8)
+        ax.set_xticks(list(xs), [key for key, _ in mine], rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("% of copy bandwidth")
+        ax.set_ylim(0, 105)
+        ax.set_title(f"{op}: fwd+bwd bf16 GPU time as % of a device copy ({data['copy_gbps']:.0f} GB/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    save_figure(fig, path)
+
+
+def main(path, plot_path=None):
     data = json.load(open(path))
     bw = data["copy_gbps"]
     by_point = {}
@@ -52,6 +75,7 @@ def main(path):
     print(f"| op | shape | ms | % copy |{before_head} compile ms | x compile | Liger ms | x Liger | target |")
     print("|---|---|---|---|" + ("---|---|" if lean else "") + "---|---|---|---|---|")
     counts = {}
+    points = []
     for s in data["summary"]:
         op, key = s["op"], s["shape"]
         rows = by_point[(op, key)]
@@ -72,6 +96,17 @@ def main(path):
                 w
                 for w, bad in ((f"<{TARGET_PCT:.0f}%", pct < TARGET_PCT), ("slower than a peer", not faster))
                 if bad
+            )
+        )
+        points.append(
+            (
+                op,
+                key,
+                {
+                    name: 100 * s["bytes"] / (t * 1e-3) / 1e9 / bw
+                    for name, t in (("ours", ms), ("compile", comp), ("liger", lig))
+                    if t
+                },
             )
         )
         c = counts.setdefault(op, [0, 0, 0])
@@ -101,7 +136,15 @@ def main(path):
     print()
     for op, (n, met, faster) in counts.items():
         print(f"- {op}: {met}/{n} points meet both targets; faster than every peer at {faster}/{n}.")
+    if plot_path:
+        plot(data, points, plot_path)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    args = sys.argv[1:]
+    plot_path = None
+    if "--plot" in args:
+        i = args.index("--plot")
+        plot_path = args[i + 1]
+        del args[i : i + 2]
+    main(args[0], plot_path)

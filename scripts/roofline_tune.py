@@ -175,7 +175,8 @@ def _wide_bwd_candidates(_norms):
 
 # Wide-path tiles (rows, column block, warps, programs per SM): few registers per program, so
 # several rows in flight per SM; x and dy are read twice (the second time from L2). Measured in
-# benchmarks/results/2026-11-23-norm-pipelining/tiles: 1.2-4x slower than the table everywhere.
+# benchmarks/results/2026-11-23-norm-pipelining/tiles: the best per point 1.13-1.78x the table's
+# time (RMSNorm at 5120 columns: 0.99-1.03x); not adopted.
 WIDE_TILES = [
     (1, 1024, 4, 4),
     (1, 1024, 4, 8),
