@@ -293,17 +293,14 @@ def test_layer_norm_wide_rows_default_config():
 # the same loops).
 _PATHS = {
     "regs-rows4": (4, "PATH_REGS", False, 0, "APART_NONE"),
-    "regs-reload-w": (2, "PATH_REGS", True, 0, "APART_NONE"),
+    "regs-reload-w-stages2": (2, "PATH_REGS", True, 0, "APART_NONE", 2),
     "mem-rows1": (1, "PATH_MEM", False, 0, "APART_NONE"),
     "mem-rows4": (4, "PATH_MEM", False, 0, "APART_NONE"),
     "regs-tail-rows2": (2, "PATH_REGS", False, 64, "APART_NONE"),
     "mem-tail": (1, "PATH_MEM", False, 64, "APART_NONE"),
-    "tail-reload-w-apart-db": (1, "PATH_REGS", True, 64, "APART_DB"),
+    "tail-reload-w-apart-db-stages3": (1, "PATH_REGS", True, 64, "APART_DB", 3),
     "apart-all": (2, "PATH_REGS", False, 0, "APART_ALL"),
-    "wide-rows1": (1, "PATH_WIDE", False, 0, "APART_NONE"),
     "wide-rows4": (4, "PATH_WIDE", False, 0, "APART_NONE"),
-    "regs-stages2": (2, "PATH_REGS", True, 0, "APART_NONE", 2),
-    "tail-stages3": (1, "PATH_REGS", False, 64, "APART_NONE", 3),
     "wide-apart-all-stages3": (2, "PATH_WIDE", False, 0, "APART_ALL", 3),
 }
 
