@@ -94,8 +94,8 @@ def rope_usage(kernel_name, D, R, backward, constexprs, num_warps):
 
 
 def rope_main():
+    from roofline_candidates import ROPE_GRID
     from roofline_rope import TILE_CANDIDATES
-    from roofline_tune import ROPE_GRID
 
     from lmkernels.backends.triton import rope
 
@@ -121,7 +121,7 @@ def main(argv=None):
     ap.add_argument("--n", default="5120,11008,16384")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from roofline_tune import bwd_name, norm_bwd_candidates
+    from roofline_candidates import bwd_name, norm_bwd_candidates
 
     ops = args.ops.split(",")
     if "rope" in ops:

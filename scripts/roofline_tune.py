@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -35,231 +34,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import roofline_rope  # noqa: E402
+from roofline_candidates import (  # noqa: E402
+    COL_CANDIDATES,
+    NORM_GRID,
+    PREVIOUS,
+    ROPE_CANDIDATES,
+    ROPE_GRID,
+    SUM_CANDIDATES,
+    bwd_name,
+    fwd_name,
+    norm_bwd_candidates,
+    norm_fwd_candidates,
+)
 from roofline_cases import DEVICE, E, NormCase, RopeCase  # noqa: E402
-
-# --- shapes and candidate configurations ------------------------------------------------------
-
-NORM_GRID = {
-    "tune": [(16384, n) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)]
-    + [(4096, 1024), (4096, 16384), (65536, 1024), (65536, 4096), (65536, 16384)],
-    "wide": [(m, n) for m in (16384, 65536) for n in (5120, 8192, 11008, 16384)],
-    "tiles": [(m, n) for m in (65536, 16384, 4096) for n in (2048, 3584, 4096, 5120, 8192, 11008, 16384)],
-    # Rows wider than MAX_FUSED_N (the wide path), outside the issue's grid.
-    "over": [(8192, 32768), (2048, 65536)],
-    "final": [
-        (m, n) for m in (1024, 4096, 16384, 65536) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)
-    ],
-}
-# (B, Hq, Hkv, T, D, rotary_dim or None)
-ROPE_GRID = {
-    # Where the position kernel lost to torch.compile or stayed under 75% of copy (2026-11-23),
-    # and Llama's D = 128 as a check that the tile kernel is not better there too.
-    "rope": [
-        (2, 16, 16, 8192, 64, None),
-        (1, 12, 12, 65536, 64, None),
-        (1, 32, 8, 16384, 128, 64),
-        (1, 32, 8, 65536, 128, 32),
-        (1, 32, 8, 16384, 128, None),
-    ],
-    "tune": [
-        (1, 32, 8, 1024, 128, None),
-        (1, 32, 8, 8192, 128, None),
-        (1, 32, 8, 131072, 128, None),
-        (4, 32, 32, 4096, 128, None),
-        (2, 16, 16, 8192, 64, None),
-        (1, 16, 4, 16384, 256, None),
-        (1, 32, 8, 16384, 128, 64),
-    ],
-    "final": [
-        (1, 32, 8, 1024, 128, None),
-        (1, 32, 8, 4096, 128, None),
-        (1, 32, 8, 16384, 128, None),
-        (1, 32, 8, 131072, 128, None),
-        (8, 32, 8, 1024, 128, None),
-        (4, 32, 32, 4096, 128, None),
-        (1, 32, 32, 32768, 128, None),
-        (2, 16, 16, 8192, 64, None),
-        (1, 12, 12, 65536, 64, None),
-        (1, 16, 4, 16384, 256, None),
-        (1, 8, 8, 65536, 256, None),
-        (1, 32, 8, 16384, 128, 64),
-        (1, 32, 8, 65536, 128, 32),
-    ],
-}
-
-
-def norm_fwd_candidates(N):
-    from lmkernels.backends.triton import _norms
-
-    block = 1 << (N - 1).bit_length()
-    out = []
-    for rows in (1, 2, 4, 8) if N <= _norms.MAX_FUSED_N else ():
-        for warps in (2, 4, 8, 16, 32):
-            per_thread = rows * block // (32 * warps)
-            if (
-                2048 <= rows * block <= 16384
-                and 8 <= per_thread <= 32
-                or (block >= 16384 and warps == 32 and rows == 1)
-            ):
-                out.append(_norms.FwdConfig(rows, block, True, warps))
-    if block >= 4096:  # the row in blocks, read again from L2: more rows in flight per SM
-        for wb, warps in ((1024, 2), (1024, 4), (2048, 4), (4096, 4), (4096, 8), (4096, 16)):
-            if wb < N:
-                for hints in (False, True):
-                    for stages in (1, 2) if N > _norms.MAX_FUSED_N else (1,):
-                        out.append(_norms.FwdConfig(1, wb, False, warps, hints, stages))
-    return out
-
-
-def norm_bwd_candidates(N, op="rms_norm", new_only=False):
-    """Backward configurations to time; new_only: those added since the "tiles" run (the loop
-    over row tiles software-pipelined, as inductor's fused norm backward does)."""
-    from lmkernels.backends.triton import _norms
-
-    block = 1 << (N - 1).bit_length()
-    if new_only and N > _norms.MAX_FUSED_N:
-        return _wide_bwd_candidates(_norms)
-    if new_only:
-        return _pipelined_bwd_candidates(N, op, block, _norms)
-    out = _split_bwd_candidates(N, op, block, _norms) + _wide_tile_bwd_candidates(N, _norms)
-    paths = [_norms.PATH_REGS] + ([_norms.PATH_MEM] if block >= 4096 else [])
-    for path in paths:
-        for rows in (1, 2, 4, 8):
-            for warps in (4, 8, 16, 32):
-                per_thread = rows * block // (32 * warps)
-                if not (1024 <= rows * block <= 16384 and 8 <= per_thread <= 16):
-                    continue
-                for pps in sorted({max(1, 32 // warps), max(1, 64 // warps)}):
-                    out.append(_norms.BwdConfig(rows, block, path, warps, pps))
-    if block >= 8192:
-        for warps in (16, 32):
-            for pps in (1, 2):
-                out.append(_norms.BwdConfig(1, block, _norms.PATH_REGS, warps, pps, True))
-        for wb, warps in ((2048, 8), (4096, 16)):
-            for pps in (1, 2):
-                out.append(_norms.BwdConfig(1, wb, _norms.PATH_WIDE, warps, pps))
-    return out
-
-
-def _pipelined_bwd_candidates(N, op, block, _norms):
-    """The table's backward with 2 and 3 stages, and one row of the whole power-of-two block per
-    iteration (no tail) with the weight reloaded, at inductor's warps (8 up to 8192 columns,
-    then 16) and 2 or 3 stages, 1-4 programs per SM."""
-    table = _norms.bwd_config(op, N)
-    out = []
-    if table.single_block:
-        for stages in (2, 3):
-            for pps in sorted({1, table.programs_per_sm}):
-                out.append(dataclasses.replace(table, stages=stages, programs_per_sm=pps))
-    if block >= 2048:
-        warps = 8 if block <= 8192 else 16
-        for stages in (2, 3):
-            for pps in (1, 2, 4):
-                out.append(_norms.BwdConfig(1, block, _norms.PATH_REGS, warps, pps, True, stages=stages))
-    return list(dict.fromkeys(out))
-
-
-def _wide_bwd_candidates(_norms):
-    """Rows wider than MAX_FUSED_N: the column loops pipelined or not, the weight gradients in
-    the backward kernel (partial rows in memory) or left to the column kernel."""
-    out = []
-    for block, warps in ((2048, 8), (4096, 8), (4096, 16)):
-        for pps in (1, 2):
-            for stages in (1, 3):
-                for apart in (_norms.APART_NONE, _norms.APART_ALL):
-                    out.append(
-                        _norms.BwdConfig(1, block, _norms.PATH_WIDE, warps, pps, apart=apart, stages=stages)
-                    )
-    return out
-
-
-# Wide-path tiles (rows, column block, warps, programs per SM): few registers per program, so
-# several rows in flight per SM; x and dy are read twice (the second time from L2). Measured in
-# benchmarks/results/2026-11-23-norm-pipelining/tiles: the best per point 1.13-1.78x the table's
-# time (RMSNorm at 5120 columns: 0.99-1.03x); not adopted.
-WIDE_TILES = [
-    (1, 1024, 4, 4),
-    (1, 1024, 4, 8),
-    (1, 2048, 4, 4),
-    (1, 2048, 8, 4),
-    (2, 512, 4, 8),
-    (2, 1024, 4, 4),
-    (2, 1024, 8, 2),
-    (2, 1024, 8, 4),
-    (2, 2048, 8, 2),
-    (4, 512, 4, 4),
-    (4, 512, 4, 8),
-    (4, 1024, 8, 2),
-    (4, 1024, 8, 4),
-]
-
-
-def _wide_tile_bwd_candidates(N, _norms):
-    return [
-        _norms.BwdConfig(rows, block, _norms.PATH_WIDE, warps, pps)
-        for rows, block, warps, pps in WIDE_TILES
-        if block < N
-    ]
-
-
-def _split_bwd_candidates(N, op, block, _norms):
-    """Two register blocks per row and "apart" gradient sums (tune2)."""
-    B = _norms.BwdConfig
-    regs, db, all_ = _norms.PATH_REGS, _norms.APART_DB, _norms.APART_ALL
-    out = []
-    if 4 * N <= 3 * block:  # two register blocks: the largest power of two <= N, then the rest
-        lo = block // 2
-        tail = 1 << (N - lo - 1).bit_length()
-        for warps, pps, rw in (
-            (32, 1, True),
-            (32, 2, True),
-            (16, 1, True),
-            (16, 2, True),
-            (16, 2, False),
-            (8, 2, True),
-        ):
-            out.append(B(1, lo, regs, warps, pps, rw, tail))
-        if op == "layer_norm":
-            for warps, pps in ((32, 1), (32, 2), (16, 2)):
-                out.append(B(1, lo, regs, warps, pps, True, tail, db))
-            for warps, pps in ((32, 1), (32, 2), (16, 2)):
-                out.append(B(1, lo, regs, warps, pps, True, tail, all_))
-    if block >= 8192:
-        if op == "layer_norm":
-            for warps, pps in ((16, 1), (32, 1), (32, 2)):
-                out.append(B(1, block, regs, warps, pps, True, 0, db))
-        for warps, pps in ((16, 2), (32, 1), (32, 2)):
-            out.append(B(1, block, regs, warps, pps, True, 0, all_))
-    return out
-
-
-def bwd_name(b):
-    from lmkernels.backends.triton import _norms
-
-    names = {_norms.PATH_REGS: "regs", _norms.PATH_MEM: "mem", _norms.PATH_WIDE: "wide"}
-    path = names[b.path] + ("-rw" if b.reload_w else "")
-    tag = f"bwd {path} r{b.rows} b{b.block} w{b.num_warps} p{b.programs_per_sm}"
-    if b.tail:
-        tag += f" t{b.tail}"
-    if b.apart:
-        tag += " apart-" + ("db" if b.apart == _norms.APART_DB else "all")
-    if b.stages > 1:
-        tag += f" s{b.stages}"
-    return tag
-
-
-# Column-kernel configurations tried with the "apart" candidates: (BLOCK_M, BLOCK_N, warps, per SM).
-COL_CANDIDATES = [(32, 128, 4, 8), (16, 256, 4, 8), (64, 64, 8, 4)]
-
-# Position kernel: (TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS); 2**30: one head group per program.
-ROPE_CANDIDATES = [
-    (t, w, p)
-    for t in (1024, 2048, 4096)
-    for w in (2, 4, 8)
-    for p in (8192, 2**30)
-    if not (t == 1024 and w == 8)
-]
-SUM_CANDIDATES = [(64, 32, 4), (128, 32, 8), (256, 16, 8), (32, 64, 4), (128, 64, 8), (64, 16, 2)]
 
 # --- timing -------------------------------------------------------------------------------------
 
@@ -342,24 +129,29 @@ def set_rope_config(cfg=None, kernel=None, tile=None):
     rope.KERNEL, rope.TILE_CONFIG = kernel, tile
 
 
+# Variant name -> the (fwd, bwd, column kernel) configuration it sets: best_variants' lookup.
+NAMED: dict[str, dict] = {}
+
+
 def norm_variants(case):
     """(name, setter) for each Triton variant: forward and backward configs tried independently
     (the other one at the table's choice), then the table itself."""
 
+    def variant(name, **cfg):
+        NAMED[name] = cfg
+        return name, lambda: set_norm_config(**cfg)
+
     out = [("table", lambda: set_norm_config())]
-    for f in norm_fwd_candidates(case.N):
-        tag = f"fwd r{f.rows} w{f.num_warps}" if f.single_block else f"fwd-wide b{f.block} w{f.num_warps}"
-        tag += (" hints" if f.hints else "") + (f" s{f.stages}" if f.stages > 1 else "")
-        out.append((tag, lambda f=f: set_norm_config(fwd=f)))
+    out += [variant(fwd_name(f), fwd=f) for f in dict.fromkeys(norm_fwd_candidates(case.N))]
     if not SHORT["on"]:
-        for b in norm_bwd_candidates(case.N, case.op):
-            out.append((bwd_name(b), lambda b=b: set_norm_config(bwd=b)))
+        out += [variant(bwd_name(b), bwd=b) for b in norm_bwd_candidates(case.N, case.op)]
     for b in norm_bwd_candidates(case.N, case.op, new_only=True):
         cols = COL_CANDIDATES if b.apart and b.num_warps == 32 and b.programs_per_sm == 1 else [None]
         for col in cols:
             tag = bwd_name(b) + (f" c{col[0]}x{col[1]}w{col[2]}p{col[3]}" if col and col != cols[0] else "")
-            out.append((tag, lambda b=b, col=col: set_norm_config(bwd=b, col=col)))
-    return out
+            out.append(variant(tag, bwd=b, col=col))
+    seen = set()  # a configuration in both candidate lists is timed once
+    return [v for v in out if not (v[0] in seen or seen.add(v[0]))]
 
 
 def rope_variants(case):
@@ -384,30 +176,6 @@ def make_case(op, shape):
 
 SHORT = {"on": False}
 LEAN = {"on": False}
-
-# The table before the pipelined backward (per op, block and "part"; fwd args of FwdConfig or
-# None where unchanged, bwd args of BwdConfig): --lean times it beside the table, as "previous
-# table", in the same run. P = PATH_REGS.
-P = 0
-PREVIOUS = {
-    ("rms_norm", 2048, False): (None, (1, 2048, P, 8, 4)),
-    ("rms_norm", 4096, False): (None, (1, 4096, P, 16, 2)),
-    ("rms_norm", 8192, True): (None, (1, 8192, P, 16, 1, True)),
-    ("rms_norm", 8192, False): (None, (1, 8192, P, 32, 1, True)),
-    ("rms_norm", 16384, True): ((1, 4096, False, 8), None),
-    ("layer_norm", 2048, False): (None, (1, 2048, P, 8, 4)),
-    ("layer_norm", 4096, False): (None, (1, 4096, P, 16, 2)),
-    ("layer_norm", 8192, True): (None, (1, 8192, P, 16, 2)),
-    ("layer_norm", 8192, False): (None, (1, 8192, P, 16, 2)),
-    ("layer_norm", 16384, True): (None, (1, 8192, P, 16, 1, True, 4096)),
-    ("layer_norm", 16384, False): (None, (1, 16384, P, 16, 2, True, 0, 2)),
-    # Rows wider than MAX_FUSED_N (grid "over"): WIDE = 2, partial rows updated per row.
-    **{
-        (op, block, False): ((1, 4096, False, 8), (1, 4096, 2, 16, 2))
-        for op in ("rms_norm", "layer_norm")
-        for block in (32768, 65536)
-    },
-}
 
 
 def lean_variants(op, case):
@@ -529,7 +297,7 @@ def measure(op, shape, reps, bw, log):
     breakdown(op, case, fn, rows, reps)
     best = best_variants(op, rows)
     if op != "rope" and best:
-        set_norm_config(best.get("fwd"), best.get("bwd"))
+        set_norm_config(best.get("fwd"), best.get("bwd"), best.get("col"))
         record("tuned", fn, "triton")
         reset(op)
     for name, peer in case.peers().items():
@@ -577,34 +345,20 @@ def breakdown(op, case, fn, rows, reps):
 
 
 def best_variants(op, rows):
-    """The fastest correct forward and backward config (norms), by full fwd+bwd time."""
-    ok = [r for r in rows if r["status"] == "ok" and r["kind"] == "triton"]
+    """The fastest correct forward and backward config (norms), by full fwd+bwd time: the
+    keyword arguments of set_norm_config."""
+    ok = [r for r in rows if r["status"] == "ok" and r["kind"] == "triton" and r["variant"] in NAMED]
     out = {}
     if op == "rope" or SHORT["on"] or LEAN["on"]:
         return out
-    from lmkernels.backends.triton import _norms
-
-    fwd = [r for r in ok if r["variant"].startswith("fwd ")]
-    bwd = [r for r in ok if r["variant"].startswith("bwd")]
-    if fwd:
-        out["fwd"] = _parse_fwd(min(fwd, key=lambda r: r["ms"])["variant"], rows[0]["shape"], _norms)
-    if bwd:
-        out["bwd"] = _parse_bwd(min(bwd, key=lambda r: r["ms"])["variant"], _norms)
+    for half in ("fwd", "bwd"):
+        mine = [r for r in ok if r["variant"].startswith(half)]
+        if mine:
+            cfg = NAMED[min(mine, key=lambda r: r["ms"])["variant"]]
+            out[half] = cfg[half]
+            if half == "bwd" and cfg.get("col"):
+                out["col"] = cfg["col"]
     return out
-
-
-def _parse_fwd(name, shape, _norms):
-    _, r, w = name.split()
-    block = 1 << (shape[1] - 1).bit_length()
-    return _norms.FwdConfig(int(r[1:]), block, True, int(w[1:]))
-
-
-def _parse_bwd(name, _norms):
-    _, path, r, b, w, p = name.split()
-    paths = {"regs": _norms.PATH_REGS, "mem": _norms.PATH_MEM, "wide": _norms.PATH_WIDE}
-    reload_w = path.endswith("-rw")
-    path = path.removesuffix("-rw")
-    return _norms.BwdConfig(int(r[1:]), int(b[1:]), paths[path], int(w[1:]), int(p[1:]), reload_w)
 
 
 def _get(rows, name):
