@@ -60,7 +60,13 @@ def bwd_usage(op, cfg):
 
     reload_w = cfg.reload_w or cfg.path == _norms.PATH_MEM
     common = dict(
-        ROWS=cfg.rows, BLOCK=cfg.block, TAIL=cfg.tail, PATH=cfg.path, RELOAD_W=reload_w, SOFT_BF16=False
+        ROWS=cfg.rows,
+        BLOCK=cfg.block,
+        TAIL=cfg.tail,
+        PATH=cfg.path,
+        RELOAD_W=reload_w,
+        NUM_STAGES=cfg.stages,
+        SOFT_BF16=False,
     )
     if op == "rms_norm":
         const = dict(MODE=0, HAS_WEIGHT=True, ACC=cfg.apart == _norms.APART_NONE, **common)
