@@ -3,12 +3,17 @@ the size of the persistent backward grid and the reduction of its weight-gradien
 
 Both norms lay the work out the same way:
 - forward: a tile of `rows` rows per program, in registers; or (rows wider than MAX_FUSED_N,
-  and where the table says so) one row per program in chunks, x read again from L2.
+  and where the table says so) one row per program in chunks, x read again from L2 (with
+  eviction `hints` that keep it there between the passes).
 - backward: a persistent grid (a few programs per SM); each program loops over row tiles
   pid, pid + P, ... and sums its weight (and bias) gradient contributions in fp32, either in
-  registers (PATH_REGS, one partial row written at the end) or, for wide rows where registers
-  would spill, in its own partial row in memory (PATH_MEM: read-modify-write, an L2 hit). A
-  second small kernel sums the P partial rows (deterministic, no atomics).
+  registers (PATH_REGS, one partial row written at the end) or in its own partial row in
+  memory (PATH_MEM: read-modify-write, an L2 hit). A second small kernel sums the P partial
+  rows (deterministic, no atomics). `stages` > 1 software-pipelines the loop over row tiles:
+  the next rows' loads are in flight (through shared memory) while a row is reduced, which is
+  what lets one row per SM reach the copy bandwidth.
+- PATH_WIDE (rows wider than MAX_FUSED_N): tiles of rows in column blocks, two passes (the
+  second from L2), the column loops pipelined.
 - rows that fill at most 3/4 of their power-of-two block (5120, 11008) may be held as two
   register blocks, `block` (a power of two <= N) and `tail` (e.g. 4096 + 1024): fewer padding
   lanes, hence fewer registers per thread and more rows in flight per SM.
@@ -18,7 +23,8 @@ Both norms lay the work out the same way:
   tensor, and saves the per-row accumulators that make the wide backward spill.
 
 The configurations come from a table per op and row width, filled from measurements on an H200
-(scripts/roofline_tune.py, benchmarks/results/2026-11-23-roofline-tune/).
+(scripts/roofline_tune.py; benchmarks/results/2026-11-23-roofline-tune/, -tune2/ and
+2026-11-23-norm-pipelining/).
 """
 
 from __future__ import annotations
