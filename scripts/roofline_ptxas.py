@@ -75,7 +75,10 @@ def bwd_usage(op, cfg):
         acc_dw, acc_db = cfg.apart != _norms.APART_ALL, cfg.apart == _norms.APART_NONE
         const = dict(HAS_WEIGHT=True, ACC_DW=acc_dw, ACC_DB=acc_db, **common)
         kernel = layer_norm._layer_norm_bwd_kernel
-    return usage(kernel, PTRS[op], const, cfg.num_warps)
+    # The launch specializes pointers and N as multiples of 16 at every grid point (all its
+    # widths are): without that the loads are not vectorized and the counts are far too high.
+    aligned = [n for n, t in PTRS[op].items() if t.startswith("*")] + ["N"]
+    return usage(kernel, PTRS[op], const, cfg.num_warps, aligned)
 
 
 def rope_usage(kernel_name, D, R, backward, constexprs, num_warps):
