@@ -560,3 +560,42 @@ def test_more_than_2_31_elements(op, N):
             x_hat = (xc - mean) * torch.rsqrt((xc - mean).pow(2).mean(-1, keepdim=True) + 1e-5)
         dw += (dy[start : start + 8192].float() * x_hat).sum(0)
     assert _rel_err(w.grad, dw.double()) < bound
+
+
+class _OnCuda:
+    """What pipeline_stages reads of a tensor (its device and element size), without a GPU."""
+
+    def __init__(self, element_size):
+        self.device = torch.device("cuda", 0)
+        self._element_size = element_size
+
+    def element_size(self):
+        return self._element_size
+
+
+@pytest.mark.parametrize(
+    ("limit", "bf16_stages", "fp32_stages"),
+    [(232448, 3, 2), (167936, 2, 1), (101376, 1, 1)],  # H100/H200, A100, consumer parts
+    ids=["227KiB", "164KiB", "99KiB"],
+)
+def test_pipeline_stages_fit_the_shared_memory(monkeypatch, limit, bf16_stages, fp32_stages):
+    """The table's stages were tuned on an H200 in bf16: each stage of LayerNorm's 16384-column
+    backward buffers x, dy and the reloaded weight (96 KiB in bf16), so fp32 inputs or a GPU
+    with less shared memory must run fewer stages or the kernel would fail to launch."""
+    monkeypatch.setattr(norms_mod, "_max_shared_bytes", lambda index: limit)
+    norms_mod._fit_stages.cache_clear()
+    cfg = norms_mod.BwdConfig(1, 16384, norms_mod.PATH_REGS, 16, 2, True, stages=3)
+    assert norms_mod.pipeline_stages(cfg, _OnCuda(2), _OnCuda(2)) == bf16_stages
+    assert norms_mod.pipeline_stages(cfg, _OnCuda(4), _OnCuda(4)) == fp32_stages
+    x = torch.zeros(2, 16384)  # the CPU interpreter has no such limit
+    assert norms_mod.pipeline_stages(cfg, x, x[0]) == 3
+    norms_mod._fit_stages.cache_clear()  # answers for the limit patched in
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="shared-memory limits exist only on a GPU")
+@pytest.mark.parametrize("shape", [(64, 16384), (64, 8192), (64, 5120)])
+def test_fp32_rows_launch_with_the_table_stages(shape):
+    """fp32 doubles the pipeline buffers of the bf16-tuned table (LayerNorm at 16384 columns
+    would need 384 KiB of shared memory at 3 stages)."""
+    _check_ln(shape, torch.float32, f"layer_norm fp32 {shape}")
+    _check_rms(shape, torch.float32, f"rms_norm fp32 {shape}")

@@ -285,6 +285,40 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _max_shared_bytes(device_index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+
+
+# Shared memory a kernel needs besides its pipeline buffers (cross-warp reductions): measured
+# 40-90 bytes for the norm backwards (scripts/roofline_ptxas.py); this leaves room to spare.
+SHARED_MARGIN = 4096
+
+
+def pipeline_stages(cfg: BwdConfig, x: torch.Tensor, weight: torch.Tensor | None) -> int:
+    """cfg.stages, lowered until the pipeline buffers fit the device's shared memory.
+
+    Triton keeps stages - 1 copies of a loop iteration's pipelined loads in shared memory: x and
+    dy, and the weight where it is reloaded per tile. The table's stages were chosen on an H200
+    (227 KiB per block) for bf16; fp32 inputs need twice the bytes, and other GPUs have less
+    (A100 163 KiB, consumer parts ~100 KiB), where the table's stages would fail to launch."""
+    if cfg.stages <= 1 or x.device.type != "cuda":
+        return cfg.stages
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    reload_w = weight is not None and (cfg.reload_w or cfg.path != PATH_REGS)
+    return _fit_stages(cfg, x.element_size(), weight.element_size() if reload_w else 0, index)
+
+
+@functools.cache
+def _fit_stages(cfg: BwdConfig, x_bytes: int, w_bytes: int, device_index: int) -> int:
+    per_stage = cfg.rows * (cfg.block + cfg.tail) * (2 * x_bytes + w_bytes)
+    limit = _max_shared_bytes(device_index) - SHARED_MARGIN
+    stages = cfg.stages
+    while stages > 1 and (stages - 1) * per_stage > limit:
+        stages -= 1
+    return stages
+
+
 def persistent_programs(tiles: int, programs_per_sm: int, device: torch.device) -> int:
     """Number of programs of a persistent kernel: enough to fill the GPU, at most one per tile."""
     if device.type == "cuda":

@@ -28,6 +28,7 @@ from lmkernels.backends.triton._norms import (
     num_tiles,
     partial_buffer,
     persistent_programs,
+    pipeline_stages,
     row_limit_reasons,
     sum_partials,
     to_dtype,
@@ -435,7 +436,7 @@ def _layer_norm_bwd(
             TAIL=cfg.tail,
             PATH=cfg.path,
             RELOAD_W=cfg.reload_w or cfg.path == PATH_MEM,
-            NUM_STAGES=cfg.stages,
+            NUM_STAGES=pipeline_stages(cfg, x, weight),
             SOFT_BF16=soft_bf16(x),
             num_warps=cfg.num_warps,
         )

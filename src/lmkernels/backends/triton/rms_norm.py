@@ -29,6 +29,7 @@ from lmkernels.backends.triton._norms import (
     num_tiles,
     partial_buffer,
     persistent_programs,
+    pipeline_stages,
     round_as,
     row_limit_reasons,
     sum_partials,
@@ -387,7 +388,7 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
             TAIL=cfg.tail,
             PATH=cfg.path,
             RELOAD_W=cfg.reload_w or cfg.path == PATH_MEM,
-            NUM_STAGES=cfg.stages,
+            NUM_STAGES=pipeline_stages(cfg, x, weight),
             SOFT_BF16=soft_bf16(x),
             num_warps=cfg.num_warps,
         )
