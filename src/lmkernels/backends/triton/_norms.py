@@ -100,6 +100,16 @@ def load_block(ptr, mask, HINTS: tl.constexpr, AGAIN: tl.constexpr):
 
 
 @triton.jit
+def row_block(rows, row_mask, cols, start, N):
+    """Columns start + cols of a tile of rows (the wide backward's blocks): the block's column
+    indices and mask, the tile's element mask and offsets."""
+    block_cols = start + cols
+    block_mask = block_cols < N
+    mask = row_mask[:, None] & block_mask[None, :]
+    return block_cols, block_mask, mask, rows[:, None] * N + block_cols[None, :]
+
+
+@triton.jit
 def _sum_columns(
     partial_ptr, out_ptr, P, N, SOFT_BF16: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
 ):
@@ -188,7 +198,7 @@ class Tuned:
 # (scripts/roofline_tune.py; benchmarks/results/2026-11-23-roofline-tune/, -tune2/ and
 # 2026-11-23-norm-pipelining/). The backward's loop over row tiles is pipelined (stages 2-3,
 # Triton keeps the next tiles' loads in flight in shared memory) wherever that measured faster:
-# 8-22% of the fwd+bwd time at 2048-8192 columns.
+# 6-22% of the fwd+bwd time at 2048-8192 columns.
 TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 1024): Tuned(2, 4, 4, 8),
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
@@ -285,6 +295,10 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def _max_shared_bytes(device_index: int) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
@@ -304,7 +318,7 @@ def pipeline_stages(cfg: BwdConfig, x: torch.Tensor, weight: torch.Tensor | None
     (A100 163 KiB, consumer parts ~100 KiB), where the table's stages would fail to launch."""
     if cfg.stages <= 1 or x.device.type != "cuda":
         return cfg.stages
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    index = _device_index(x.device)
     reload_w = weight is not None and (cfg.reload_w or cfg.path != PATH_REGS)
     return _fit_stages(cfg, x.element_size(), weight.element_size() if reload_w else 0, index)
 
@@ -322,8 +336,7 @@ def _fit_stages(cfg: BwdConfig, x_bytes: int, w_bytes: int, device_index: int) -
 def persistent_programs(tiles: int, programs_per_sm: int, device: torch.device) -> int:
     """Number of programs of a persistent kernel: enough to fill the GPU, at most one per tile."""
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        programs = _sm_count(index) * programs_per_sm
+        programs = _sm_count(_device_index(device)) * programs_per_sm
     else:
         programs = INTERPRETER_PROGRAMS
     return max(1, min(tiles, programs))
@@ -347,8 +360,7 @@ def column_splits(M: int, N: int, device: torch.device) -> int:
     least BLOCK_M rows. Each range writes one partial row."""
     block_m, block_n, _, per_sm = COL_CONFIG
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        target = _sm_count(index) * per_sm
+        target = _sm_count(_device_index(device)) * per_sm
     else:
         target = INTERPRETER_PROGRAMS
     return max(1, min(cdiv(M, block_m), cdiv(target, cdiv(N, block_n))))

@@ -29,6 +29,7 @@ from lmkernels.backends.triton._norms import (
     partial_buffer,
     persistent_programs,
     pipeline_stages,
+    row_block,
     row_limit_reasons,
     sum_partials,
     to_dtype,
@@ -259,10 +260,7 @@ def _layer_norm_bwd_kernel(
             acc_g = tl.zeros([ROWS, BLOCK], tl.float32)
             acc_gx = tl.zeros([ROWS, BLOCK], tl.float32)
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
-                block_cols = start + cols
-                block_mask = block_cols < N
-                mask = row_mask[:, None] & block_mask[None, :]
-                offs = rows[:, None] * N + block_cols[None, :]
+                block_cols, block_mask, mask, offs = row_block(rows, row_mask, cols, start, N)
                 x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, mean,
                                          rstd, True, HAS_WEIGHT)  # fmt: skip
                 acc_g += g
@@ -270,10 +268,7 @@ def _layer_norm_bwd_kernel(
             mean_g = tl.sum(acc_g, axis=1) / N
             mean_gx = tl.sum(acc_gx, axis=1) / N
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
-                block_cols = start + cols
-                block_mask = block_cols < N
-                mask = row_mask[:, None] & block_mask[None, :]
-                offs = rows[:, None] * N + block_cols[None, :]
+                block_cols, block_mask, mask, offs = row_block(rows, row_mask, cols, start, N)
                 x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, mean,
                                          rstd, True, HAS_WEIGHT)  # fmt: skip
                 _bwd_store(dx_ptr, offs, mask, block_cols, block_mask, x_hat, dy, g, rstd, mean_g, mean_gx,

@@ -31,6 +31,7 @@ from lmkernels.backends.triton._norms import (
     persistent_programs,
     pipeline_stages,
     round_as,
+    row_block,
     row_limit_reasons,
     sum_partials,
     to_dtype,
@@ -259,19 +260,13 @@ def _rms_norm_bwd_kernel(
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             acc = tl.zeros([ROWS, BLOCK], tl.float32)
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
-                block_cols = start + cols
-                block_mask = block_cols < N
-                mask = row_mask[:, None] & block_mask[None, :]
-                offs = rows[:, None] * N + block_cols[None, :]
+                block_cols, block_mask, mask, offs = row_block(rows, row_mask, cols, start, N)
                 x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, offset,
                                      True, MODE, HAS_WEIGHT, dtype, SOFT_BF16)  # fmt: skip
                 acc += g * x
             scale = rstd * rstd * tl.sum(acc, axis=1) / N
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
-                block_cols = start + cols
-                block_mask = block_cols < N
-                mask = row_mask[:, None] & block_mask[None, :]
-                offs = rows[:, None] * N + block_cols[None, :]
+                block_cols, block_mask, mask, offs = row_block(rows, row_mask, cols, start, N)
                 x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, offset,
                                      True, MODE, HAS_WEIGHT, dtype, SOFT_BF16)  # fmt: skip
                 _bwd_store(dx_ptr, offs, mask, block_cols, block_mask, x, dy, g, rstd, scale, acc, partial_row,
