@@ -137,7 +137,9 @@ def _probe_fwd_kernel(
             mask = start + cols < N
             x = _ld(x_ptr + base + start + cols, mask, HINTS, False)
             w = _ld(w_ptr + start + cols, mask, HINTS, True)
-            tl.store(y_ptr + base + start + cols, ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype), mask=mask)
+            tl.store(
+                y_ptr + base + start + cols, ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype), mask=mask
+            )
     tl.store(rstd_ptr + row, rstd)
 
 
@@ -182,7 +184,9 @@ def bwd_variants(N):
     block = triton.next_power_of_2(N)
     half, tail = block // 2, triton.next_power_of_2(N - block // 2)
     two = dict(block=half, tail=tail) if 4 * N <= 3 * block else dict(block=block)
-    ind = dict(block=block, warps=16 if block > 4096 else 8, split=32, const_n=True, hints=True, i32=True, stages=2)
+    ind = dict(
+        block=block, warps=16 if block > 4096 else 8, split=32, const_n=True, hints=True, i32=True, stages=2
+    )
     v = {
         "ours-layout": dict(two, warps=16, pps=2),
         "inductor-layout": ind,
@@ -216,7 +220,9 @@ def fwd_variants(N):
         for warps in (4, 8, 16):
             if chunk // (32 * warps) < 2:
                 continue
-            v[f"chunk {chunk} {warps}w const hints i32"] = dict(chunk=chunk, warps=warps, const_n=True, hints=True, i32=True)
+            v[f"chunk {chunk} {warps}w const hints i32"] = dict(
+                chunk=chunk, warps=warps, const_n=True, hints=True, i32=True
+            )
     v["chunk 4096 8w hints (ours)"] = dict(chunk=4096, warps=8, hints=True)
     v["chunk 2048 8w const"] = dict(chunk=2048, warps=8, const_n=True)
     v["chunk 2048 8w hints"] = dict(chunk=2048, warps=8, hints=True)
@@ -237,7 +243,10 @@ def library_and_compile(M, N, x, w, dy, reps):
     xg = x.detach().requires_grad_()
     wg = w.detach().requires_grad_()
     compiled = torch.compile(rms_norm_reference)
-    for name, fn in (("lib fwd+bwd", lambda a, b: lk.rms_norm(a, b, backend="triton")), ("compile fwd+bwd", compiled)):
+    for name, fn in (
+        ("lib fwd+bwd", lambda a, b: lk.rms_norm(a, b, backend="triton")),
+        ("compile fwd+bwd", compiled),
+    ):
 
         def step(fn=fn):
             fn(xg, wg).backward(dy)
@@ -257,7 +266,9 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     bw = copy_bandwidth_gbps(args.reps)
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, copy_gbps=bw)
+    meta = dict(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, copy_gbps=bw
+    )
     print(json.dumps(meta), flush=True)
     rows = []
     for shape in args.shapes.split(","):
@@ -269,7 +280,7 @@ def main(argv=None):
         floor_fwd = 2 * M * N * 2 / bw / 1e6
         floor_bwd = 3 * M * N * 2 / bw / 1e6
 
-        def record(kind, name, ms, floor):
+        def record(kind, name, ms, floor, shape=shape):
             rows.append(dict(shape=shape, kind=kind, name=name, ms=ms, pct_copy=100 * floor / ms))
             print(f"{shape:>12} {kind:4} {name:36} {ms * 1e3:8.1f} us {100 * floor / ms:5.1f}%", flush=True)
 
@@ -302,8 +313,16 @@ def main(argv=None):
     with open(os.path.join(args.out, "probe.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     md = [f"# Norm probe ({meta['device']}, torch {meta['torch']}, triton {meta['triton']})", ""]
-    md += [f"Copy bandwidth {bw:.0f} GB/s.", "", "| shape | kind | variant | us | % copy |", "|---|---|---|---|---|"]
-    md += [f"| {r['shape']} | {r['kind']} | {r['name']} | {r['ms'] * 1e3:.1f} | {r['pct_copy']:.0f} |" for r in rows]
+    md += [
+        f"Copy bandwidth {bw:.0f} GB/s.",
+        "",
+        "| shape | kind | variant | us | % copy |",
+        "|---|---|---|---|---|",
+    ]
+    md += [
+        f"| {r['shape']} | {r['kind']} | {r['name']} | {r['ms'] * 1e3:.1f} | {r['pct_copy']:.0f} |"
+        for r in rows
+    ]
     with open(os.path.join(args.out, "probe.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     return 0
