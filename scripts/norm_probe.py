@@ -179,6 +179,9 @@ def probe_fwd(x, w, y, rstd, cfg):
     return run
 
 
+ABLATE = False  # --ablate: the second run's variants (run1's fastest, one feature at a time)
+
+
 def bwd_variants(N):
     """Named backward configurations: the table's layout, inductor's, and one feature at a time."""
     block = triton.next_power_of_2(N)
@@ -187,6 +190,24 @@ def bwd_variants(N):
     ind = dict(
         block=block, warps=16 if block > 4096 else 8, split=32, const_n=True, hints=True, i32=True, stages=2
     )
+    if ABLATE:
+        one = dict(ind, stages=1)  # run1's fastest at 11008 columns
+        return {
+            "ind1": one,
+            "ind1 -const_n": dict(one, const_n=False),
+            "ind1 -hints": dict(one, hints=False),
+            "ind1 -i32": dict(one, i32=False),
+            "ind1 persistent 1/SM": dict(one, split=0, pps=1),
+            "ind1 persistent 2/SM": dict(one, split=0, pps=2),
+            "ind1 split 64": dict(one, split=64),
+            "ind1 split 16": dict(one, split=16),
+            "ind1 split 8": dict(one, split=8),
+            "ind1 two blocks": dict(one, **two),
+            "ind1 two blocks 8w": dict(one, **two, warps=8),
+            "ind1 8w": dict(one, warps=8),
+            "ind1 32w": dict(one, warps=32),
+            "ind1 -hints -i32": dict(one, hints=False, i32=False),
+        }
     v = {
         "ours-layout": dict(two, warps=16, pps=2),
         "inductor-layout": ind,
@@ -262,7 +283,10 @@ def main(argv=None):
     ap.add_argument("--shapes", default="65536x11008,65536x5120,65536x8192")
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--budget", type=float, default=400.0)
+    ap.add_argument("--ablate", action="store_true", help="the second run: backward ablations only")
     args = ap.parse_args(argv)
+    global ABLATE
+    ABLATE = args.ablate
     os.makedirs(args.out, exist_ok=True)
     t0 = time.time()
     bw = copy_bandwidth_gbps(args.reps)
@@ -303,7 +327,7 @@ def main(argv=None):
                     print(f"  {name}: dx differs from the first variant's by {err:.3g}", flush=True)
             record("bwd", name, gpu_time_ms(run, args.reps), floor_bwd)
         y, r = torch.empty_like(x), torch.empty_like(rstd)
-        for name, cfg in fwd_variants(N).items():
+        for name, cfg in ({} if ABLATE else fwd_variants(N)).items():
             if time.time() - t0 > args.budget:
                 break
             run = probe_fwd(x, w, y, r, cfg)
