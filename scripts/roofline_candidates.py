@@ -79,15 +79,15 @@ def norm_fwd_candidates(N):
 
 
 def norm_bwd_candidates(N, op="rms_norm", new_only=False):
-    """Backward configurations to time; new_only: those added since the "tiles" run (the loop
-    over row tiles software-pipelined, as inductor's fused norm backward does)."""
+    """Backward configurations to time; new_only: those added since the pipelining run (the
+    kernels compiled for the row width, const_n)."""
     from lmkernels.backends.triton import _norms
 
     block = 1 << (N - 1).bit_length()
     if new_only and N > _norms.MAX_FUSED_N:
         return _wide_bwd_candidates(_norms)
     if new_only:
-        return _pipelined_bwd_candidates(N, op, block, _norms)
+        return _const_n_bwd_candidates(N, op, block, _norms)
     if N > _norms.MAX_FUSED_N:  # only the wide path can hold such rows
         return _wide_tile_bwd_candidates(N, _norms)
     out = _split_bwd_candidates(N, op, block, _norms) + _wide_tile_bwd_candidates(N, _norms)
@@ -110,21 +110,34 @@ def norm_bwd_candidates(N, op="rms_norm", new_only=False):
     return out
 
 
-def _pipelined_bwd_candidates(N, op, block, _norms):
-    """The table's backward with 2 and 3 stages, and one row of the whole power-of-two block per
-    iteration (no tail) with the weight reloaded, at inductor's warps (8 up to 8192 columns,
-    then 16) and 2 or 3 stages, 1-4 programs per SM."""
+def _const_n_bwd_candidates(N, op, block, _norms):
+    """The table's backward compiled for the row width (const_n), and one padded power-of-two
+    block per row (no tail), the weight reloaded, 16 warps, 1-2 programs per SM, const_n: the
+    fastest layout of the probe at 11008 columns (benchmarks/results/2026-11-23-norm-probe)."""
     table = _norms.bwd_config(op, N)
-    out = []
-    if table.single_block:
-        for stages in (2, 3):
-            for pps in sorted({1, table.programs_per_sm}):
-                out.append(dataclasses.replace(table, stages=stages, programs_per_sm=pps))
-    if block >= 2048:
-        warps = 8 if block <= 8192 else 16
-        for stages in (2, 3):
-            for pps in (1, 2, 4):
-                out.append(_norms.BwdConfig(1, block, _norms.PATH_REGS, warps, pps, True, stages=stages))
+    out = [dataclasses.replace(table, const_n=True)]
+    if table.single_block and table.stages > 1:
+        out.append(dataclasses.replace(table, const_n=True, stages=1))
+    if block >= 8192:
+        aparts = [_norms.APART_NONE] + ([_norms.APART_DB, _norms.APART_ALL] if op == "layer_norm" else [])
+        for apart in aparts:
+            for pps in (1, 2):
+                out.append(
+                    _norms.BwdConfig(1, block, _norms.PATH_REGS, 16, pps, True, apart=apart, const_n=True)
+                )
+    return list(dict.fromkeys(out))
+
+
+def const_n_fwd_candidates(N, op):
+    """The table's forward compiled for the row width, and (4096 columns and wider) the row
+    read in chunks with eviction hints, const_n: the probe's fastest forwards."""
+    from lmkernels.backends.triton import _norms
+
+    out = [dataclasses.replace(_norms.fwd_config(op, N), const_n=True)]
+    if N >= 4096 and N <= _norms.MAX_FUSED_N:
+        for chunk, warps in ((2048, 8), (4096, 8), (4096, 16)):
+            if chunk < N:
+                out.append(_norms.FwdConfig(1, chunk, False, warps, hints=True, const_n=True))
     return list(dict.fromkeys(out))
 
 
@@ -204,7 +217,8 @@ def _split_bwd_candidates(N, op, block, _norms):
 
 def fwd_name(f):
     tag = f"fwd r{f.rows} w{f.num_warps}" if f.single_block else f"fwd-wide b{f.block} w{f.num_warps}"
-    return tag + (" hints" if f.hints else "") + (f" s{f.stages}" if f.stages > 1 else "")
+    tag += (" hints" if f.hints else "") + (f" s{f.stages}" if f.stages > 1 else "")
+    return tag + (" const" if f.const_n else "")
 
 
 def bwd_name(b):
@@ -219,7 +233,7 @@ def bwd_name(b):
         tag += " apart-" + ("db" if b.apart == _norms.APART_DB else "all")
     if b.stages > 1:
         tag += f" s{b.stages}"
-    return tag
+    return tag + (" const" if b.const_n else "")
 
 
 # Column-kernel configurations tried with the "apart" candidates: (BLOCK_M, BLOCK_N, warps, per SM).

@@ -42,6 +42,7 @@ from roofline_candidates import (  # noqa: E402
     ROPE_GRID,
     SUM_CANDIDATES,
     bwd_name,
+    const_n_fwd_candidates,
     fwd_name,
     norm_bwd_candidates,
     norm_fwd_candidates,
@@ -142,7 +143,8 @@ def norm_variants(case):
         return name, lambda: set_norm_config(**cfg)
 
     out = [("table", lambda: set_norm_config())]
-    out += [variant(fwd_name(f), fwd=f) for f in dict.fromkeys(norm_fwd_candidates(case.N))]
+    fwds = const_n_fwd_candidates(case.N, case.op) if SHORT["on"] else norm_fwd_candidates(case.N)
+    out += [variant(fwd_name(f), fwd=f) for f in dict.fromkeys(fwds)]
     if not SHORT["on"]:
         out += [variant(bwd_name(b), bwd=b) for b in norm_bwd_candidates(case.N, case.op)]
     for b in norm_bwd_candidates(case.N, case.op, new_only=True):
@@ -205,11 +207,8 @@ def variants(op, case):
         return lean_variants(op, case)
     if op == "rope":
         return rope_variants(case)
-    out = norm_variants(case)
-    if SHORT["on"]:  # the table, and what the last tuning run did not cover (norm_variants)
-        keep = ("bwd", "fwd-wide")
-        out = [v for v in out if v[0] == "table" or v[0].startswith(keep)]
-    return out
+    # --short: the table, and what the last tuning run did not cover (norm_variants).
+    return norm_variants(case)
 
 
 def reset(op):

@@ -290,7 +290,8 @@ def test_layer_norm_wide_rows_default_config():
 # 16 + 5, two column blocks of 64, the second partial). "wide": the row in column blocks of 32
 # (the last one partial), read twice, the partial sums in memory; its forward too, with eviction
 # hints. "stages": the loops software-pipelined (a GPU-only transformation; the interpreter runs
-# the same loops).
+# the same loops). "const-n": both kernels compiled for N = 100 (a constexpr), the padded
+# lanes of the block masked at compile time.
 _PATHS = {
     "regs-rows4": (4, "PATH_REGS", False, 0, "APART_NONE"),
     "regs-reload-w-stages2": (2, "PATH_REGS", True, 0, "APART_NONE", 2),
@@ -302,18 +303,25 @@ _PATHS = {
     "apart-all": (2, "PATH_REGS", False, 0, "APART_ALL"),
     "wide-rows4": (4, "PATH_WIDE", False, 0, "APART_NONE"),
     "wide-apart-all-stages3": (2, "PATH_WIDE", False, 0, "APART_ALL", 3),
+    "regs-reload-w-const-n": (1, "PATH_REGS", True, 0, "APART_NONE", 1, True),
+    "tail-const-n": (1, "PATH_REGS", False, 64, "APART_NONE", 1, True),
+    "wide-apart-all-const-n": (2, "PATH_WIDE", False, 0, "APART_ALL", 3, True),
 }
 
 
 @pytest.fixture(params=list(_PATHS))
 def forced_config(request, monkeypatch):
-    rows, path, reload_w, tail, apart, *stages = _PATHS[request.param]
+    rows, path, reload_w, tail, apart, *extra = _PATHS[request.param]
+    stages = extra[0] if extra else 1
+    const_n = len(extra) > 1 and extra[1]
     wide = path == "PATH_WIDE"
     block = 32 if wide else 64 if tail else 128
     path, apart = getattr(norms_mod, path), getattr(norms_mod, apart)
-    bwd = norms_mod.BwdConfig(rows, block, path, 4, 1, reload_w, tail, apart, *stages)
+    bwd = norms_mod.BwdConfig(rows, block, path, 4, 1, reload_w, tail, apart, stages, const_n)
     fwd = (
-        norms_mod.FwdConfig(1, 32, False, 4, hints=True) if wide else norms_mod.FwdConfig(rows, 128, True, 4)
+        norms_mod.FwdConfig(1, 32, False, 4, hints=True, const_n=const_n)
+        if wide
+        else norms_mod.FwdConfig(rows, 128, True, 4, const_n=const_n)
     )
     monkeypatch.setattr(norms_mod, "COL_CONFIG", (16, 64, 4, 1))
     monkeypatch.setattr(norms_mod, "FORCE_FWD", fwd)

@@ -156,6 +156,7 @@ class FwdConfig:
     num_warps: int
     hints: bool = False  # wide path: eviction hints that keep the row in L2 between passes
     stages: int = 1  # wide path: software pipelining of the loops over column blocks
+    const_n: bool = False  # compile for this row width (N a constexpr): see Tuned.const_n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +170,7 @@ class BwdConfig:
     tail: int = 0  # single-block paths: a second register block of the row, columns block.. +tail
     apart: int = APART_NONE  # the gradient sums left to the column kernel
     stages: int = 1  # software pipelining of the loop over row tiles (wide path: column blocks)
+    const_n: bool = False  # compile for this row width (N a constexpr): see Tuned.const_n
 
     @property
     def single_block(self) -> bool:
@@ -191,6 +193,11 @@ class Tuned:
     tail: bool = False  # the backward holds the row as two register blocks: block / 2 and the rest
     apart: int = APART_NONE
     stages: int = 1  # software pipelining of the backward's loop over row tiles
+    # Both kernels compiled for the row width (N a constexpr; one compile per width). The masks
+    # of a padded block are then known at compile time and the lanes past N fold away, which
+    # is what lets one padded power-of-two block beat two exact ones (11008 columns:
+    # benchmarks/results/2026-11-23-norm-probe).
+    const_n: bool = False
 
 
 # Per op and next_power_of_2(N) =: block, optionally "part" (rows that fill at most 3/4 of their
@@ -264,8 +271,8 @@ def _fwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> FwdConfig
     t = _tuned(op, N, block)
     if t is not None:
         if t.fwd_chunk:
-            return FwdConfig(1, t.fwd_chunk, False, t.fwd_warps, t.hints)
-        return FwdConfig(t.fwd_rows, block, True, t.fwd_warps)
+            return FwdConfig(1, t.fwd_chunk, False, t.fwd_warps, t.hints, const_n=t.const_n)
+        return FwdConfig(t.fwd_rows, block, True, t.fwd_warps, const_n=t.const_n)
     # Narrow rows (below the table): several rows per program, about 16 elements per thread.
     rows = max(1, 1024 // block)
     return FwdConfig(rows, block, True, _default_warps(rows * block, 16, 16))
@@ -283,7 +290,16 @@ def _bwd_config(op: str, N: int, few: bool, max_fused_n: int, wide_block: int) -
             block //= 2
             tail = triton.next_power_of_2(N - block)
         return BwdConfig(
-            t.bwd_rows, block, t.path, t.bwd_warps, t.programs_per_sm, t.reload_w, tail, t.apart, t.stages
+            t.bwd_rows,
+            block,
+            t.path,
+            t.bwd_warps,
+            t.programs_per_sm,
+            t.reload_w,
+            tail,
+            t.apart,
+            t.stages,
+            t.const_n,
         )
     rows = max(1, 1024 // block)
     num_warps = _default_warps(rows * block, 8, 16)
@@ -385,6 +401,11 @@ def sum_partials(partial: torch.Tensor, out: torch.Tensor, partial2=None, out2=N
         BLOCK_N=block_n,
         num_warps=num_warps,
     )
+
+
+def const_n(cfg: FwdConfig | BwdConfig, N: int) -> int:
+    """The kernels' N_CONST: the row width where the configuration compiles for it, else 0."""
+    return N if cfg.const_n else 0
 
 
 def num_rows(x: torch.Tensor) -> int:

@@ -22,6 +22,7 @@ from lmkernels.backends.triton._norms import (
     PATH_WIDE,
     bwd_config,
     column_splits,
+    const_n,
     fwd_config,
     load_block,
     num_rows,
@@ -63,7 +64,10 @@ def _layer_norm_fwd_kernel(
     HINTS: tl.constexpr,
     STAGES: tl.constexpr,
     SOFT_BF16: tl.constexpr,
+    N_CONST: tl.constexpr = 0,
 ):
+    if N_CONST > 0:  # the row width as a compile-time constant (const_n)
+        N = N_CONST
     dtype = y_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     if SINGLE_BLOCK:
@@ -182,6 +186,7 @@ def _layer_norm_bwd_kernel(
     RELOAD_W: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SOFT_BF16: tl.constexpr,
+    N_CONST: tl.constexpr = 0,
 ):
     """dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dy * w, x_hat = (x - mean) * rstd;
     dw = sum dy * x_hat, db = sum dy over rows.
@@ -191,6 +196,8 @@ def _layer_norm_bwd_kernel(
     are left to the column kernel), P <= the number of tiles. On the single-block paths a row
     is columns [0, BLOCK) and, when TAIL > 0, [BLOCK, BLOCK + TAIL): two register blocks.
     """
+    if N_CONST > 0:  # the row width as a compile-time constant (const_n)
+        N = N_CONST
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
@@ -357,6 +364,7 @@ def _layer_norm_fwd(
             HINTS=cfg.hints,
             STAGES=cfg.stages,
             SOFT_BF16=soft_bf16(x),
+            N_CONST=const_n(cfg, N),
             num_warps=cfg.num_warps,
         )
     return y, mean, rstd
@@ -433,6 +441,7 @@ def _layer_norm_bwd(
             RELOAD_W=cfg.reload_w or cfg.path == PATH_MEM,
             NUM_STAGES=pipeline_stages(cfg, x, weight),
             SOFT_BF16=soft_bf16(x),
+            N_CONST=const_n(cfg, N),
             num_warps=cfg.num_warps,
         )
         if dw_partial is not None and db_partial is not None:

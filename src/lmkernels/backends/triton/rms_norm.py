@@ -23,6 +23,7 @@ from lmkernels.backends.triton._norms import (
     PATH_WIDE,
     bwd_config,
     column_splits,
+    const_n,
     fwd_config,
     load_block,
     num_rows,
@@ -100,7 +101,10 @@ def _rms_norm_fwd_kernel(
     HINTS: tl.constexpr,
     STAGES: tl.constexpr,
     SOFT_BF16: tl.constexpr,
+    N_CONST: tl.constexpr = 0,
 ):
+    if N_CONST > 0:  # the row width as a compile-time constant (const_n)
+        N = N_CONST
     dtype = y_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     if SINGLE_BLOCK:
@@ -194,6 +198,7 @@ def _rms_norm_bwd_kernel(
     RELOAD_W: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     SOFT_BF16: tl.constexpr,
+    N_CONST: tl.constexpr = 0,
 ):
     """dx = rstd * (g - x * rstd^2 * mean(g * x)) with g = dy * (w + offset); dw = sum dy * x_hat.
 
@@ -204,6 +209,8 @@ def _rms_norm_bwd_kernel(
     dx_ptr may equal dy_ptr (in-place backward): every element of dy is read before the dx
     element at the same address is written, by the same program.
     """
+    if N_CONST > 0:  # the row width as a compile-time constant (const_n)
+        N = N_CONST
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     dtype = dx_ptr.dtype.element_ty
@@ -342,6 +349,7 @@ def _rms_norm_fwd(
             HINTS=cfg.hints,
             STAGES=cfg.stages,
             SOFT_BF16=soft_bf16(x),
+            N_CONST=const_n(cfg, N),
             num_warps=cfg.num_warps,
         )
     return y, rstd
@@ -385,6 +393,7 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
             RELOAD_W=cfg.reload_w or cfg.path == PATH_MEM,
             NUM_STAGES=pipeline_stages(cfg, x, weight),
             SOFT_BF16=soft_bf16(x),
+            N_CONST=const_n(cfg, N),
             num_warps=cfg.num_warps,
         )
         if partial is not None:
