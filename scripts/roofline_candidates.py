@@ -250,26 +250,17 @@ ROPE_CANDIDATES = [
 SUM_CANDIDATES = [(64, 32, 4), (128, 32, 8), (256, 16, 8), (32, 64, 4), (128, 64, 8), (64, 16, 2)]
 
 
-# The table before the pipelined backward (per op, block and "part"; fwd args of FwdConfig or
-# None where unchanged, bwd args of BwdConfig): --lean times it beside the table, as "previous
-# table", in the same run. P = PATH_REGS.
+# The table before const_n (per op, block and "part"; fwd args of FwdConfig or None where
+# unchanged, bwd args of BwdConfig): --lean times it beside the table, as "previous table", in
+# the same run. P = PATH_REGS.
 P = 0
 PREVIOUS = {
-    ("rms_norm", 2048, False): (None, (1, 2048, P, 8, 4)),
-    ("rms_norm", 4096, False): (None, (1, 4096, P, 16, 2)),
-    ("rms_norm", 8192, True): (None, (1, 8192, P, 16, 1, True)),
-    ("rms_norm", 8192, False): (None, (1, 8192, P, 32, 1, True)),
-    ("rms_norm", 16384, True): ((1, 4096, False, 8), None),
-    ("layer_norm", 2048, False): (None, (1, 2048, P, 8, 4)),
-    ("layer_norm", 4096, False): (None, (1, 4096, P, 16, 2)),
-    ("layer_norm", 8192, True): (None, (1, 8192, P, 16, 2)),
-    ("layer_norm", 8192, False): (None, (1, 8192, P, 16, 2)),
-    ("layer_norm", 16384, True): (None, (1, 8192, P, 16, 1, True, 4096)),
-    ("layer_norm", 16384, False): (None, (1, 16384, P, 16, 2, True, 0, 2)),
-    # Rows wider than MAX_FUSED_N (grid "over"): WIDE = 2, partial rows updated per row.
-    **{
-        (op, block, False): ((1, 4096, False, 8), (1, 4096, 2, 16, 2))
-        for op in ("rms_norm", "layer_norm")
-        for block in (32768, 65536)
-    },
+    ("rms_norm", 4096, False): ((1, 4096, True, 8), (1, 4096, P, 16, 2, False, 0, 0, 3)),
+    ("rms_norm", 8192, True): ((1, 8192, True, 8), (1, 8192, P, 8, 1, True, 0, 0, 3)),
+    ("rms_norm", 8192, False): ((1, 8192, True, 8), (1, 8192, P, 8, 1, True, 0, 0, 3)),
+    ("rms_norm", 16384, True): ((1, 4096, False, 8, True), (1, 8192, P, 16, 2, False, 4096, 0, 1)),
+    ("layer_norm", 8192, True): ((1, 2048, False, 4), (1, 8192, P, 16, 1, False, 0, 0, 3)),
+    ("layer_norm", 8192, False): ((1, 8192, True, 8), (1, 8192, P, 16, 1, False, 0, 0, 3)),
+    ("layer_norm", 16384, True): ((1, 4096, False, 8), (1, 8192, P, 16, 1, True, 4096, 0, 2)),
+    ("layer_norm", 16384, False): ((1, 4096, False, 8), (1, 16384, P, 16, 2, True, 0, 2, 3)),
 }

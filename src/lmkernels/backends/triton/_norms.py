@@ -205,22 +205,30 @@ class Tuned:
 # (scripts/roofline_tune.py; benchmarks/results/2026-11-23-roofline-tune/, -tune2/ and
 # 2026-11-23-norm-pipelining/). The backward's loop over row tiles is pipelined (stages 2-3,
 # Triton keeps the next tiles' loads in flight in shared memory) wherever that measured faster:
-# 6-22% of the fwd+bwd time at 2048-8192 columns.
+# 6-22% of the fwd+bwd time at 2048-8192 columns. const_n where it measured faster
+# (benchmarks/results/2026-11-23-norm-probe/constn): above all at 11008 columns, where one
+# padded 16384 block now beats the two exact register blocks (RMSNorm backward 0.87x).
 TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 1024): Tuned(2, 4, 4, 8),
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
-    ("rms_norm", 4096): Tuned(1, 8, 16, 2, stages=3),
-    ("rms_norm", 8192): Tuned(1, 8, 8, 1, reload_w=True, stages=3),
-    ("rms_norm", 8192, "part"): Tuned(1, 8, 8, 1, reload_w=True, stages=3),
+    ("rms_norm", 4096): Tuned(1, 8, 16, 2, stages=3, const_n=True),
+    ("rms_norm", 8192): Tuned(1, 16, 8, 1, fwd_chunk=4096, hints=True, reload_w=True, stages=3, const_n=True),
+    ("rms_norm", 8192, "part"): Tuned(
+        1, 8, 8, 1, fwd_chunk=4096, hints=True, reload_w=True, stages=3, const_n=True
+    ),
     ("rms_norm", 16384): Tuned(1, 32, 16, 1, reload_w=True),
-    ("rms_norm", 16384, "part"): Tuned(1, 8, 16, 2, fwd_chunk=4096, hints=True, tail=True),
+    ("rms_norm", 16384, "part"): Tuned(1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True),
     ("layer_norm", 1024): Tuned(2, 4, 4, 8),
     ("layer_norm", 2048): Tuned(1, 4, 8, 4, stages=3),
     ("layer_norm", 4096): Tuned(1, 8, 8, 2, reload_w=True, stages=3),
-    ("layer_norm", 8192): Tuned(1, 8, 16, 1, stages=3),
-    ("layer_norm", 8192, "part"): Tuned(1, 4, 16, 1, fwd_chunk=2048, stages=3),
-    ("layer_norm", 16384, "part"): Tuned(1, 8, 16, 1, fwd_chunk=4096, reload_w=True, tail=True, stages=2),
-    ("layer_norm", 16384): Tuned(1, 8, 16, 2, fwd_chunk=4096, reload_w=True, apart=APART_ALL, stages=3),
+    ("layer_norm", 8192): Tuned(1, 8, 16, 1, stages=3, const_n=True),
+    ("layer_norm", 8192, "part"): Tuned(1, 8, 16, 1, fwd_chunk=2048, hints=True, stages=3, const_n=True),
+    ("layer_norm", 16384, "part"): Tuned(
+        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, apart=APART_DB, const_n=True
+    ),
+    ("layer_norm", 16384): Tuned(
+        1, 16, 16, 2, fwd_chunk=4096, hints=True, reload_w=True, apart=APART_ALL, stages=3, const_n=True
+    ),
 }
 
 # Below M_FEW rows, per (op, block, part): the table entry (its backward half) where the one
