@@ -5,7 +5,7 @@ A probe, not library code: a minimal RMSNorm backward ("llama" casting, with a w
 chunked forward, written with every feature in which inductor's generated kernels differ from
 ours as a switch, timed beside the library's table kernels and torch.compile in one run:
 
-- CONST_N: the row width a compile-time constant (inductor compiles static shapes);
+- const_n (N_CONST): the row width a compile-time constant (inductor compiles static shapes);
 - SPLIT: a grid of cdiv(M, RSPLIT) programs over RSPLIT consecutive rows each (inductor's
   mix-order reduction), instead of the persistent grid over strided rows;
 - HINTS: x and dy loaded with evict_first, the weight with evict_last (inductor's policy);
@@ -32,39 +32,27 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline_tune import copy_bandwidth_gbps, gpu_time_ms  # noqa: E402
 
-
-@triton.jit
-def _ld(ptr, mask, HINTS: tl.constexpr, LAST: tl.constexpr):
-    """HINTS: evict_last where LAST (data read again), else evict_first."""
-    if HINTS and LAST:
-        v = tl.load(ptr, mask=mask, other=0.0, eviction_policy="evict_last")
-    elif HINTS:
-        v = tl.load(ptr, mask=mask, other=0.0, eviction_policy="evict_first")
-    else:
-        v = tl.load(ptr, mask=mask, other=0.0)
-    return v.to(tl.float32)
+from lmkernels.backends.triton._norms import load_block  # noqa: E402
 
 
 @triton.jit
 def _block_bwd(x_ptr, dy_ptr, w_ptr, base, cols, N, HINTS: tl.constexpr):
     mask = cols < N
-    x = _ld(x_ptr + base + cols, mask, HINTS, False)
-    dy = _ld(dy_ptr + base + cols, mask, HINTS, False)
-    w = _ld(w_ptr + cols, mask, HINTS, True)
+    x = load_block(x_ptr + base + cols, mask, HINTS, False)
+    dy = load_block(dy_ptr + base + cols, mask, HINTS, False)
+    w = load_block(w_ptr + cols, mask, HINTS, True)
     return x, dy, dy * w, mask
 
 
 @triton.jit
 def _probe_bwd_kernel(
-    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, partial_ptr, M, N_RT,
-    N_C: tl.constexpr, CONST_N: tl.constexpr, SPLIT: tl.constexpr, RSPLIT: tl.constexpr,
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, partial_ptr, M, N,
+    N_CONST: tl.constexpr, SPLIT: tl.constexpr, RSPLIT: tl.constexpr,
     BLOCK: tl.constexpr, TAIL: tl.constexpr, HINTS: tl.constexpr, I32: tl.constexpr,
     STAGES: tl.constexpr,
 ):  # fmt: skip
-    if CONST_N:
-        N = N_C
-    else:
-        N = N_RT
+    if N_CONST > 0:  # the library's convention (rms_norm.py)
+        N = N_CONST
     pid = tl.program_id(0)
     dtype = dx_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
@@ -105,14 +93,12 @@ def _probe_bwd_kernel(
 
 @triton.jit
 def _probe_fwd_kernel(
-    x_ptr, w_ptr, y_ptr, rstd_ptr, N_RT, eps,
-    N_C: tl.constexpr, CONST_N: tl.constexpr, CHUNK: tl.constexpr, HINTS: tl.constexpr,
+    x_ptr, w_ptr, y_ptr, rstd_ptr, N, eps,
+    N_CONST: tl.constexpr, CHUNK: tl.constexpr, HINTS: tl.constexpr,
     I32: tl.constexpr, SINGLE: tl.constexpr,
 ):  # fmt: skip
-    if CONST_N:
-        N = N_C
-    else:
-        N = N_RT
+    if N_CONST > 0:  # the library's convention (rms_norm.py)
+        N = N_CONST
     row = tl.program_id(0)
     if I32:
         base = row * N
@@ -122,21 +108,21 @@ def _probe_fwd_kernel(
     cols = tl.arange(0, CHUNK)
     if SINGLE:
         mask = cols < N
-        x = _ld(x_ptr + base + cols, mask, HINTS, False)
+        x = load_block(x_ptr + base + cols, mask, HINTS, False)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-        w = _ld(w_ptr + cols, mask, HINTS, True)
+        w = load_block(w_ptr + cols, mask, HINTS, True)
         tl.store(y_ptr + base + cols, ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype), mask=mask)
     else:
         acc = tl.zeros([CHUNK], tl.float32)
         for start in range(0, N, CHUNK):
             mask = start + cols < N
-            x = _ld(x_ptr + base + start + cols, mask, HINTS, True)
+            x = load_block(x_ptr + base + start + cols, mask, HINTS, True)
             acc += x * x
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
         for start in range(0, N, CHUNK):
             mask = start + cols < N
-            x = _ld(x_ptr + base + start + cols, mask, HINTS, False)
-            w = _ld(w_ptr + start + cols, mask, HINTS, True)
+            x = load_block(x_ptr + base + start + cols, mask, HINTS, False)
+            w = load_block(w_ptr + start + cols, mask, HINTS, True)
             tl.store(
                 y_ptr + base + start + cols, ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype), mask=mask
             )
@@ -156,7 +142,7 @@ def probe_bwd(dy, x, w, rstd, dx, cfg):
 
     def run():
         _probe_bwd_kernel[(grid,)](
-            dy, x, w, rstd, dx, partial, M, N, N_C=N, CONST_N=cfg.get("const_n", False),
+            dy, x, w, rstd, dx, partial, M, N, N_CONST=N if cfg.get("const_n") else 0,
             SPLIT=bool(split), RSPLIT=max(split, 1), BLOCK=block, TAIL=tail,
             HINTS=cfg.get("hints", False), I32=cfg.get("i32", False), STAGES=cfg.get("stages", 1),
             num_warps=cfg["warps"],
@@ -171,7 +157,7 @@ def probe_fwd(x, w, y, rstd, cfg):
 
     def run():
         _probe_fwd_kernel[(M,)](
-            x, w, y, rstd, N, 1e-6, N_C=N, CONST_N=cfg.get("const_n", False), CHUNK=chunk,
+            x, w, y, rstd, N, 1e-6, N_CONST=N if cfg.get("const_n") else 0, CHUNK=chunk,
             HINTS=cfg.get("hints", False), I32=cfg.get("i32", False), SINGLE=chunk >= N,
             num_warps=cfg["warps"],
         )  # fmt: skip
