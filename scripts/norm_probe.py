@@ -193,6 +193,10 @@ def bwd_variants(N):
             "ind1 8w": dict(one, warps=8),
             "ind1 32w": dict(one, warps=32),
             "ind1 -hints -i32": dict(one, hints=False, i32=False),
+            # The library's table at 16384 columns is the last one without hints and int32.
+            "ind1 p1 -hints": dict(one, split=0, pps=1, hints=False),
+            "ind1 p1 -i32": dict(one, split=0, pps=1, i32=False),
+            "ind1 p1 -hints -i32": dict(one, split=0, pps=1, hints=False, i32=False),
         }
     v = {
         "ours-layout": dict(two, warps=16, pps=2),
