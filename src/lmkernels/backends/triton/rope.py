@@ -17,6 +17,8 @@ full-width tables (c_a, c_b, s_a, s_b) at the pair's two dims, as in the referen
     backward: o_a = x_a c_a + x_b s_b        o_b = x_b c_b - x_a s_a   (the transpose)
 
 so the backward is the forward with (s_a, s_b) -> (-s_b, -s_a): the same kernel, one flag.
+The head and rotary dims are compile-time constants (one compile per head layout, as the
+blocks already are): the masks of the dims are then known when the kernel is compiled.
 Dims R..D are copied. q and k are read through their strides (e.g. the transpose of a
 (B, T, H, D) projection is not copied); outputs are fresh tensors in the layout of the
 inputs (see _rope_rotate).
@@ -80,9 +82,9 @@ def _rotate_rows(
     cos_b,
     sin_a,
     sin_b,
-    half,
-    rot_dim,
-    head_dim,
+    half: tl.constexpr,
+    rot_dim: tl.constexpr,
+    head_dim: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_REST: tl.constexpr,
@@ -137,8 +139,8 @@ def _rope_kernel(
     T,
     n_q_heads,
     n_k_heads,
-    head_dim,
-    half,
+    head_dim: tl.constexpr,
+    half: tl.constexpr,
     stride_oqb,
     stride_oqh,
     stride_oqt,
@@ -219,7 +221,7 @@ def _rope_kernel(
 
 
 @triton.jit
-def _load_tables(cos_rows, sin_rows, row_mask, half, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
+def _load_tables(cos_rows, sin_rows, row_mask, half: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
                  INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr):  # fmt: skip
     """(c_a, c_b, s_a, s_b) in fp32, (BLOCK_R, BLOCK_HALF), for BLOCK_R table row pointers."""
     if INTERLEAVED:
@@ -254,8 +256,8 @@ def _rope_tile_kernel(
     n_t_blocks,
     n_q_heads,
     n_k_heads,
-    head_dim,
-    half,
+    head_dim: tl.constexpr,
+    half: tl.constexpr,
     stride_oqb,
     stride_oqh,
     stride_oqt,
