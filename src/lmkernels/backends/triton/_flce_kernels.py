@@ -22,6 +22,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.graph import increment_version
 
 from lmkernels.backends.triton._common import cdiv
 from lmkernels.utils import empty
@@ -44,6 +45,7 @@ MAX_SUPER_CHUNKS = 8
 MIN_FAST_CHUNK_TOKENS = 1024  # see fast_weight_dtype_chunk
 BLOCK_OVERRIDE: tuple[int, int] | None = None  # (super-chunk tokens, vocab block): tests, tuning
 FP16_DLOGITS_SCALE = 2.0**8  # fp16 dlogits are scaled up by this (flce.py's docstring)
+SCALE_BLOCK = 8192  # elements per program of scale_
 
 
 # --- kernels -------------------------------------------------------------------------------------
@@ -202,6 +204,29 @@ def _flce_rows_kernel(
             if HAS_SOFTCAP:
                 d = d * (1.0 - th * th)
             tl.store(d_row + local, _to_output_dtype(d, dlogits_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32) * tl.load(scale_ptr).to(tl.float32)
+    tl.store(x_ptr + offs, _to_output_dtype(x, x_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x *= scale in place, with x contiguous and scale a 0-dim tensor on x's device (no host
+    sync): the product taken in fp32 and rounded to x's dtype once.
+
+    torch's x.mul_(scale) on CUDA treats the 0-dim device tensor as a stride-0 operand, rounds
+    it to x's dtype (bf16: up to 2^-9 relative) and runs its non-vectorized elementwise kernel:
+    0.98 ms for a 128256 x 2048 bf16 grad_W on the H200, against 0.26 ms here (one read and
+    one write of its bytes take 0.22 ms at 4.8 TB/s)."""
+    n = x.numel()
+    if n:
+        _scale_kernel[(cdiv(n, SCALE_BLOCK),)](x, scale, n, BLOCK=SCALE_BLOCK, num_warps=8)
+    increment_version(x)  # as an in-place torch op would: autograd's saved-tensor check sees it
+    return x
 
 
 # --- sizes ---------------------------------------------------------------------------------------
@@ -438,7 +463,7 @@ def _finish(grad_h, grad_w, grad_b, unscale, weight_dtype):
     if unscale is not None:
         for x in (grad_h, grad_w, grad_b):
             if x is not None:
-                x.mul_(unscale)
+                scale_(x, unscale)
     if grad_w is not None and grad_w.dtype != weight_dtype:
         grad_w = grad_w.to(weight_dtype)  # the fp32 accumulator is freed on return
     return grad_h, grad_w, grad_b

@@ -273,10 +273,13 @@ def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb):
         # missing. Eagerly they are scaled in place: the buffers are ours (the impl drops the
         # forward's outputs) and the unpacked saved tensors are their only references, so
         # AccumulateGrad adopts them as .grad without a copy. A traced graph (torch.compile,
-        # opcheck: fake or functional tensors) must not mutate the op's outputs: out of place.
+        # opcheck: fake or functional tensors) must not mutate the op's outputs: out of place,
+        # with scale_'s rounding (the product in fp32, rounded once; inductor fuses the casts).
         gh, gw, gb = ctx.saved_tensors
-        in_place = not traced((gh, gw, gb, grad_loss))
-        grads = [g.mul_(grad_loss) if in_place else g * grad_loss for g in (gh, gw, gb)]
+        if traced((gh, gw, gb, grad_loss)):
+            grads = [(g.float() * grad_loss).to(g.dtype) for g in (gh, gw, gb)]
+        else:
+            grads = [kernels.scale_(g, grad_loss) for g in (gh, gw, gb)]
     else:
         hidden, weight, target, bias, class_weight, lse = ctx.saved_tensors
         ignore_index, reduction, label_smoothing, softcap, z_loss_scale, accum_fp32, lean = ctx.options
