@@ -46,8 +46,6 @@ MIN_FAST_CHUNK_TOKENS = 1024  # see fast_weight_dtype_chunk
 BLOCK_OVERRIDE: tuple[int, int] | None = None  # (super-chunk tokens, vocab block): tests, tuning
 FP16_DLOGITS_SCALE = 2.0**8  # fp16 dlogits are scaled up by this (flce.py's docstring)
 SCALE_BLOCK = 8192  # elements per program of scale_
-# _flce_rows_kernel's (programs, BLOCK_V, warps), for tuning; None: a program per row, below.
-ROWS_CONFIG: tuple[int, int, int] | None = None
 
 
 # --- kernels -------------------------------------------------------------------------------------
@@ -89,7 +87,6 @@ def _flce_rows_kernel(
     grad_ptr,  # upstream gradient per token; grad_stride 0 broadcasts one scalar
     lse_ptr,  # written (LSE_GIVEN False) or read (True)
     loss_ptr,  # per-token loss, written when LSE_GIVEN is False
-    n_rows,
     V,
     col_start,  # the window's first column in the full vocabulary
     n_cols,  # the window's width (V for a full row; pass 1 needs full rows)
@@ -109,106 +106,104 @@ def _flce_rows_kernel(
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    # A grid of fewer programs than rows (ROWS_CONFIG) loops over rows: fewer rows in flight.
-    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        row = r.to(tl.int64)
-        z_row = logits_ptr + row * stride_logits
-        cols = tl.arange(0, BLOCK_V)
+    row = tl.program_id(0).to(tl.int64)
+    z_row = logits_ptr + row * stride_logits
+    cols = tl.arange(0, BLOCK_V)
 
-        t = tl.load(target_ptr + row).to(tl.int64)
-        valid = t != ignore_index
-        t_ok = valid & (t >= 0) & (t < V)
-        bad_target = valid & ((t < 0) | (t >= V))
-        # Weight of the target class: 0 on ignored tokens, nan on an out-of-range target (never
-        # read), which makes that token's loss and gradients nan.
-        if HAS_CLASS_WEIGHT:
-            w_t = tl.load(class_weight_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
-            w_sum = tl.load(class_weight_sum_ptr)
-        else:
-            w_t = tl.where(t_ok, 1.0, 0.0)
-            w_sum = V * 1.0
-        w_t = tl.where(bad_target, float("nan"), w_t)
-        smooth_v = label_smoothing / V
+    t = tl.load(target_ptr + row).to(tl.int64)
+    valid = t != ignore_index
+    t_ok = valid & (t >= 0) & (t < V)
+    bad_target = valid & ((t < 0) | (t >= V))
+    # Weight of the target class: 0 on ignored tokens, nan on an out-of-range target (never
+    # read), which makes that token's loss and gradients nan.
+    if HAS_CLASS_WEIGHT:
+        w_t = tl.load(class_weight_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
+        w_sum = tl.load(class_weight_sum_ptr)
+    else:
+        w_t = tl.where(t_ok, 1.0, 0.0)
+        w_sum = V * 1.0
+    w_t = tl.where(bad_target, float("nan"), w_t)
+    smooth_v = label_smoothing / V
 
-        if LSE_GIVEN:
-            lse = tl.load(lse_ptr + row)
-        else:
-            # Pass 1: online max and sum of exp over blocks of the row.
-            m = tl.full((), float("-inf"), tl.float32)
-            s = tl.zeros((), tl.float32)
-            zw = tl.zeros((), tl.float32)  # sum_c w_c z_c for label smoothing
-            for start in range(0, n_cols, BLOCK_V):
-                c = start + cols  # col_start is 0 here
-                mask = c < n_cols
-                z = tl.load(z_row + c, mask=mask, other=0.0)
-                if HAS_BIAS:
-                    z += tl.load(bias_ptr + c, mask=mask, other=0.0).to(tl.float32)
-                if HAS_SOFTCAP:
-                    z = softcap * _tanh(z / softcap)
-                if HAS_SMOOTHING:
-                    if HAS_CLASS_WEIGHT:
-                        w_c = tl.load(class_weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
-                        zw += tl.sum(tl.where(mask, w_c * z, 0.0), 0)
-                    else:
-                        zw += tl.sum(tl.where(mask, z, 0.0), 0)
-                z = tl.where(mask, z, float("-inf"))
-                m_new = tl.maximum(m, tl.max(z, 0))
-                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
-                m = m_new
-            lse = m + tl.log(s)
-
-            z_t = tl.load(z_row + t, mask=t_ok, other=0.0)
+    if LSE_GIVEN:
+        lse = tl.load(lse_ptr + row)
+    else:
+        # Pass 1: online max and sum of exp over blocks of the row.
+        m = tl.full((), float("-inf"), tl.float32)
+        s = tl.zeros((), tl.float32)
+        zw = tl.zeros((), tl.float32)  # sum_c w_c z_c for label smoothing
+        for start in range(0, n_cols, BLOCK_V):
+            c = start + cols  # col_start is 0 here
+            mask = c < n_cols
+            z = tl.load(z_row + c, mask=mask, other=0.0)
             if HAS_BIAS:
-                z_t += tl.load(bias_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
+                z += tl.load(bias_ptr + c, mask=mask, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
-                z_t = softcap * _tanh(z_t / softcap)
-            loss = (1.0 - label_smoothing) * w_t * (lse - z_t)
+                z = softcap * _tanh(z / softcap)
             if HAS_SMOOTHING:
-                loss += smooth_v * (w_sum * lse - zw)
-            if HAS_Z_LOSS:
-                loss += z_loss_scale * lse * lse
-            tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
-            tl.store(lse_ptr + row, lse)
+                if HAS_CLASS_WEIGHT:
+                    w_c = tl.load(class_weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
+                    zw += tl.sum(tl.where(mask, w_c * z, 0.0), 0)
+                else:
+                    zw += tl.sum(tl.where(mask, z, 0.0), 0)
+            z = tl.where(mask, z, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, 0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+            m = m_new
+        lse = m + tl.log(s)
 
-        if WRITE_GRAD:
-            # Pass 2: d loss / d z_c = g * (p_c * coef - (1-e) w_t [c == t] - (e/V) w_c), with
-            # coef = (1-e) w_t + (e/V) sum(w) + 2 s lse, times 1 - tanh^2 through the softcap.
-            g = tl.load(grad_ptr + row * grad_stride).to(tl.float32)
-            g = tl.where(valid, g, 0.0)
-            coef = (1.0 - label_smoothing) * w_t
+        z_t = tl.load(z_row + t, mask=t_ok, other=0.0)
+        if HAS_BIAS:
+            z_t += tl.load(bias_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            z_t = softcap * _tanh(z_t / softcap)
+        loss = (1.0 - label_smoothing) * w_t * (lse - z_t)
+        if HAS_SMOOTHING:
+            loss += smooth_v * (w_sum * lse - zw)
+        if HAS_Z_LOSS:
+            loss += z_loss_scale * lse * lse
+        tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+        tl.store(lse_ptr + row, lse)
+
+    if WRITE_GRAD:
+        # Pass 2: d loss / d z_c = g * (p_c * coef - (1-e) w_t [c == t] - (e/V) w_c), with
+        # coef = (1-e) w_t + (e/V) sum(w) + 2 s lse, times 1 - tanh^2 through the softcap.
+        g = tl.load(grad_ptr + row * grad_stride).to(tl.float32)
+        g = tl.where(valid, g, 0.0)
+        coef = (1.0 - label_smoothing) * w_t
+        if HAS_SMOOTHING:
+            coef += smooth_v * w_sum
+        if HAS_Z_LOSS:
+            coef += 2.0 * z_loss_scale * lse
+        a = coef * g
+        b = (1.0 - label_smoothing) * w_t * g
+        d_row = dlogits_ptr + row * stride_dlogits
+        for start in range(0, n_cols, BLOCK_V):
+            local = start + cols
+            mask = local < n_cols
+            c = col_start + local  # column in the full vocabulary
+            z = tl.load(z_row + local, mask=mask, other=0.0)
+            # dlogits overwrite the logits in place. With a 2-byte dtype, column c lands on the
+            # bytes of fp32 column c // 2, which another warp loads: wait until every warp has
+            # loaded this block (and so all earlier ones) before any store. Pass 1's
+            # reductions already synchronize the warps before pass 2 starts.
+            tl.debug_barrier()
+            if HAS_BIAS:
+                z += tl.load(bias_ptr + c, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                th = _tanh(z / softcap)
+                z = softcap * th
+            d = tl.exp(z - lse) * a
+            d = tl.where(c == t, d - b, d)
             if HAS_SMOOTHING:
-                coef += smooth_v * w_sum
-            if HAS_Z_LOSS:
-                coef += 2.0 * z_loss_scale * lse
-            a = coef * g
-            b = (1.0 - label_smoothing) * w_t * g
-            d_row = dlogits_ptr + row * stride_dlogits
-            for start in range(0, n_cols, BLOCK_V):
-                local = start + cols
-                mask = local < n_cols
-                c = col_start + local  # column in the full vocabulary
-                z = tl.load(z_row + local, mask=mask, other=0.0)
-                # dlogits overwrite the logits in place. With a 2-byte dtype, column c lands on the
-                # bytes of fp32 column c // 2, which another warp loads: wait until every warp has
-                # loaded this block (and so all earlier ones) before any store. Pass 1's
-                # reductions already synchronize the warps before pass 2 starts.
-                tl.debug_barrier()
-                if HAS_BIAS:
-                    z += tl.load(bias_ptr + c, mask=mask, other=0.0).to(tl.float32)
-                if HAS_SOFTCAP:
-                    th = _tanh(z / softcap)
-                    z = softcap * th
-                d = tl.exp(z - lse) * a
-                d = tl.where(c == t, d - b, d)
-                if HAS_SMOOTHING:
-                    if HAS_CLASS_WEIGHT:
-                        w_c = tl.load(class_weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
-                        d -= (smooth_v * g) * w_c
-                    else:
-                        d -= smooth_v * g
-                if HAS_SOFTCAP:
-                    d = d * (1.0 - th * th)
-                tl.store(d_row + local, _to_output_dtype(d, dlogits_ptr.dtype.element_ty), mask=mask)
+                if HAS_CLASS_WEIGHT:
+                    w_c = tl.load(class_weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
+                    d -= (smooth_v * g) * w_c
+                else:
+                    d -= smooth_v * g
+            if HAS_SOFTCAP:
+                d = d * (1.0 - th * th)
+            tl.store(d_row + local, _to_output_dtype(d, dlogits_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -418,10 +413,7 @@ class Rows:
         dummy = lse  # stands in for absent optional pointers (never read: constexpr flags)
         g = grad if grad is None or grad.dim() == 0 else grad[rows]
         block_v = min(4096, triton.next_power_of_2(n_cols))
-        programs, warps = n_rows, 8 if block_v >= 2048 else 4
-        if ROWS_CONFIG is not None:
-            programs, block_v, warps = min(n_rows, ROWS_CONFIG[0]), ROWS_CONFIG[1], ROWS_CONFIG[2]
-        _flce_rows_kernel[(max(programs, 1),)](
+        _flce_rows_kernel[(n_rows,)](
             logits,
             dlogits if dlogits is not None else logits,
             self.target[rows],
@@ -431,7 +423,6 @@ class Rows:
             g if g is not None else dummy,
             lse[rows],
             loss[rows] if loss is not None else dummy,
-            n_rows,
             self.V,
             col_start,
             n_cols,
@@ -450,7 +441,7 @@ class Rows:
             LSE_GIVEN=lse_given,
             WRITE_GRAD=grad is not None,
             BLOCK_V=block_v,
-            num_warps=warps,
+            num_warps=8 if block_v >= 2048 else 4,
         )
 
 
