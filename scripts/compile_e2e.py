@@ -12,6 +12,8 @@ checkpointing, no KV cache, random tokens, seq 1024), at batch 8 and 32, per con
   lmk-nomask+compile     apply without "causal_mask": the mask transformers builds when compiled
   lmk-fuse+compile       backend "eager,flce=triton": RMSNorm, RoPE and the GLU as torch code that
                          inductor fuses with its neighbours; FLCE stays the Triton op
+  lmk-glu+compile        backend "swiglu=eager": only the GLU left to inductor, which can
+                         fuse checkpointing's recompute of it into its backward
 
 Each configuration runs in its own process (patches are process-wide; peaks must not leak);
 the timing is e2e_setup.time_steps. Writes OUT/results.json (rows, device, versions, command)
@@ -33,7 +35,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import e2e_setup as setup  # noqa: E402
 
-CONFIGS = ("plain+compile", "lmk+compile", "lmk", "plain", "lmk-fuse+compile", "lmk-nomask+compile")
+CONFIGS = (
+    "plain+compile",
+    "lmk+compile",
+    "lmk",
+    "plain",
+    "lmk-fuse+compile",
+    "lmk-nomask+compile",
+    "lmk-glu+compile",
+)
+BACKENDS = {"lmk-fuse": "eager,flce=triton", "lmk-glu": "swiglu=eager"}
 OPS = ("rms_norm", "rope", "mlp", "flce", "causal_mask")
 
 
@@ -47,7 +58,7 @@ def patch(model, config: str):
         from lmkernels.integrations.transformers import apply
 
         ops = tuple(o for o in OPS if not (base == "lmk-nomask" and o == "causal_mask"))
-        apply(model, backend="eager,flce=triton" if base == "lmk-fuse" else None, ops=ops)
+        apply(model, backend=BACKENDS.get(base), ops=ops)
     if compiled:
         model.compile()
     return compiled
@@ -112,6 +123,8 @@ def summary(rows: list[dict], batches: list[int], meta: dict) -> str:
         ("lmk+compile", "lmk"),
         ("lmk-fuse+compile", "plain+compile"),
         ("lmk-fuse+compile", "lmk"),
+        ("lmk-glu+compile", "plain+compile"),
+        ("lmk-glu+compile", "lmk+compile"),
         ("lmk+compile", "lmk-nomask+compile"),
     ]
     lines += [
