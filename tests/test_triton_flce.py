@@ -329,7 +329,7 @@ def test_scaled_in_place_without_copy(monkeypatch, accum):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_scale_matches_torch_mul(monkeypatch, dtype):
+def test_scale_rounds_the_fp32_product_once(monkeypatch, dtype):
     """scale_ (the backward's in-place scaling by the upstream scalar) rounds x * scale, taken in
     fp32, once, over several programs and a partial last block, and bumps the version counter
     as an in-place torch op does. (torch's own mul_ on CUDA rounds a 0-dim fp32 scale to x's
