@@ -219,7 +219,7 @@ def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     sync): the product taken in fp32 and rounded to x's dtype once.
 
     torch's x.mul_(scale) on CUDA treats the 0-dim device tensor as a stride-0 operand, rounds
-    it to x's dtype (bf16: up to 2^-9 relative) and runs its non-vectorized elementwise kernel:
+    it to x's dtype (bf16: up to 2^-8 relative) and runs its non-vectorized elementwise kernel:
     0.98 ms for a 128256 x 2048 bf16 grad_W on the H200, against 0.26 ms here (one read and
     one write of its bytes take 0.22 ms at 4.8 TB/s)."""
     n = x.numel()

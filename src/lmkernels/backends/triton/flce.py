@@ -2,7 +2,7 @@
 
 The (tokens x V) logits are never materialized. cuBLAS computes logits in pieces with fp32
 output (bf16/fp16 inputs, fp32 accumulation: rounding logits to bf16 before the softmax would
-shift every probability by up to |z| * 2^-9, far outside the correctness policy), and one
+shift every probability by up to |z| * 2^-8, far outside the correctness policy), and one
 Triton kernel turns each row of a piece into logsumexp, loss and d loss / d logits (written in
 the input dtype over the logits). Two impls trade memory for time:
 
