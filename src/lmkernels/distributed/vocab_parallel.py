@@ -227,12 +227,6 @@ def _use_triton(weight, bias) -> bool:
     return triton_unavailable_reason() is None
 
 
-def _triton_scale(t, scale):
-    from lmkernels.backends.triton._flce_kernels import scale_
-
-    return scale_(t, scale)
-
-
 class _TritonRows:
     """The one-device FLCE's Triton row kernel (backends/triton/_flce_kernels.py) on this
     shard's chunks, set up once per call."""
@@ -326,7 +320,9 @@ class _VocabParallelCE(torch.autograd.Function):
                 del dz
             del z
         loss = torch.where(tg.valid, loss, 0.0)
-        ctx.fast, ctx.triton = fast, triton_rows is not None
+        ctx.fast = fast
+        # The FLCE's scale_ where its kernels run: torch's mul_ by a 0-dim CUDA tensor is ~4x slower.
+        ctx.scale_ = triton_rows.kernels.scale_ if triton_rows is not None else torch.Tensor.mul_
         if fast:
             ctx.save_for_backward(*sums.finish(hidden, weight, bias, group))
         else:
@@ -342,9 +338,7 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx, grad_out):
         if ctx.fast:
             # The gradients of the reduced loss, computed in the forward; the buffers are ours.
-            # The FLCE's scale_ on CUDA: torch's mul_ by a 0-dim device tensor is ~4x slower.
-            scale_ = _triton_scale if ctx.triton else torch.Tensor.mul_
-            grads = [None if t is None else scale_(t, grad_out) for t in ctx.saved_tensors]
+            grads = [None if t is None else ctx.scale_(t, grad_out) for t in ctx.saved_tensors]
             return (*grads, None, None, None, None, None, None)
         hidden, weight, bias, target, lse, count = ctx.saved_tensors
         group, start, vocab_size, opts = ctx.meta

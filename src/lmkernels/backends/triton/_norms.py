@@ -297,18 +297,8 @@ def _bwd_config(op: str, N: int, few: bool, max_fused_n: int, wide_block: int) -
         if t.tail:  # two register blocks: the largest power of two <= N, then the rest
             block //= 2
             tail = triton.next_power_of_2(N - block)
-        return BwdConfig(
-            t.bwd_rows,
-            block,
-            t.path,
-            t.bwd_warps,
-            t.programs_per_sm,
-            t.reload_w,
-            tail,
-            t.apart,
-            t.stages,
-            t.const_n,
-        )
+        return BwdConfig(t.bwd_rows, block, t.path, t.bwd_warps, t.programs_per_sm, reload_w=t.reload_w,
+                         tail=tail, apart=t.apart, stages=t.stages, const_n=t.const_n)  # fmt: skip
     rows = max(1, 1024 // block)
     num_warps = _default_warps(rows * block, 8, 16)
     return BwdConfig(rows, block, PATH_REGS, num_warps, max(1, 32 // num_warps))
