@@ -38,6 +38,7 @@ from roofline_candidates import (  # noqa: E402
     COL_CANDIDATES,
     NORM_GRID,
     PREVIOUS,
+    PREVIOUS_FEW,
     ROPE_CANDIDATES,
     ROPE_GRID,
     SUM_CANDIDATES,
@@ -193,9 +194,10 @@ def lean_variants(op, case):
 
         block = 1 << (case.N - 1).bit_length()
         key = (op, block, 4 * case.N <= 3 * block)
-        few = case.M < _norms.M_FEW and key in _norms.FEW_ROWS  # FEW_ROWS did not change
-        if key in PREVIOUS and not few:
-            fwd, bwd = PREVIOUS[key]
+        few = case.M < _norms.M_FEW and key in _norms.FEW_ROWS
+        previous = PREVIOUS_FEW.get(key) if few else PREVIOUS.get(key)
+        if previous is not None:
+            fwd, bwd = previous
             fwd = _norms.FwdConfig(*fwd) if fwd else None
             bwd = _norms.BwdConfig(*bwd) if bwd else None
             out.append(("previous table", lambda: set_norm_config(fwd=fwd, bwd=bwd)))

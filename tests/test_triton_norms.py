@@ -290,8 +290,9 @@ def test_layer_norm_wide_rows_default_config():
 # 16 + 5, two column blocks of 64, the second partial). "wide": the row in column blocks of 32
 # (the last one partial), read twice, the partial sums in memory; its forward too, with eviction
 # hints. "stages": the loops software-pipelined (a GPU-only transformation; the interpreter runs
-# the same loops). "const-n": both kernels compiled for N = 100 (a constexpr), the padded
-# lanes of the block masked at compile time.
+# the same loops). A one-row tile ("rows1") is held as 1-D blocks, more rows as 2-D tiles.
+# "const-n": both kernels compiled for N = 100 (a constexpr), the padded lanes of the block
+# masked at compile time.
 _PATHS = {
     "regs-rows4": (4, "PATH_REGS", False, 0, "APART_NONE"),
     "regs-reload-w-stages2": (2, "PATH_REGS", True, 0, "APART_NONE", 2),
@@ -301,6 +302,7 @@ _PATHS = {
     "mem-tail": (1, "PATH_MEM", False, 64, "APART_NONE"),
     "tail-reload-w-apart-db-stages3": (1, "PATH_REGS", True, 64, "APART_DB", 3),
     "apart-all": (2, "PATH_REGS", False, 0, "APART_ALL"),
+    "wide-rows1-stages2": (1, "PATH_WIDE", False, 0, "APART_NONE", 2),
     "wide-rows4": (4, "PATH_WIDE", False, 0, "APART_NONE"),
     "wide-apart-all-stages3": (2, "PATH_WIDE", False, 0, "APART_ALL", 3),
     "regs-reload-w-const-n": (1, "PATH_REGS", True, 0, "APART_NONE", 1, True),
@@ -368,7 +370,8 @@ def test_config_table_covers_the_sweep_widths():
             assert (fwd.block >= N) == fwd.single_block and bwd.single_block and bwd.block + bwd.tail >= N
     # LayerNorm at 16384: the column kernel for the weight and bias gradients from M_FEW rows up.
     assert norms_mod.bwd_config("layer_norm", 16384, 4096).apart == norms_mod.APART_ALL
-    assert norms_mod.bwd_config("layer_norm", 16384, 1024).apart == norms_mod.APART_NONE
+    # Below it, the weight gradient in the backward kernel, the bias gradient in the column kernel.
+    assert norms_mod.bwd_config("layer_norm", 16384, 1024).apart == norms_mod.APART_DB
 
 
 def test_layer_norm_large_mean_is_stable():

@@ -99,14 +99,94 @@ def load_block(ptr, mask, HINTS: tl.constexpr, AGAIN: tl.constexpr):
     return v.to(tl.float32)
 
 
+# A tile of ROWS rows is a [ROWS, columns] block, except a single row (ROWS == 1): a scalar row
+# index and 1-D blocks. The computation is the same, the code Triton makes of it is not: with
+# the row width a constant (const_n), the RMSNorm backward kernel at 65536 x 16384 took 1705 us
+# in the 1-D form against 2066 us as a [1, 16384] tile (2048 us without const_n;
+# benchmarks/results/2026-11-24-h200-norm-1d/). The helpers give the kernels one text for both.
+
+
 @triton.jit
-def row_block(rows, row_mask, cols, start, N):
+def tile_rows(tile, M, ROWS: tl.constexpr):
+    """The rows of tile `tile` (int64) and their mask."""
+    if ROWS == 1:
+        rows = tile.to(tl.int64)
+    else:
+        rows = tile.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    return rows, rows < M
+
+
+@triton.jit
+def tile_block(rows, row_mask, cols, col_mask, N, ROWS: tl.constexpr):
+    """The element offsets and mask of columns `cols` of a tile's rows. A single row needs no row
+    mask: the grid (forward) or the loop bound (backward) keeps it below M."""
+    if ROWS == 1:
+        offs = rows * N + cols
+        mask = col_mask
+    else:
+        offs = rows[:, None] * N + cols[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+    return offs, mask
+
+
+@triton.jit
+def per_row(v, ROWS: tl.constexpr):
+    """A per-row value, broadcast against a tile."""
+    if ROWS == 1:
+        out = v
+    else:
+        out = v[:, None]
+    return out
+
+
+@triton.jit
+def per_col(v, ROWS: tl.constexpr):
+    """A per-column value (a block of the weight), broadcast against a tile."""
+    if ROWS == 1:
+        out = v
+    else:
+        out = v[None, :]
+    return out
+
+
+@triton.jit
+def row_sums(t, ROWS: tl.constexpr):
+    """Sums over the columns of a tile: one per row."""
+    if ROWS == 1:
+        out = tl.sum(t, axis=0)
+    else:
+        out = tl.sum(t, axis=1)
+    return out
+
+
+@triton.jit
+def col_sums(t, ROWS: tl.constexpr):
+    """Sums over the rows of a tile: one per column."""
+    if ROWS == 1:
+        out = t
+    else:
+        out = tl.sum(t, axis=0)
+    return out
+
+
+@triton.jit
+def tile_zeros(ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """An fp32 accumulator the shape of a tile's block."""
+    if ROWS == 1:
+        out = tl.zeros([BLOCK], tl.float32)
+    else:
+        out = tl.zeros([ROWS, BLOCK], tl.float32)
+    return out
+
+
+@triton.jit
+def row_block(rows, row_mask, cols, start, N, ROWS: tl.constexpr):
     """Columns start + cols of a tile of rows (the wide backward's blocks): the block's column
     indices and mask, the tile's element mask and offsets."""
     block_cols = start + cols
     block_mask = block_cols < N
-    mask = row_mask[:, None] & block_mask[None, :]
-    return block_cols, block_mask, mask, rows[:, None] * N + block_cols[None, :]
+    offs, mask = tile_block(rows, row_mask, block_cols, block_mask, N, ROWS)
+    return block_cols, block_mask, mask, offs
 
 
 @triton.jit
@@ -207,7 +287,9 @@ class Tuned:
 # Triton keeps the next tiles' loads in flight in shared memory) wherever that measured faster:
 # 6-22% of the fwd+bwd time at 2048-8192 columns. const_n where it measured faster
 # (benchmarks/results/2026-11-23-norm-probe/constn): above all at 11008 columns, where one
-# padded 16384 block now beats the two exact register blocks (RMSNorm backward 0.87x).
+# padded 16384 block now beats the two exact register blocks (RMSNorm backward 0.87x), and
+# RMSNorm at 16384 columns since one-row tiles are 1-D (1.07-1.14x fwd+bwd,
+# benchmarks/results/2026-11-24-h200-norm-1d/).
 TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 1024): Tuned(2, 4, 4, 8),
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
@@ -216,7 +298,7 @@ TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 8192, "part"): Tuned(
         1, 8, 8, 1, fwd_chunk=4096, hints=True, reload_w=True, stages=3, const_n=True
     ),
-    ("rms_norm", 16384): Tuned(1, 32, 16, 1, reload_w=True),
+    ("rms_norm", 16384): Tuned(1, 32, 16, 1, reload_w=True, const_n=True),
     ("rms_norm", 16384, "part"): Tuned(1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True),
     ("layer_norm", 1024): Tuned(2, 4, 4, 8),
     ("layer_norm", 2048): Tuned(1, 4, 8, 4, stages=3),
@@ -232,11 +314,13 @@ TUNED: dict[tuple, Tuned] = {
 }
 
 # Below M_FEW rows, per (op, block, part): the table entry (its backward half) where the one
-# above lost at 1024 rows (tune2/run2-final: LayerNorm 1024 x 16384, 0.1016 ms against 0.1031
-# for the column kernel, which has few rows per program there).
+# above lost at 1024 rows: LayerNorm 1024 x 16384, backward 68 us against 75-78 us for the
+# table's and the previous entry (benchmarks/results/2026-11-24-h200-norm-1d/sweep-few).
 M_FEW = 2048
 FEW_ROWS: dict[tuple, Tuned] = {
-    ("layer_norm", 16384, False): Tuned(1, 8, 16, 1, fwd_chunk=4096, reload_w=True),
+    ("layer_norm", 16384, False): Tuned(
+        1, 8, 8, 1, fwd_chunk=4096, reload_w=True, apart=APART_DB, const_n=True
+    ),
 }
 
 # Tuning hook (scripts/roofline_tune.py, tests): configurations used instead of the table.

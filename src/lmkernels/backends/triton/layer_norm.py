@@ -21,6 +21,7 @@ from lmkernels.backends.triton._norms import (
     PATH_REGS,
     PATH_WIDE,
     bwd_config,
+    col_sums,
     column_splits,
     const_n,
     fwd_config,
@@ -28,11 +29,17 @@ from lmkernels.backends.triton._norms import (
     num_rows,
     num_tiles,
     partial_buffer,
+    per_col,
+    per_row,
     persistent_programs,
     pipeline_stages,
     row_block,
     row_limit_reasons,
+    row_sums,
     sum_partials,
+    tile_block,
+    tile_rows,
+    tile_zeros,
     to_dtype,
 )
 from lmkernels.registry.core import register
@@ -72,21 +79,19 @@ def _layer_norm_fwd_kernel(
     cols = tl.arange(0, BLOCK)
     if SINGLE_BLOCK:
         # A tile of ROWS whole rows.
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        row_mask = rows < M
+        rows, row_mask = tile_rows(tl.program_id(0), M, ROWS)
         col_mask = cols < N
-        mask = row_mask[:, None] & col_mask[None, :]
-        offs = rows[:, None] * N + cols[None, :]
+        offs, mask = tile_block(rows, row_mask, cols, col_mask, N, ROWS)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / N
-        centered = tl.where(mask, x - mean[:, None], 0.0)
+        mean = row_sums(x, ROWS) / N
+        centered = tl.where(mask, x - per_row(mean, ROWS), 0.0)
         # Two passes over the row in registers (mean, then squared deviations), as the reference.
-        rstd = tl.rsqrt(tl.sum(centered * centered, axis=1) / N + eps)
-        y = centered * rstd[:, None]
+        rstd = tl.rsqrt(row_sums(centered * centered, ROWS) / N + eps)
+        y = centered * per_row(rstd, ROWS)
         if HAS_WEIGHT:
-            y = y * tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            y = y * per_col(tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32), ROWS)
         if HAS_BIAS:
-            y = y + tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            y = y + per_col(tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32), ROWS)
         tl.store(y_ptr + offs, to_dtype(y, dtype, SOFT_BF16), mask=mask)
         tl.store(mean_ptr + rows, mean, mask=row_mask)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
@@ -129,38 +134,38 @@ def _add_to_partial(partial_row, cols, mask, contrib, i):
 
 @triton.jit
 def _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w, mean, rstd, RELOAD_W: tl.constexpr,
-              HAS_WEIGHT: tl.constexpr):  # fmt: skip
+              HAS_WEIGHT: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
     """x_hat, dy and g = dy * w of one register block of a row tile, in fp32."""
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x_hat = (x - mean[:, None]) * rstd[:, None]
+    x_hat = (x - per_row(mean, ROWS)) * per_row(rstd, ROWS)
     g = dy
     if HAS_WEIGHT:
         if RELOAD_W:  # reloaded (an L1 hit) rather than held in registers
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        g = dy * w[None, :]
+        g = dy * per_col(w, ROWS)
     return x_hat, dy, g
 
 
 @triton.jit
 def _bwd_store(dx_ptr, offs, mask, cols, col_mask, x_hat, dy, g, rstd, mean_g, mean_gx, dw_acc, db_acc,
                dw_row, db_row, i, PATH: tl.constexpr, ACC_DW: tl.constexpr, ACC_DB: tl.constexpr,
-               SOFT_BF16: tl.constexpr):  # fmt: skip
+               SOFT_BF16: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
     """Writes dx of one register block and adds its dw / db contributions (ACC_DW / ACC_DB) to
     the accumulators (PATH_REGS) or to the program's partial rows (PATH_MEM)."""
-    dx = (g - mean_g[:, None] - x_hat * mean_gx[:, None]) * rstd[:, None]
+    dx = (g - per_row(mean_g, ROWS) - x_hat * per_row(mean_gx, ROWS)) * per_row(rstd, ROWS)
     tl.store(dx_ptr + offs, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
     # Padding columns and rows have dy = 0: they add nothing to any sum.
     if PATH == MEM:
         if ACC_DW:
-            _add_to_partial(dw_row, cols, col_mask, tl.sum(dy * x_hat, axis=0), i)
+            _add_to_partial(dw_row, cols, col_mask, col_sums(dy * x_hat, ROWS), i)
         if ACC_DB:
-            _add_to_partial(db_row, cols, col_mask, tl.sum(dy, axis=0), i)
+            _add_to_partial(db_row, cols, col_mask, col_sums(dy, ROWS), i)
     else:
         if ACC_DW:
-            dw_acc += tl.sum(dy * x_hat, axis=0)
+            dw_acc += col_sums(dy * x_hat, ROWS)
         if ACC_DB:
-            db_acc += tl.sum(dy, axis=0)
+            db_acc += col_sums(dy, ROWS)
     return dw_acc, db_acc
 
 
@@ -220,32 +225,29 @@ def _layer_norm_bwd_kernel(
             db_acc_t = tl.zeros([TAIL], tl.float32)
         # NUM_STAGES > 1: the next tiles' loads are issued while this one is computed.
         for i in tl.range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs), num_stages=NUM_STAGES):
-            rows = (pid + i * num_programs).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-            row_mask = rows < M
+            rows, row_mask = tile_rows(pid + i * num_programs, M, ROWS)
             mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            mask = row_mask[:, None] & col_mask[None, :]
-            offs = rows[:, None] * N + cols[None, :]
+            offs, mask = tile_block(rows, row_mask, cols, col_mask, N, ROWS)
             x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w, mean, rstd,
-                                     RELOAD_W, HAS_WEIGHT)  # fmt: skip
-            sum_g = tl.sum(g, axis=1)
-            sum_gx = tl.sum(g * x_hat, axis=1)
+                                     RELOAD_W, HAS_WEIGHT, ROWS)  # fmt: skip
+            sum_g = row_sums(g, ROWS)
+            sum_gx = row_sums(g * x_hat, ROWS)
             if TAIL > 0:
-                mask_t = row_mask[:, None] & tail_mask[None, :]
-                offs_t = rows[:, None] * N + cols_t[None, :]
+                offs_t, mask_t = tile_block(rows, row_mask, cols_t, tail_mask, N, ROWS)
                 x_hat_t, dy_t, g_t = _bwd_load(x_ptr, dy_ptr, w_ptr, offs_t, mask_t, cols_t, tail_mask, w_t,
-                                               mean, rstd, RELOAD_W, HAS_WEIGHT)  # fmt: skip
-                sum_g += tl.sum(g_t, axis=1)
-                sum_gx += tl.sum(g_t * x_hat_t, axis=1)
+                                               mean, rstd, RELOAD_W, HAS_WEIGHT, ROWS)  # fmt: skip
+                sum_g += row_sums(g_t, ROWS)
+                sum_gx += row_sums(g_t * x_hat_t, ROWS)
             mean_g = sum_g / N
             mean_gx = sum_gx / N
             dw_acc, db_acc = _bwd_store(dx_ptr, offs, mask, cols, col_mask, x_hat, dy, g, rstd, mean_g, mean_gx,
                                         dw_acc, db_acc, dw_row, db_row, i, PATH, ACC_DW, ACC_DB,
-                                        SOFT_BF16)  # fmt: skip
+                                        SOFT_BF16, ROWS)  # fmt: skip
             if TAIL > 0:
                 dw_acc_t, db_acc_t = _bwd_store(dx_ptr, offs_t, mask_t, cols_t, tail_mask, x_hat_t, dy_t, g_t,
                                                 rstd, mean_g, mean_gx, dw_acc_t, db_acc_t, dw_row, db_row, i,
-                                                PATH, ACC_DW, ACC_DB, SOFT_BF16)  # fmt: skip
+                                                PATH, ACC_DW, ACC_DB, SOFT_BF16, ROWS)  # fmt: skip
         if PATH == REGS:
             if ACC_DW:
                 tl.store(dw_row + cols, dw_acc, mask=col_mask)
@@ -260,26 +262,25 @@ def _layer_norm_bwd_kernel(
         # pass 2 reads x and dy again (from L2), writes dx and adds this program's
         # contributions into its partial rows. NUM_STAGES > 1 pipelines the loops over blocks.
         for i in range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs)):
-            rows = (pid + i * num_programs).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-            row_mask = rows < M
+            rows, row_mask = tile_rows(pid + i * num_programs, M, ROWS)
             mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            acc_g = tl.zeros([ROWS, BLOCK], tl.float32)
-            acc_gx = tl.zeros([ROWS, BLOCK], tl.float32)
+            acc_g = tile_zeros(ROWS, BLOCK)
+            acc_gx = tile_zeros(ROWS, BLOCK)
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
-                block_cols, block_mask, mask, offs = row_block(rows, row_mask, cols, start, N)
+                block_cols, block_mask, mask, offs = row_block(rows, row_mask, cols, start, N, ROWS)
                 x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, mean,
-                                         rstd, True, HAS_WEIGHT)  # fmt: skip
+                                         rstd, True, HAS_WEIGHT, ROWS)  # fmt: skip
                 acc_g += g
                 acc_gx += g * x_hat
-            mean_g = tl.sum(acc_g, axis=1) / N
-            mean_gx = tl.sum(acc_gx, axis=1) / N
+            mean_g = row_sums(acc_g, ROWS) / N
+            mean_gx = row_sums(acc_gx, ROWS) / N
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
-                block_cols, block_mask, mask, offs = row_block(rows, row_mask, cols, start, N)
+                block_cols, block_mask, mask, offs = row_block(rows, row_mask, cols, start, N, ROWS)
                 x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, mean,
-                                         rstd, True, HAS_WEIGHT)  # fmt: skip
+                                         rstd, True, HAS_WEIGHT, ROWS)  # fmt: skip
                 _bwd_store(dx_ptr, offs, mask, block_cols, block_mask, x_hat, dy, g, rstd, mean_g, mean_gx,
-                           acc_g, acc_gx, dw_row, db_row, i, MEM, ACC_DW, ACC_DB, SOFT_BF16)  # fmt: skip
+                           acc_g, acc_gx, dw_row, db_row, i, MEM, ACC_DW, ACC_DB, SOFT_BF16, ROWS)  # fmt: skip
 
 
 @triton.jit

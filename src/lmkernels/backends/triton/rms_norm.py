@@ -22,6 +22,7 @@ from lmkernels.backends.triton._norms import (
     PATH_REGS,
     PATH_WIDE,
     bwd_config,
+    col_sums,
     column_splits,
     const_n,
     fwd_config,
@@ -29,12 +30,18 @@ from lmkernels.backends.triton._norms import (
     num_rows,
     num_tiles,
     partial_buffer,
+    per_col,
+    per_row,
     persistent_programs,
     pipeline_stages,
     round_as,
     row_block,
     row_limit_reasons,
+    row_sums,
     sum_partials,
+    tile_block,
+    tile_rows,
+    tile_zeros,
     to_dtype,
 )
 from lmkernels.registry.core import register
@@ -109,17 +116,15 @@ def _rms_norm_fwd_kernel(
     cols = tl.arange(0, BLOCK)
     if SINGLE_BLOCK:
         # A tile of ROWS whole rows.
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        row_mask = rows < M
+        rows, row_mask = tile_rows(tl.program_id(0), M, ROWS)
         col_mask = cols < N
-        mask = row_mask[:, None] & col_mask[None, :]
-        offs = rows[:, None] * N + cols[None, :]
+        offs, mask = tile_block(rows, row_mask, cols, col_mask, N, ROWS)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = _rstd(tl.sum(_square(x, MODE, dtype, SOFT_BF16), axis=1), N, eps, MODE, dtype, SOFT_BF16)
-        y = _normalized(x, rstd[:, None], MODE, dtype, SOFT_BF16)
+        rstd = _rstd(row_sums(_square(x, MODE, dtype, SOFT_BF16), ROWS), N, eps, MODE, dtype, SOFT_BF16)
+        y = _normalized(x, per_row(rstd, ROWS), MODE, dtype, SOFT_BF16)
         if HAS_WEIGHT:
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            y = y * _weight_factor(w, offset, MODE, dtype, SOFT_BF16)[None, :]
+            y = y * per_col(_weight_factor(w, offset, MODE, dtype, SOFT_BF16), ROWS)
         tl.store(y_ptr + offs, to_dtype(y, dtype, SOFT_BF16), mask=mask)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     else:
@@ -145,7 +150,8 @@ def _rms_norm_fwd_kernel(
 
 @triton.jit
 def _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w_factor, offset, RELOAD_W: tl.constexpr,
-              MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):  # fmt: skip
+              MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr, dtype: tl.constexpr, SOFT_BF16: tl.constexpr,
+              ROWS: tl.constexpr):  # fmt: skip
     """x, dy and g = dy * (w + offset) of one register block of a row tile, in fp32."""
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -154,21 +160,22 @@ def _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w_factor, offset
         if RELOAD_W:  # reloaded (an L1 hit) rather than held in registers
             w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             w_factor = _weight_factor(w, offset, MODE, dtype, SOFT_BF16)
-        g = dy * w_factor[None, :]
+        g = dy * per_col(w_factor, ROWS)
     return x, dy, g
 
 
 @triton.jit
 def _bwd_store(dx_ptr, offs, mask, cols, col_mask, x, dy, g, rstd, scale, dw_acc, partial_row, i,
-               PATH: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SOFT_BF16: tl.constexpr):  # fmt: skip
+               PATH: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SOFT_BF16: tl.constexpr,
+               ROWS: tl.constexpr):  # fmt: skip
     """Writes dx of one register block and adds its dw contribution (ACC) to dw_acc (PATH_REGS)
     or to the program's partial row (PATH_MEM); returns dw_acc."""
     dtype = dx_ptr.dtype.element_ty
-    dx = (g - x * scale[:, None]) * rstd[:, None]
+    dx = (g - x * per_row(scale, ROWS)) * per_row(rstd, ROWS)
     tl.store(dx_ptr + offs, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
     if ACC:
         # Rows past M have dy = 0: they add nothing.
-        contrib = tl.sum(dy * _normalized(x, rstd[:, None], MODE, dtype, SOFT_BF16), axis=0)
+        contrib = col_sums(dy * _normalized(x, per_row(rstd, ROWS), MODE, dtype, SOFT_BF16), ROWS)
         if PATH == MEM:
             prev = tl.load(partial_row + cols, mask=col_mask & (i > 0), other=0.0)
             tl.store(partial_row + cols, prev + contrib, mask=col_mask)
@@ -233,26 +240,23 @@ def _rms_norm_bwd_kernel(
             dw_acc_t = tl.zeros([TAIL], tl.float32)
         # NUM_STAGES > 1: the next tiles' loads are issued while this one is computed.
         for i in tl.range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs), num_stages=NUM_STAGES):
-            rows = (pid + i * num_programs).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-            row_mask = rows < M
+            rows, row_mask = tile_rows(pid + i * num_programs, M, ROWS)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            mask = row_mask[:, None] & col_mask[None, :]
-            offs = rows[:, None] * N + cols[None, :]
+            offs, mask = tile_block(rows, row_mask, cols, col_mask, N, ROWS)
             x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w_factor, offset,
-                                 RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16)  # fmt: skip
-            dot = tl.sum(g * x, axis=1)
+                                 RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS)  # fmt: skip
+            dot = row_sums(g * x, ROWS)
             if TAIL > 0:
-                mask_t = row_mask[:, None] & tail_mask[None, :]
-                offs_t = rows[:, None] * N + cols_t[None, :]
+                offs_t, mask_t = tile_block(rows, row_mask, cols_t, tail_mask, N, ROWS)
                 x_t, dy_t, g_t = _bwd_load(x_ptr, dy_ptr, w_ptr, offs_t, mask_t, cols_t, tail_mask, w_factor_t,
-                                           offset, RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16)  # fmt: skip
-                dot += tl.sum(g_t * x_t, axis=1)
+                                           offset, RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS)  # fmt: skip
+                dot += row_sums(g_t * x_t, ROWS)
             scale = rstd * rstd * dot / N
             dw_acc = _bwd_store(dx_ptr, offs, mask, cols, col_mask, x, dy, g, rstd, scale, dw_acc,
-                                partial_row, i, PATH, ACC, MODE, SOFT_BF16)  # fmt: skip
+                                partial_row, i, PATH, ACC, MODE, SOFT_BF16, ROWS)  # fmt: skip
             if TAIL > 0:
                 dw_acc_t = _bwd_store(dx_ptr, offs_t, mask_t, cols_t, tail_mask, x_t, dy_t, g_t, rstd, scale,
-                                      dw_acc_t, partial_row, i, PATH, ACC, MODE, SOFT_BF16)  # fmt: skip
+                                      dw_acc_t, partial_row, i, PATH, ACC, MODE, SOFT_BF16, ROWS)  # fmt: skip
         if ACC and PATH == REGS:
             tl.store(partial_row + cols, dw_acc, mask=col_mask)
             if TAIL > 0:
@@ -262,22 +266,21 @@ def _rms_norm_bwd_kernel(
         # pass 2 reads x and dy again (from L2), writes dx and adds this program's dw
         # contributions into its partial row. NUM_STAGES > 1 pipelines the loops over blocks.
         for i in range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs)):
-            rows = (pid + i * num_programs).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-            row_mask = rows < M
+            rows, row_mask = tile_rows(pid + i * num_programs, M, ROWS)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-            acc = tl.zeros([ROWS, BLOCK], tl.float32)
+            acc = tile_zeros(ROWS, BLOCK)
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
-                block_cols, block_mask, mask, offs = row_block(rows, row_mask, cols, start, N)
+                block_cols, block_mask, mask, offs = row_block(rows, row_mask, cols, start, N, ROWS)
                 x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, offset,
-                                     True, MODE, HAS_WEIGHT, dtype, SOFT_BF16)  # fmt: skip
+                                     True, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS)  # fmt: skip
                 acc += g * x
-            scale = rstd * rstd * tl.sum(acc, axis=1) / N
+            scale = rstd * rstd * row_sums(acc, ROWS) / N
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
-                block_cols, block_mask, mask, offs = row_block(rows, row_mask, cols, start, N)
+                block_cols, block_mask, mask, offs = row_block(rows, row_mask, cols, start, N, ROWS)
                 x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, offset,
-                                     True, MODE, HAS_WEIGHT, dtype, SOFT_BF16)  # fmt: skip
+                                     True, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS)  # fmt: skip
                 _bwd_store(dx_ptr, offs, mask, block_cols, block_mask, x, dy, g, rstd, scale, acc, partial_row,
-                           i, MEM, ACC, MODE, SOFT_BF16)  # fmt: skip
+                           i, MEM, ACC, MODE, SOFT_BF16, ROWS)  # fmt: skip
 
 
 @triton.jit
