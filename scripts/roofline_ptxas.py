@@ -92,7 +92,8 @@ def rope_usage(kernel_name, D, R, backward, constexprs, num_warps):
     rest = D - R
     const = dict(
         BLOCK_HALF=1 << (R // 2 - 1).bit_length(), BLOCK_REST=1 << (rest - 1).bit_length() if rest else 1,
-        INTERLEAVED=False, HAS_POS=False, HAS_REST=rest > 0, BACKWARD=backward, **constexprs,
+        INTERLEAVED=False, HAS_POS=False, HAS_REST=rest > 0, BACKWARD=backward, head_dim=D, half=R // 2,
+        **constexprs,
     )  # fmt: skip
     # Arguments in the kernel's order (the constexprs among them). At the --grid rope points
     # (contiguous bf16 q, k; a (T, R) table) pointers, strides, T, D and R / 2 are multiples of 16.

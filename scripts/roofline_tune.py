@@ -39,6 +39,7 @@ from roofline_candidates import (  # noqa: E402
     NORM_GRID,
     PREVIOUS,
     PREVIOUS_FEW,
+    PREVIOUS_ROPE_TILES,
     ROPE_CANDIDATES,
     ROPE_GRID,
     SUM_CANDIDATES,
@@ -121,14 +122,17 @@ def set_norm_config(fwd=None, bwd=None, col=None):
     _norms.COL_CONFIG = col or default
 
 
-def set_rope_config(cfg=None, kernel=None, tile=None):
+def set_rope_config(cfg=None, kernel=None, tile=None, tile_table=None):
     """cfg: position-kernel hooks (TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS); kernel: "pos" /
-    "tile" forced; tile: a tile-kernel config. None everywhere: the committed table."""
+    "tile" forced; tile: a tile-kernel config; tile_table: instead of TILE_TUNED. None
+    everywhere: the committed tables."""
     from lmkernels.backends.triton import rope
 
     default = _STATE.setdefault("rope_default", (rope.TILE_ELEMENTS, rope.NUM_WARPS, rope.MIN_PROGRAMS))
+    default_tiles = _STATE.setdefault("rope_tiles", rope.TILE_TUNED)
     rope.TILE_ELEMENTS, rope.NUM_WARPS, rope.MIN_PROGRAMS = default if cfg is None else cfg
     rope.KERNEL, rope.TILE_CONFIG = kernel, tile
+    rope.TILE_TUNED = default_tiles if tile_table is None else tile_table
 
 
 # Variant name -> the (fwd, bwd, column kernel) configuration it sets: best_variants' lookup.
@@ -187,8 +191,11 @@ def lean_variants(op, case):
         from lmkernels.backends.triton import rope
 
         B, Hq, Hkv, T, D, R = case.shape
-        if rope._tile_config(B, T, Hq, Hkv, R or D, D, True) is not None:
-            out.append(("previous table", lambda: set_rope_config(kernel="pos")))
+        set_rope_config(tile_table=PREVIOUS_ROPE_TILES)
+        previous = rope._tile_config(B, T, Hq, Hkv, R or D, D, True)
+        reset(op)
+        if previous != rope._tile_config(B, T, Hq, Hkv, R or D, D, True):
+            out.append(("previous table", lambda: set_rope_config(tile_table=PREVIOUS_ROPE_TILES)))
     else:
         from lmkernels.backends.triton import _norms
 

@@ -211,6 +211,7 @@ TILE_CONFIGS = {
     "loop-heads-tables-reloaded": (64, 2, 1, False),
     "head-per-program": (64, 1, 2**30, True),  # splits = Hq + Hkv
     "two-splits": (32, 1, 8, False),  # BLOCK_T = 2, 8 tiles, 3 heads each
+    "loop-heads-pipelined": (64, 1, 1, True, 2),  # the head loop software-pipelined (GPU)
 }
 
 
@@ -229,7 +230,7 @@ def test_rope_tile_kernel_configs(monkeypatch, config, case):
     monkeypatch.setattr(rope_mod, "KERNEL", "tile")
     monkeypatch.setattr(rope_mod, "TILE_CONFIG", TILE_CONFIGS[config])
     B, Hq, Hkv, T, D = ROPE_SHAPES["gqa"]
-    block_t, n_t_blocks, splits, _, _ = rope_mod._tile_config(B, T, Hq, Hkv, D, D, True)
+    block_t, n_t_blocks, splits, *_ = rope_mod._tile_config(B, T, Hq, Hkv, D, D, True)
     assert T % block_t and n_t_blocks == math.ceil(T / block_t)
     run_rope_check(ROPE_SHAPES["gqa"], torch.float32, ROPE_CASES[case])
 
@@ -263,7 +264,7 @@ def test_rope_kernel_choice(monkeypatch):
     and T fills a tile; (B, T, H, D) memory, short sequences and other keys the position one."""
     monkeypatch.setattr(rope_mod, "TILE_TUNED", {(32, False): (2048, 4, 2048, True)})
     config = rope_mod._tile_config
-    assert config(2, 8192, 16, 16, 64, 64, True) == (32, 256, 4, 4, True)
+    assert config(2, 8192, 16, 16, 64, 64, True) == (32, 256, 4, 4, True, 1)
     assert config(2, 8192, 16, 16, 64, 64, False) is None  # (B, T, H, D) memory
     assert config(1, 16, 16, 16, 64, 64, True) is None  # T < BLOCK_T = 32
     assert config(2, 8192, 16, 16, 128, 128, True) is None  # not in the table

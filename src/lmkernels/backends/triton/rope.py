@@ -55,13 +55,15 @@ MIN_PROGRAMS = 8192
 # The tile kernel (_rope_tile_kernel: positions x head dims per head, heads looped over) where
 # a head's positions are contiguous rows, i.e. (B, H, T, D) memory, per (rotary half width,
 # copy): (elements of one positions x head-dims tile, warps, least programs, tables kept in
-# registers over the head loop). The keys are those where the position kernel lost to
-# torch.compile on an H200 (D = 64, partial rotary: 0.94-0.97x, 73-75% of copy; its tiles of a
-# few KB spread over head rows 1 MB apart). Values measured on an H200 by `scripts/roofline_tune.py
-# --ops rope --grid rope --short` (benchmarks/results/2026-11-23-h200-rope-tile/): the tile kernel
-# is 7-11% faster than the position kernel at these keys; D = 128 keeps the position kernel.
-TILE_TUNED = {(32, False): (1024, 2, 8192, True), (32, True): (2048, 4, 8192, True),
-              (16, True): (2048, 4, 8192, True)}  # fmt: skip
+# registers over the head loop, software-pipelining stages of the head loop). On (B, H, T, D)
+# memory the position kernel's tiles of a few KB spread over head rows 1 MB apart; it stays for
+# (B, T, H, D) memory (transformers' q and k) and decoding. Measured on an H200, fwd+bwd
+# against the previous table in one run (benchmarks/results/2026-11-24-h200-rope-tile2/):
+# 1.5-7% faster at D = 64, 128 and 256 (1.5-2% slower at two D = 128 points), 7-10% for
+# partial rotary, where the pipelined head loop keeps the next head's loads in flight.
+TILE_TUNED = {(32, False): (1024, 2, 2048, True, 1), (64, False): (1024, 2, 2048, True, 1),
+              (128, False): (1024, 2, 2048, True, 1), (32, True): (2048, 4, 8192, True, 2),
+              (16, True): (2048, 4, 8192, True, 2)}  # fmt: skip
 # Tuning hooks: KERNEL "pos" / "tile" forces a kernel (any layout), TILE_CONFIG a tile config.
 KERNEL: str | None = None
 FORCED_TILE_DEFAULT = (2048, 4, 8192, True)  # KERNEL == "tile" for a key not in TILE_TUNED
@@ -285,6 +287,7 @@ def _rope_tile_kernel(
     HAS_REST: tl.constexpr,
     BACKWARD: tl.constexpr,
     TABLES_ONCE: tl.constexpr,
+    HEAD_STAGES: tl.constexpr = 1,
 ):
     """Program (p, s): BLOCK_T positions of one sequence x every `splits`-th head (q's, then
     k's), one (positions x head dims) tile per head: where a head's positions are contiguous
@@ -309,25 +312,24 @@ def _rope_tile_kernel(
             cos_rows, sin_rows, t_mask, half, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD
         )
     rot_dim = 2 * half
-    for h in range(tl.program_id(1), n_q_heads + n_k_heads, splits):
+    # q's heads, then k's: the tensor is selected, not branched on, so that the loop body is
+    # one block of loads that HEAD_STAGES > 1 software-pipelines (the next head's loads in
+    # flight while this one is rotated).
+    for h in tl.range(tl.program_id(1), n_q_heads + n_k_heads, splits, num_stages=HEAD_STAGES):
         if not TABLES_ONCE:
             cos_a, cos_b, sin_a, sin_b = _load_tables(
                 cos_rows, sin_rows, t_mask, half, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD
             )
-        if h < n_q_heads:
-            hq = tl.cast(h, tl.int64)
-            _rotate_rows(
-                q_ptr, q_out_ptr, b * stride_qb + hq * stride_qh, b * stride_oqb + hq * stride_oqh,
-                stride_qt, stride_oqt, t0, T, cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
-                BLOCK_T, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
-            )  # fmt: skip
-        else:
-            hk = tl.cast(h - n_q_heads, tl.int64)
-            _rotate_rows(
-                k_ptr, k_out_ptr, b * stride_kb + hk * stride_kh, b * stride_okb + hk * stride_okh,
-                stride_kt, stride_okt, t0, T, cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
-                BLOCK_T, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
-            )  # fmt: skip
+        is_q = h < n_q_heads
+        head = tl.where(is_q, h, h - n_q_heads).to(tl.int64)
+        x_base = b * tl.where(is_q, stride_qb, stride_kb) + head * tl.where(is_q, stride_qh, stride_kh)
+        out_base = b * tl.where(is_q, stride_oqb, stride_okb) + head * tl.where(is_q, stride_oqh, stride_okh)
+        _rotate_rows(
+            tl.where(is_q, q_ptr, k_ptr), tl.where(is_q, q_out_ptr, k_out_ptr), x_base, out_base,
+            tl.where(is_q, stride_qt, stride_kt), tl.where(is_q, stride_oqt, stride_okt), t0, T,
+            cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
+            BLOCK_T, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
+        )  # fmt: skip
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
@@ -388,7 +390,8 @@ def _cached_tile_config(B, T, n_q_heads, n_k_heads, head_dim, rows, kernel, cfg)
     cfg = cfg or (FORCED_TILE_DEFAULT if kernel == "tile" else None)
     if kernel == "pos" or cfg is None:
         return None
-    tile_elements, num_warps, min_programs, tables_once = cfg
+    tile_elements, num_warps, min_programs, tables_once, *rest = cfg
+    head_stages = rest[0] if rest else 1
     block_t = max(1, tile_elements // triton.next_power_of_2(head_dim))
     # Decoding and short sequences (most of a tile masked off) and (B, T, H, D) memory (the
     # position kernel reads it contiguously) stay on the position kernel unless forced.
@@ -397,7 +400,7 @@ def _cached_tile_config(B, T, n_q_heads, n_k_heads, head_dim, rows, kernel, cfg)
     block_t = min(block_t, triton.next_power_of_2(T))
     n_t_blocks = cdiv(T, block_t)
     splits = max(1, min(n_q_heads + n_k_heads, cdiv(min_programs, max(B * n_t_blocks, 1))))
-    return block_t, n_t_blocks, splits, num_warps, tables_once
+    return block_t, n_t_blocks, splits, num_warps, tables_once, head_stages
 
 
 def _rope_rotate(
@@ -459,10 +462,11 @@ def _rope_rotate(
     )  # fmt: skip
     with device_guard(q):
         if tile is not None:
-            block_t, n_t_blocks, splits, num_warps, tables_once = tile
+            block_t, n_t_blocks, splits, num_warps, tables_once, head_stages = tile
             _rope_tile_kernel[(B * n_t_blocks, splits)](
                 *common, T, n_t_blocks, Hq, Hkv, D, rotary_dim // 2, *strides, splits,
-                BLOCK_T=block_t, TABLES_ONCE=tables_once, num_warps=num_warps, **flags,
+                BLOCK_T=block_t, TABLES_ONCE=tables_once, HEAD_STAGES=head_stages, num_warps=num_warps,
+                **flags,
             )  # fmt: skip
         else:
             block_h, _, _, splits, num_warps = _launch_config(n_pos, Hq, Hkv, rotary_dim, D)
