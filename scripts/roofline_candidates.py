@@ -37,6 +37,20 @@ ROPE_GRID = {
         (1, 16, 4, 16384, 256, None),
         (1, 32, 8, 16384, 128, 64),
     ],
+    # D = 128 on (B, H, T, D) memory, for the choice between the position and the tile kernel.
+    # The tile table's other keys over batch sizes: D = 64, D = 256, partial rotary.
+    "tiles": [
+        (b, hq, hkv, t, d, r)
+        for b in (1, 4, 8)
+        for t in (1024, 8192)
+        for hq, hkv, d, r in ((16, 16, 64, None), (16, 4, 256, None), (32, 8, 128, 64), (32, 8, 128, 32))
+    ],
+    "d128": [
+        (b, hq, hkv, t, 128, None)
+        for b in (1, 2, 4, 8)
+        for t in (1024, 4096, 16384)
+        for hq, hkv in ((32, 8), (32, 32))
+    ],
     "final": [
         (1, 32, 8, 1024, 128, None),
         (1, 32, 8, 4096, 128, None),

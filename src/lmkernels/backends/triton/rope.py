@@ -56,14 +56,14 @@ MIN_PROGRAMS = 8192
 # a head's positions are contiguous rows, i.e. (B, H, T, D) memory, per (rotary half width,
 # copy): (elements of one positions x head-dims tile, warps, least programs, tables kept in
 # registers over the head loop, software-pipelining stages of the head loop). On (B, H, T, D)
-# memory the position kernel's tiles of a few KB spread over head rows 1 MB apart; it stays for
-# (B, T, H, D) memory (transformers' q and k) and decoding. Measured on an H200, fwd+bwd
-# against the previous table in one run (benchmarks/results/2026-11-24-h200-rope-tile2/):
-# 1.5-7% faster at D = 64, 128 and 256 (1.5-2% slower at two D = 128 points), 7-10% for
-# partial rotary, where the pipelined head loop keeps the next head's loads in flight.
-TILE_TUNED = {(32, False): (1024, 2, 2048, True, 1), (64, False): (1024, 2, 2048, True, 1),
-              (128, False): (1024, 2, 2048, True, 1), (32, True): (2048, 4, 8192, True, 2),
-              (16, True): (2048, 4, 8192, True, 2)}  # fmt: skip
+# memory the position kernel's tiles of a few KB spread over head rows 1 MB apart. Measured
+# on an H200, fwd+bwd against the previous table in one run, batch 1-8 x 1k-8k positions
+# (benchmarks/results/2026-11-24-h200-rope-tile2/): D = 64 1.00-1.03x, D = 256 1.03-1.14x,
+# partial rotary 1.05-1.10x (its head loop pipelined: the next head's loads in flight). D = 128
+# keeps the position kernel: the tile kernel ranged 0.90-1.08x of it over batch 1-8.
+# (B, T, H, D) memory (transformers' q and k) and decoding take the position kernel.
+TILE_TUNED = {(32, False): (1024, 2, 2048, True, 1), (128, False): (1024, 2, 2048, True, 1),
+              (32, True): (2048, 4, 8192, True, 2), (16, True): (2048, 4, 8192, True, 2)}  # fmt: skip
 # Tuning hooks: KERNEL "pos" / "tile" forces a kernel (any layout), TILE_CONFIG a tile config.
 KERNEL: str | None = None
 FORCED_TILE_DEFAULT = (2048, 4, 8192, True)  # KERNEL == "tile" for a key not in TILE_TUNED
