@@ -319,6 +319,9 @@ def main(argv=None) -> int:
                 row["wall_s"] = round(time.monotonic() - start, 1)
                 log(f"  -> {row['status']} {row.get('error', '')[:100]}")
                 rows.append(row)
+                # After every run: a driver stopped by a time limit keeps what it measured.
+                (out / "dist.json").write_text(json.dumps({"environment": env, "runs": rows}, indent=1))
+                (out / "summary.md").write_text(summary(rows, env))
     (out / "dist.json").write_text(json.dumps({"environment": env, "runs": rows}, indent=1))
     (out / "summary.md").write_text(summary(rows, env))
     plot(rows, out / "dist_loss.png")
