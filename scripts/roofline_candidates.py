@@ -268,7 +268,7 @@ SUM_CANDIDATES = [(64, 32, 4), (128, 32, 8), (256, 16, 8), (32, 64, 4), (128, 64
 # None where unchanged, bwd args of BwdConfig): --lean times it beside the table, as "previous
 # table", in the same run; PREVIOUS_FEW likewise for the FEW_ROWS entries (below M_FEW rows).
 # P = PATH_REGS. The kernels' one-row tiles became 1-D blocks in the same change, which this
-# cannot undo: scripts/norm_ab.py times the trees against each other.
+# cannot undo: scripts/roofline_ab.py times the trees against each other.
 P = 0
 PREVIOUS = {
     ("rms_norm", 16384, False): ((1, 16384, True, 32), (1, 16384, P, 16, 1, True, 0, 0, 1)),
