@@ -277,5 +277,5 @@ PREVIOUS_FEW = {
     ("layer_norm", 16384, False): (None, (1, 16384, P, 16, 1, True, 0, 0, 1)),
 }
 # RoPE's TILE_TUNED before this session.
-PREVIOUS_ROPE_TILES = {(32, False): (1024, 2, 8192, True), (32, True): (2048, 4, 8192, True),
-                       (16, True): (2048, 4, 8192, True)}  # fmt: skip
+PREVIOUS_ROPE_TILES = {(32, False): (1024, 2, 8192, True, 1), (32, True): (2048, 4, 8192, True, 1),
+                       (16, True): (2048, 4, 8192, True, 1)}  # fmt: skip

@@ -113,7 +113,7 @@ def rope_main():
     for D, R in sorted({(s[4], s[5] or s[4]) for s in ROPE_GRID["rope"]}):
         block_h, _, _, _, warps = rope._launch_config(1 << 20, 32, 8, R, D)
         variants = [("pos table", "_rope_kernel", dict(BLOCK_H=block_h), warps)]
-        for e, w, once in dict.fromkeys((e, w, once) for e, w, _, once in TILE_CANDIDATES):
+        for e, w, once in dict.fromkeys((e, w, once) for e, w, _, once, _ in TILE_CANDIDATES):
             block_t = max(1, e // (1 << (D - 1).bit_length()))
             name = f"2d e{e} w{w} {'once' if once else 'reload'}"
             variants.append((name, "_rope_tile_kernel", dict(BLOCK_T=block_t, TABLES_ONCE=once), w))

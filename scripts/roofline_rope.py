@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import math
 
-# (tile elements, warps, least programs, tables kept over the head loop): rope.TILE_TUNED's
-# values. 2048 programs: ~2.5 waves of programs looping over many heads; 8192: ~10 waves, a few
+# (tile elements, warps, least programs, tables kept over the head loop, head-loop stages):
+# rope.TILE_TUNED's values. 2048 programs: ~2.5 waves of programs looping over many heads; 8192: ~10 waves, a few
 # heads each (a shorter tail); 2**30: one head per program (its tables from L2 each time).
 # scripts/roofline_ptxas.py --ops rope: 32-74 registers, no spills for sm_90.
 TILE_CANDIDATES = [
-    (e, w, p, once)
+    (e, w, p, once, 1)
     for e, w in ((1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8))
     for p, once in ((2048, True), (8192, True), (8192, False), (2**30, True))
 ]
@@ -18,13 +18,13 @@ POS = "pos table"  # the position kernel at its own table
 
 
 def tile_name(cfg):
-    e, w, p, once = cfg
-    return f"2d e{e} w{w} p{p} {'once' if once else 'reload'}"
+    e, w, p, once, stages = cfg
+    return f"2d e{e} w{w} p{p} {'once' if once else 'reload'}" + (f" st{stages}" if stages > 1 else "")
 
 
 def parse_tile_name(name):
-    _, e, w, p, once = name.split()
-    return int(e[1:]), int(w[1:]), int(p[1:]), once == "once"
+    _, e, w, p, once, *stages = name.split()
+    return int(e[1:]), int(w[1:]), int(p[1:]), once == "once", int(stages[0][2:]) if stages else 1
 
 
 def table_key(shape):

@@ -207,10 +207,10 @@ def test_rope_launch_configs(monkeypatch, tile, min_programs, case):
 # The tile kernel (positions x head dims per head), forced whatever the layout. T = 7 is no
 # multiple of BLOCK_T = 64 // 16 = 4, so the last tile of each sequence is partly masked.
 TILE_CONFIGS = {
-    "loop-heads-tables-once": (64, 1, 1, True),  # every program loops over all 6 heads
-    "loop-heads-tables-reloaded": (64, 2, 1, False),
-    "head-per-program": (64, 1, 2**30, True),  # splits = Hq + Hkv
-    "two-splits": (32, 1, 8, False),  # BLOCK_T = 2, 8 tiles, 3 heads each
+    "loop-heads-tables-once": (64, 1, 1, True, 1),  # every program loops over all 6 heads
+    "loop-heads-tables-reloaded": (64, 2, 1, False, 1),
+    "head-per-program": (64, 1, 2**30, True, 1),  # splits = Hq + Hkv
+    "two-splits": (32, 1, 8, False, 1),  # BLOCK_T = 2, 8 tiles, 3 heads each
     "loop-heads-pipelined": (64, 1, 1, True, 2),  # the head loop software-pipelined (GPU)
 }
 
@@ -262,7 +262,7 @@ def test_rope_tile_kernel_strided_rows(monkeypatch, dtype):
 def test_rope_kernel_choice(monkeypatch):
     """TILE_TUNED's keys take the tile kernel where each head's positions are contiguous rows
     and T fills a tile; (B, T, H, D) memory, short sequences and other keys the position one."""
-    monkeypatch.setattr(rope_mod, "TILE_TUNED", {(32, False): (2048, 4, 2048, True)})
+    monkeypatch.setattr(rope_mod, "TILE_TUNED", {(32, False): (2048, 4, 2048, True, 1)})
     config = rope_mod._tile_config
     assert config(2, 8192, 16, 16, 64, 64, True) == (32, 256, 4, 4, True, 1)
     assert config(2, 8192, 16, 16, 64, 64, False) is None  # (B, T, H, D) memory

@@ -182,11 +182,11 @@ def tile_zeros(ROWS: tl.constexpr, BLOCK: tl.constexpr):
 @triton.jit
 def row_block(rows, row_mask, cols, start, N, ROWS: tl.constexpr):
     """Columns start + cols of a tile of rows (the wide backward's blocks): the block's column
-    indices and mask, the tile's element mask and offsets."""
+    indices and mask, the tile's element offsets and mask (as tile_block)."""
     block_cols = start + cols
     block_mask = block_cols < N
     offs, mask = tile_block(rows, row_mask, block_cols, block_mask, N, ROWS)
-    return block_cols, block_mask, mask, offs
+    return block_cols, block_mask, offs, mask
 
 
 @triton.jit

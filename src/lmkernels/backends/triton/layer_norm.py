@@ -268,7 +268,7 @@ def _layer_norm_bwd_kernel(
             acc_g = tile_zeros(ROWS, BLOCK)
             acc_gx = tile_zeros(ROWS, BLOCK)
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
-                block_cols, block_mask, mask, offs = row_block(rows, row_mask, cols, start, N, ROWS)
+                block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
                 x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, mean,
                                          rstd, True, HAS_WEIGHT, ROWS)  # fmt: skip
                 acc_g += g
@@ -276,7 +276,7 @@ def _layer_norm_bwd_kernel(
             mean_g = row_sums(acc_g, ROWS) / N
             mean_gx = row_sums(acc_gx, ROWS) / N
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
-                block_cols, block_mask, mask, offs = row_block(rows, row_mask, cols, start, N, ROWS)
+                block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
                 x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, mean,
                                          rstd, True, HAS_WEIGHT, ROWS)  # fmt: skip
                 _bwd_store(dx_ptr, offs, mask, block_cols, block_mask, x_hat, dy, g, rstd, mean_g, mean_gx,

@@ -270,13 +270,13 @@ def _rms_norm_bwd_kernel(
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             acc = tile_zeros(ROWS, BLOCK)
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
-                block_cols, block_mask, mask, offs = row_block(rows, row_mask, cols, start, N, ROWS)
+                block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
                 x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, offset,
                                      True, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS)  # fmt: skip
                 acc += g * x
             scale = rstd * rstd * row_sums(acc, ROWS) / N
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
-                block_cols, block_mask, mask, offs = row_block(rows, row_mask, cols, start, N, ROWS)
+                block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
                 x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, offset,
                                      True, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS)  # fmt: skip
                 _bwd_store(dx_ptr, offs, mask, block_cols, block_mask, x, dy, g, rstd, scale, acc, partial_row,

@@ -66,8 +66,8 @@ TILE_TUNED = {(32, False): (1024, 2, 2048, True, 1), (128, False): (1024, 2, 204
               (32, True): (2048, 4, 8192, True, 2), (16, True): (2048, 4, 8192, True, 2)}  # fmt: skip
 # Tuning hooks: KERNEL "pos" / "tile" forces a kernel (any layout), TILE_CONFIG a tile config.
 KERNEL: str | None = None
-FORCED_TILE_DEFAULT = (2048, 4, 8192, True)  # KERNEL == "tile" for a key not in TILE_TUNED
-TILE_CONFIG: tuple[int, int, int, bool] | None = None
+FORCED_TILE_DEFAULT = (2048, 4, 8192, True, 1)  # KERNEL == "tile" for a key not in TILE_TUNED
+TILE_CONFIG: tuple[int, int, int, bool, int] | None = None
 
 
 @triton.jit
@@ -390,8 +390,7 @@ def _cached_tile_config(B, T, n_q_heads, n_k_heads, head_dim, rows, kernel, cfg)
     cfg = cfg or (FORCED_TILE_DEFAULT if kernel == "tile" else None)
     if kernel == "pos" or cfg is None:
         return None
-    tile_elements, num_warps, min_programs, tables_once, *rest = cfg
-    head_stages = rest[0] if rest else 1
+    tile_elements, num_warps, min_programs, tables_once, head_stages = cfg
     block_t = max(1, tile_elements // triton.next_power_of_2(head_dim))
     # Decoding and short sequences (most of a tile masked off) and (B, T, H, D) memory (the
     # position kernel reads it contiguously) stay on the position kernel unless forced.
