@@ -220,7 +220,7 @@ def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
     torch's x.mul_(scale) on CUDA treats the 0-dim device tensor as a stride-0 operand, rounds
     it to x's dtype (bf16: up to 2^-8 relative) and runs its non-vectorized elementwise kernel:
-    0.98 ms for a 128256 x 2048 bf16 grad_W on the H200, against 0.26 ms here (one read and
+    0.96 ms for a 128256 x 2048 bf16 grad_W on the H200, against 0.26 ms here (one read and
     one write of its bytes take 0.22 ms at 4.8 TB/s)."""
     n = x.numel()
     if n:
