@@ -16,6 +16,7 @@ and reports it as a share of the 2 GiB copy's bandwidth: the most any kernel pai
 launch structure can show on the grid's % of copy.
 
 Usage (GPU machine, repo root): PYTHONPATH=src python3 scripts/copy_floor.py --out DIR
+  [--grid final|offgrid]
 Writes DIR/copy_floor.json and DIR/copy_floor.md.
 """
 
@@ -63,12 +64,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--grid", default="final", choices=["final", "offgrid"])
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     bw = copy_bandwidth_gbps(args.reps)
     rows = []
-    points = [("norms", shape) for shape in NORM_GRID["final"]] + [
-        ("rope", shape) for shape in ROPE_GRID["final"]
+    points = [("norms", shape) for shape in NORM_GRID[args.grid]] + [
+        ("rope", shape) for shape in ROPE_GRID[args.grid]
     ]
     for kind, shape in points:
         ms, nbytes = norm_floor(*shape, args.reps) if kind == "norms" else rope_floor(*shape[:5], args.reps)

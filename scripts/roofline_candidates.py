@@ -16,6 +16,14 @@ NORM_GRID = {
     "final": [
         (m, n) for m in (1024, 4096, 16384, 65536) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)
     ],
+    # Shapes the tables were not tuned on: real models' hidden sizes (Qwen2.5 1536, Gemma-2
+    # 2304, Phi-2 / Qwen3-4B 2560, Llama-3.2-3B 3072, 6144, DeepSeek-V3 7168, GPT-3 12288,
+    # 13824) at row counts off the powers of two.
+    "offgrid": [
+        (m, n) for m in (3000, 12288, 40960) for n in (1536, 2304, 2560, 3072, 6144, 7168, 12288, 13824)
+    ],
+    # Rows that fill at most 3/4 of a 2048 or 4096 block, which the table had no "part" entry for.
+    "parts": [(m, n) for m in (12288, 40960) for n in (1536, 2304, 2560, 3072)],
 }
 # (B, Hq, Hkv, T, D, rotary_dim or None)
 ROPE_GRID = {
@@ -66,6 +74,24 @@ ROPE_GRID = {
         (1, 32, 8, 16384, 128, 64),
         (1, 32, 8, 65536, 128, 32),
     ],
+    # Models' attention shapes the tile table and the position kernel were not tuned on.
+    "offgrid": [
+        (2, 28, 4, 4096, 128, None),  # Qwen2.5-7B
+        (4, 12, 2, 2048, 128, None),  # Qwen2.5-1.5B
+        (1, 64, 8, 8192, 128, None),  # Llama-3-70B
+        (1, 28, 4, 32768, 128, None),
+        (2, 32, 32, 4096, 96, None),  # Phi-3-mini: a head dim off the powers of two
+        (4, 32, 32, 2048, 80, 32),  # Phi-2: partial rotary of an 80-dim head
+        (2, 8, 4, 8192, 256, None),  # Gemma-2-2B
+        (4, 16, 1, 4096, 64, None),  # multi-query
+        (2, 32, 8, 8192, 64, None),
+        (8, 16, 16, 1024, 64, None),
+        (2, 16, 16, 2048, 128, 32),  # GPT-NeoX: a quarter of the head rotated
+        (1, 40, 8, 131072, 128, None),
+    ],
+    # Head dims off the powers of two (Phi-3's 96, 80): position kernel against tile kernel.
+    "d96": [(b, 32, 32, t, 96, None) for b in (1, 2, 4) for t in (1024, 4096)]
+    + [(1, 32, 8, 8192, 96, None), (2, 32, 32, 4096, 80, None)],
 }
 
 
@@ -271,11 +297,11 @@ SUM_CANDIDATES = [(64, 32, 4), (128, 32, 8), (256, 16, 8), (32, 64, 4), (128, 64
 # cannot undo: scripts/roofline_ab.py times the trees against each other.
 P = 0
 PREVIOUS = {
-    ("rms_norm", 16384, False): ((1, 16384, True, 32), (1, 16384, P, 16, 1, True, 0, 0, 1)),
+    ("rms_norm", 2048, True): ((2, 2048, True, 8), (1, 2048, P, 8, 4, False, 0, 0, 3)),
+    ("layer_norm", 2048, True): ((1, 2048, True, 4), (1, 2048, P, 8, 4, False, 0, 0, 3)),
+    ("layer_norm", 4096, True): ((1, 4096, True, 8), (1, 4096, P, 8, 2, True, 0, 0, 3)),
 }
-PREVIOUS_FEW = {
-    ("layer_norm", 16384, False): (None, (1, 16384, P, 16, 1, True, 0, 0, 1)),
-}
-# RoPE's TILE_TUNED before this session.
-PREVIOUS_ROPE_TILES = {(32, False): (1024, 2, 8192, True, 1), (32, True): (2048, 4, 8192, True, 1),
-                       (16, True): (2048, 4, 8192, True, 1)}  # fmt: skip
+PREVIOUS_FEW = {}
+# RoPE's TILE_TUNED before this session (head dims off the powers of two on the position kernel).
+PREVIOUS_ROPE_TILES = {(32, False): (1024, 2, 2048, True, 1), (128, False): (1024, 2, 2048, True, 1),
+                       (32, True): (2048, 4, 8192, True, 2), (16, True): (2048, 4, 8192, True, 2)}  # fmt: skip

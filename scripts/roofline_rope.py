@@ -30,7 +30,7 @@ def parse_tile_name(name):
 def table_key(shape):
     """rope.TILE_TUNED's key of a (B, Hq, Hkv, T, D, rotary_dim) point."""
     D, R = shape[4], shape[5] or shape[4]
-    return 1 << (R // 2 - 1).bit_length(), D > R
+    return R // 2, D > R
 
 
 def suggestions(rows):

@@ -439,7 +439,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--ops", default="rms_norm,layer_norm,rope")
-    ap.add_argument("--grid", default="tune", choices=["tune", "wide", "tiles", "over", "final", "rope"])
+    ap.add_argument("--grid", default="tune", choices=sorted({*NORM_GRID, *ROPE_GRID}))
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--jobs", type=int, default=12)
     ap.add_argument("--budget", type=float, default=330.0, help="seconds; stop starting new points after")

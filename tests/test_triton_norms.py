@@ -307,6 +307,7 @@ _PATHS = {
     "wide-apart-all-stages3": (2, "PATH_WIDE", False, 0, "APART_ALL", 3),
     "regs-reload-w-const-n": (1, "PATH_REGS", True, 0, "APART_NONE", 1, True),
     "tail-const-n": (1, "PATH_REGS", False, 64, "APART_NONE", 1, True),
+    "regs-rows2-const-n-stages3": (2, "PATH_REGS", False, 0, "APART_NONE", 3, True),
     "wide-apart-all-const-n": (2, "PATH_WIDE", False, 0, "APART_ALL", 3, True),
 }
 
@@ -368,6 +369,11 @@ def test_config_table_covers_the_sweep_widths():
             assert (op, block) in norms_mod.TUNED
             fwd, bwd = norms_mod.fwd_config(op, N), norms_mod.bwd_config(op, N)
             assert (fwd.block >= N) == fwd.single_block and bwd.single_block and bwd.block + bwd.tail >= N
+    # Rows that fill at most 3/4 of a 2048 or 4096 block take its "part" entry: compiled for the width.
+    for op, N in (("rms_norm", 1536), ("layer_norm", 1536), ("layer_norm", 2304), ("layer_norm", 3072)):
+        block = 1 << (N - 1).bit_length()
+        assert norms_mod._tuned(op, N, block) is norms_mod.TUNED[(op, block, "part")]
+        assert norms_mod.fwd_config(op, N).const_n and norms_mod.bwd_config(op, N).const_n
     # LayerNorm at 16384: the column kernel for the weight and bias gradients from M_FEW rows up.
     assert norms_mod.bwd_config("layer_norm", 16384, 4096).apart == norms_mod.APART_ALL
     # Below it, the weight gradient in the backward kernel, the bias gradient in the column kernel.

@@ -224,6 +224,14 @@ def test_rope_tile_kernel(monkeypatch, case):
     run_rope_check(ROPE_SHAPES["gqa"], torch.float32, ROPE_CASES[case])
 
 
+@pytest.mark.parametrize("case", ["neox", "interleaved"])
+def test_rope_tile_kernel_head_dim_off_pow2(monkeypatch, case):
+    """A head dim whose rotary half (12) is no power of two: the tile kernel's masked lanes."""
+    monkeypatch.setattr(rope_mod, "KERNEL", "tile")
+    monkeypatch.setattr(rope_mod, "TILE_CONFIG", TILE_CONFIGS["loop-heads-tables-once"])
+    run_rope_check(ROPE_SHAPES["mha"], torch.float32, ROPE_CASES[case])
+
+
 @pytest.mark.parametrize("config", list(TILE_CONFIGS)[1:])
 @pytest.mark.parametrize("case", ["neox", "partial-interleaved", "ids-interleaved-partial"])
 def test_rope_tile_kernel_configs(monkeypatch, config, case):
@@ -268,6 +276,7 @@ def test_rope_kernel_choice(monkeypatch):
     assert config(2, 8192, 16, 16, 64, 64, False) is None  # (B, T, H, D) memory
     assert config(1, 16, 16, 16, 64, 64, True) is None  # T < BLOCK_T = 32
     assert config(2, 8192, 16, 16, 128, 128, True) is None  # not in the table
+    assert config(2, 8192, 16, 16, 48, 48, True) is None  # the key is the exact half, 24
     monkeypatch.setattr(rope_mod, "KERNEL", "pos")
     assert config(2, 8192, 16, 16, 64, 64, True) is None
 

@@ -289,10 +289,13 @@ class Tuned:
 # (benchmarks/results/2026-11-23-norm-probe/constn): above all at 11008 columns, where one
 # padded 16384 block now beats the two exact register blocks (RMSNorm backward 0.87x), and
 # RMSNorm at 16384 columns since one-row tiles are 1-D (1.07-1.14x fwd+bwd,
-# benchmarks/results/2026-11-24-h200-norm-1d/).
+# benchmarks/results/2026-11-24-h200-norm-1d/). The "part" entries of the 2048 and 4096 blocks
+# (e.g. 1536 and 2304-3072 columns) are const_n (the masked lanes fold away): 2-6% over the full
+# blocks' entries (benchmarks/results/2026-11-24-h200-offgrid/parts).
 TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 1024): Tuned(2, 4, 4, 8),
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
+    ("rms_norm", 2048, "part"): Tuned(2, 4, 8, 4, stages=3, const_n=True),
     ("rms_norm", 4096): Tuned(1, 8, 16, 2, stages=3, const_n=True),
     ("rms_norm", 8192): Tuned(1, 16, 8, 1, fwd_chunk=4096, hints=True, reload_w=True, stages=3, const_n=True),
     ("rms_norm", 8192, "part"): Tuned(
@@ -302,7 +305,9 @@ TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 16384, "part"): Tuned(1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True),
     ("layer_norm", 1024): Tuned(2, 4, 4, 8),
     ("layer_norm", 2048): Tuned(1, 4, 8, 4, stages=3),
+    ("layer_norm", 2048, "part"): Tuned(2, 4, 8, 4, stages=3, const_n=True),
     ("layer_norm", 4096): Tuned(1, 8, 8, 2, reload_w=True, stages=3),
+    ("layer_norm", 4096, "part"): Tuned(1, 4, 8, 2, reload_w=True, stages=3, const_n=True),
     ("layer_norm", 8192): Tuned(1, 8, 16, 1, stages=3, const_n=True),
     ("layer_norm", 8192, "part"): Tuned(1, 8, 16, 1, fwd_chunk=2048, hints=True, stages=3, const_n=True),
     ("layer_norm", 16384, "part"): Tuned(

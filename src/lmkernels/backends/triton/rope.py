@@ -61,8 +61,12 @@ MIN_PROGRAMS = 8192
 # (benchmarks/results/2026-11-24-h200-rope-tile2/): D = 64 1.00-1.03x, D = 256 1.03-1.14x,
 # partial rotary 1.05-1.10x (its head loop pipelined: the next head's loads in flight). D = 128
 # keeps the position kernel: the tile kernel ranged 0.90-1.08x of it over batch 1-8.
+# Head dims off the powers of two (Phi-3's 96, 80) leave a quarter or more of the position
+# kernel's lanes masked; there the tile kernel was 1.12-1.20x faster (batch 1-4, 1k-8k positions,
+# benchmarks/results/2026-11-24-h200-rope-offgrid/). The key is the exact rotary half width.
 # (B, T, H, D) memory (transformers' q and k) and decoding take the position kernel.
 TILE_TUNED = {(32, False): (1024, 2, 2048, True, 1), (128, False): (1024, 2, 2048, True, 1),
+              (48, False): (1024, 2, 2048, True, 1), (40, False): (2048, 4, 8192, True, 1),
               (32, True): (2048, 4, 8192, True, 2), (16, True): (2048, 4, 8192, True, 2)}  # fmt: skip
 # Tuning hooks: KERNEL "pos" / "tile" forces a kernel (any layout), TILE_CONFIG a tile config.
 KERNEL: str | None = None
@@ -381,7 +385,7 @@ def _tile_config(B: int, T: int, n_q_heads: int, n_k_heads: int, rot_dim: int, h
     position kernel runs. rows: every head of q, k and the outputs has contiguous positions."""
     # The table's entry (not the table) is an argument of the cached function: tests and the
     # tuner change TILE_TUNED.
-    entry = TILE_TUNED.get((1 << max(rot_dim // 2 - 1, 0).bit_length(), head_dim > rot_dim))
+    entry = TILE_TUNED.get((rot_dim // 2, head_dim > rot_dim))
     return _cached_tile_config(B, T, n_q_heads, n_k_heads, head_dim, rows, KERNEL, TILE_CONFIG or entry)
 
 
