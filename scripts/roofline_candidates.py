@@ -95,6 +95,11 @@ ROPE_GRID = {
 }
 
 
+# Both grids at once (A/B runs): the grid and the shapes the tables were not tuned on.
+for _grid in (NORM_GRID, ROPE_GRID):
+    _grid["all"] = _grid["final"] + _grid["offgrid"]
+
+
 def norm_fwd_candidates(N):
     from lmkernels.backends.triton import _norms
 

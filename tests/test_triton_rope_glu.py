@@ -187,20 +187,26 @@ def test_rope(case, shape, dtype):
 
 
 @pytest.mark.parametrize(
-    "tile,min_programs",
-    [(16, 1), (16, 28), (64, 1)],
-    ids=["one-head-groups-one-program-per-position", "two-splits", "grouped-heads-one-program"],
-)
+    "shape,tile,min_programs",
+    [("gqa", 16, 1), ("gqa", 16, 28), ("gqa", 32, 1), ("mha", 64, 1)],
+    ids=[
+        "one-head-groups-one-program-per-position", "two-splits", "grouped-heads-one-program",
+        "q-and-k-rows-in-one-group",
+    ],
+)  # fmt: skip
 @pytest.mark.parametrize("case", ["neox", "partial-interleaved"])
-def test_rope_launch_configs(monkeypatch, tile, min_programs, case):
-    """The head-group loop: a program looping over several groups, and groups split over programs."""
+def test_rope_launch_configs(monkeypatch, shape, tile, min_programs, case):
+    """The head-group loop: a program looping over several groups, groups split over programs,
+    and (3 q + 3 k heads in groups of 2) a group that holds a q row and a k row."""
     monkeypatch.setattr(rope_mod, "TILE_ELEMENTS", tile)
     monkeypatch.setattr(rope_mod, "MIN_PROGRAMS", min_programs)
-    shape = ROPE_SHAPES["gqa"]
+    shape = ROPE_SHAPES[shape]
     R = 2 * math.ceil(shape[4] / 4) if ROPE_CASES[case].get("partial") else shape[4]
     block_h, _, _, splits, _ = rope_mod._launch_config(shape[0] * shape[3], shape[1], shape[2], R, shape[4])
-    n_groups = math.ceil(shape[1] / block_h) + math.ceil(shape[2] / block_h)
+    n_groups = math.ceil((shape[1] + shape[2]) / block_h)
     assert n_groups > splits  # some program handles several groups
+    if shape == ROPE_SHAPES["mha"]:
+        assert shape[1] % block_h  # the group of the last q head holds a k head too
     run_rope_check(shape, torch.float32, ROPE_CASES[case])
 
 

@@ -1,8 +1,8 @@
 """Rotary position embedding of q and k in Triton: both tensors in one launch.
 
-Two kernels, same arithmetic (_rotate_rows). The position kernel, grid (B*T, splits): program
-(p, s) handles position p = b*T + t and every `splits`-th group of BLOCK_H heads, q's groups
-first, then k's. cos/sin for the position are loaded once per program; with splits == 1 (long
+Two kernels, same arithmetic (_rotate_row_ptrs). The position kernel, grid (B*T, splits):
+program (p, s) handles position p = b*T + t and every `splits`-th group of BLOCK_H of its
+Hq + Hkv head rows (q's, then k's; a group may hold both). cos/sin for the position are loaded once per program; with splits == 1 (long
 sequences) one program rotates all Hq + Hkv heads of its position. The tile kernel, grid
 (B * T/BLOCK_T, splits): BLOCK_T positions x every `splits`-th head, a (positions x head dims)
 tile per head; it runs where a head's positions are contiguous in memory and TILE_TUNED names
@@ -97,14 +97,38 @@ def _rotate_rows(
     INTERLEAVED: tl.constexpr,
     HAS_REST: tl.constexpr,
 ):
-    """Rotate rows r0 .. r0 + BLOCK_R (masked to n_rows) of head dims: the heads of one position
-    (_rope_kernel) or the positions of one head (_rope_tile_kernel). The tables are
-    (1, BLOCK_HALF) (one position) or (BLOCK_R, BLOCK_HALF) (a row each)."""
+    """Rotate rows r0 .. r0 + BLOCK_R (masked to n_rows) of head dims: the positions of one head
+    (_rope_tile_kernel). The tables are (BLOCK_R, BLOCK_HALF), a row each."""
     rows = r0 + tl.arange(0, BLOCK_R)
-    row_mask = rows < n_rows
     # 64-bit: rows * stride can pass 2^31 for long sequences.
     x_rows = x_ptr + x_base + rows.to(tl.int64) * stride_xr
     o_rows = out_ptr + out_base + rows.to(tl.int64) * stride_or
+    _rotate_row_ptrs(
+        x_rows, o_rows, rows < n_rows, cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
+        BLOCK_R, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
+    )  # fmt: skip
+
+
+@triton.jit
+def _rotate_row_ptrs(
+    x_rows,
+    o_rows,
+    row_mask,
+    cos_a,
+    cos_b,
+    sin_a,
+    sin_b,
+    half: tl.constexpr,
+    rot_dim: tl.constexpr,
+    head_dim: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_REST: tl.constexpr,
+):
+    """Rotate the BLOCK_R rows of head dims that start at x_rows (masked by row_mask) into
+    o_rows. The tables are (1, BLOCK_HALF) (one position) or (BLOCK_R, BLOCK_HALF)."""
     if INTERLEAVED:
         # Load the rows contiguously (vector loads along D), then view each row as
         # (BLOCK_HALF, 2) pairs (2i, 2i+1) and split them in registers.
@@ -115,7 +139,7 @@ def _rotate_rows(
         o_a = x_a * cos_a - x_b * sin_a
         o_b = x_b * cos_b + x_a * sin_b
         out = tl.reshape(tl.join(o_a, o_b), (BLOCK_R, 2 * BLOCK_HALF))
-        tl.store(o_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_rows[:, None] + d[None, :], out.to(o_rows.dtype.element_ty), mask=mask)
     else:
         i = tl.arange(0, BLOCK_HALF)
         mask = row_mask[:, None] & (i < half)[None, :]
@@ -123,14 +147,14 @@ def _rotate_rows(
         x_b = tl.load(x_rows[:, None] + (i + half)[None, :], mask=mask, other=0.0).to(tl.float32)
         o_a = x_a * cos_a - x_b * sin_a
         o_b = x_b * cos_b + x_a * sin_b
-        tl.store(o_rows[:, None] + i[None, :], o_a.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(o_rows[:, None] + (i + half)[None, :], o_b.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_rows[:, None] + i[None, :], o_a.to(o_rows.dtype.element_ty), mask=mask)
+        tl.store(o_rows[:, None] + (i + half)[None, :], o_b.to(o_rows.dtype.element_ty), mask=mask)
     if HAS_REST:
         # Dims rot_dim .. head_dim are not rotated: copied as they are.
         r = rot_dim + tl.arange(0, BLOCK_REST)
         mask = row_mask[:, None] & (r < head_dim)[None, :]
         rest = tl.load(x_rows[:, None] + r[None, :], mask=mask, other=0.0)
-        tl.store(o_rows[:, None] + r[None, :], rest.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_rows[:, None] + r[None, :], rest.to(o_rows.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -206,24 +230,24 @@ def _rope_kernel(
     cos_a, cos_b, sin_a, sin_b = cos_a[None, :], cos_b[None, :], sin_a[None, :], sin_b[None, :]
     rot_dim = 2 * half
     # Outputs are dense with unit stride along D, laid out (B, H, T, D) or (B, T, H, D) (see
-    # _rope_rotate); their strides come from the host (64-bit if need be).
-    n_q_groups = tl.cdiv(n_q_heads, BLOCK_H)
-    n_groups = n_q_groups + tl.cdiv(n_k_heads, BLOCK_H)
-    for g in range(tl.program_id(1), n_groups, splits):
-        if g < n_q_groups:
-            _rotate_rows(
-                q_ptr, q_out_ptr, b * stride_qb + t * stride_qt,
-                b * stride_oqb + t * stride_oqt, stride_qh, stride_oqh,
-                g * BLOCK_H, n_q_heads, cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
-                BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
-            )  # fmt: skip
-        else:
-            _rotate_rows(
-                k_ptr, k_out_ptr, b * stride_kb + t * stride_kt,
-                b * stride_okb + t * stride_okt, stride_kh, stride_okh,
-                (g - n_q_groups) * BLOCK_H, n_k_heads, cos_a, cos_b, sin_a, sin_b, half, rot_dim,
-                head_dim, BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
-            )  # fmt: skip
+    # _rope_rotate); their strides come from the host (64-bit if need be). The position's
+    # Hq + Hkv head rows, q's then k's, in groups of BLOCK_H: a group may hold rows of both, so
+    # that no group is left mostly masked where Hkv (or Hq) is not a multiple of BLOCK_H.
+    q_in = q_ptr + b * stride_qb + t * stride_qt
+    k_in = k_ptr + b * stride_kb + t * stride_kt
+    q_out = q_out_ptr + b * stride_oqb + t * stride_oqt
+    k_out = k_out_ptr + b * stride_okb + t * stride_okt
+    n_rows = n_q_heads + n_k_heads
+    for g in range(tl.program_id(1), tl.cdiv(n_rows, BLOCK_H), splits):
+        r = g * BLOCK_H + tl.arange(0, BLOCK_H)
+        is_q = r < n_q_heads
+        head = tl.where(is_q, r, r - n_q_heads).to(tl.int64)
+        x_rows = tl.where(is_q, q_in + head * stride_qh, k_in + head * stride_kh)
+        o_rows = tl.where(is_q, q_out + head * stride_oqh, k_out + head * stride_okh)
+        _rotate_row_ptrs(
+            x_rows, o_rows, r < n_rows, cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
+            BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -373,9 +397,9 @@ def _cached_launch_config(n_pos, n_q_heads, n_k_heads, rot_dim, head_dim, tile, 
     tile_elements = tile if tile is not None else tile_elements
     num_warps = warps if warps is not None else num_warps
     block_rest = triton.next_power_of_2(rest) if rest else 1
-    max_heads = triton.next_power_of_2(max(n_q_heads, n_k_heads))
+    max_heads = triton.next_power_of_2(n_q_heads + n_k_heads)
     block_h = max(1, min(max_heads, tile_elements // (2 * block_half)))
-    n_groups = cdiv(n_q_heads, block_h) + cdiv(n_k_heads, block_h)
+    n_groups = cdiv(n_q_heads + n_k_heads, block_h)
     splits = max(1, min(n_groups, cdiv(min_programs, max(n_pos, 1))))
     return block_h, block_half, block_rest, splits, num_warps
 
