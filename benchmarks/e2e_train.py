@@ -26,6 +26,10 @@ to their estimated cost; points that do not fit are recorded as skipped.
 --quick arithmetic (H200): 3 configs x 11 distinct llama-1b points (~2.5 s each) + 15 s of start-up
 = 128 s; 3 configs x 3 v256k points = 68 s; 2 compiled configs x (start-up + one compile of the
 model, ~60 s, batch dynamic + 2 points) = 160 s: ~6 min, budget 360 s.
+--rounds N: the whole plan N times, the configurations' order rotated each round; a point's
+step time is the median over the rounds (per-round rows in e2e_rounds.json). In the host-bound
+regime (small batches) the host's speed drifts by tens of percent within a run, and one
+configuration measured after another takes the drift as its own difference.
 Outputs in --out: e2e.csv, e2e.json, summary.md, e2e_<sweep>.png, memory_timeline.png.
 """
 
@@ -180,14 +184,52 @@ def plan_workers(args) -> list[dict[str, Any]]:
     return workers
 
 
+def rounds(workers, n: int) -> list[tuple]:
+    """The plan n times; round r runs the configurations of each model rotated by r."""
+    out = []
+    for r in range(n):
+        for model in dict.fromkeys(w[0] for w in workers):
+            mine = [w for w in workers if w[0] == model]
+            k = r % len(mine)
+            out += [(*w, r) for w in mine[k:] + mine[:k]]
+    return out
+
+
+def median_over_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (model, config, sweep, point): the median step time of the rounds that ran
+    it (tokens/s from that), the largest peak; the rounds' tokens/s in the note."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[k] for k in ("model", "config", "sweep", "batch", "seq")), []).append(row)
+    out = []
+    for group in groups.values():
+        ok = sorted((r for r in group if r["status"] == "ok"), key=lambda r: r["step_ms"])
+        if not ok:
+            out.append({k: v for k, v in group[0].items() if k != "round"})
+            continue
+        mid = ok[(len(ok) - 1) // 2] if len(ok) % 2 else None
+        row = {k: v for k, v in (mid or ok[len(ok) // 2]).items() if k != "round"}
+        if mid is None:  # even count: the mean of the two middle step times
+            row["step_ms"] = (ok[len(ok) // 2 - 1]["step_ms"] + ok[len(ok) // 2]["step_ms"]) / 2
+        row["tokens_per_s"] = row["batch"] * row["seq"] / (row["step_ms"] / 1e3)
+        peaks = [r["peak_gib"] for r in ok if r["peak_gib"] is not None]  # None on the CPU
+        row["peak_gib"] = max(peaks) if peaks else None
+        rates = ", ".join(f"{r['tokens_per_s'] / 1e3:.1f}k" for r in sorted(ok, key=lambda r: r["round"]))
+        row["note"] = f"median of {len(ok)} rounds ({rates})"
+        out.append(row)
+    return out
+
+
 def cost(config: str, points: list[dict[str, Any]]) -> float:
     """Estimated seconds: start-up, ~2.5 s per distinct point, ~60 s for compiling the model."""
     distinct = {(p["batch"], p["seq"]) for p in points}
     return 15 + 2.5 * len(distinct) + (60 if config.endswith("+compile") else 0)
 
 
-def run_config(model_name, config, points, args, out: Path, deadline: float) -> list[dict[str, Any]]:
-    slug = "".join(c if c.isalnum() or c in "-." else "_" for c in f"{model_name}_{config}")
+def run_config(
+    model_name, config, points, args, out: Path, deadline: float, tag: str = ""
+) -> list[dict[str, Any]]:
+    slug = "".join(c if c.isalnum() or c in "-." else "_" for c in f"{model_name}_{config}{tag}")
     results, timeline = out / "raw" / f"{slug}.jsonl", out / "raw" / f"timeline_{slug}.json"
     results.parent.mkdir(parents=True, exist_ok=True)
     for stale in (results, timeline):  # from an earlier run into the same directory
@@ -241,6 +283,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"seconds timed per point, at least (default {setup.MIN_TIMED_S}, quick 1)",
     )
     p.add_argument("--budget", type=float, help="seconds for the whole run (default 540, quick 360)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the plan, configurations rotated (median)")
     p.add_argument("--device", default="cuda")
     p.add_argument(
         "--tiny", action="store_true", help="a 2-layer model with vocab 1000 (script check, CPU ok)"
@@ -283,19 +326,24 @@ def main(argv=None) -> int:
         setup.parse_config(name)  # fail early on a typo
     out = Path(args.out or f"benchmarks/results/e2e-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    workers = plan_workers(args)
+    workers = rounds(plan_workers(args), args.rounds)
     start = time.time()
     end = start + args.budget
     rows: list[dict[str, Any]] = []
-    for i, (model, config, points) in enumerate(workers):
-        left = sum(cost(c, p) for _, c, p in workers[i:])
+    for i, (model, config, points, r) in enumerate(workers):
+        left = sum(cost(c, p) for _, c, p, _ in workers[i:])
         share = (end - time.time()) * cost(config, points) / left  # unused time passes on
         if share < 10:  # not even time to build the model
             who = {"model_name": "tiny" if args.tiny else model, "config": config}
-            rows += [blank(who, p, "skipped", "time budget") for p in points]
+            rows += [blank(who, p, "skipped", "time budget") | {"round": r} for p in points]
             continue
         log(f"[{i + 1}/{len(workers)}] {model} {config}: {len(points)} points, {share:.0f} s")
-        rows += run_config(model, config, points, args, out, time.time() + share)
+        tag = f"_r{r}" if args.rounds > 1 else ""
+        got = run_config(model, config, points, args, out, time.time() + share, tag)
+        rows += [row | {"round": r} for row in got]
+    if args.rounds > 1:
+        (out / "e2e_rounds.json").write_text(json.dumps(rows, indent=1))
+        rows = median_over_rounds(rows)
     meta = setup.environment() | {
         "models": {m: setup.MODEL_TITLES[m] for m in dict.fromkeys(r["model"] for r in rows)},
         "steps": args.steps,

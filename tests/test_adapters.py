@@ -3,6 +3,7 @@
 
 import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -394,3 +395,23 @@ def test_run_bench_budget_and_partial_writes(monkeypatch):
     )
     assert [r["status"] for r in rows] == ["skipped", "skipped"] and rows[0]["note"] == "time budget"
     assert calls == [1, 2]
+
+
+def test_e2e_rounds_rotate_configs_and_take_the_median(monkeypatch):
+    """--rounds: each round runs the configurations in another order; a point's step time is
+    the median over the rounds that ran it."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    e2e = importlib.import_module("e2e_train")
+    plan = [("m", "plain", ["p"]), ("m", "lmk", ["p"]), ("m", "liger", ["p"])]
+    order = [(w[1], w[3]) for w in e2e.rounds(plan, 3)]
+    assert order[:3] == [("plain", 0), ("lmk", 0), ("liger", 0)]
+    assert order[3:6] == [("lmk", 1), ("liger", 1), ("plain", 1)] and order[6][0] == "liger"
+    row = {"model": "m", "config": "lmk", "sweep": "small", "batch": 2, "seq": 512, "status": "ok"}
+    rows = [row | {"round": r, "step_ms": ms, "tokens_per_s": 0.0, "peak_gib": 9.0 + r, "note": ""}
+            for r, ms in enumerate((80.0, 64.0, 70.0))]  # fmt: skip
+    rows.append(row | {"round": 3, "status": "error", "step_ms": None, "peak_gib": None})
+    (median,) = e2e.median_over_rounds(rows)
+    assert median["step_ms"] == 70.0 and median["peak_gib"] == 11.0 and "round" not in median
+    assert median["tokens_per_s"] == pytest.approx(1024 / 0.070) and "median of 3 rounds" in median["note"]
+    (even,) = e2e.median_over_rounds(rows[:2])
+    assert even["step_ms"] == 72.0

@@ -290,8 +290,8 @@ class Tuned:
 # padded 16384 block now beats the two exact register blocks (RMSNorm backward 0.87x), and
 # RMSNorm at 16384 columns since one-row tiles are 1-D (1.07-1.14x fwd+bwd,
 # benchmarks/results/2026-11-24-h200-norm-1d/). The "part" entries of the 2048 and 4096 blocks
-# (e.g. 1536 and 2304-3072 columns) are const_n (the masked lanes fold away): 2-6% over the full
-# blocks' entries (benchmarks/results/2026-11-24-h200-offgrid/parts).
+# (e.g. 1536 and 2304-3072 columns) are const_n (the masked lanes fold away): 2-7% over the full
+# blocks' entries (benchmarks/results/2026-11-24-h200-offgrid/parts/).
 TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 1024): Tuned(2, 4, 4, 8),
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),

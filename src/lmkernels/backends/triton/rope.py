@@ -63,7 +63,7 @@ MIN_PROGRAMS = 8192
 # keeps the position kernel: the tile kernel ranged 0.90-1.08x of it over batch 1-8.
 # Head dims off the powers of two (Phi-3's 96, 80) leave a quarter or more of the position
 # kernel's lanes masked; there the tile kernel was 1.12-1.20x faster (batch 1-4, 1k-8k positions,
-# benchmarks/results/2026-11-24-h200-rope-offgrid/). The key is the exact rotary half width.
+# benchmarks/results/2026-11-24-h200-offgrid/d96-tune/). The key is the exact rotary half width.
 # (B, T, H, D) memory (transformers' q and k) and decoding take the position kernel.
 TILE_TUNED = {(32, False): (1024, 2, 2048, True, 1), (128, False): (1024, 2, 2048, True, 1),
               (48, False): (1024, 2, 2048, True, 1), (40, False): (2048, 4, 8192, True, 1),
@@ -232,7 +232,9 @@ def _rope_kernel(
     # Outputs are dense with unit stride along D, laid out (B, H, T, D) or (B, T, H, D) (see
     # _rope_rotate); their strides come from the host (64-bit if need be). The position's
     # Hq + Hkv head rows, q's then k's, in groups of BLOCK_H: a group may hold rows of both, so
-    # that no group is left mostly masked where Hkv (or Hq) is not a multiple of BLOCK_H.
+    # that no group is left mostly masked where Hkv (or Hq) is not a multiple of BLOCK_H
+    # (Hkv = 4 filled a quarter of a group of 16 in a group of its own: 1.05-1.11x fwd+bwd with
+    # 2-4 kv heads, benchmarks/results/2026-11-24-h200-offgrid/rope-mixed-rows-ab/).
     q_in = q_ptr + b * stride_qb + t * stride_qt
     k_in = k_ptr + b * stride_kb + t * stride_kt
     q_out = q_out_ptr + b * stride_oqb + t * stride_oqt
