@@ -1,12 +1,12 @@
 """Rotary position embedding of q and k in Triton: both tensors in one launch.
 
-Two kernels, same arithmetic (_rotate_row_ptrs). The position kernel, grid (B*T, splits):
+Two kernels, same arithmetic (_rotate_rows). The position kernel, grid (B*T, splits):
 program (p, s) handles position p = b*T + t and every `splits`-th group of BLOCK_H of its
-Hq + Hkv head rows (q's, then k's; a group may hold both). cos/sin for the position are loaded once per program; with splits == 1 (long
-sequences) one program rotates all Hq + Hkv heads of its position. The tile kernel, grid
-(B * T/BLOCK_T, splits): BLOCK_T positions x every `splits`-th head, a (positions x head dims)
-tile per head; it runs where a head's positions are contiguous in memory and TILE_TUNED names
-the head / rotary dims (see there).
+Hq + Hkv head rows (q's, then k's; a group may hold both). cos/sin for the position are loaded
+once per program; with splits == 1 (long sequences) one program rotates all Hq + Hkv heads of
+its position. The tile kernel, grid (B * T/BLOCK_T, splits): BLOCK_T positions x every
+`splits`-th head, a (positions x head dims) tile per head; it runs where a head's positions are
+contiguous in memory and TILE_TUNED names the head / rotary dims (see there).
 
 Each head's first R = rotary_dim dims are split into the two halves of the rotation pairs
 (x_a, x_b): neox pairs j with j + R/2 (two contiguous loads), interleaved pairs 2i with 2i+1
@@ -76,41 +76,6 @@ TILE_CONFIG: tuple[int, int, int, bool, int] | None = None
 
 @triton.jit
 def _rotate_rows(
-    x_ptr,
-    out_ptr,
-    x_base,
-    out_base,
-    stride_xr,
-    stride_or,
-    r0,
-    n_rows,
-    cos_a,
-    cos_b,
-    sin_a,
-    sin_b,
-    half: tl.constexpr,
-    rot_dim: tl.constexpr,
-    head_dim: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    BLOCK_REST: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    HAS_REST: tl.constexpr,
-):
-    """Rotate rows r0 .. r0 + BLOCK_R (masked to n_rows) of head dims: the positions of one head
-    (_rope_tile_kernel). The tables are (BLOCK_R, BLOCK_HALF), a row each."""
-    rows = r0 + tl.arange(0, BLOCK_R)
-    # 64-bit: rows * stride can pass 2^31 for long sequences.
-    x_rows = x_ptr + x_base + rows.to(tl.int64) * stride_xr
-    o_rows = out_ptr + out_base + rows.to(tl.int64) * stride_or
-    _rotate_row_ptrs(
-        x_rows, o_rows, rows < n_rows, cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
-        BLOCK_R, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
-    )  # fmt: skip
-
-
-@triton.jit
-def _rotate_row_ptrs(
     x_rows,
     o_rows,
     row_mask,
@@ -127,8 +92,10 @@ def _rotate_row_ptrs(
     INTERLEAVED: tl.constexpr,
     HAS_REST: tl.constexpr,
 ):
-    """Rotate the BLOCK_R rows of head dims that start at x_rows (masked by row_mask) into
-    o_rows. The tables are (1, BLOCK_HALF) (one position) or (BLOCK_R, BLOCK_HALF)."""
+    """Rotate BLOCK_R rows of head dims, the row starts x_rows (masked by row_mask), into the
+    rows o_rows: the heads of one position (_rope_kernel) or the positions of one head
+    (_rope_tile_kernel), whose row offsets are 64-bit (they can pass 2^31 for long sequences).
+    The tables are (1, BLOCK_HALF) (one position) or (BLOCK_R, BLOCK_HALF) (a row each)."""
     if INTERLEAVED:
         # Load the rows contiguously (vector loads along D), then view each row as
         # (BLOCK_HALF, 2) pairs (2i, 2i+1) and split them in registers.
@@ -246,7 +213,7 @@ def _rope_kernel(
         head = tl.where(is_q, r, r - n_q_heads).to(tl.int64)
         x_rows = tl.where(is_q, q_in + head * stride_qh, k_in + head * stride_kh)
         o_rows = tl.where(is_q, q_out + head * stride_oqh, k_out + head * stride_okh)
-        _rotate_row_ptrs(
+        _rotate_rows(
             x_rows, o_rows, r < n_rows, cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
             BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
         )  # fmt: skip
@@ -354,10 +321,10 @@ def _rope_tile_kernel(
         head = tl.where(is_q, h, h - n_q_heads).to(tl.int64)
         x_base = b * tl.where(is_q, stride_qb, stride_kb) + head * tl.where(is_q, stride_qh, stride_kh)
         out_base = b * tl.where(is_q, stride_oqb, stride_okb) + head * tl.where(is_q, stride_oqh, stride_okh)
+        x_rows = tl.where(is_q, q_ptr, k_ptr) + x_base + t * tl.where(is_q, stride_qt, stride_kt)
+        o_rows = tl.where(is_q, q_out_ptr, k_out_ptr) + out_base + t * tl.where(is_q, stride_oqt, stride_okt)
         _rotate_rows(
-            tl.where(is_q, q_ptr, k_ptr), tl.where(is_q, q_out_ptr, k_out_ptr), x_base, out_base,
-            tl.where(is_q, stride_qt, stride_kt), tl.where(is_q, stride_oqt, stride_okt), t0, T,
-            cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
+            x_rows, o_rows, t_mask, cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
             BLOCK_T, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
         )  # fmt: skip
 
