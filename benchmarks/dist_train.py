@@ -306,6 +306,11 @@ def main(argv=None) -> int:
     env = environment(args)
     deadline = time.monotonic() + args.budget
     rows = []
+
+    def save():  # after every run too: a driver stopped by a time limit keeps what it measured
+        (out / "dist.json").write_text(json.dumps({"environment": env, "runs": rows}, indent=1))
+        (out / "summary.md").write_text(summary(rows, env))
+
     with tempfile.TemporaryDirectory(prefix="lmk-dist-") as tmp:
         for mode in args.modes.split(","):
             for config in args.configs:
@@ -319,11 +324,8 @@ def main(argv=None) -> int:
                 row["wall_s"] = round(time.monotonic() - start, 1)
                 log(f"  -> {row['status']} {row.get('error', '')[:100]}")
                 rows.append(row)
-                # After every run: a driver stopped by a time limit keeps what it measured.
-                (out / "dist.json").write_text(json.dumps({"environment": env, "runs": rows}, indent=1))
-                (out / "summary.md").write_text(summary(rows, env))
-    (out / "dist.json").write_text(json.dumps({"environment": env, "runs": rows}, indent=1))
-    (out / "summary.md").write_text(summary(rows, env))
+                save()
+    save()
     plot(rows, out / "dist_loss.png")
     print(summary(rows, env))
     return 0

@@ -40,6 +40,7 @@ import gc
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -207,10 +208,8 @@ def median_over_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not ok:
             out.append({k: v for k, v in group[0].items() if k != "round"})
             continue
-        mid = ok[(len(ok) - 1) // 2] if len(ok) % 2 else None
-        row = {k: v for k, v in (mid or ok[len(ok) // 2]).items() if k != "round"}
-        if mid is None:  # even count: the mean of the two middle step times
-            row["step_ms"] = (ok[len(ok) // 2 - 1]["step_ms"] + ok[len(ok) // 2]["step_ms"]) / 2
+        row = {k: v for k, v in ok[len(ok) // 2].items() if k != "round"}
+        row["step_ms"] = statistics.median(r["step_ms"] for r in ok)
         row["tokens_per_s"] = row["batch"] * row["seq"] / (row["step_ms"] / 1e3)
         peaks = [r["peak_gib"] for r in ok if r["peak_gib"] is not None]  # None on the CPU
         row["peak_gib"] = max(peaks) if peaks else None
