@@ -24,6 +24,10 @@ NORM_GRID = {
     ],
     # Rows that fill at most 3/4 of a 2048 or 4096 block, which the table had no "part" entry for.
     "parts": [(m, n) for m in (12288, 40960) for n in (1536, 2304, 2560, 3072)],
+    # LayerNorm's wide rows, where its backward read x and dy twice (the column kernel): the
+    # backward that reads them again from L1 / L2 instead (reload_x).
+    "reload": [(m, n) for m in (4096, 65536) for n in (8192, 11008, 12288, 16384)]
+    + [(16384, 5120), (16384, 16384)],
 }
 # (B, Hq, Hkv, T, D, rotary_dim or None)
 ROPE_GRID = {
@@ -132,7 +136,8 @@ def norm_bwd_candidates(N, op="rms_norm", new_only=False):
     if new_only and N > _norms.MAX_FUSED_N:
         return _wide_bwd_candidates(_norms)
     if new_only:
-        return _const_n_bwd_candidates(N, op, block, _norms)
+        reload = _reload_x_bwd_candidates(N, block, _norms) if op == "layer_norm" else []
+        return list(dict.fromkeys(_const_n_bwd_candidates(N, op, block, _norms) + reload))
     if N > _norms.MAX_FUSED_N:  # only the wide path can hold such rows
         return _wide_tile_bwd_candidates(N, _norms)
     out = _split_bwd_candidates(N, op, block, _norms) + _wide_tile_bwd_candidates(N, _norms)
@@ -171,6 +176,26 @@ def _const_n_bwd_candidates(N, op, block, _norms):
                     _norms.BwdConfig(1, block, _norms.PATH_REGS, 16, pps, True, apart=apart, const_n=True)
                 )
     return list(dict.fromkeys(out))
+
+
+def _reload_x_bwd_candidates(N, block, _norms):
+    """LayerNorm rows of over 4096 columns with both gradient sums (or dw alone) in registers:
+    x and dy read again after the row sums (reload_x), as one register block or two (the
+    largest power of two <= N, then the rest); one program per SM (16 warps use 128 registers
+    per thread, 32 warps 64: a whole register file)."""
+    if block < 8192:
+        return []
+    out = []
+    for lo, tail in ((block, 0), (block // 2, 1 << (N - block // 2 - 1).bit_length())):
+        for warps in (16, 32):
+            for stages in (1, 3):
+                for apart in (_norms.APART_NONE, _norms.APART_DB):
+                    out.append(
+                        _norms.BwdConfig(
+                            1, lo, _norms.PATH_REGS, warps, 1, True, tail, apart, stages, True, reload_x=True
+                        )
+                    )
+    return out
 
 
 def const_n_fwd_candidates(N, op):
@@ -278,7 +303,7 @@ def bwd_name(b):
         tag += " apart-" + ("db" if b.apart == _norms.APART_DB else "all")
     if b.stages > 1:
         tag += f" s{b.stages}"
-    return tag + (" const" if b.const_n else "")
+    return tag + (" const" if b.const_n else "") + (" rx" if b.reload_x else "")
 
 
 # Column-kernel configurations tried with the "apart" candidates: (BLOCK_M, BLOCK_N, warps, per SM).
@@ -298,15 +323,13 @@ SUM_CANDIDATES = [(64, 32, 4), (128, 32, 8), (256, 16, 8), (32, 64, 4), (128, 64
 # The table before this session's changes (per op, block and "part"; fwd args of FwdConfig or
 # None where unchanged, bwd args of BwdConfig): --lean times it beside the table, as "previous
 # table", in the same run; PREVIOUS_FEW likewise for the FEW_ROWS entries (below M_FEW rows).
-# P = PATH_REGS. The kernels' one-row tiles became 1-D blocks in the same change, which this
-# cannot undo: scripts/roofline_ab.py times the trees against each other.
+# P = PATH_REGS. Session 12: LayerNorm's 16384 block, whose backward left the bias gradient
+# (11008-12288 columns) or both gradients (wider) to the column kernel.
 P = 0
 PREVIOUS = {
-    ("rms_norm", 2048, True): ((2, 2048, True, 8), (1, 2048, P, 8, 4, False, 0, 0, 3)),
-    ("layer_norm", 2048, True): ((1, 2048, True, 4), (1, 2048, P, 8, 4, False, 0, 0, 3)),
-    ("layer_norm", 4096, True): ((1, 4096, True, 8), (1, 4096, P, 8, 2, True, 0, 0, 3)),
+    ("layer_norm", 16384, True): (None, (1, 16384, P, 16, 1, True, 0, 1, 1, True)),
+    ("layer_norm", 16384, False): (None, (1, 16384, P, 16, 2, True, 0, 2, 3, True)),
 }
 PREVIOUS_FEW = {}
-# RoPE's TILE_TUNED before this session (head dims off the powers of two on the position kernel).
-PREVIOUS_ROPE_TILES = {(32, False): (1024, 2, 2048, True, 1), (128, False): (1024, 2, 2048, True, 1),
-                       (32, True): (2048, 4, 8192, True, 2), (16, True): (2048, 4, 8192, True, 2)}  # fmt: skip
+# RoPE's TILE_TUNED before this session's changes; None: unchanged (the committed table).
+PREVIOUS_ROPE_TILES = None

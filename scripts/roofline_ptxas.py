@@ -55,7 +55,7 @@ def usage(kernel, signature, constexprs, num_warps, aligned=()):
     return regs, stack
 
 
-def bwd_usage(op, cfg):
+def bwd_usage(op, cfg, N=0):
     from lmkernels.backends.triton import _norms, layer_norm, rms_norm
 
     reload_w = cfg.reload_w or cfg.path == _norms.PATH_MEM
@@ -67,13 +67,14 @@ def bwd_usage(op, cfg):
         RELOAD_W=reload_w,
         NUM_STAGES=cfg.stages,
         SOFT_BF16=False,
+        N_CONST=N if cfg.const_n else 0,
     )
     if op == "rms_norm":
         const = dict(MODE=0, HAS_WEIGHT=True, ACC=cfg.apart == _norms.APART_NONE, **common)
         kernel = rms_norm._rms_norm_bwd_kernel
     else:
         acc_dw, acc_db = cfg.apart != _norms.APART_ALL, cfg.apart == _norms.APART_NONE
-        const = dict(HAS_WEIGHT=True, ACC_DW=acc_dw, ACC_DB=acc_db, **common)
+        const = dict(HAS_WEIGHT=True, ACC_DW=acc_dw, ACC_DB=acc_db, RELOAD_X=cfg.reload_x, **common)
         kernel = layer_norm._layer_norm_bwd_kernel
     # The launch specializes pointers and N as multiples of 16 at every grid point (all its
     # widths are): without that the loads are not vectorized and the counts are far too high.
@@ -146,7 +147,7 @@ def main(argv=None):
             table = _norms.bwd_config(op, N)
             for cfg in [table] + norm_bwd_candidates(N, op, new_only=True):
                 try:
-                    regs, stack = bwd_usage(op, cfg)
+                    regs, stack = bwd_usage(op, cfg, N)
                     name = "table: " + bwd_name(cfg) if cfg is table else bwd_name(cfg)
                     print(f"{op:<10} {N:>6}  {name:<44} {regs:>4} {stack:>6}", flush=True)
                 except Exception as e:  # noqa: BLE001 (reported, the others go on)

@@ -3,6 +3,7 @@ policy of DESIGN.md), the torch.library registration (opcheck, torch.compile), t
 backward of RMSNorm (memory saved when safe, no corruption when the gradient is shared) and,
 on a GPU, 64-bit offsets on tensors of more than 2^31 elements."""
 
+import dataclasses
 import os
 
 import torch
@@ -292,7 +293,8 @@ def test_layer_norm_wide_rows_default_config():
 # hints. "stages": the loops software-pipelined (a GPU-only transformation; the interpreter runs
 # the same loops). A one-row tile ("rows1") is held as 1-D blocks, more rows as 2-D tiles.
 # "const-n": both kernels compiled for N = 100 (a constexpr), the padded lanes of the block
-# masked at compile time.
+# masked at compile time. "reload-x": LayerNorm's backward reads x and dy a second time after
+# the row sums instead of holding them.
 _PATHS = {
     "regs-rows4": (4, "PATH_REGS", False, 0, "APART_NONE"),
     "regs-reload-w-stages2": (2, "PATH_REGS", True, 0, "APART_NONE", 2),
@@ -309,6 +311,8 @@ _PATHS = {
     "tail-const-n": (1, "PATH_REGS", False, 64, "APART_NONE", 1, True),
     "regs-rows2-const-n-stages3": (2, "PATH_REGS", False, 0, "APART_NONE", 3, True),
     "wide-apart-all-const-n": (2, "PATH_WIDE", False, 0, "APART_ALL", 3, True),
+    "tail-reload-x": (1, "PATH_REGS", True, 64, "APART_NONE", 1, True, True),
+    "regs-rows2-reload-x-stages2": (2, "PATH_REGS", False, 0, "APART_NONE", 2, False, True),
 }
 
 
@@ -317,10 +321,11 @@ def forced_config(request, monkeypatch):
     rows, path, reload_w, tail, apart, *extra = _PATHS[request.param]
     stages = extra[0] if extra else 1
     const_n = len(extra) > 1 and extra[1]
+    reload_x = len(extra) > 2 and extra[2]  # LayerNorm's backward only; RMSNorm has no such mode
     wide = path == "PATH_WIDE"
     block = 32 if wide else 64 if tail else 128
     path, apart = getattr(norms_mod, path), getattr(norms_mod, apart)
-    bwd = norms_mod.BwdConfig(rows, block, path, 4, 1, reload_w, tail, apart, stages, const_n)
+    bwd = norms_mod.BwdConfig(rows, block, path, 4, 1, reload_w, tail, apart, stages, const_n, reload_x)
     fwd = (
         norms_mod.FwdConfig(1, 32, False, 4, hints=True, const_n=const_n)
         if wide
@@ -374,8 +379,11 @@ def test_config_table_covers_the_sweep_widths():
         block = 1 << (N - 1).bit_length()
         assert norms_mod._tuned(op, N, block) is norms_mod.TUNED[(op, block, "part")]
         assert norms_mod.fwd_config(op, N).const_n and norms_mod.bwd_config(op, N).const_n
-    # LayerNorm at 16384: the column kernel for the weight and bias gradients from M_FEW rows up.
-    assert norms_mod.bwd_config("layer_norm", 16384, 4096).apart == norms_mod.APART_ALL
+    # LayerNorm above 8192 columns from M_FEW rows up: both gradient sums in registers, x and dy
+    # read again after the row sums (reload_x); at 16384 as two register blocks.
+    for N, tail in ((11008, 0), (12288, 0), (13824, 8192), (16384, 8192)):
+        cfg = norms_mod.bwd_config("layer_norm", N, 4096)
+        assert (cfg.apart, cfg.reload_x, cfg.tail) == (norms_mod.APART_NONE, True, tail)
     # Below it, the weight gradient in the backward kernel, the bias gradient in the column kernel.
     assert norms_mod.bwd_config("layer_norm", 16384, 1024).apart == norms_mod.APART_DB
 
@@ -591,19 +599,23 @@ class _OnCuda:
 
 
 @pytest.mark.parametrize(
-    ("limit", "bf16_stages", "fp32_stages"),
-    [(232448, 3, 2), (167936, 2, 1), (101376, 1, 1)],  # H100/H200, A100, consumer parts
+    ("limit", "bf16_stages", "fp32_stages", "reload_x_stages"),
+    [(232448, 3, 2, 2), (167936, 2, 1, 2), (101376, 1, 1, 1)],  # H100/H200, A100, consumer parts
     ids=["227KiB", "164KiB", "99KiB"],
 )
-def test_pipeline_stages_fit_the_shared_memory(monkeypatch, limit, bf16_stages, fp32_stages):
+def test_pipeline_stages_fit_the_shared_memory(monkeypatch, limit, bf16_stages, fp32_stages, reload_x_stages):
     """The table's stages were tuned on an H200 in bf16: each stage of LayerNorm's 16384-column
     backward buffers x, dy and the reloaded weight (96 KiB in bf16), so fp32 inputs or a GPU
-    with less shared memory must run fewer stages or the kernel would fail to launch."""
+    with less shared memory must run fewer stages or the kernel would fail to launch. With
+    reload_x the second reads of x and dy get buffers too (160 KiB a stage: three stages failed
+    to launch on an H200)."""
     monkeypatch.setattr(norms_mod, "_max_shared_bytes", lambda index: limit)
     norms_mod._fit_stages.cache_clear()
     cfg = norms_mod.BwdConfig(1, 16384, norms_mod.PATH_REGS, 16, 2, True, stages=3)
     assert norms_mod.pipeline_stages(cfg, _OnCuda(2), _OnCuda(2)) == bf16_stages
     assert norms_mod.pipeline_stages(cfg, _OnCuda(4), _OnCuda(4)) == fp32_stages
+    reload_x = dataclasses.replace(cfg, reload_x=True)
+    assert norms_mod.pipeline_stages(reload_x, _OnCuda(2), _OnCuda(2)) == reload_x_stages
     x = torch.zeros(2, 16384)  # the CPU interpreter has no such limit
     assert norms_mod.pipeline_stages(cfg, x, x[0]) == 3
     norms_mod._fit_stages.cache_clear()  # answers for the limit patched in

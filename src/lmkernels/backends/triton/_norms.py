@@ -251,6 +251,7 @@ class BwdConfig:
     apart: int = APART_NONE  # the gradient sums left to the column kernel
     stages: int = 1  # software pipelining of the loop over row tiles (wide path: column blocks)
     const_n: bool = False  # compile for this row width (N a constexpr): see Tuned.const_n
+    reload_x: bool = False  # LayerNorm, single-block paths: see Tuned.reload_x
 
     @property
     def single_block(self) -> bool:
@@ -278,6 +279,9 @@ class Tuned:
     # is what lets one padded power-of-two block beat two exact ones (11008 columns:
     # benchmarks/results/2026-11-23-norm-probe).
     const_n: bool = False
+    # LayerNorm: the backward reads x and dy again after the row sums, a register block at a
+    # time, instead of holding them, so that the dw and db accumulators of a wide row fit.
+    reload_x: bool = False
 
 
 # Per op and next_power_of_2(N) =: block, optionally "part" (rows that fill at most 3/4 of their
@@ -291,7 +295,10 @@ class Tuned:
 # RMSNorm at 16384 columns since one-row tiles are 1-D (1.07-1.14x fwd+bwd,
 # benchmarks/results/2026-11-24-h200-norm-1d/). The "part" entries of the 2048 and 4096 blocks
 # (e.g. 1536 and 2304-3072 columns) are const_n (the masked lanes fold away): 2-7% over the full
-# blocks' entries (benchmarks/results/2026-11-24-h200-offgrid/parts/).
+# blocks' entries (benchmarks/results/2026-11-24-h200-offgrid/parts/). LayerNorm above 8192
+# columns reads x and dy again after the row sums (reload_x), so that both gradient sums stay in
+# registers and no column kernel reads x and dy a second time from memory: fwd+bwd 1.08-1.14x
+# at 11008-16384 columns (benchmarks/results/2026-11-25-h200-reload/tune/).
 TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 1024): Tuned(2, 4, 4, 8),
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
@@ -311,10 +318,10 @@ TUNED: dict[tuple, Tuned] = {
     ("layer_norm", 8192): Tuned(1, 8, 16, 1, stages=3, const_n=True),
     ("layer_norm", 8192, "part"): Tuned(1, 8, 16, 1, fwd_chunk=2048, hints=True, stages=3, const_n=True),
     ("layer_norm", 16384, "part"): Tuned(
-        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, apart=APART_DB, const_n=True
+        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, reload_x=True
     ),
     ("layer_norm", 16384): Tuned(
-        1, 16, 16, 2, fwd_chunk=4096, hints=True, reload_w=True, apart=APART_ALL, stages=3, const_n=True
+        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, tail=True, const_n=True, reload_x=True
     ),
 }
 
@@ -387,7 +394,8 @@ def _bwd_config(op: str, N: int, few: bool, max_fused_n: int, wide_block: int) -
             block //= 2
             tail = triton.next_power_of_2(N - block)
         return BwdConfig(t.bwd_rows, block, t.path, t.bwd_warps, t.programs_per_sm, reload_w=t.reload_w,
-                         tail=tail, apart=t.apart, stages=t.stages, const_n=t.const_n)  # fmt: skip
+                         tail=tail, apart=t.apart, stages=t.stages, const_n=t.const_n,
+                         reload_x=t.reload_x)  # fmt: skip
     rows = max(1, 1024 // block)
     num_warps = _default_warps(rows * block, 8, 16)
     return BwdConfig(rows, block, PATH_REGS, num_warps, max(1, 32 // num_warps))
@@ -428,7 +436,8 @@ def pipeline_stages(cfg: BwdConfig, x: torch.Tensor, weight: torch.Tensor | None
 
 @functools.cache
 def _fit_stages(cfg: BwdConfig, x_bytes: int, w_bytes: int, device_index: int) -> int:
-    per_stage = cfg.rows * (cfg.block + cfg.tail) * (2 * x_bytes + w_bytes)
+    # reload_x: the second reads of x and dy are pipelined as well, with buffers of their own.
+    per_stage = cfg.rows * (cfg.block + cfg.tail) * ((4 if cfg.reload_x else 2) * x_bytes + w_bytes)
     limit = _max_shared_bytes(device_index) - SHARED_MARGIN
     stages = cfg.stages
     while stages > 1 and (stages - 1) * per_stage > limit:

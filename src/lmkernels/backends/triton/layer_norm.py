@@ -134,10 +134,11 @@ def _add_to_partial(partial_row, cols, mask, contrib, i):
 
 @triton.jit
 def _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w, mean, rstd, RELOAD_W: tl.constexpr,
-              HAS_WEIGHT: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
-    """x_hat, dy and g = dy * w of one register block of a row tile, in fp32."""
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+              HAS_WEIGHT: tl.constexpr, ROWS: tl.constexpr, EVICT: tl.constexpr = ""):  # fmt: skip
+    """x_hat, dy and g = dy * w of one register block of a row tile, in fp32. EVICT: the loads'
+    cache eviction policy (RELOAD_X reads the block twice: keep it, then let it go)."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     x_hat = (x - per_row(mean, ROWS)) * per_row(rstd, ROWS)
     g = dy
     if HAS_WEIGHT:
@@ -192,6 +193,7 @@ def _layer_norm_bwd_kernel(
     NUM_STAGES: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     N_CONST: tl.constexpr = 0,
+    RELOAD_X: tl.constexpr = False,
 ):
     """dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dy * w, x_hat = (x - mean) * rstd;
     dw = sum dy * x_hat, db = sum dy over rows.
@@ -200,6 +202,9 @@ def _layer_norm_bwd_kernel(
     and writes row pid of the P x N fp32 partials it accumulates (ACC_DW, ACC_DB; the others
     are left to the column kernel), P <= the number of tiles. On the single-block paths a row
     is columns [0, BLOCK) and, when TAIL > 0, [BLOCK, BLOCK + TAIL): two register blocks.
+    RELOAD_X: x and dy are read again (L1 / L2 hits) after the row sums, one register block at
+    a time, instead of being held: what lets both fp32 accumulators of a 16384-column row stay
+    in registers.
     """
     if N_CONST > 0:  # the row width as a compile-time constant (const_n)
         N = N_CONST
@@ -229,22 +234,30 @@ def _layer_norm_bwd_kernel(
             mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             offs, mask = tile_block(rows, row_mask, cols, col_mask, N, ROWS)
+            first: tl.constexpr = "evict_last" if RELOAD_X else ""
             x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w, mean, rstd,
-                                     RELOAD_W, HAS_WEIGHT, ROWS)  # fmt: skip
+                                     RELOAD_W, HAS_WEIGHT, ROWS, first)  # fmt: skip
             sum_g = row_sums(g, ROWS)
             sum_gx = row_sums(g * x_hat, ROWS)
             if TAIL > 0:
                 offs_t, mask_t = tile_block(rows, row_mask, cols_t, tail_mask, N, ROWS)
                 x_hat_t, dy_t, g_t = _bwd_load(x_ptr, dy_ptr, w_ptr, offs_t, mask_t, cols_t, tail_mask, w_t,
-                                               mean, rstd, RELOAD_W, HAS_WEIGHT, ROWS)  # fmt: skip
+                                               mean, rstd, RELOAD_W, HAS_WEIGHT, ROWS, first)  # fmt: skip
                 sum_g += row_sums(g_t, ROWS)
                 sum_gx += row_sums(g_t * x_hat_t, ROWS)
             mean_g = sum_g / N
             mean_gx = sum_gx / N
+            if RELOAD_X:  # another eviction policy: the compiler does not merge the two loads
+                x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w, mean, rstd,
+                                         RELOAD_W, HAS_WEIGHT, ROWS, "evict_first")  # fmt: skip
             dw_acc, db_acc = _bwd_store(dx_ptr, offs, mask, cols, col_mask, x_hat, dy, g, rstd, mean_g, mean_gx,
                                         dw_acc, db_acc, dw_row, db_row, i, PATH, ACC_DW, ACC_DB,
                                         SOFT_BF16, ROWS)  # fmt: skip
             if TAIL > 0:
+                if RELOAD_X:
+                    x_hat_t, dy_t, g_t = _bwd_load(x_ptr, dy_ptr, w_ptr, offs_t, mask_t, cols_t, tail_mask,
+                                                   w_t, mean, rstd, RELOAD_W, HAS_WEIGHT, ROWS,
+                                                   "evict_first")  # fmt: skip
                 dw_acc_t, db_acc_t = _bwd_store(dx_ptr, offs_t, mask_t, cols_t, tail_mask, x_hat_t, dy_t, g_t,
                                                 rstd, mean_g, mean_gx, dw_acc_t, db_acc_t, dw_row, db_row, i,
                                                 PATH, ACC_DW, ACC_DB, SOFT_BF16, ROWS)  # fmt: skip
@@ -443,6 +456,7 @@ def _layer_norm_bwd(
             NUM_STAGES=pipeline_stages(cfg, x, weight),
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
+            RELOAD_X=cfg.reload_x,
             num_warps=cfg.num_warps,
         )
         if dw_partial is not None and db_partial is not None:
