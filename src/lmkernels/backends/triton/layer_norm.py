@@ -134,7 +134,7 @@ def _add_to_partial(partial_row, cols, mask, contrib, i):
 
 @triton.jit
 def _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w, mean, rstd, RELOAD_W: tl.constexpr,
-              HAS_WEIGHT: tl.constexpr, ROWS: tl.constexpr, EVICT: tl.constexpr = ""):  # fmt: skip
+              HAS_WEIGHT: tl.constexpr, ROWS: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
     """x_hat, dy and g = dy * w of one register block of a row tile, in fp32. EVICT: the loads'
     cache eviction policy (RELOAD_X reads the block twice: keep it, then let it go)."""
     x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
@@ -283,7 +283,7 @@ def _layer_norm_bwd_kernel(
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
                 block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
                 x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, mean,
-                                         rstd, True, HAS_WEIGHT, ROWS)  # fmt: skip
+                                         rstd, True, HAS_WEIGHT, ROWS, "")  # fmt: skip
                 acc_g += g
                 acc_gx += g * x_hat
             mean_g = row_sums(acc_g, ROWS) / N
@@ -291,7 +291,7 @@ def _layer_norm_bwd_kernel(
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
                 block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
                 x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, mean,
-                                         rstd, True, HAS_WEIGHT, ROWS)  # fmt: skip
+                                         rstd, True, HAS_WEIGHT, ROWS, "")  # fmt: skip
                 _bwd_store(dx_ptr, offs, mask, block_cols, block_mask, x_hat, dy, g, rstd, mean_g, mean_gx,
                            acc_g, acc_gx, dw_row, db_row, i, MEM, ACC_DW, ACC_DB, SOFT_BF16, ROWS)  # fmt: skip
 
