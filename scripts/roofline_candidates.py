@@ -28,6 +28,8 @@ NORM_GRID = {
     # backward that reads them again from L1 / L2 instead (reload_x).
     "reload": [(m, n) for m in (4096, 65536) for n in (8192, 11008, 12288, 16384)]
     + [(16384, 5120), (16384, 16384)],
+    # Between the two: rows that fill 84% of the 16384 block (one register block or two).
+    "reload-13824": [(m, 13824) for m in (3000, 12288, 40960)],
 }
 # (B, Hq, Hkv, T, D, rotary_dim or None)
 ROPE_GRID = {
