@@ -21,6 +21,9 @@ Both norms lay the work out the same way:
   out (LayerNorm: the bias gradient, or both) and a column kernel computes them, one program
   per (column block, row range), reading x and dy again. That costs 1-2 more reads of a
   tensor, and saves the per-row accumulators that make the wide backward spill.
+- `reload_x` (LayerNorm): the backward reads a row's x and dy a second time after the row
+  sums, one register block at a time, from L1 / L2, instead of holding them. That frees the
+  registers both gradient sums of a wide row need, without the column kernel's reads from HBM.
 
 The configurations come from a table per op and row width, filled from measurements on an H200
 (scripts/roofline_tune.py; benchmarks/results/2026-11-23-roofline-tune/, -tune2/ and
@@ -298,7 +301,7 @@ class Tuned:
 # blocks' entries (benchmarks/results/2026-11-24-h200-offgrid/parts/). LayerNorm above 8192
 # columns reads x and dy again after the row sums (reload_x), so that both gradient sums stay in
 # registers and no column kernel reads x and dy a second time from memory: fwd+bwd 1.08-1.14x
-# at 11008-16384 columns (benchmarks/results/2026-11-25-h200-reload/tune/).
+# at 11008-16384 columns (benchmarks/results/2026-11-24-h200-ln-reload/tune/).
 TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 1024): Tuned(2, 4, 4, 8),
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
