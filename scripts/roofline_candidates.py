@@ -139,7 +139,9 @@ def norm_bwd_candidates(N, op="rms_norm", new_only=False):
         return _wide_bwd_candidates(_norms)
     if new_only:
         reload = _reload_x_bwd_candidates(N, block, _norms) if op == "layer_norm" else []
-        return list(dict.fromkeys(_const_n_bwd_candidates(N, op, block, _norms) + reload))
+        return list(
+            dict.fromkeys(_const_n_bwd_candidates(N, op, block, _norms) + reload + _stage_candidates(N, op))
+        )
     if N > _norms.MAX_FUSED_N:  # only the wide path can hold such rows
         return _wide_tile_bwd_candidates(N, _norms)
     out = _split_bwd_candidates(N, op, block, _norms) + _wide_tile_bwd_candidates(N, _norms)
@@ -184,13 +186,14 @@ def _reload_x_bwd_candidates(N, block, _norms):
     """LayerNorm rows of over 4096 columns with both gradient sums (or dw alone) in registers:
     x and dy read again after the row sums (reload_x), as one register block or two (the
     largest power of two <= N, then the rest); one program per SM (16 warps use 128 registers
-    per thread, 32 warps 64: a whole register file)."""
+    per thread, 32 warps 64: a whole register file). Stages 3 do not fit a 16384 block's
+    shared memory (the second reads are pipelined too): pipeline_stages lowers them to 2."""
     if block < 8192:
         return []
     out = []
     for lo, tail in ((block, 0), (block // 2, 1 << (N - block // 2 - 1).bit_length())):
         for warps in (16, 32):
-            for stages in (1, 3):
+            for stages in (1, 2, 3):
                 for apart in (_norms.APART_NONE, _norms.APART_DB):
                     out.append(
                         _norms.BwdConfig(
@@ -198,6 +201,17 @@ def _reload_x_bwd_candidates(N, block, _norms):
                         )
                     )
     return out
+
+
+def _stage_candidates(N, op):
+    """The table's backward software-pipelined (stages 2 and 3) where it is not, for rows above
+    8192 columns (one program per SM: nothing else overlaps a row's loads with its reductions)."""
+    from lmkernels.backends.triton import _norms
+
+    table = _norms.bwd_config(op, N)
+    if N <= 8192 or N > _norms.MAX_FUSED_N or table.stages > 1:
+        return []
+    return [dataclasses.replace(table, stages=s) for s in (2, 3)]
 
 
 def const_n_fwd_candidates(N, op):
