@@ -30,6 +30,8 @@ NORM_GRID = {
     + [(16384, 5120), (16384, 16384)],
     # Between the two: rows that fill 84% of the 16384 block (one register block or two).
     "reload-13824": [(m, 13824) for m in (3000, 12288, 40960)],
+    # Few rows (FEW_ROWS below M_FEW = 2048, and the table just above).
+    "reload-few": [(1024, 11008), (1024, 16384), (1536, 16384), (2048, 11008), (2048, 16384)],
 }
 # (B, Hq, Hkv, T, D, rotary_dim or None)
 ROPE_GRID = {
