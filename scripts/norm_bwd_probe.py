@@ -51,7 +51,7 @@ def _rms_kernel(dy, x, w, rstd, dx, partial, cfg, N_CONST):
 
 def rms_variants(M, N, x, w, dy):
     _, rstd = rms_norm._rms_norm_fwd(x, w, 1e-6, 0.0, "llama")
-    cfg = _norms.bwd_config("rms_norm", N, M)
+    cfg = _norms.bwd_config("rms_norm", N)
     P = _norms.persistent_programs(_norms.num_tiles(M, cfg.rows), cfg.programs_per_sm, x.device)
     dx, dw = torch.empty_like(x), torch.empty_like(w)
     partial = torch.empty((P, N), device=x.device, dtype=torch.float32)
@@ -76,7 +76,7 @@ def ln_variants(M, N, x, w, dy):
     b = torch.zeros_like(w)
     _, mean, rstd = layer_norm._layer_norm_fwd(x, w, b, 1e-5)
     return {
-        "config": str(_norms.bwd_config("layer_norm", N, M)),
+        "config": str(_norms.bwd_config("layer_norm", N)),
         "launcher": lambda: layer_norm._layer_norm_bwd(dy, x, w, mean, rstd, torch.bfloat16),
     }
 
@@ -85,7 +85,7 @@ def sweep_configs(op, N, M=None, widths=("const_n",)):
     """The table's backward (for M rows), then one-row register configurations: warps, programs
     per SM, pipelining, (LayerNorm) which gradient sums go to the column kernel, and compiled
     for the row width or not (`widths`: "const_n", "runtime")."""
-    cfgs = [_norms.bwd_config(op, N, M)]
+    cfgs = [_norms.bwd_config(op, N)]
     aparts = (_norms.APART_NONE, _norms.APART_DB, _norms.APART_ALL) if op == "layer_norm" else (0,)
     block = triton.next_power_of_2(N)
     for width, apart, warps, pps, stages in itertools.product(widths, aparts, (8, 16, 32), (1, 2), (1, 3)):

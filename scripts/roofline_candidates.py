@@ -30,7 +30,7 @@ NORM_GRID = {
     + [(16384, 5120), (16384, 16384)],
     # Between the two: rows that fill 84% of the 16384 block (one register block or two).
     "reload-13824": [(m, 13824) for m in (3000, 12288, 40960)],
-    # Few rows (FEW_ROWS below M_FEW = 2048, and the table just above).
+    # Few rows: below 2048 the table had an entry of its own (FEW_ROWS, now removed); above it.
     "reload-few": [(1024, 11008), (1024, 16384), (1536, 16384), (2048, 11008), (2048, 16384)],
 }
 # (B, Hq, Hkv, T, D, rotary_dim or None)
@@ -340,14 +340,16 @@ SUM_CANDIDATES = [(64, 32, 4), (128, 32, 8), (256, 16, 8), (32, 64, 4), (128, 64
 
 # The table before this session's changes (per op, block and "part"; fwd args of FwdConfig or
 # None where unchanged, bwd args of BwdConfig): --lean times it beside the table, as "previous
-# table", in the same run; PREVIOUS_FEW likewise for the FEW_ROWS entries (below M_FEW rows).
-# P = PATH_REGS. Session 12: LayerNorm's 16384 block, whose backward left the bias gradient
-# (11008-12288 columns) or both gradients (wider) to the column kernel.
+# table", in the same run; PREVIOUS_FEW likewise below FEW_ROWS_BELOW rows, where the table had
+# entries of its own (_norms.FEW_ROWS, removed in session 12). P = PATH_REGS. Session 12:
+# LayerNorm's 16384 block, whose backward left the bias gradient (11008-12288 columns) or both
+# gradients (wider) to the column kernel.
 P = 0
 PREVIOUS = {
     ("layer_norm", 16384, True): (None, (1, 16384, P, 16, 1, True, 0, 1, 1, True)),
     ("layer_norm", 16384, False): (None, (1, 16384, P, 16, 2, True, 0, 2, 3, True)),
 }
-PREVIOUS_FEW = {}
+FEW_ROWS_BELOW = 2048
+PREVIOUS_FEW = {("layer_norm", 16384, False): (None, (1, 16384, P, 8, 1, True, 0, 1, 1, True))}
 # RoPE's TILE_TUNED before this session's changes; None: unchanged (the committed table).
 PREVIOUS_ROPE_TILES = None

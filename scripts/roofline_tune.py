@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import roofline_rope  # noqa: E402
 from roofline_candidates import (  # noqa: E402
     COL_CANDIDATES,
+    FEW_ROWS_BELOW,
     NORM_GRID,
     PREVIOUS,
     PREVIOUS_FEW,
@@ -201,8 +202,8 @@ def lean_variants(op, case):
 
         block = 1 << (case.N - 1).bit_length()
         key = (op, block, 4 * case.N <= 3 * block)
-        few = case.M < _norms.M_FEW and key in _norms.FEW_ROWS
-        previous = PREVIOUS_FEW.get(key) if few else PREVIOUS.get(key)
+        few = case.M < FEW_ROWS_BELOW and key in PREVIOUS_FEW
+        previous = PREVIOUS_FEW[key] if few else PREVIOUS.get(key)
         if previous is not None:
             fwd, bwd = previous
             fwd = _norms.FwdConfig(*fwd) if fwd else None
@@ -337,7 +338,7 @@ def breakdown(op, case, fn, rows, reps):
         if op != "rope" and not LEAN["on"]:
             from lmkernels.backends.triton import _norms
 
-            cfg = _norms.bwd_config(op, case.N, case.M)
+            cfg = _norms.bwd_config(op, case.N)
             tiles = _norms.num_tiles(case.M, cfg.rows)
             P = _norms.persistent_programs(tiles, cfg.programs_per_sm, case.x.device)
             partial = torch.randn(P, case.N, device=DEVICE)

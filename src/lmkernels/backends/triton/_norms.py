@@ -301,7 +301,8 @@ class Tuned:
 # blocks' entries (benchmarks/results/2026-11-24-h200-offgrid/parts/). LayerNorm above 8192
 # columns reads x and dy again after the row sums (reload_x), so that both gradient sums stay in
 # registers and no column kernel reads x and dy a second time from memory: fwd+bwd 1.08-1.14x
-# at 11008-16384 columns (benchmarks/results/2026-11-24-h200-ln-reload/tune/).
+# at 11008-16384 columns, and 1.15x at 1024-1536 rows, where the table had an entry of its own
+# for few rows (benchmarks/results/2026-11-24-h200-ln-reload/tune/, few/).
 TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 1024): Tuned(2, 4, 4, 8),
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
@@ -328,16 +329,6 @@ TUNED: dict[tuple, Tuned] = {
     ),
 }
 
-# Below M_FEW rows, per (op, block, part): the table entry (its backward half) where the one
-# above lost at 1024 rows: LayerNorm 1024 x 16384, backward 68 us against 75-78 us for the
-# table's and the previous entry (benchmarks/results/2026-11-24-h200-norm-1d/sweep-few).
-M_FEW = 2048
-FEW_ROWS: dict[tuple, Tuned] = {
-    ("layer_norm", 16384, False): Tuned(
-        1, 8, 8, 1, fwd_chunk=4096, reload_w=True, apart=APART_DB, const_n=True
-    ),
-}
-
 # Tuning hook (scripts/roofline_tune.py, tests): configurations used instead of the table.
 FORCE_FWD: FwdConfig | None = None
 FORCE_BWD: BwdConfig | None = None
@@ -351,21 +342,18 @@ def fwd_config(op: str, N: int) -> FwdConfig:
     return _fwd_config(op, N, MAX_FUSED_N, WIDE_BLOCK)
 
 
-def bwd_config(op: str, N: int, M: int | None = None) -> BwdConfig:
-    """The backward's configuration for rows of N elements; M (the number of rows), when given,
-    picks the FEW_ROWS entries of the table below M_FEW."""
+def bwd_config(op: str, N: int) -> BwdConfig:
+    """The backward's configuration for rows of N elements."""
     if FORCE_BWD is not None:
         return FORCE_BWD
-    return _bwd_config(op, N, M is not None and M < M_FEW, MAX_FUSED_N, WIDE_BLOCK)
+    return _bwd_config(op, N, MAX_FUSED_N, WIDE_BLOCK)
 
 
 def _default_warps(elements: int, per_thread: int, cap: int) -> int:
     return min(cap, max(1, triton.next_power_of_2(max(1, elements // (32 * per_thread)))))
 
 
-def _tuned(op: str, N: int, block: int, few: bool = False) -> Tuned | None:
-    if few and (op, block, 4 * N <= 3 * block) in FEW_ROWS:
-        return FEW_ROWS[(op, block, 4 * N <= 3 * block)]
+def _tuned(op: str, N: int, block: int) -> Tuned | None:
     part = TUNED.get((op, block, "part")) if 4 * N <= 3 * block else None
     return part if part is not None else TUNED.get((op, block))
 
@@ -386,11 +374,11 @@ def _fwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> FwdConfig
 
 
 @functools.cache
-def _bwd_config(op: str, N: int, few: bool, max_fused_n: int, wide_block: int) -> BwdConfig:
+def _bwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> BwdConfig:
     if N > max_fused_n:
         return BwdConfig(1, wide_block, PATH_WIDE, WIDE_BWD_WARPS, 2, apart=APART_ALL, stages=3)
     block = triton.next_power_of_2(N)
-    t = _tuned(op, N, block, few)
+    t = _tuned(op, N, block)
     if t is not None:
         tail = 0
         if t.tail:  # two register blocks: the largest power of two <= N, then the rest

@@ -401,7 +401,7 @@ def _layer_norm_bwd(
     db = empty((N,), bias_dtype, x.device) if bias_dtype is not None else x.new_empty((0,))
     if M == 0:
         return dx, dw.zero_(), db.zero_()
-    cfg = bwd_config("layer_norm", N, M)
+    cfg = bwd_config("layer_norm", N)
     rows = cfg.rows
     P = persistent_programs(num_tiles(M, rows), cfg.programs_per_sm, x.device)
     acc_dw = weight is not None and cfg.apart != APART_ALL

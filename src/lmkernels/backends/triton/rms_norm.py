@@ -367,7 +367,7 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
     dw = empty((N,), weight.dtype, x.device) if weight is not None else x.new_empty((0,))
     if M == 0:
         return dw.zero_()
-    cfg = bwd_config("rms_norm", N, M)
+    cfg = bwd_config("rms_norm", N)
     rows = cfg.rows
     P = persistent_programs(num_tiles(M, rows), cfg.programs_per_sm, x.device)
     acc = weight is not None and cfg.apart == APART_NONE
