@@ -140,7 +140,9 @@ def norm_bwd_candidates(N, op="rms_norm", new_only=False):
     if new_only and N > _norms.MAX_FUSED_N:
         return _wide_bwd_candidates(_norms)
     if new_only:
-        reload = _reload_x_bwd_candidates(N, block, _norms) if op == "layer_norm" else []
+        reload = (_reload_x_bwd_candidates if op == "layer_norm" else _rms_reload_x_bwd_candidates)(
+            N, block, _norms
+        )
         return list(
             dict.fromkeys(_const_n_bwd_candidates(N, op, block, _norms) + reload + _stage_candidates(N, op))
         )
@@ -182,6 +184,25 @@ def _const_n_bwd_candidates(N, op, block, _norms):
                     _norms.BwdConfig(1, block, _norms.PATH_REGS, 16, pps, True, apart=apart, const_n=True)
                 )
     return list(dict.fromkeys(out))
+
+
+def _rms_reload_x_bwd_candidates(N, block, _norms):
+    """RMSNorm rows of over 4096 columns with x and dy read again after the row sum (reload_x):
+    no spills at 16384 columns and 16 warps (107 registers against 128 and 80 bytes of spills,
+    scripts/roofline_ptxas.py), about half the registers at 8192; 1-2 programs per SM."""
+    if block < 8192:
+        return []
+    out = []
+    for lo, tail in ((block, 0), (block // 2, 1 << (N - block // 2 - 1).bit_length())):
+        for warps in (8, 16, 32):
+            for pps in (1, 2):
+                for stages in (1, 3):
+                    out.append(
+                        _norms.BwdConfig(
+                            1, lo, _norms.PATH_REGS, warps, pps, True, tail, 0, stages, True, reload_x=True
+                        )
+                    )
+    return out
 
 
 def _reload_x_bwd_candidates(N, block, _norms):

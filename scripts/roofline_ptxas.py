@@ -68,13 +68,14 @@ def bwd_usage(op, cfg, N=0):
         NUM_STAGES=cfg.stages,
         SOFT_BF16=False,
         N_CONST=N if cfg.const_n else 0,
+        RELOAD_X=cfg.reload_x,
     )
     if op == "rms_norm":
         const = dict(MODE=0, HAS_WEIGHT=True, ACC=cfg.apart == _norms.APART_NONE, **common)
         kernel = rms_norm._rms_norm_bwd_kernel
     else:
         acc_dw, acc_db = cfg.apart != _norms.APART_ALL, cfg.apart == _norms.APART_NONE
-        const = dict(HAS_WEIGHT=True, ACC_DW=acc_dw, ACC_DB=acc_db, RELOAD_X=cfg.reload_x, **common)
+        const = dict(HAS_WEIGHT=True, ACC_DW=acc_dw, ACC_DB=acc_db, **common)
         kernel = layer_norm._layer_norm_bwd_kernel
     # The launch specializes pointers and N as multiples of 16 at every grid point (all its
     # widths are): without that the loads are not vectorized and the counts are far too high.

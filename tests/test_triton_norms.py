@@ -293,8 +293,8 @@ def test_layer_norm_wide_rows_default_config():
 # hints. "stages": the loops software-pipelined (a GPU-only transformation; the interpreter runs
 # the same loops). A one-row tile ("rows1") is held as 1-D blocks, more rows as 2-D tiles.
 # "const-n": both kernels compiled for N = 100 (a constexpr), the padded lanes of the block
-# masked at compile time. "reload-x": LayerNorm's backward reads x and dy a second time after
-# the row sums instead of holding them.
+# masked at compile time. "reload-x": the backward reads x and dy a second time after the row
+# sums instead of holding them.
 _PATHS = {
     "regs-rows4": (4, "PATH_REGS", False, 0, "APART_NONE"),
     "regs-reload-w-stages2": (2, "PATH_REGS", True, 0, "APART_NONE", 2),
@@ -321,7 +321,7 @@ def forced_config(request, monkeypatch):
     rows, path, reload_w, tail, apart, *extra = _PATHS[request.param]
     stages = extra[0] if extra else 1
     const_n = len(extra) > 1 and extra[1]
-    reload_x = len(extra) > 2 and extra[2]  # LayerNorm's backward only; RMSNorm has no such mode
+    reload_x = len(extra) > 2 and extra[2]
     wide = path == "PATH_WIDE"
     block = 32 if wide else 64 if tail else 128
     path, apart = getattr(norms_mod, path), getattr(norms_mod, apart)
@@ -347,11 +347,19 @@ def test_layer_norm_backward_paths(forced_config, case):
     _check_ln((41, 100), torch.bfloat16, f"layer_norm {forced_config} {case}", **LN_CASES[case])
 
 
-def test_rms_norm_in_place_backward_with_apart_dw(monkeypatch):
-    """dx written over dy (the in-place backward): the column kernel must read dy first."""
-    monkeypatch.setattr(
-        norms_mod, "FORCE_BWD", norms_mod.BwdConfig(1, 128, norms_mod.PATH_REGS, 4, 1, apart=2)
-    )
+@pytest.mark.parametrize(
+    "bwd",
+    [
+        dict(block=128, apart=2),
+        dict(block=64, tail=64, reload_w=True, reload_x=True),
+    ],
+    ids=["apart-dw", "tail-reload-x"],
+)
+def test_rms_norm_in_place_backward(monkeypatch, bwd):
+    """dx written over dy (the in-place backward): the column kernel must read dy first, and a
+    backward that reads a row's dy twice (reload_x) must read each block before writing its dx."""
+    monkeypatch.setattr(norms_mod, "FORCE_BWD", norms_mod.BwdConfig(1, path=norms_mod.PATH_REGS, num_warps=4,
+                                                                    programs_per_sm=1, **bwd))  # fmt: skip
     monkeypatch.setattr(norms_mod, "COL_CONFIG", (16, 64, 4, 1))
     x, w, dy = (
         _randn((41, 100), torch.bfloat16, 0),

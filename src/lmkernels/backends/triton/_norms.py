@@ -254,7 +254,7 @@ class BwdConfig:
     apart: int = APART_NONE  # the gradient sums left to the column kernel
     stages: int = 1  # software pipelining of the loop over row tiles (wide path: column blocks)
     const_n: bool = False  # compile for this row width (N a constexpr): see Tuned.const_n
-    reload_x: bool = False  # LayerNorm, single-block paths: see Tuned.reload_x
+    reload_x: bool = False  # single-block paths: see Tuned.reload_x
 
     @property
     def single_block(self) -> bool:
@@ -282,8 +282,8 @@ class Tuned:
     # is what lets one padded power-of-two block beat two exact ones (11008 columns:
     # benchmarks/results/2026-11-23-norm-probe).
     const_n: bool = False
-    # LayerNorm: the backward reads x and dy again after the row sums, a register block at a
-    # time, instead of holding them, so that the dw and db accumulators of a wide row fit.
+    # The backward reads x and dy again after the row sums, a register block at a time, instead
+    # of holding them, so that the weight-gradient accumulators of a wide row fit in registers.
     reload_x: bool = False
 
 

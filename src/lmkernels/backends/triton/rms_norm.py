@@ -151,10 +151,11 @@ def _rms_norm_fwd_kernel(
 @triton.jit
 def _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w_factor, offset, RELOAD_W: tl.constexpr,
               MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr, dtype: tl.constexpr, SOFT_BF16: tl.constexpr,
-              ROWS: tl.constexpr):  # fmt: skip
-    """x, dy and g = dy * (w + offset) of one register block of a row tile, in fp32."""
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+              ROWS: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
+    """x, dy and g = dy * (w + offset) of one register block of a row tile, in fp32. EVICT: the
+    loads' cache eviction policy (RELOAD_X reads the block twice: keep it, then let it go)."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     g = dy
     if HAS_WEIGHT:
         if RELOAD_W:  # reloaded (an L1 hit) rather than held in registers
@@ -206,6 +207,7 @@ def _rms_norm_bwd_kernel(
     NUM_STAGES: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     N_CONST: tl.constexpr = 0,
+    RELOAD_X: tl.constexpr = False,
 ):
     """dx = rstd * (g - x * rstd^2 * mean(g * x)) with g = dy * (w + offset); dw = sum dy * x_hat.
 
@@ -214,7 +216,9 @@ def _rms_norm_bwd_kernel(
     dw_partial (P x N, fp32), P <= the number of tiles. On the single-block paths a row is
     columns [0, BLOCK) and, when TAIL > 0, [BLOCK, BLOCK + TAIL): two register blocks.
     dx_ptr may equal dy_ptr (in-place backward): every element of dy is read before the dx
-    element at the same address is written, by the same program.
+    element at the same address is written, by the same program. RELOAD_X: x and dy are read
+    again (L1 / L2 hits) after the row sum, one register block at a time, instead of being
+    held (fewer registers per thread; a block is read again before its own dx is written).
     """
     if N_CONST > 0:  # the row width as a compile-time constant (const_n)
         N = N_CONST
@@ -243,18 +247,27 @@ def _rms_norm_bwd_kernel(
             rows, row_mask = tile_rows(pid + i * num_programs, M, ROWS)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             offs, mask = tile_block(rows, row_mask, cols, col_mask, N, ROWS)
+            first: tl.constexpr = "evict_last" if RELOAD_X else ""
             x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w_factor, offset,
-                                 RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS)  # fmt: skip
+                                 RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS, first)  # fmt: skip
             dot = row_sums(g * x, ROWS)
             if TAIL > 0:
                 offs_t, mask_t = tile_block(rows, row_mask, cols_t, tail_mask, N, ROWS)
                 x_t, dy_t, g_t = _bwd_load(x_ptr, dy_ptr, w_ptr, offs_t, mask_t, cols_t, tail_mask, w_factor_t,
-                                           offset, RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS)  # fmt: skip
+                                           offset, RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS,
+                                           first)  # fmt: skip
                 dot += row_sums(g_t * x_t, ROWS)
             scale = rstd * rstd * dot / N
+            if RELOAD_X:  # another eviction policy: the compiler does not merge the two loads
+                x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w_factor, offset,
+                                     RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS, "evict_first")  # fmt: skip
             dw_acc = _bwd_store(dx_ptr, offs, mask, cols, col_mask, x, dy, g, rstd, scale, dw_acc,
                                 partial_row, i, PATH, ACC, MODE, SOFT_BF16, ROWS)  # fmt: skip
             if TAIL > 0:
+                if RELOAD_X:
+                    x_t, dy_t, g_t = _bwd_load(x_ptr, dy_ptr, w_ptr, offs_t, mask_t, cols_t, tail_mask,
+                                               w_factor_t, offset, RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16,
+                                               ROWS, "evict_first")  # fmt: skip
                 dw_acc_t = _bwd_store(dx_ptr, offs_t, mask_t, cols_t, tail_mask, x_t, dy_t, g_t, rstd, scale,
                                       dw_acc_t, partial_row, i, PATH, ACC, MODE, SOFT_BF16, ROWS)  # fmt: skip
         if ACC and PATH == REGS:
@@ -272,13 +285,13 @@ def _rms_norm_bwd_kernel(
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
                 block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
                 x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, offset,
-                                     True, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS)  # fmt: skip
+                                     True, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS, "")  # fmt: skip
                 acc += g * x
             scale = rstd * rstd * row_sums(acc, ROWS) / N
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
                 block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
                 x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, offset,
-                                     True, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS)  # fmt: skip
+                                     True, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS, "")  # fmt: skip
                 _bwd_store(dx_ptr, offs, mask, block_cols, block_mask, x, dy, g, rstd, scale, acc, partial_row,
                            i, MEM, ACC, MODE, SOFT_BF16, ROWS)  # fmt: skip
 
@@ -397,6 +410,7 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
             NUM_STAGES=pipeline_stages(cfg, x, weight),
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
+            RELOAD_X=cfg.reload_x,
             num_warps=cfg.num_warps,
         )
         if partial is not None:
