@@ -30,6 +30,9 @@ NORM_GRID = {
     + [(16384, 5120), (16384, 16384)],
     # Between the two: rows that fill 84% of the 16384 block (one register block or two).
     "reload-13824": [(m, 13824) for m in (3000, 12288, 40960)],
+    # Rows of 4097-6144 columns (the 8192 block's "part" entry), where RMSNorm's reload_x
+    # backward in two blocks (4096 + 1024 at 5120) measured 1.07x at 16384 rows.
+    "part8192": [(m, 5120) for m in (4096, 16384, 65536)] + [(m, 6144) for m in (3000, 12288, 40960)],
     # Few rows: below 2048 the table had an entry of its own (FEW_ROWS, now removed); above it.
     "reload-few": [(1024, 11008), (1024, 16384), (1536, 16384), (2048, 11008), (2048, 16384)],
 }
@@ -215,6 +218,8 @@ def _reload_x_bwd_candidates(N, block, _norms):
         return []
     out = []
     for lo, tail in ((block, 0), (block // 2, 1 << (N - block // 2 - 1).bit_length())):
+        if block == 8192:  # two programs of 8 warps per SM, as RMSNorm's best at 5120 columns
+            out.append(_norms.BwdConfig(1, lo, _norms.PATH_REGS, 8, 2, True, tail, 0, 3, True, reload_x=True))
         for warps in (16, 32):
             for stages in (1, 2, 3):
                 for apart in (_norms.APART_NONE, _norms.APART_DB):
