@@ -374,6 +374,8 @@ P = 0
 PREVIOUS = {
     ("layer_norm", 16384, True): (None, (1, 16384, P, 16, 1, True, 0, 1, 1, True)),
     ("layer_norm", 16384, False): (None, (1, 16384, P, 16, 2, True, 0, 2, 3, True)),
+    ("rms_norm", 8192, True): (None, (1, 8192, P, 8, 1, True, 0, 0, 3, True)),
+    ("rms_norm", 16384, False): (None, (1, 16384, P, 16, 1, True, 0, 0, 1, True)),
 }
 FEW_ROWS_BELOW = 2048
 PREVIOUS_FEW = {("layer_norm", 16384, False): (None, (1, 16384, P, 8, 1, True, 0, 1, 1, True))}

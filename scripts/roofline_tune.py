@@ -208,7 +208,10 @@ def lean_variants(op, case):
             fwd, bwd = previous
             fwd = _norms.FwdConfig(*fwd) if fwd else None
             bwd = _norms.BwdConfig(*bwd) if bwd else None
-            out.append(("previous table", lambda: set_norm_config(fwd=fwd, bwd=bwd)))
+            # A key's previous entry may still be what some widths get (e.g. 6144 columns, where
+            # only 5120 changed): nothing to compare there.
+            if fwd is not None or bwd != _norms.bwd_config(op, case.N):
+                out.append(("previous table", lambda: set_norm_config(fwd=fwd, bwd=bwd)))
     return out
 
 

@@ -392,6 +392,13 @@ def test_config_table_covers_the_sweep_widths():
     for N, tail in ((11008, 0), (12288, 0), (13824, 8192), (16384, 8192)):
         cfg = norms_mod.bwd_config("layer_norm", N)
         assert (cfg.apart, cfg.reload_x, cfg.tail) == (norms_mod.APART_NONE, True, tail)
+    # RMSNorm rows of at most 5/8 of the 8192 block take its "part-5/8" entry: two register
+    # blocks that fit the row, read again after the row sum; 6144 columns keep the "part" entry.
+    assert norms_mod._tuned("rms_norm", 5120, 8192) is norms_mod.TUNED[("rms_norm", 8192, "part-5/8")]
+    assert norms_mod._tuned("rms_norm", 6144, 8192) is norms_mod.TUNED[("rms_norm", 8192, "part")]
+    cfg = norms_mod.bwd_config("rms_norm", 5120)
+    assert (cfg.block, cfg.tail, cfg.reload_x) == (4096, 1024, True)
+    assert norms_mod._tuned("layer_norm", 5120, 8192) is norms_mod.TUNED[("layer_norm", 8192, "part")]
 
 
 def test_layer_norm_large_mean_is_stable():

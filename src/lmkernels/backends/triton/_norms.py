@@ -288,7 +288,7 @@ class Tuned:
 
 
 # Per op and next_power_of_2(N) =: block, optionally "part" (rows that fill at most 3/4 of their
-# block, e.g. 5120 and 11008). Each entry is the fastest fwd+bwd combination measured on an H200
+# block, e.g. 5120 and 11008) or "part-5/8" (at most 5/8, e.g. 5120; see _tuned). Each entry is the fastest fwd+bwd combination measured on an H200
 # (scripts/roofline_tune.py; benchmarks/results/2026-11-23-roofline-tune/, -tune2/ and
 # 2026-11-23-norm-pipelining/). The backward's loop over row tiles is pipelined (stages 2-3,
 # Triton keeps the next tiles' loads in flight in shared memory) wherever that measured faster:
@@ -302,7 +302,8 @@ class Tuned:
 # columns reads x and dy again after the row sums (reload_x), so that both gradient sums stay in
 # registers and no column kernel reads x and dy a second time from memory: fwd+bwd 1.08-1.14x
 # at 11008-16384 columns, and 1.15x at 1024-1536 rows, where the table had an entry of its own
-# for few rows (benchmarks/results/2026-11-24-h200-ln-reload/tune/, few/).
+# for few rows (benchmarks/results/2026-11-24-h200-ln-reload/tune/, few/). RMSNorm at 16384
+# columns: reload_x with 32 warps, 1.01-1.02x (ln-reload/rms/).
 TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 1024): Tuned(2, 4, 4, 8),
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
@@ -312,7 +313,24 @@ TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 8192, "part"): Tuned(
         1, 8, 8, 1, fwd_chunk=4096, hints=True, reload_w=True, stages=3, const_n=True
     ),
-    ("rms_norm", 16384): Tuned(1, 32, 16, 1, reload_w=True, const_n=True),
+    # Rows of at most 5/8 of the block (5120 columns): two register blocks that fit the row
+    # (4096 + 1024), read again after the row sum (reload_x), two 8-warp programs per SM:
+    # 1.04-1.09x (benchmarks/results/2026-11-24-h200-ln-reload/part8192/; at 6144 columns the
+    # 4096 + 2048 split is 0.90-0.94x, so the "part" entry keeps those).
+    ("rms_norm", 8192, "part-5/8"): Tuned(
+        1,
+        8,
+        8,
+        2,
+        fwd_chunk=4096,
+        hints=True,
+        reload_w=True,
+        tail=True,
+        stages=3,
+        const_n=True,
+        reload_x=True,
+    ),
+    ("rms_norm", 16384): Tuned(1, 32, 32, 1, reload_w=True, const_n=True, reload_x=True),
     ("rms_norm", 16384, "part"): Tuned(1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True),
     ("layer_norm", 1024): Tuned(2, 4, 4, 8),
     ("layer_norm", 2048): Tuned(1, 4, 8, 4, stages=3),
@@ -354,8 +372,12 @@ def _default_warps(elements: int, per_thread: int, cap: int) -> int:
 
 
 def _tuned(op: str, N: int, block: int) -> Tuned | None:
-    part = TUNED.get((op, block, "part")) if 4 * N <= 3 * block else None
-    return part if part is not None else TUNED.get((op, block))
+    """The table entry for rows of N columns in a power-of-two block: "part-5/8" (at most 5/8
+    of the block), else "part" (at most 3/4), else the block's own, whichever exists first."""
+    for kind, fits in (("part-5/8", 8 * N <= 5 * block), ("part", 4 * N <= 3 * block)):
+        if fits and (op, block, kind) in TUNED:
+            return TUNED[(op, block, kind)]
+    return TUNED.get((op, block))
 
 
 @functools.cache
