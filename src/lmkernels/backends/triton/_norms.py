@@ -21,9 +21,9 @@ Both norms lay the work out the same way:
   out (LayerNorm: the bias gradient, or both) and a column kernel computes them, one program
   per (column block, row range), reading x and dy again. That costs 1-2 more reads of a
   tensor, and saves the per-row accumulators that make the wide backward spill.
-- `reload_x` (LayerNorm): the backward reads a row's x and dy a second time after the row
-  sums, one register block at a time, from L1 / L2, instead of holding them. That frees the
-  registers both gradient sums of a wide row need, without the column kernel's reads from HBM.
+- `reload_x`: the backward reads a row's x and dy a second time after the row sums, one
+  register block at a time, from L1 / L2, instead of holding them. That frees the registers the
+  gradient sums of a wide row need (LayerNorm's two), without the column kernel's HBM reads.
 
 The configurations come from a table per op and row width, filled from measurements on an H200
 (scripts/roofline_tune.py; benchmarks/results/2026-11-23-roofline-tune/, -tune2/ and
@@ -288,11 +288,12 @@ class Tuned:
 
 
 # Per op and next_power_of_2(N) =: block, optionally "part" (rows that fill at most 3/4 of their
-# block, e.g. 5120 and 11008) or "part-5/8" (at most 5/8, e.g. 5120; see _tuned). Each entry is the fastest fwd+bwd combination measured on an H200
-# (scripts/roofline_tune.py; benchmarks/results/2026-11-23-roofline-tune/, -tune2/ and
-# 2026-11-23-norm-pipelining/). The backward's loop over row tiles is pipelined (stages 2-3,
-# Triton keeps the next tiles' loads in flight in shared memory) wherever that measured faster:
-# 6-22% of the fwd+bwd time at 2048-8192 columns. const_n where it measured faster
+# block, e.g. 5120 and 11008) or "part-5/8" (at most 5/8, e.g. 5120; see _tuned). Each entry is
+# the fastest fwd+bwd combination measured on an H200 (scripts/roofline_tune.py;
+# benchmarks/results/2026-11-23-roofline-tune/, -tune2/ and 2026-11-23-norm-pipelining/). The
+# backward's loop over row tiles is pipelined (stages 2-3, Triton keeps the next tiles' loads in
+# flight in shared memory) wherever that measured faster: 6-22% of the fwd+bwd time at 2048-8192
+# columns. const_n where it measured faster
 # (benchmarks/results/2026-11-23-norm-probe/constn): above all at 11008 columns, where one
 # padded 16384 block now beats the two exact register blocks (RMSNorm backward 0.87x), and
 # RMSNorm at 16384 columns since one-row tiles are 1-D (1.07-1.14x fwd+bwd,
