@@ -143,9 +143,7 @@ def norm_bwd_candidates(N, op="rms_norm", new_only=False):
     if new_only and N > _norms.MAX_FUSED_N:
         return _wide_bwd_candidates(_norms)
     if new_only:
-        reload = (_reload_x_bwd_candidates if op == "layer_norm" else _rms_reload_x_bwd_candidates)(
-            N, block, _norms
-        )
+        reload = _reload_x_bwd_candidates(N, op, block, _norms)
         return list(
             dict.fromkeys(_const_n_bwd_candidates(N, op, block, _norms) + reload + _stage_candidates(N, op))
         )
@@ -189,46 +187,30 @@ def _const_n_bwd_candidates(N, op, block, _norms):
     return list(dict.fromkeys(out))
 
 
-def _rms_reload_x_bwd_candidates(N, block, _norms):
-    """RMSNorm rows of over 4096 columns with x and dy read again after the row sum (reload_x):
-    no spills at 16384 columns and 16 warps (107 registers against 128 and 80 bytes of spills,
-    scripts/roofline_ptxas.py), about half the registers at 8192; 1-2 programs per SM."""
+def _reload_x_bwd_candidates(N, op, block, _norms):
+    """Rows of over 4096 columns with x and dy read again after the row sums (reload_x), as one
+    register block or two (the largest power of two <= N, then the rest).
+    - RMSNorm: no spills at 16384 columns and 16 warps (107 registers against 128 and 80 bytes of
+      spills, scripts/roofline_ptxas.py), about half the registers at 8192; 1-2 programs per SM.
+    - LayerNorm: both gradient sums (or dw alone) in registers; one program per SM (16 warps use
+      128 registers per thread, 32 warps 64: a whole register file), and at the 8192 block two
+      programs of 8 warps, as RMSNorm's best at 5120 columns. Stages 3 do not fit a 16384
+      block's shared memory (the second reads are pipelined too): pipeline_stages lowers them
+      to 2."""
     if block < 8192:
         return []
-    out = []
-    for lo, tail in ((block, 0), (block // 2, 1 << (N - block // 2 - 1).bit_length())):
-        for warps in (8, 16, 32):
-            for pps in (1, 2):
-                for stages in (1, 3):
-                    out.append(
-                        _norms.BwdConfig(
-                            1, lo, _norms.PATH_REGS, warps, pps, True, tail, 0, stages, True, reload_x=True
-                        )
-                    )
-    return out
-
-
-def _reload_x_bwd_candidates(N, block, _norms):
-    """LayerNorm rows of over 4096 columns with both gradient sums (or dw alone) in registers:
-    x and dy read again after the row sums (reload_x), as one register block or two (the
-    largest power of two <= N, then the rest); one program per SM (16 warps use 128 registers
-    per thread, 32 warps 64: a whole register file). Stages 3 do not fit a 16384 block's
-    shared memory (the second reads are pipelined too): pipeline_stages lowers them to 2."""
-    if block < 8192:
-        return []
-    out = []
-    for lo, tail in ((block, 0), (block // 2, 1 << (N - block // 2 - 1).bit_length())):
-        if block == 8192:  # two programs of 8 warps per SM, as RMSNorm's best at 5120 columns
-            out.append(_norms.BwdConfig(1, lo, _norms.PATH_REGS, 8, 2, True, tail, 0, 3, True, reload_x=True))
-        for warps in (16, 32):
-            for stages in (1, 2, 3):
-                for apart in (_norms.APART_NONE, _norms.APART_DB):
-                    out.append(
-                        _norms.BwdConfig(
-                            1, lo, _norms.PATH_REGS, warps, 1, True, tail, apart, stages, True, reload_x=True
-                        )
-                    )
-    return out
+    none, db = _norms.APART_NONE, _norms.APART_DB
+    if op == "rms_norm":  # (warps, programs per SM, stages, apart)
+        grid = [(w, pps, st, none) for w in (8, 16, 32) for pps in (1, 2) for st in (1, 3)]
+    else:
+        grid = [(8, 2, 3, none)] if block == 8192 else []
+        grid += [(w, 1, st, apart) for w in (16, 32) for st in (1, 2, 3) for apart in (none, db)]
+    splits = ((block, 0), (block // 2, 1 << (N - block // 2 - 1).bit_length()))
+    return [
+        _norms.BwdConfig(1, lo, _norms.PATH_REGS, w, pps, True, tail, apart, st, True, reload_x=True)
+        for lo, tail in splits
+        for w, pps, st, apart in grid
+    ]
 
 
 def _stage_candidates(N, op):
