@@ -33,6 +33,13 @@ NORM_GRID = {
     # Rows of 4097-6144 columns (the 8192 block's "part" entry), where RMSNorm's reload_x
     # backward in two blocks (4096 + 1024 at 5120) measured 1.07x at 16384 rows.
     "part8192": [(m, 5120) for m in (4096, 16384, 65536)] + [(m, 6144) for m in (3000, 12288, 40960)],
+    # The persistent backward asking L2 for its next row tile (--prefetch): every table block.
+    "prefetch": [
+        (m, n) for m in (4096, 16384, 65536) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)
+    ],
+    # The rows where prefetching helped (LayerNorm 16384) or might: 1 or 2 tiles ahead.
+    "prefetch-wide": [(m, n) for m in (4096, 16384, 65536) for n in (5120, 8192, 11008, 16384)]
+    + [(12288, 13824), (40960, 13824)],
     # Few rows: below 2048 the table had an entry of its own (FEW_ROWS, now removed); above it.
     "reload-few": [(1024, 11008), (1024, 16384), (1536, 16384), (2048, 11008), (2048, 16384)],
 }
@@ -213,6 +220,22 @@ def _reload_x_bwd_candidates(N, op, block, _norms):
     ]
 
 
+def prefetch_bwd_candidates(N, op):
+    """The table's backward asking L2 for the tile 1 or 2 tiles ahead; where the table pipelines
+    the loop over row tiles (stages > 1), also unpipelined: the prefetch may do the pipelining's
+    job without its shared memory."""
+    from lmkernels.backends.triton import _norms
+
+    table = _norms.bwd_config(op, N)
+    if not table.single_block:
+        return []
+    stages = sorted({1, table.stages})
+    out = [dataclasses.replace(table, prefetch=ahead, stages=st) for ahead in (1, 2) for st in stages]
+    if table.stages > 1:
+        out.append(dataclasses.replace(table, stages=1))
+    return out
+
+
 def _stage_candidates(N, op):
     """The table's backward software-pipelined (stages 2 and 3) where it is not, for rows above
     8192 columns (one program per SM: nothing else overlaps a row's loads with its reductions)."""
@@ -329,7 +352,8 @@ def bwd_name(b):
         tag += " apart-" + ("db" if b.apart == _norms.APART_DB else "all")
     if b.stages > 1:
         tag += f" s{b.stages}"
-    return tag + (" const" if b.const_n else "") + (" rx" if b.reload_x else "")
+    tag += (" const" if b.const_n else "") + (" rx" if b.reload_x else "")
+    return tag + (f" pf{b.prefetch}" if b.prefetch else "")
 
 
 # Column-kernel configurations tried with the "apart" candidates: (BLOCK_M, BLOCK_N, warps, per SM).
@@ -349,17 +373,15 @@ SUM_CANDIDATES = [(64, 32, 4), (128, 32, 8), (256, 16, 8), (32, 64, 4), (128, 64
 # The table before this session's changes (per op, block and "part"; fwd args of FwdConfig or
 # None where unchanged, bwd args of BwdConfig): --lean times it beside the table, as "previous
 # table", in the same run; PREVIOUS_FEW likewise below FEW_ROWS_BELOW rows, where the table had
-# entries of its own (_norms.FEW_ROWS, removed in session 12). P = PATH_REGS. Session 12:
-# LayerNorm's 16384 block, whose backward left the bias gradient (11008-12288 columns) or both
-# gradients (wider) to the column kernel.
+# entries of its own until session 12 (none since). P = PATH_REGS. Session 13: the 16384
+# block's backward without the prefetch of a later row.
 P = 0
 PREVIOUS = {
-    ("layer_norm", 16384, True): (None, (1, 16384, P, 16, 1, True, 0, 1, 1, True)),
-    ("layer_norm", 16384, False): (None, (1, 16384, P, 16, 2, True, 0, 2, 3, True)),
-    ("rms_norm", 8192, True): (None, (1, 8192, P, 8, 1, True, 0, 0, 3, True)),
-    ("rms_norm", 16384, False): (None, (1, 16384, P, 16, 1, True, 0, 0, 1, True)),
+    ("layer_norm", 16384, True): (None, (1, 16384, P, 16, 1, True, 0, 0, 1, True, True)),
+    ("layer_norm", 16384, False): (None, (1, 8192, P, 16, 1, True, 8192, 0, 1, True, True)),
+    ("rms_norm", 16384, True): (None, (1, 16384, P, 16, 1, True, 0, 0, 1, True)),
 }
 FEW_ROWS_BELOW = 2048
-PREVIOUS_FEW = {("layer_norm", 16384, False): (None, (1, 16384, P, 8, 1, True, 0, 1, 1, True))}
+PREVIOUS_FEW = {}
 # RoPE's TILE_TUNED before this session's changes; None: unchanged (the committed table).
 PREVIOUS_ROPE_TILES = None

@@ -49,6 +49,7 @@ from roofline_candidates import (  # noqa: E402
     fwd_name,
     norm_bwd_candidates,
     norm_fwd_candidates,
+    prefetch_bwd_candidates,
 )
 from roofline_cases import DEVICE, E, NormCase, RopeCase  # noqa: E402
 
@@ -149,6 +150,8 @@ def norm_variants(case):
         return name, lambda: set_norm_config(**cfg)
 
     out = [("table", lambda: set_norm_config())]
+    if PREFETCH["on"]:  # the table's backward with and without the next tile prefetched
+        return out + [variant(bwd_name(b), bwd=b) for b in prefetch_bwd_candidates(case.N, case.op)]
     fwds = const_n_fwd_candidates(case.N, case.op) if SHORT["on"] else norm_fwd_candidates(case.N)
     out += [variant(fwd_name(f), fwd=f) for f in dict.fromkeys(fwds)]
     if not SHORT["on"]:
@@ -184,6 +187,7 @@ def make_case(op, shape):
 
 SHORT = {"on": False}
 LEAN = {"on": False}
+PREFETCH = {"on": False}
 
 
 def lean_variants(op, case):
@@ -228,11 +232,11 @@ def reset(op):
     set_rope_config(None) if op == "rope" else set_norm_config()
 
 
-def warm(group, short=False, lean=False, part=0, parts=1):
+def warm(group, short=False, lean=False, part=0, parts=1, prefetch=False):
     """Worker: compile every variant and peer of a group of (op, shape) points once (fills the
     disk caches). A group shares its Triton kernels (same op and row block). part / parts: this
     worker's share of the variants (the peers with part 0)."""
-    SHORT["on"], LEAN["on"] = short, lean
+    SHORT["on"], LEAN["on"], PREFETCH["on"] = short, lean, prefetch
     torch._dynamo.config.cache_size_limit = 4096
     torch._dynamo.config.accumulated_cache_size_limit = 4096
     os.environ.pop("TRITON_INTERPRET", None)
@@ -454,6 +458,9 @@ def main(argv=None):
         "--lean", action="store_true", help="only the table and the previous table where it changed"
     )
     ap.add_argument(
+        "--prefetch", action="store_true", help="norms: only the table's backward with and without prefetch"
+    )
+    ap.add_argument(
         "--rope-layout",
         default="bhtd",
         choices=["bhtd", "bthd"],
@@ -461,7 +468,7 @@ def main(argv=None):
     )
     ap.add_argument("--warm-budget", type=float, default=150.0, help="seconds for the parallel compile")
     args = ap.parse_args(argv)
-    SHORT["on"], LEAN["on"] = args.short, args.lean
+    SHORT["on"], LEAN["on"], PREFETCH["on"] = args.short, args.lean, args.prefetch
     os.environ["ROOFLINE_ROPE_LAYOUT"] = args.rope_layout  # read by RopeCase, workers included
     # One compiled reference per shape, all of the same function: past dynamo's default limit
     # of 8 recompiles the peer silently ran eager (run 4's 12-17x slower compile column).
@@ -478,7 +485,9 @@ def main(argv=None):
     log = lambda msg: print(f"[{time.time() - t_start:6.1f}s] {msg}", flush=True)  # noqa: E731
     if args.jobs > 1:
         pool = cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"))
-        futures = [pool.submit(warm, g, args.short, args.lean, p, n) for g, p, n in warm_groups(jobs)]
+        futures = [
+            pool.submit(warm, g, args.short, args.lean, p, n, args.prefetch) for g, p, n in warm_groups(jobs)
+        ]
         try:
             for f in cf.as_completed(futures, timeout=args.warm_budget):
                 log(f"warm {f.result()}")

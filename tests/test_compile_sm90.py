@@ -92,17 +92,23 @@ def main(configs):
         recorded = launches(lambda: layer_norm._layer_norm_bwd(dy, x, w, stats, stats, torch.bfloat16))
         recorded += launches(lambda: rms_norm._rms_norm_bwd(dy, x, w, stats, 0.0, "llama"))
         for kernel, args, kwargs in recorded:
-            sig, constexprs, options = signature(kernel, args, kwargs)
-            key = (kernel.__name__, json.dumps(sig, sort_keys=True), json.dumps(constexprs, sort_keys=True))
-            if key in seen:
-                continue
-            seen.add(key)
-            try:
-                triton.compile(ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
-            except Exception as e:
-                print(f"FAILED {kernel.__name__} {cfg}: {type(e).__name__}: {str(e)[:2000]}")
-                sys.exit(1)
-            compiled += 1
+            variants = [kwargs]
+            if "PREFETCH" in kwargs and kwargs["PATH"] != _norms.PATH_WIDE:
+                # The launcher prefetches on CUDA devices only (PTX): that path is compiled here.
+                variants.append(dict(kwargs, PREFETCH=1))
+            for kw in variants:
+                sig, constexprs, options = signature(kernel, args, kw)
+                key = (kernel.__name__, json.dumps(sig, sort_keys=True), json.dumps(constexprs, sort_keys=True))
+                if key in seen:
+                    continue
+                seen.add(key)
+                try:
+                    triton.compile(ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", 90, 32),
+                                   options=options)
+                except Exception as e:
+                    print(f"FAILED {kernel.__name__} {cfg} {kw.get('PREFETCH')}: {type(e).__name__}: {str(e)[:2000]}")
+                    sys.exit(1)
+                compiled += 1
     print(f"compiled {compiled}")
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -193,6 +194,36 @@ def row_block(rows, row_mask, cols, start, N, ROWS: tl.constexpr):
 
 
 @triton.jit
+def prefetch_l2(ptr, start, count):
+    """Asks L2 for elements [start, start + count) of `ptr` (their 16-byte aligned interior), with
+    one `cp.async.bulk.prefetch.L2` (sm_90+) from the program's first thread, and does not wait:
+    a hint, nothing depends on it. PTX: the interpreter cannot run it."""
+    esize: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+    begin = (ptr + start).to(tl.int64)
+    end = begin + count * esize
+    begin = (begin + 15) // 16 * 16
+    size = (end // 16 * 16 - begin).to(tl.int32)
+    tl.inline_asm_elementwise(
+        """{ .reg .pred p, q; .reg .u32 t;
+        mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.gt.s32 q, $2, 0; and.pred p, p, q;
+        @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }""",
+        "=r,l,r", [begin, size], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def prefetch_tile(x_ptr, dy_ptr, tile, M, N, ROWS: tl.constexpr):
+    """prefetch_l2 of row tile `tile` of x and dy ([M, N], row-major), if it exists. The
+    persistent backward asks for a tile it will work on later, so that HBM keeps streaming
+    while it reduces the current one and that tile's loads then wait on L2, not HBM."""
+    if tile * ROWS < M:
+        start = tile.to(tl.int64) * ROWS * N
+        count = tl.minimum(M - tile * ROWS, ROWS).to(tl.int64) * N
+        prefetch_l2(x_ptr, start, count)
+        prefetch_l2(dy_ptr, start, count)
+
+
+@triton.jit
 def _sum_columns(
     partial_ptr, out_ptr, P, N, SOFT_BF16: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
 ):
@@ -255,6 +286,7 @@ class BwdConfig:
     stages: int = 1  # software pipelining of the loop over row tiles (wide path: column blocks)
     const_n: bool = False  # compile for this row width (N a constexpr): see Tuned.const_n
     reload_x: bool = False  # single-block paths: see Tuned.reload_x
+    prefetch: int = 0  # single-block paths: see Tuned.prefetch
 
     @property
     def single_block(self) -> bool:
@@ -285,6 +317,9 @@ class Tuned:
     # The backward reads x and dy again after the row sums, a register block at a time, instead
     # of holding them, so that the weight-gradient accumulators of a wide row fit in registers.
     reload_x: bool = False
+    # > 0: the backward asks L2 for the row tile this many tiles ahead of the one it works on
+    # (prefetch_tile), after that one's first loads.
+    prefetch: int = 0
 
 
 # Per op and next_power_of_2(N) =: block, optionally "part" (rows that fill at most 3/4 of their
@@ -304,7 +339,10 @@ class Tuned:
 # registers and no column kernel reads x and dy a second time from memory: fwd+bwd 1.08-1.14x
 # at 11008-16384 columns, and 1.15x at 1024-1536 rows, where the table had an entry of its own
 # for few rows (benchmarks/results/2026-11-24-h200-ln-reload/tune/, few/). RMSNorm at 16384
-# columns: reload_x with 32 warps, 1.01-1.02x (ln-reload/rms/).
+# columns: reload_x with 32 warps, 1.01-1.02x (ln-reload/rms/). The 16384 block's one program
+# per SM asks L2 for a row ahead (prefetch): 1 row ahead at LayerNorm's 12289-16384 columns,
+# 1.08-1.13x; 2 rows ahead at 8193-12288 (one padded block), LayerNorm 1.05-1.07x and RMSNorm
+# 1.02-1.06x (benchmarks/results/2026-11-24-h200-prefetch/). Everywhere else it measured slower.
 TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 1024): Tuned(2, 4, 4, 8),
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
@@ -332,7 +370,9 @@ TUNED: dict[tuple, Tuned] = {
         reload_x=True,
     ),
     ("rms_norm", 16384): Tuned(1, 32, 32, 1, reload_w=True, const_n=True, reload_x=True),
-    ("rms_norm", 16384, "part"): Tuned(1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True),
+    ("rms_norm", 16384, "part"): Tuned(
+        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, prefetch=2
+    ),
     ("layer_norm", 1024): Tuned(2, 4, 4, 8),
     ("layer_norm", 2048): Tuned(1, 4, 8, 4, stages=3),
     ("layer_norm", 2048, "part"): Tuned(2, 4, 8, 4, stages=3, const_n=True),
@@ -341,10 +381,20 @@ TUNED: dict[tuple, Tuned] = {
     ("layer_norm", 8192): Tuned(1, 8, 16, 1, stages=3, const_n=True),
     ("layer_norm", 8192, "part"): Tuned(1, 8, 16, 1, fwd_chunk=2048, hints=True, stages=3, const_n=True),
     ("layer_norm", 16384, "part"): Tuned(
-        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, reload_x=True
+        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, reload_x=True, prefetch=2
     ),
     ("layer_norm", 16384): Tuned(
-        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, tail=True, const_n=True, reload_x=True
+        1,
+        16,
+        16,
+        1,
+        fwd_chunk=4096,
+        hints=True,
+        reload_w=True,
+        tail=True,
+        const_n=True,
+        reload_x=True,
+        prefetch=1,
     ),
 }
 
@@ -409,7 +459,7 @@ def _bwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> BwdConfig
             tail = triton.next_power_of_2(N - block)
         return BwdConfig(t.bwd_rows, block, t.path, t.bwd_warps, t.programs_per_sm, reload_w=t.reload_w,
                          tail=tail, apart=t.apart, stages=t.stages, const_n=t.const_n,
-                         reload_x=t.reload_x)  # fmt: skip
+                         reload_x=t.reload_x, prefetch=t.prefetch)  # fmt: skip
     rows = max(1, 1024 // block)
     num_warps = _default_warps(rows * block, 8, 16)
     return BwdConfig(rows, block, PATH_REGS, num_warps, max(1, 32 // num_warps))
@@ -457,6 +507,20 @@ def _fit_stages(cfg: BwdConfig, x_bytes: int, w_bytes: int, device_index: int) -
     while stages > 1 and (stages - 1) * per_stage > limit:
         stages -= 1
     return stages
+
+
+def prefetch_ahead(cfg: BwdConfig, x: torch.Tensor) -> int:
+    """The backward kernel's PREFETCH: cfg.prefetch on CUDA devices of sm_90 and later; 0 in the
+    interpreter, which runs no PTX."""
+    if cfg.prefetch == 0 or x.device.type != "cuda":
+        return 0
+    return cfg.prefetch if _can_prefetch(_device_index(x.device)) else 0
+
+
+@functools.cache
+def _can_prefetch(device_index: int) -> bool:
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return not interpreted and torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def persistent_programs(tiles: int, programs_per_sm: int, device: torch.device) -> int:
