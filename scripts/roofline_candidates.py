@@ -37,9 +37,10 @@ NORM_GRID = {
     "prefetch": [
         (m, n) for m in (4096, 16384, 65536) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)
     ],
-    # The rows where prefetching helped (LayerNorm 16384) or might: 1 or 2 tiles ahead.
+    # The rows where prefetching helped (the 16384 block) or might.
     "prefetch-wide": [(m, n) for m in (4096, 16384, 65536) for n in (5120, 8192, 11008, 16384)]
     + [(12288, 13824), (40960, 13824)],
+    "prefetch-narrow": [(16384, n) for n in (1024, 2048, 3584, 4096)],
     # Few rows: below 2048 the table had an entry of its own (FEW_ROWS, now removed); above it.
     "reload-few": [(1024, 11008), (1024, 16384), (1536, 16384), (2048, 11008), (2048, 16384)],
 }
@@ -221,16 +222,16 @@ def _reload_x_bwd_candidates(N, op, block, _norms):
 
 
 def prefetch_bwd_candidates(N, op):
-    """The table's backward asking L2 for the tile 1 or 2 tiles ahead; where the table pipelines
-    the loop over row tiles (stages > 1), also unpipelined: the prefetch may do the pipelining's
-    job without its shared memory."""
+    """The table's backward with the prefetch switched (on where it is off, off where it is on);
+    where the table pipelines the loop over row tiles (stages > 1), also unpipelined: the
+    prefetch may do the pipelining's job without its shared memory."""
     from lmkernels.backends.triton import _norms
 
     table = _norms.bwd_config(op, N)
     if not table.single_block:
         return []
     stages = sorted({1, table.stages})
-    out = [dataclasses.replace(table, prefetch=ahead, stages=st) for ahead in (1, 2) for st in stages]
+    out = [dataclasses.replace(table, prefetch=not table.prefetch, stages=st) for st in stages]
     if table.stages > 1:
         out.append(dataclasses.replace(table, stages=1))
     return out
@@ -353,7 +354,7 @@ def bwd_name(b):
     if b.stages > 1:
         tag += f" s{b.stages}"
     tag += (" const" if b.const_n else "") + (" rx" if b.reload_x else "")
-    return tag + (f" pf{b.prefetch}" if b.prefetch else "")
+    return tag + (" pf" if b.prefetch else "")
 
 
 # Column-kernel configurations tried with the "apart" candidates: (BLOCK_M, BLOCK_N, warps, per SM).

@@ -95,7 +95,7 @@ def main(configs):
             variants = [kwargs]
             if "PREFETCH" in kwargs and kwargs["PATH"] != _norms.PATH_WIDE:
                 # The launcher prefetches on CUDA devices only (PTX): that path is compiled here.
-                variants.append(dict(kwargs, PREFETCH=1))
+                variants.append(dict(kwargs, PREFETCH=True))
             for kw in variants:
                 sig, constexprs, options = signature(kernel, args, kw)
                 key = (kernel.__name__, json.dumps(sig, sort_keys=True), json.dumps(constexprs, sort_keys=True))

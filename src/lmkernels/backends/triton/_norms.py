@@ -286,7 +286,7 @@ class BwdConfig:
     stages: int = 1  # software pipelining of the loop over row tiles (wide path: column blocks)
     const_n: bool = False  # compile for this row width (N a constexpr): see Tuned.const_n
     reload_x: bool = False  # single-block paths: see Tuned.reload_x
-    prefetch: int = 0  # single-block paths: see Tuned.prefetch
+    prefetch: bool = False  # single-block paths: see Tuned.prefetch
 
     @property
     def single_block(self) -> bool:
@@ -317,9 +317,9 @@ class Tuned:
     # The backward reads x and dy again after the row sums, a register block at a time, instead
     # of holding them, so that the weight-gradient accumulators of a wide row fit in registers.
     reload_x: bool = False
-    # > 0: the backward asks L2 for the row tile this many tiles ahead of the one it works on
-    # (prefetch_tile), after that one's first loads.
-    prefetch: int = 0
+    # The backward asks L2 for its next row tile while the current one's loads are in flight
+    # (prefetch_tile).
+    prefetch: bool = False
 
 
 # Per op and next_power_of_2(N) =: block, optionally "part" (rows that fill at most 3/4 of their
@@ -340,9 +340,9 @@ class Tuned:
 # at 11008-16384 columns, and 1.15x at 1024-1536 rows, where the table had an entry of its own
 # for few rows (benchmarks/results/2026-11-24-h200-ln-reload/tune/, few/). RMSNorm at 16384
 # columns: reload_x with 32 warps, 1.01-1.02x (ln-reload/rms/). The 16384 block's one program
-# per SM asks L2 for a row ahead (prefetch): 1 row ahead at LayerNorm's 12289-16384 columns,
-# 1.08-1.13x; 2 rows ahead at 8193-12288 (one padded block), LayerNorm 1.05-1.07x and RMSNorm
-# 1.02-1.06x (benchmarks/results/2026-11-24-h200-prefetch/). Everywhere else it measured slower.
+# per SM asks L2 for its next row while the current row's loads are in flight (prefetch):
+# LayerNorm 1.05-1.13x at 11008-16384 columns, RMSNorm 1.04-1.08x at 8193-12288
+# (benchmarks/results/2026-11-24-h200-prefetch/). Everywhere else it measured slower.
 TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 1024): Tuned(2, 4, 4, 8),
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
@@ -371,7 +371,7 @@ TUNED: dict[tuple, Tuned] = {
     ),
     ("rms_norm", 16384): Tuned(1, 32, 32, 1, reload_w=True, const_n=True, reload_x=True),
     ("rms_norm", 16384, "part"): Tuned(
-        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, prefetch=2
+        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, prefetch=True
     ),
     ("layer_norm", 1024): Tuned(2, 4, 4, 8),
     ("layer_norm", 2048): Tuned(1, 4, 8, 4, stages=3),
@@ -381,7 +381,7 @@ TUNED: dict[tuple, Tuned] = {
     ("layer_norm", 8192): Tuned(1, 8, 16, 1, stages=3, const_n=True),
     ("layer_norm", 8192, "part"): Tuned(1, 8, 16, 1, fwd_chunk=2048, hints=True, stages=3, const_n=True),
     ("layer_norm", 16384, "part"): Tuned(
-        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, reload_x=True, prefetch=2
+        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, reload_x=True, prefetch=True
     ),
     ("layer_norm", 16384): Tuned(
         1,
@@ -394,7 +394,7 @@ TUNED: dict[tuple, Tuned] = {
         tail=True,
         const_n=True,
         reload_x=True,
-        prefetch=1,
+        prefetch=True,
     ),
 }
 
@@ -509,12 +509,10 @@ def _fit_stages(cfg: BwdConfig, x_bytes: int, w_bytes: int, device_index: int) -
     return stages
 
 
-def prefetch_ahead(cfg: BwdConfig, x: torch.Tensor) -> int:
-    """The backward kernel's PREFETCH: cfg.prefetch on CUDA devices of sm_90 and later; 0 in the
-    interpreter, which runs no PTX."""
-    if cfg.prefetch == 0 or x.device.type != "cuda":
-        return 0
-    return cfg.prefetch if _can_prefetch(_device_index(x.device)) else 0
+def can_prefetch(cfg: BwdConfig, x: torch.Tensor) -> bool:
+    """The backward kernel's PREFETCH: cfg.prefetch on CUDA devices of sm_90 and later; never in
+    the interpreter, which runs no PTX."""
+    return cfg.prefetch and x.device.type == "cuda" and _can_prefetch(_device_index(x.device))
 
 
 @functools.cache

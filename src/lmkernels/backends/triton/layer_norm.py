@@ -21,6 +21,7 @@ from lmkernels.backends.triton._norms import (
     PATH_REGS,
     PATH_WIDE,
     bwd_config,
+    can_prefetch,
     col_sums,
     column_splits,
     const_n,
@@ -33,7 +34,6 @@ from lmkernels.backends.triton._norms import (
     per_row,
     persistent_programs,
     pipeline_stages,
-    prefetch_ahead,
     prefetch_tile,
     row_block,
     row_limit_reasons,
@@ -196,7 +196,7 @@ def _layer_norm_bwd_kernel(
     SOFT_BF16: tl.constexpr,
     N_CONST: tl.constexpr = 0,
     RELOAD_X: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = False,
 ):
     """dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dy * w, x_hat = (x - mean) * rstd;
     dw = sum dy * x_hat, db = sum dy over rows.
@@ -207,8 +207,8 @@ def _layer_norm_bwd_kernel(
     is columns [0, BLOCK) and, when TAIL > 0, [BLOCK, BLOCK + TAIL): two register blocks.
     RELOAD_X: x and dy are read again (L1 / L2 hits) after the row sums, one register block at
     a time, instead of being held: what lets both fp32 accumulators of a 16384-column row stay
-    in registers. PREFETCH > 0: after a tile's first loads, L2 is asked for the tile PREFETCH
-    tiles ahead (prefetch_tile).
+    in registers. PREFETCH: right after a tile's first loads are issued, L2 is asked for the
+    program's next tile (prefetch_tile).
     """
     if N_CONST > 0:  # the row width as a compile-time constant (const_n)
         N = N_CONST
@@ -241,6 +241,8 @@ def _layer_norm_bwd_kernel(
             first: tl.constexpr = "evict_last" if RELOAD_X else ""
             x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w, mean, rstd,
                                      RELOAD_W, HAS_WEIGHT, ROWS, first)  # fmt: skip
+            if PREFETCH:  # the next tile, while this one's loads are in flight
+                prefetch_tile(x_ptr, dy_ptr, pid + (i + 1) * num_programs, M, N, ROWS)
             sum_g = row_sums(g, ROWS)
             sum_gx = row_sums(g * x_hat, ROWS)
             if TAIL > 0:
@@ -249,8 +251,6 @@ def _layer_norm_bwd_kernel(
                                                mean, rstd, RELOAD_W, HAS_WEIGHT, ROWS, first)  # fmt: skip
                 sum_g += row_sums(g_t, ROWS)
                 sum_gx += row_sums(g_t * x_hat_t, ROWS)
-            if PREFETCH > 0:
-                prefetch_tile(x_ptr, dy_ptr, pid + (i + PREFETCH) * num_programs, M, N, ROWS)
             mean_g = sum_g / N
             mean_gx = sum_gx / N
             if RELOAD_X:  # another eviction policy: the compiler does not merge the two loads
@@ -463,7 +463,7 @@ def _layer_norm_bwd(
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
             RELOAD_X=cfg.reload_x,
-            PREFETCH=prefetch_ahead(cfg, x),
+            PREFETCH=can_prefetch(cfg, x),
             num_warps=cfg.num_warps,
         )
         if dw_partial is not None and db_partial is not None:

@@ -22,6 +22,7 @@ from lmkernels.backends.triton._norms import (
     PATH_REGS,
     PATH_WIDE,
     bwd_config,
+    can_prefetch,
     col_sums,
     column_splits,
     const_n,
@@ -34,7 +35,6 @@ from lmkernels.backends.triton._norms import (
     per_row,
     persistent_programs,
     pipeline_stages,
-    prefetch_ahead,
     prefetch_tile,
     round_as,
     row_block,
@@ -210,7 +210,7 @@ def _rms_norm_bwd_kernel(
     SOFT_BF16: tl.constexpr,
     N_CONST: tl.constexpr = 0,
     RELOAD_X: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = False,
 ):
     """dx = rstd * (g - x * rstd^2 * mean(g * x)) with g = dy * (w + offset); dw = sum dy * x_hat.
 
@@ -222,8 +222,8 @@ def _rms_norm_bwd_kernel(
     element at the same address is written, by the same program. RELOAD_X: x and dy are read
     again (L1 / L2 hits) after the row sum, one register block at a time, instead of being
     held (fewer registers per thread; a block is read again before its own dx is written).
-    PREFETCH > 0: after a tile's first loads, L2 is asked for the tile PREFETCH tiles
-    ahead (prefetch_tile).
+    PREFETCH: right after a tile's first loads are issued, L2 is asked for the
+    program's next tile (prefetch_tile).
     """
     if N_CONST > 0:  # the row width as a compile-time constant (const_n)
         N = N_CONST
@@ -255,6 +255,8 @@ def _rms_norm_bwd_kernel(
             first: tl.constexpr = "evict_last" if RELOAD_X else ""
             x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w_factor, offset,
                                  RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS, first)  # fmt: skip
+            if PREFETCH:  # the next tile, while this one's loads are in flight
+                prefetch_tile(x_ptr, dy_ptr, pid + (i + 1) * num_programs, M, N, ROWS)
             dot = row_sums(g * x, ROWS)
             if TAIL > 0:
                 offs_t, mask_t = tile_block(rows, row_mask, cols_t, tail_mask, N, ROWS)
@@ -262,8 +264,6 @@ def _rms_norm_bwd_kernel(
                                            offset, RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS,
                                            first)  # fmt: skip
                 dot += row_sums(g_t * x_t, ROWS)
-            if PREFETCH > 0:
-                prefetch_tile(x_ptr, dy_ptr, pid + (i + PREFETCH) * num_programs, M, N, ROWS)
             scale = rstd * rstd * dot / N
             if RELOAD_X:  # another eviction policy: the compiler does not merge the two loads
                 x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w_factor, offset,
@@ -418,7 +418,7 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
             RELOAD_X=cfg.reload_x,
-            PREFETCH=prefetch_ahead(cfg, x),
+            PREFETCH=can_prefetch(cfg, x),
             num_warps=cfg.num_warps,
         )
         if partial is not None:
