@@ -24,6 +24,9 @@ Both norms lay the work out the same way:
 - `reload_x`: the backward reads a row's x and dy a second time after the row sums, one
   register block at a time, from L1 / L2, instead of holding them. That frees the registers the
   gradient sums of a wide row need (LayerNorm's two), without the column kernel's HBM reads.
+- `prefetch`: a backward with one program per SM and one row in flight asks L2 for its next
+  row as soon as the current row's loads are issued (prefetch_tile), so that HBM streams
+  through the row's reductions.
 
 The configurations come from a table per op and row width, filled from measurements on an H200
 (scripts/roofline_tune.py; benchmarks/results/2026-11-23-roofline-tune/, -tune2/ and
