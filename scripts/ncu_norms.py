@@ -60,8 +60,8 @@ def driver(points: list[str], force_bwd: str | None) -> None:
     import lmkernels as lk
     from lmkernels.backends.triton import _norms
 
-    if force_bwd:
-        _norms.FORCE_BWD = eval(force_bwd, {"BwdConfig": _norms.BwdConfig, **vars(_norms)})
+    if force_bwd:  # an expression over _norms' names, e.g. "BwdConfig(1, 8192, PATH_REGS, 16, 1)"
+        _norms.FORCE_BWD = eval(force_bwd, dict(vars(_norms)))
     for point in points:
         op, shape = point.split(":")
         M, N = map(int, shape.split("x"))

@@ -344,8 +344,8 @@ class Tuned:
 # for few rows (benchmarks/results/2026-11-24-h200-ln-reload/tune/, few/). RMSNorm at 16384
 # columns: reload_x with 32 warps, 1.01-1.02x (ln-reload/rms/). The 16384 block's one program
 # per SM asks L2 for its next row while the current row's loads are in flight (prefetch):
-# LayerNorm 1.05-1.13x at 11008-16384 columns, RMSNorm 1.04-1.08x at 8193-12288
-# (benchmarks/results/2026-11-24-h200-prefetch/). Everywhere else it measured slower.
+# LayerNorm 1.05-1.14x at 11008-16384 columns from 3000 rows up, RMSNorm 1.08-1.10x at
+# 11008-12288 (benchmarks/results/2026-11-24-h200-prefetch/). Elsewhere it measured slower.
 TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 1024): Tuned(2, 4, 4, 8),
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
