@@ -37,15 +37,10 @@ NORM_GRID = {
     "prefetch": [
         (m, n) for m in (4096, 16384, 65536) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)
     ],
-    # The rows where prefetching helped (the 16384 block's backward) or might.
+    # The rows where prefetching helped (the 16384 block) or might.
     "prefetch-wide": [(m, n) for m in (4096, 16384, 65536) for n in (5120, 8192, 11008, 16384)]
     + [(12288, 13824), (40960, 13824)],
     "prefetch-narrow": [(16384, n) for n in (1024, 2048, 3584, 4096)],
-    # The forward's prefetch (a few waves of programs ahead), where fwd+bwd is at 70-85% of copy.
-    "prefetch-fwd": [
-        (m, n) for m in (16384, 65536) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)
-    ]
-    + [(4096, n) for n in (8192, 11008, 16384)],
     # Few rows: below 2048 the table had an entry of its own (FEW_ROWS, now removed); above it.
     "reload-few": [(1024, 11008), (1024, 16384), (1536, 16384), (2048, 11008), (2048, 16384)],
 }
@@ -242,16 +237,6 @@ def prefetch_bwd_candidates(N, op):
     return out
 
 
-def prefetch_fwd_candidates(N, op):
-    """The table's forward asking L2 for the tile of the program 1 or 2 full waves later."""
-    import dataclasses
-
-    from lmkernels.backends.triton import _norms
-
-    table = _norms.fwd_config(op, N)
-    return [dataclasses.replace(table, prefetch=waves) for waves in (1, 2) if waves != table.prefetch]
-
-
 def _stage_candidates(N, op):
     """The table's backward software-pipelined (stages 2 and 3) where it is not, for rows above
     8192 columns (one program per SM: nothing else overlaps a row's loads with its reductions)."""
@@ -353,7 +338,7 @@ def _split_bwd_candidates(N, op, block, _norms):
 def fwd_name(f):
     tag = f"fwd r{f.rows} w{f.num_warps}" if f.single_block else f"fwd-wide b{f.block} w{f.num_warps}"
     tag += (" hints" if f.hints else "") + (f" s{f.stages}" if f.stages > 1 else "")
-    return tag + (" const" if f.const_n else "") + (f" pf{f.prefetch}" if f.prefetch else "")
+    return tag + (" const" if f.const_n else "")
 
 
 def bwd_name(b):

@@ -50,7 +50,6 @@ from roofline_candidates import (  # noqa: E402
     norm_bwd_candidates,
     norm_fwd_candidates,
     prefetch_bwd_candidates,
-    prefetch_fwd_candidates,
 )
 from roofline_cases import DEVICE, E, NormCase, RopeCase  # noqa: E402
 
@@ -151,8 +150,7 @@ def norm_variants(case):
         return name, lambda: set_norm_config(**cfg)
 
     out = [("table", lambda: set_norm_config())]
-    if PREFETCH["on"]:  # the table's forward and backward with and without their prefetch
-        out += [variant(fwd_name(f), fwd=f) for f in prefetch_fwd_candidates(case.N, case.op)]
+    if PREFETCH["on"]:  # the table's backward with and without the next tile prefetched
         return out + [variant(bwd_name(b), bwd=b) for b in prefetch_bwd_candidates(case.N, case.op)]
     fwds = const_n_fwd_candidates(case.N, case.op) if SHORT["on"] else norm_fwd_candidates(case.N)
     out += [variant(fwd_name(f), fwd=f) for f in dict.fromkeys(fwds)]

@@ -414,7 +414,7 @@ def test_prefetch_entries_and_where_it_runs():
     expected = {(op, N) for op in ("rms_norm", "layer_norm") for N in (11008, 12288)}
     assert on == expected | {("layer_norm", 13824), ("layer_norm", 16384)}
     x = torch.empty(2, 16384, device="cpu")
-    assert not norms_mod.can_prefetch(x)
+    assert not norms_mod.can_prefetch(norms_mod.bwd_config("layer_norm", 16384), x)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the prefetch is PTX: it runs on CUDA devices only")
@@ -436,7 +436,7 @@ def test_prefetch_changes_no_result(monkeypatch, op):
         else:
             _, mean, rstd = ln_mod._layer_norm_fwd(x, w, w, 1e-5)
             results.append(ln_mod._layer_norm_bwd(dy, x, w, mean, rstd, torch.bfloat16))
-    assert norms_mod.can_prefetch(x)
+    assert norms_mod.can_prefetch(dataclasses.replace(base, prefetch=True), x)
     for a, b in zip(*results):
         assert torch.equal(a, b)
 

@@ -215,20 +215,15 @@ def prefetch_l2(ptr, start, count):
 
 
 @triton.jit
-def prefetch_rows(ptr, tile, M, N, ROWS: tl.constexpr):
-    """prefetch_l2 of row tile `tile` of a [M, N] row-major tensor, if it exists."""
-    if tile * ROWS < M:
-        count = tl.minimum(M - tile * ROWS, ROWS).to(tl.int64) * N
-        prefetch_l2(ptr, tile.to(tl.int64) * ROWS * N, count)
-
-
-@triton.jit
 def prefetch_tile(x_ptr, dy_ptr, tile, M, N, ROWS: tl.constexpr):
-    """prefetch_rows of x and dy. The persistent backward asks for a tile it will work on later,
-    so that HBM keeps streaming while it reduces the current one and that tile's loads then
-    wait on L2, not HBM."""
-    prefetch_rows(x_ptr, tile, M, N, ROWS)
-    prefetch_rows(dy_ptr, tile, M, N, ROWS)
+    """prefetch_l2 of row tile `tile` of x and dy ([M, N], row-major), if it exists. The
+    persistent backward asks for a tile it will work on later, so that HBM keeps streaming
+    while it reduces the current one and that tile's loads then wait on L2, not HBM."""
+    if tile * ROWS < M:
+        start = tile.to(tl.int64) * ROWS * N
+        count = tl.minimum(M - tile * ROWS, ROWS).to(tl.int64) * N
+        prefetch_l2(x_ptr, start, count)
+        prefetch_l2(dy_ptr, start, count)
 
 
 @triton.jit
@@ -279,9 +274,6 @@ class FwdConfig:
     hints: bool = False  # wide path: eviction hints that keep the row in L2 between passes
     stages: int = 1  # wide path: software pipelining of the loops over column blocks
     const_n: bool = False  # compile for this row width (N a constexpr): see Tuned.const_n
-    # > 0: each program asks L2 for the tile of the program this many full waves later (a wave:
-    # every SM holding 64 warps of programs), the tile a later program will read.
-    prefetch: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -520,17 +512,10 @@ def _fit_stages(cfg: BwdConfig, x_bytes: int, w_bytes: int, device_index: int) -
     return stages
 
 
-def can_prefetch(x: torch.Tensor) -> bool:
-    """Whether the kernels may issue prefetch_l2 for x's device: CUDA of sm_90 and later, not
-    the interpreter (which runs no PTX)."""
-    return x.device.type == "cuda" and _can_prefetch(_device_index(x.device))
-
-
-def fwd_prefetch_ahead(cfg: FwdConfig, x: torch.Tensor) -> int:
-    """The forward kernel's PREFETCH_AHEAD, in tiles (see FwdConfig.prefetch); 0: none."""
-    if not cfg.prefetch or not can_prefetch(x):
-        return 0
-    return cfg.prefetch * _sm_count(_device_index(x.device)) * max(1, 64 // cfg.num_warps)
+def can_prefetch(cfg: BwdConfig, x: torch.Tensor) -> bool:
+    """The backward kernel's PREFETCH: cfg.prefetch on CUDA devices of sm_90 and later; never in
+    the interpreter, which runs no PTX."""
+    return cfg.prefetch and x.device.type == "cuda" and _can_prefetch(_device_index(x.device))
 
 
 @functools.cache

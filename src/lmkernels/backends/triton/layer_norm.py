@@ -26,7 +26,6 @@ from lmkernels.backends.triton._norms import (
     column_splits,
     const_n,
     fwd_config,
-    fwd_prefetch_ahead,
     load_block,
     num_rows,
     num_tiles,
@@ -35,7 +34,6 @@ from lmkernels.backends.triton._norms import (
     per_row,
     persistent_programs,
     pipeline_stages,
-    prefetch_rows,
     prefetch_tile,
     row_block,
     row_limit_reasons,
@@ -76,7 +74,6 @@ def _layer_norm_fwd_kernel(
     STAGES: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     N_CONST: tl.constexpr = 0,
-    PREFETCH_AHEAD: tl.constexpr = 0,
 ):
     if N_CONST > 0:  # the row width as a compile-time constant (const_n)
         N = N_CONST
@@ -88,8 +85,6 @@ def _layer_norm_fwd_kernel(
         col_mask = cols < N
         offs, mask = tile_block(rows, row_mask, cols, col_mask, N, ROWS)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if PREFETCH_AHEAD > 0:  # the tile of a program a few waves later (FwdConfig.prefetch)
-            prefetch_rows(x_ptr, tl.program_id(0) + PREFETCH_AHEAD, M, N, ROWS)
         mean = row_sums(x, ROWS) / N
         centered = tl.where(mask, x - per_row(mean, ROWS), 0.0)
         # Two passes over the row in registers (mean, then squared deviations), as the reference.
@@ -107,8 +102,6 @@ def _layer_norm_fwd_kernel(
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * N
         y_row = y_ptr + row * N
-        if PREFETCH_AHEAD > 0:
-            prefetch_rows(x_ptr, tl.program_id(0) + PREFETCH_AHEAD, M, N, 1)
         acc = tl.zeros([BLOCK], tl.float32)
         for start in tl.range(0, N, BLOCK, num_stages=STAGES):
             acc += load_block(x_row + start + cols, start + cols < N, HINTS, True)
@@ -392,7 +385,6 @@ def _layer_norm_fwd(
             STAGES=cfg.stages,
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
-            PREFETCH_AHEAD=fwd_prefetch_ahead(cfg, x),
             num_warps=cfg.num_warps,
         )
     return y, mean, rstd
@@ -471,7 +463,7 @@ def _layer_norm_bwd(
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
             RELOAD_X=cfg.reload_x,
-            PREFETCH=cfg.prefetch and can_prefetch(x),
+            PREFETCH=can_prefetch(cfg, x),
             num_warps=cfg.num_warps,
         )
         if dw_partial is not None and db_partial is not None:

@@ -27,7 +27,6 @@ from lmkernels.backends.triton._norms import (
     column_splits,
     const_n,
     fwd_config,
-    fwd_prefetch_ahead,
     load_block,
     num_rows,
     num_tiles,
@@ -36,7 +35,6 @@ from lmkernels.backends.triton._norms import (
     per_row,
     persistent_programs,
     pipeline_stages,
-    prefetch_rows,
     prefetch_tile,
     round_as,
     row_block,
@@ -113,7 +111,6 @@ def _rms_norm_fwd_kernel(
     STAGES: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     N_CONST: tl.constexpr = 0,
-    PREFETCH_AHEAD: tl.constexpr = 0,
 ):
     if N_CONST > 0:  # the row width as a compile-time constant (const_n)
         N = N_CONST
@@ -125,8 +122,6 @@ def _rms_norm_fwd_kernel(
         col_mask = cols < N
         offs, mask = tile_block(rows, row_mask, cols, col_mask, N, ROWS)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if PREFETCH_AHEAD > 0:  # the tile of a program a few waves later (FwdConfig.prefetch)
-            prefetch_rows(x_ptr, tl.program_id(0) + PREFETCH_AHEAD, M, N, ROWS)
         rstd = _rstd(row_sums(_square(x, MODE, dtype, SOFT_BF16), ROWS), N, eps, MODE, dtype, SOFT_BF16)
         y = _normalized(x, per_row(rstd, ROWS), MODE, dtype, SOFT_BF16)
         if HAS_WEIGHT:
@@ -138,8 +133,6 @@ def _rms_norm_fwd_kernel(
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * N
         y_row = y_ptr + row * N
-        if PREFETCH_AHEAD > 0:
-            prefetch_rows(x_ptr, tl.program_id(0) + PREFETCH_AHEAD, M, N, 1)
         acc = tl.zeros([BLOCK], tl.float32)
         for start in tl.range(0, N, BLOCK, num_stages=STAGES):
             mask = start + cols < N
@@ -380,7 +373,6 @@ def _rms_norm_fwd(
             STAGES=cfg.stages,
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
-            PREFETCH_AHEAD=fwd_prefetch_ahead(cfg, x),
             num_warps=cfg.num_warps,
         )
     return y, rstd
@@ -426,7 +418,7 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
             RELOAD_X=cfg.reload_x,
-            PREFETCH=cfg.prefetch and can_prefetch(x),
+            PREFETCH=can_prefetch(cfg, x),
             num_warps=cfg.num_warps,
         )
         if partial is not None:
