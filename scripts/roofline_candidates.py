@@ -41,6 +41,9 @@ NORM_GRID = {
     "prefetch-wide": [(m, n) for m in (4096, 16384, 65536) for n in (5120, 8192, 11008, 16384)]
     + [(12288, 13824), (40960, 13824)],
     "prefetch-narrow": [(16384, n) for n in (1024, 2048, 3584, 4096)],
+    # The 16384 block's layouts with the prefetch.
+    "prefetch-layouts": [(m, n) for m in (4096, 16384, 65536) for n in (11008, 16384)]
+    + [(12288, 13824), (3000, 12288)],
     # Few rows: below 2048 the table had an entry of its own (FEW_ROWS, now removed); above it.
     "reload-few": [(1024, 11008), (1024, 16384), (1536, 16384), (2048, 11008), (2048, 16384)],
 }
@@ -224,7 +227,9 @@ def _reload_x_bwd_candidates(N, op, block, _norms):
 def prefetch_bwd_candidates(N, op):
     """The table's backward with the prefetch switched (on where it is off, off where it is on);
     where the table pipelines the loop over row tiles (stages > 1), also unpipelined: the
-    prefetch may do the pipelining's job without its shared memory."""
+    prefetch may do the pipelining's job without its shared memory. Above 8192 columns also
+    the reload_x layouts (one register block or two, 16 or 32 warps) with the prefetch on: it
+    may move the balance between them."""
     from lmkernels.backends.triton import _norms
 
     table = _norms.bwd_config(op, N)
@@ -234,7 +239,13 @@ def prefetch_bwd_candidates(N, op):
     out = [dataclasses.replace(table, prefetch=not table.prefetch, stages=st) for st in stages]
     if table.stages > 1:
         out.append(dataclasses.replace(table, stages=1))
-    return out
+    if 8192 < N <= _norms.MAX_FUSED_N:
+        block = 1 << (N - 1).bit_length()
+        for lo, tail in ((block, 0), (block // 2, 1 << (N - block // 2 - 1).bit_length())):
+            for warps in (16, 32):
+                out.append(_norms.BwdConfig(1, lo, _norms.PATH_REGS, warps, 1, True, tail, const_n=True,
+                                            reload_x=True, prefetch=True))  # fmt: skip
+    return list(dict.fromkeys(c for c in out if c != table))
 
 
 def _stage_candidates(N, op):
@@ -381,6 +392,7 @@ PREVIOUS = {
     ("layer_norm", 16384, True): (None, (1, 16384, P, 16, 1, True, 0, 0, 1, True, True)),
     ("layer_norm", 16384, False): (None, (1, 8192, P, 16, 1, True, 8192, 0, 1, True, True)),
     ("rms_norm", 16384, True): (None, (1, 16384, P, 16, 1, True, 0, 0, 1, True)),
+    ("rms_norm", 16384, False): (None, (1, 16384, P, 32, 1, True, 0, 0, 1, True, True)),
 }
 FEW_ROWS_BELOW = 2048
 PREVIOUS_FEW = {}

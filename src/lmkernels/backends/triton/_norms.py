@@ -345,7 +345,8 @@ class Tuned:
 # columns: reload_x with 32 warps, 1.01-1.02x (ln-reload/rms/). The 16384 block's one program
 # per SM asks L2 for its next row while the current row's loads are in flight (prefetch):
 # LayerNorm 1.05-1.14x at 11008-16384 columns from 3000 rows up, RMSNorm 1.08-1.10x at
-# 11008-12288 (benchmarks/results/2026-11-24-h200-prefetch/). Elsewhere it measured slower.
+# 11008-12288; RMSNorm at 12289-16384 columns with it takes 16 warps instead of 32, 1.04-1.06x
+# (benchmarks/results/2026-11-24-h200-prefetch/, layouts/). Elsewhere it measured slower.
 TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 1024): Tuned(2, 4, 4, 8),
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
@@ -372,7 +373,7 @@ TUNED: dict[tuple, Tuned] = {
         const_n=True,
         reload_x=True,
     ),
-    ("rms_norm", 16384): Tuned(1, 32, 32, 1, reload_w=True, const_n=True, reload_x=True),
+    ("rms_norm", 16384): Tuned(1, 32, 16, 1, reload_w=True, const_n=True, reload_x=True, prefetch=True),
     ("rms_norm", 16384, "part"): Tuned(
         1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, prefetch=True
     ),
