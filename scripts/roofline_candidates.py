@@ -216,12 +216,17 @@ def _reload_x_bwd_candidates(N, op, block, _norms):
     else:
         grid = [(8, 2, 3, none)] if block == 8192 else []
         grid += [(w, 1, st, apart) for w in (16, 32) for st in (1, 2, 3) for apart in (none, db)]
-    splits = ((block, 0), (block // 2, 1 << (N - block // 2 - 1).bit_length()))
     return [
         _norms.BwdConfig(1, lo, _norms.PATH_REGS, w, pps, True, tail, apart, st, True, reload_x=True)
-        for lo, tail in splits
+        for lo, tail in _register_splits(N, block)
         for w, pps, st, apart in grid
     ]
+
+
+def _register_splits(N, block):
+    """(block, tail) of a row held as one padded register block, or as two: the largest power
+    of two <= N, then the rest (rounded up to a power of two)."""
+    return ((block, 0), (block // 2, 1 << (N - block // 2 - 1).bit_length()))
 
 
 def prefetch_bwd_candidates(N, op):
@@ -241,7 +246,7 @@ def prefetch_bwd_candidates(N, op):
         out.append(dataclasses.replace(table, stages=1))
     if 8192 < N <= _norms.MAX_FUSED_N:
         block = 1 << (N - 1).bit_length()
-        for lo, tail in ((block, 0), (block // 2, 1 << (N - block // 2 - 1).bit_length())):
+        for lo, tail in _register_splits(N, block):
             for warps in (16, 32):
                 out.append(_norms.BwdConfig(1, lo, _norms.PATH_REGS, warps, 1, True, tail, const_n=True,
                                             reload_x=True, prefetch=True))  # fmt: skip
