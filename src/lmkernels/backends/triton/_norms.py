@@ -514,15 +514,16 @@ def _fit_stages(cfg: BwdConfig, x_bytes: int, w_bytes: int, device_index: int) -
 
 
 def can_prefetch(cfg: BwdConfig, x: torch.Tensor) -> bool:
-    """The backward kernel's PREFETCH: cfg.prefetch on CUDA devices of sm_90 and later; never in
-    the interpreter, which runs no PTX."""
+    """The backward kernel's PREFETCH: cfg.prefetch on NVIDIA devices of sm_90 and later; never
+    in the interpreter or on ROCm, which run no PTX."""
     return cfg.prefetch and x.device.type == "cuda" and _can_prefetch(_device_index(x.device))
 
 
 @functools.cache
 def _can_prefetch(device_index: int) -> bool:
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return not interpreted and torch.cuda.get_device_capability(device_index) >= (9, 0)
+    if os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def persistent_programs(tiles: int, programs_per_sm: int, device: torch.device) -> int:
