@@ -78,7 +78,7 @@ def driver(points: list[str], force_bwd: str | None) -> None:
         torch.cuda.cudart().cudaProfilerStop()
 
 
-def summarize(raw_csv: str, points: list[str]) -> list[str]:
+def summarize(raw_csv: str) -> list[str]:
     rows = list(csv.reader(io.StringIO(raw_csv)))
     start = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
     header, body = rows[start], [r for r in rows[start + 2 :] if len(r) == len(rows[start])]
@@ -137,7 +137,7 @@ def main(argv=None):
         return driver(points, args.force_bwd)
     if args.from_raw:
         text = open(args.from_raw).read()
-        print("\n".join(summarize(_csv_lines(text), points)))
+        print("\n".join(summarize(_csv_lines(text))))
         return
     os.makedirs(args.out, exist_ok=True)
     cmd = ["ncu", "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "all"]
@@ -157,7 +157,7 @@ def main(argv=None):
     csv_text = _csv_lines(proc.stdout)
     md = ["# Nsight Compute, one forward + backward per point", "", "```", " ".join(cmd), "```", ""]
     md += [f"- {p}" for p in printed] + [""]
-    md += summarize(csv_text, points)
+    md += summarize(csv_text)
     with open(os.path.join(args.out, "ncu.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))

@@ -12,6 +12,11 @@ from __future__ import annotations
 import os
 
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels on its CPU interpreter (TRITON_INTERPRET=1), not compiled."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def triton_unavailable_reason() -> str | None:
     try:
         import triton  # noqa: F401
@@ -20,7 +25,7 @@ def triton_unavailable_reason() -> str | None:
     import torch
 
     if not torch.cuda.is_available():
-        if os.environ.get("TRITON_INTERPRET") != "1":
+        if not interpreting():
             return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter)"
         if _version(triton.__version__) < (3, 7):
             # Seen with triton 3.6: its interpreter fails on the row loops of the norm, rope and
@@ -37,7 +42,7 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 def triton_devices() -> tuple[str, ...]:
-    return ("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
+    return ("cuda", "cpu") if interpreting() else ("cuda",)
 
 
 def triton_importable() -> bool:

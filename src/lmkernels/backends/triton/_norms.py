@@ -38,12 +38,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from lmkernels.backends.triton import interpreting
 from lmkernels.backends.triton._common import cdiv, soft_bf16
 from lmkernels.utils import empty
 
@@ -521,7 +521,7 @@ def can_prefetch(cfg: BwdConfig, x: torch.Tensor) -> bool:
 
 @functools.cache
 def _can_prefetch(device_index: int) -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip is not None:
+    if interpreting() or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
