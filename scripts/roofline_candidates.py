@@ -390,16 +390,13 @@ SUM_CANDIDATES = [(64, 32, 4), (128, 32, 8), (256, 16, 8), (32, 64, 4), (128, 64
 # The table before this session's changes (per op, block and "part"; fwd args of FwdConfig or
 # None where unchanged, bwd args of BwdConfig): --lean times it beside the table, as "previous
 # table", in the same run; PREVIOUS_FEW likewise below FEW_ROWS_BELOW rows, where the table had
-# entries of its own until session 12 (none since). P = PATH_REGS. Session 13: the 16384
-# block's backward without the prefetch of a later row.
+# entries of its own until session 12 (none since). P = PATH_REGS. Session 14 changed no entry:
+# its change is how every kernel is launched (programmatic dependent launch), so its "previous
+# table" is the same table launched without PDL at every point (PREVIOUS_WITHOUT_PDL).
 P = 0
-PREVIOUS = {
-    ("layer_norm", 16384, True): (None, (1, 16384, P, 16, 1, True, 0, 0, 1, True, True)),
-    ("layer_norm", 16384, False): (None, (1, 8192, P, 16, 1, True, 8192, 0, 1, True, True)),
-    ("rms_norm", 16384, True): (None, (1, 16384, P, 16, 1, True, 0, 0, 1, True)),
-    ("rms_norm", 16384, False): (None, (1, 16384, P, 32, 1, True, 0, 0, 1, True, True)),
-}
+PREVIOUS = {}
 FEW_ROWS_BELOW = 2048
 PREVIOUS_FEW = {}
 # RoPE's TILE_TUNED before this session's changes; None: unchanged (the committed table).
 PREVIOUS_ROPE_TILES = None
+PREVIOUS_WITHOUT_PDL = True

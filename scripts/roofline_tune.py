@@ -41,6 +41,7 @@ from roofline_candidates import (  # noqa: E402
     PREVIOUS,
     PREVIOUS_FEW,
     PREVIOUS_ROPE_TILES,
+    PREVIOUS_WITHOUT_PDL,
     ROPE_CANDIDATES,
     ROPE_GRID,
     SUM_CANDIDATES,
@@ -192,7 +193,9 @@ PREFETCH = {"on": False}
 
 def lean_variants(op, case):
     out = [("table", lambda: reset(op))]
-    if op == "rope":
+    if PREVIOUS_WITHOUT_PDL:
+        out.append(("previous table", lambda: set_pdl(False)))
+    elif op == "rope":
         from lmkernels.backends.triton import rope
 
         B, Hq, Hkv, T, D, R = case.shape
@@ -230,6 +233,13 @@ def variants(op, case):
 
 def reset(op):
     set_rope_config(None) if op == "rope" else set_norm_config()
+    set_pdl(True)
+
+
+def set_pdl(on):
+    from lmkernels.backends.triton import _common
+
+    _common.USE_PDL = on
 
 
 def warm(group, short=False, lean=False, part=0, parts=1, prefetch=False):

@@ -92,10 +92,12 @@ def main(configs):
         recorded = launches(lambda: layer_norm._layer_norm_bwd(dy, x, w, stats, stats, torch.bfloat16))
         recorded += launches(lambda: rms_norm._rms_norm_bwd(dy, x, w, stats, 0.0, "llama"))
         for kernel, args, kwargs in recorded:
-            variants = [kwargs]
+            # On sm_90 the launchers add PDL (programmatic dependent launch) to every launch:
+            # compiled that way here.
+            variants = [dict(kwargs, PDL=True)]
             if "PREFETCH" in kwargs and kwargs["PATH"] != _norms.PATH_WIDE:
                 # The launcher prefetches on CUDA devices only (PTX): that path is compiled here.
-                variants.append(dict(kwargs, PREFETCH=True))
+                variants.append(dict(kwargs, PREFETCH=True, PDL=True))
             for kw in variants:
                 sig, constexprs, options = signature(kernel, args, kw)
                 key = (kernel.__name__, json.dumps(sig, sort_keys=True), json.dumps(constexprs, sort_keys=True))
@@ -103,10 +105,13 @@ def main(configs):
                     continue
                 seen.add(key)
                 try:
-                    triton.compile(ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", 90, 32),
-                                   options=options)
+                    binary = triton.compile(ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", 90, 32),
+                                            options=options)
                 except Exception as e:
                     print(f"FAILED {kernel.__name__} {cfg} {kw.get('PREFETCH')}: {type(e).__name__}: {str(e)[:2000]}")
+                    sys.exit(1)
+                if "griddepcontrol.wait" not in binary.asm["ptx"]:
+                    print(f"FAILED {kernel.__name__} {cfg}: PDL=True compiled without griddepcontrol.wait")
                     sys.exit(1)
                 compiled += 1
     print(f"compiled {compiled}")
@@ -145,7 +150,7 @@ def _configs():
 
 def test_norm_backward_paths_compile_for_sm90(tmp_path):
     """Every backward path of both norms (the launches of their launchers, column kernels
-    included) compiles for sm_90."""
+    included) compiles for sm_90, with PDL as the launchers launch there."""
     pytest.importorskip("triton.backends.nvidia", reason="Triton's NVIDIA backend (ptxas) is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compiled here, not reused

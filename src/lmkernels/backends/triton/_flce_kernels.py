@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
-from lmkernels.backends.triton._common import cdiv
+from lmkernels.backends.triton._common import cdiv, pdl, pdl_enter
 from lmkernels.utils import empty
 
 # Token chunks of run_chunks: at most CHUNK_BYTES of fp32 logits (the "fast" mode), or the
@@ -105,7 +105,9 @@ def _flce_rows_kernel(
     LSE_GIVEN: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     z_row = logits_ptr + row * stride_logits
     cols = tl.arange(0, BLOCK_V)
@@ -207,7 +209,8 @@ def _flce_rows_kernel(
 
 
 @triton.jit
-def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask).to(tl.float32) * tl.load(scale_ptr).to(tl.float32)
@@ -224,7 +227,7 @@ def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     one write of its bytes take 0.22 ms at 4.8 TB/s)."""
     n = x.numel()
     if n:
-        _scale_kernel[(cdiv(n, SCALE_BLOCK),)](x, scale, n, BLOCK=SCALE_BLOCK, num_warps=8)
+        _scale_kernel[(cdiv(n, SCALE_BLOCK),)](x, scale, n, BLOCK=SCALE_BLOCK, num_warps=8, **pdl(x))
     increment_version(x)  # as an in-place torch op would: autograd's saved-tensor check sees it
     return x
 
@@ -442,6 +445,7 @@ class Rows:
             WRITE_GRAD=grad is not None,
             BLOCK_V=block_v,
             num_warps=8 if block_v >= 2048 else 4,
+            **pdl(logits),
         )
 
 

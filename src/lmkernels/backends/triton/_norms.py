@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import interpreting
-from lmkernels.backends.triton._common import cdiv, soft_bf16
+from lmkernels.backends.triton._common import cdiv, pdl, pdl_enter, soft_bf16
 from lmkernels.utils import empty
 
 # Rows up to this width are kept in registers; wider rows loop over blocks of WIDE_BLOCK: the
@@ -253,9 +253,11 @@ def _sum_partials_kernel(
     SOFT_BF16: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """out_j[c] = sum over p of partial_j[p, c] (fp32), rounded to out_j's dtype; j = program_id(1).
     One launch reduces both the weight and the bias partials of LayerNorm (P0 and P1 rows)."""
+    pdl_enter(PDL)
     if tl.program_id(1) == 0:
         _sum_columns(partial0_ptr, out0_ptr, P0, N, SOFT_BF16, BLOCK_P, BLOCK_N)
     else:
@@ -577,6 +579,7 @@ def sum_partials(partial: torch.Tensor, out: torch.Tensor, partial2=None, out2=N
         BLOCK_P=block_p,
         BLOCK_N=block_n,
         num_warps=num_warps,
+        **pdl(out),
     )
 
 

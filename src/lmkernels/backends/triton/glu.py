@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import cdiv, device_guard, op_or_raw, traced
+from lmkernels.backends.triton._common import cdiv, device_guard, op_or_raw, pdl, pdl_enter, traced
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
 
@@ -71,7 +71,10 @@ def _activation(a, ACT: tl.constexpr):
 
 
 @triton.jit
-def _glu_fwd_kernel(gate_ptr, up_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_fwd_kernel(
+    gate_ptr, up_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
+    pdl_enter(PDL)
     # 64-bit offsets: n may pass 2^31 elements.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -83,8 +86,17 @@ def _glu_fwd_kernel(gate_ptr, up_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: tl.c
 
 @triton.jit
 def _glu_bwd_kernel(
-    grad_ptr, gate_ptr, up_ptr, d_gate_ptr, d_up_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr
+    grad_ptr,
+    gate_ptr,
+    up_ptr,
+    d_gate_ptr,
+    d_up_ptr,
+    n,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -113,7 +125,9 @@ def _glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch
     n = gate.numel()
     if n:
         with device_guard(gate):
-            _glu_fwd_kernel[_grid(n)](gate, up, out, n, ACT=act, BLOCK=BLOCK, num_warps=NUM_WARPS)
+            _glu_fwd_kernel[_grid(n)](
+                gate, up, out, n, ACT=act, BLOCK=BLOCK, num_warps=NUM_WARPS, **pdl(gate)
+            )
     return out
 
 
@@ -124,7 +138,7 @@ def _glu_backward_into(grad, gate, up, activation, d_gate, d_up) -> None:
     if n:
         with device_guard(gate):
             _glu_bwd_kernel[_grid(n)](
-                grad, gate, up, d_gate, d_up, n, ACT=act, BLOCK=BLOCK, num_warps=NUM_WARPS
+                grad, gate, up, d_gate, d_up, n, ACT=act, BLOCK=BLOCK, num_warps=NUM_WARPS, **pdl(gate)
             )
 
 

@@ -13,7 +13,16 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import _norms, triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import call, cdiv, device_guard, eager_function, op_or_raw, soft_bf16
+from lmkernels.backends.triton._common import (
+    call,
+    cdiv,
+    device_guard,
+    eager_function,
+    op_or_raw,
+    pdl,
+    pdl_enter,
+    soft_bf16,
+)
 from lmkernels.backends.triton._norms import (
     APART_ALL,
     APART_NONE,
@@ -74,7 +83,9 @@ def _layer_norm_fwd_kernel(
     STAGES: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     N_CONST: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     if N_CONST > 0:  # the row width as a compile-time constant (const_n)
         N = N_CONST
     dtype = y_ptr.dtype.element_ty
@@ -197,6 +208,7 @@ def _layer_norm_bwd_kernel(
     N_CONST: tl.constexpr = 0,
     RELOAD_X: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dy * w, x_hat = (x - mean) * rstd;
     dw = sum dy * x_hat, db = sum dy over rows.
@@ -210,6 +222,7 @@ def _layer_norm_bwd_kernel(
     in registers. PREFETCH: right after a tile's first loads are issued, L2 is asked for the
     program's next tile (prefetch_tile).
     """
+    pdl_enter(PDL)
     if N_CONST > 0:  # the row width as a compile-time constant (const_n)
         N = N_CONST
     pid = tl.program_id(0)
@@ -317,10 +330,12 @@ def _layer_norm_dwdb_kernel(
     DB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The column kernel ("apart" gradients): over the rows of range s (program_id(1)) and the
     columns of block program_id(0), dw_partial[s] = sum dy * x_hat (DW), db_partial[s] = sum dy
     (DB; reads neither x nor the statistics when alone)."""
+    pdl_enter(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     split = tl.program_id(1)
@@ -386,6 +401,7 @@ def _layer_norm_fwd(
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
             num_warps=cfg.num_warps,
+            **pdl(x),
         )
     return y, mean, rstd
 
@@ -439,6 +455,7 @@ def _layer_norm_bwd(
                 BLOCK_M=block_m,
                 BLOCK_N=block_n,
                 num_warps=num_warps,
+                **pdl(x),
             )
         _layer_norm_bwd_kernel[(P,)](
             dy,
@@ -465,6 +482,7 @@ def _layer_norm_bwd(
             RELOAD_X=cfg.reload_x,
             PREFETCH=can_prefetch(cfg, x),
             num_warps=cfg.num_warps,
+            **pdl(x),
         )
         if dw_partial is not None and db_partial is not None:
             sum_partials(dw_partial, dw, db_partial, db)  # one launch for both

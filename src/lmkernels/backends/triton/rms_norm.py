@@ -15,7 +15,16 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import _norms, triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import call, cdiv, device_guard, eager_function, op_or_raw, soft_bf16
+from lmkernels.backends.triton._common import (
+    call,
+    cdiv,
+    device_guard,
+    eager_function,
+    op_or_raw,
+    pdl,
+    pdl_enter,
+    soft_bf16,
+)
 from lmkernels.backends.triton._norms import (
     APART_NONE,
     PATH_MEM,
@@ -111,7 +120,9 @@ def _rms_norm_fwd_kernel(
     STAGES: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     N_CONST: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     if N_CONST > 0:  # the row width as a compile-time constant (const_n)
         N = N_CONST
     dtype = y_ptr.dtype.element_ty
@@ -211,6 +222,7 @@ def _rms_norm_bwd_kernel(
     N_CONST: tl.constexpr = 0,
     RELOAD_X: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """dx = rstd * (g - x * rstd^2 * mean(g * x)) with g = dy * (w + offset); dw = sum dy * x_hat.
 
@@ -225,6 +237,7 @@ def _rms_norm_bwd_kernel(
     PREFETCH: right after a tile's first loads are issued, L2 is asked for the
     program's next tile (prefetch_tile).
     """
+    pdl_enter(PDL)
     if N_CONST > 0:  # the row width as a compile-time constant (const_n)
         N = N_CONST
     pid = tl.program_id(0)
@@ -316,9 +329,11 @@ def _rms_norm_dw_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SOFT_BF16: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The column kernel ("apart" dw): partial[s, c] = sum of dy * x_hat over the rows of range s
     (program_id(1)) in the columns of block program_id(0); x_hat as the weight multiply sees it."""
+    pdl_enter(PDL)
     dtype = x_ptr.dtype.element_ty
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -374,6 +389,7 @@ def _rms_norm_fwd(
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
             num_warps=cfg.num_warps,
+            **pdl(x),
         )
     return y, rstd
 
@@ -420,6 +436,7 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
             RELOAD_X=cfg.reload_x,
             PREFETCH=can_prefetch(cfg, x),
             num_warps=cfg.num_warps,
+            **pdl(x),
         )
         if partial is not None:
             sum_partials(partial, dw)
@@ -445,6 +462,7 @@ def _dw_apart(dy, x, rstd, casting_mode) -> torch.Tensor:
         BLOCK_N=block_n,
         SOFT_BF16=soft_bf16(x),
         num_warps=num_warps,
+        **pdl(x),
     )
     return partial
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import call, cdiv, device_guard, eager_function
+from lmkernels.backends.triton._common import call, cdiv, device_guard, eager_function, pdl, pdl_enter
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
 
@@ -164,7 +164,9 @@ def _rope_kernel(
     HAS_POS: tl.constexpr,
     HAS_REST: tl.constexpr,
     BACKWARD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pos = tl.program_id(0).to(tl.int64)
     b = pos // T
     t = pos % T
@@ -285,12 +287,14 @@ def _rope_tile_kernel(
     BACKWARD: tl.constexpr,
     TABLES_ONCE: tl.constexpr,
     HEAD_STAGES: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     """Program (p, s): BLOCK_T positions of one sequence x every `splits`-th head (q's, then
     k's), one (positions x head dims) tile per head: where a head's positions are contiguous
     rows ((B, H, T, D) memory), each tile is one contiguous stretch of BLOCK_T * D elements.
     The tables are per position row; TABLES_ONCE keeps them in registers for the whole head
     loop, else they are loaded again per head (from L1/L2), which spares those registers."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     b = (pid // n_t_blocks).to(tl.int64)
     t0 = (pid % n_t_blocks) * BLOCK_T
@@ -454,7 +458,7 @@ def _rope_rotate(
     )  # fmt: skip
     flags = dict(
         BLOCK_HALF=block_half, BLOCK_REST=block_rest, INTERLEAVED=interleaved, HAS_POS=has_pos,
-        HAS_REST=rotary_dim < D, BACKWARD=inverse,
+        HAS_REST=rotary_dim < D, BACKWARD=inverse, **pdl(q),
     )  # fmt: skip
     with device_guard(q):
         if tile is not None:

@@ -1,0 +1,137 @@
+"""Programmatic dependent launch (PDL, backends/triton/_common.py): where it is switched on, the
+rule that keeps it correct (every kernel waits for the previous one before touching memory),
+and, on a GPU that has it, that it changes no result."""
+
+import ast
+import importlib
+import inspect
+import os
+import textwrap
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import lmkernels  # noqa: E402
+from lmkernels.registry import get_op  # noqa: E402
+
+common = pytest.importorskip("lmkernels.backends.triton._common", reason="needs triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNEL_MODULES = ("rms_norm", "layer_norm", "_norms", "rope", "glu", "_flce_kernels")
+HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def _kernels():
+    """Every kernel the Triton backend launches: the jit functions that its modules call with a
+    grid (`kernel[grid](...)`), found in their source."""
+    out = []
+    for name in KERNEL_MODULES:
+        module = importlib.import_module(f"lmkernels.backends.triton.{name}")
+        launched = {
+            node.func.value.id
+            for node in ast.walk(ast.parse(inspect.getsource(module)))
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Subscript)
+            and isinstance(node.func.value, ast.Name)
+            and hasattr(getattr(module, node.func.value.id, None), "fn")
+        }
+        out += [pytest.param(getattr(module, k), id=f"{name}.{k}") for k in sorted(launched)]
+    return out
+
+
+KERNELS = _kernels()
+
+
+def test_kernels_are_found():
+    assert len(KERNELS) >= 13  # the six op files launched 13 kernels when this was written
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_waits_before_anything_else(kernel):
+    """The rule PDL needs: a PDL constexpr, and pdl_enter(PDL) as the first statement (after the
+    docstring), before any load or store."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn)))
+    fn = tree.body[0]
+    params = [a.arg for a in fn.args.args]
+    assert "PDL" in params, f"{fn.name} takes no PDL constexpr"
+    body = (
+        fn.body[1:]
+        if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
+        else fn.body
+    )
+    first = ast.unparse(body[0])
+    assert first == "pdl_enter(PDL)", f"{fn.name} starts with {first!r}, not pdl_enter(PDL)"
+
+
+def test_pdl_only_on_hopper_cuda_devices():
+    assert common.pdl(torch.zeros(1)) == {"PDL": False}  # no launch_pdl keyword: old Triton rejects it
+    if DEVICE == "cuda":
+        on = common.pdl(torch.zeros(1, device=DEVICE))
+        assert on["PDL"] == (HOPPER and not common.interpreting() and torch.version.hip is None)
+        assert on.get("launch_pdl", False) == on["PDL"]
+
+
+# --- on the GPU ---------------------------------------------------------------------------------
+
+SHAPES = {
+    "rms_norm": [{"M": 3000, "N": 4096}, {"M": 1000, "N": 12285}],
+    "layer_norm": [{"M": 3000, "N": 4096}, {"M": 1000, "N": 12285}],
+    "rope": [{"B": 2, "Hq": 8, "Hkv": 2, "T": 1024, "D": 128}],
+    "swiglu": [{"M": 1024, "N": 4096}],
+    "geglu": [{"M": 1024, "N": 4096}],
+    "fused_linear_cross_entropy": [{"BT": 1024, "H": 256, "V": 5000}],
+}
+
+
+def _fwd_bwd(op, shape):
+    spec = get_op(op)
+    inputs = spec.make_inputs(shape, torch.bfloat16, DEVICE, 0)
+    wrt = [inputs[n].requires_grad_() for n in spec.grad_inputs if isinstance(inputs.get(n), torch.Tensor)]
+    out = getattr(lmkernels, op)(**inputs, backend="triton")
+    outs = out if isinstance(out, tuple) else (out,)
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    grads_out = [torch.randn(o.shape, generator=g, device=DEVICE, dtype=o.dtype) for o in outs]
+    grads = torch.autograd.grad(outs, wrt, grads_out)
+    return [o.detach() for o in outs] + list(grads)
+
+
+@pytest.mark.skipif(not HOPPER, reason="PDL needs an NVIDIA GPU of sm_90 or later")
+@pytest.mark.parametrize("op", list(SHAPES))
+def test_pdl_changes_no_result(monkeypatch, op):
+    """Every output and gradient bit for bit the same with and without PDL."""
+    for shape in SHAPES[op]:
+        with_pdl = _fwd_bwd(op, shape)
+        monkeypatch.setattr(common, "USE_PDL", False)
+        without = _fwd_bwd(op, shape)
+        monkeypatch.setattr(common, "USE_PDL", True)
+        for a, b in zip(with_pdl, without, strict=True):
+            assert torch.equal(a, b), f"{op} {shape}: PDL changed a result"
+
+
+@pytest.mark.skipif(not HOPPER, reason="PDL needs an NVIDIA GPU of sm_90 or later")
+def test_pdl_chain_reads_every_previous_write(monkeypatch):
+    """Long chains of dependent kernels, ours and torch's alternating, no sync in between: each
+    kernel must see the previous one's output in full (a kernel that read before its wait would
+    see a stale or half-written tensor)."""
+
+    def chain():
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        x = torch.randn(4096, 2048, generator=g, device=DEVICE, dtype=torch.bfloat16)
+        w = torch.rand(2048, generator=g, device=DEVICE, dtype=torch.bfloat16) + 0.5
+        cos = torch.randn(1, 4096, 64, generator=g, device=DEVICE, dtype=torch.bfloat16)
+        sin = torch.randn(1, 4096, 64, generator=g, device=DEVICE, dtype=torch.bfloat16)
+        for i in range(40):
+            x = lmkernels.rms_norm(x, w, backend="triton")
+            x.mul_(1.0 + i / 64)  # torch's kernel between two of ours
+            q = x.view(1, 4096, 32, 64).transpose(1, 2)
+            q, _ = lmkernels.rope(q, q, cos, sin, backend="triton")
+            x = lmkernels.swiglu(q.transpose(1, 2).reshape(4096, 2048), x, backend="triton")
+        return x
+
+    with_pdl = chain()
+    monkeypatch.setattr(common, "USE_PDL", False)
+    assert torch.equal(with_pdl, chain())
