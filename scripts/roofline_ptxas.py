@@ -35,8 +35,11 @@ PTRS = {
 
 
 def usage(kernel, signature, constexprs, num_warps, aligned=()):
-    """aligned: arguments that the launch specializes as multiples of 16 (pointers, strides)."""
-    sig = dict(signature, **{k: "constexpr" for k in constexprs})
+    """aligned: arguments that the launch specializes as multiples of 16 (pointers, strides).
+    Constexprs not given take their defaults (PREFETCH, PDL: off)."""
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.name not in constexprs}
+    constexprs = dict(constexprs, **defaults)
+    sig = {p.name: "constexpr" if p.name in constexprs else signature[p.name] for p in kernel.params}
     attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     compiled = triton.compile(
         ASTSource(kernel, sig, constexprs, attrs),

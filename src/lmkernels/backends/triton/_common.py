@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -185,7 +186,8 @@ def soft_bf16(t: torch.Tensor) -> bool:
 # kernel waits in turn, for this one's completion, so the order of every kernel's effects is
 # the stream's order.
 
-USE_PDL = True  # set False to launch without PDL everywhere (an A/B, or to rule it out)
+# LMKERNELS_PDL=0 launches without PDL everywhere (to rule it out); tools set USE_PDL (an A/B).
+USE_PDL = os.environ.get("LMKERNELS_PDL", "1") != "0"
 
 
 @triton.jit

@@ -167,6 +167,23 @@ def row_sums(t, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _add_pairs(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def row_sums2(a, b, ROWS: tl.constexpr):
+    """row_sums of two tiles in one reduction. Two tl.sum calls are two reductions, each with
+    its own exchange through shared memory and barriers, and the second waits for the first;
+    one reduction of both exchanges both values at once (the same adds in the same order)."""
+    if ROWS == 1:
+        sa, sb = tl.reduce((a, b), 0, _add_pairs)
+    else:
+        sa, sb = tl.reduce((a, b), 1, _add_pairs)
+    return sa, sb
+
+
+@triton.jit
 def col_sums(t, ROWS: tl.constexpr):
     """Sums over the rows of a tile: one per column."""
     if ROWS == 1:

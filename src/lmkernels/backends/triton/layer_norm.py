@@ -47,6 +47,7 @@ from lmkernels.backends.triton._norms import (
     row_block,
     row_limit_reasons,
     row_sums,
+    row_sums2,
     sum_partials,
     tile_block,
     tile_rows,
@@ -256,14 +257,18 @@ def _layer_norm_bwd_kernel(
                                      RELOAD_W, HAS_WEIGHT, ROWS, first)  # fmt: skip
             if PREFETCH:  # the next tile, while this one's loads are in flight
                 prefetch_tile(x_ptr, dy_ptr, pid + (i + 1) * num_programs, M, N, ROWS)
-            sum_g = row_sums(g, ROWS)
-            sum_gx = row_sums(g * x_hat, ROWS)
+            if BLOCK < 16384:
+                sum_g, sum_gx = row_sums2(g, g * x_hat, ROWS)
+            else:  # one 16384-column block at the register limit: the paired sum measured 1.5% slower
+                sum_g = row_sums(g, ROWS)
+                sum_gx = row_sums(g * x_hat, ROWS)
             if TAIL > 0:
                 offs_t, mask_t = tile_block(rows, row_mask, cols_t, tail_mask, N, ROWS)
                 x_hat_t, dy_t, g_t = _bwd_load(x_ptr, dy_ptr, w_ptr, offs_t, mask_t, cols_t, tail_mask, w_t,
                                                mean, rstd, RELOAD_W, HAS_WEIGHT, ROWS, first)  # fmt: skip
-                sum_g += row_sums(g_t, ROWS)
-                sum_gx += row_sums(g_t * x_hat_t, ROWS)
+                sum_g_t, sum_gx_t = row_sums2(g_t, g_t * x_hat_t, ROWS)
+                sum_g += sum_g_t
+                sum_gx += sum_gx_t
             mean_g = sum_g / N
             mean_gx = sum_gx / N
             if RELOAD_X:  # another eviction policy: the compiler does not merge the two loads
@@ -305,8 +310,9 @@ def _layer_norm_bwd_kernel(
                                          rstd, True, HAS_WEIGHT, ROWS, "")  # fmt: skip
                 acc_g += g
                 acc_gx += g * x_hat
-            mean_g = row_sums(acc_g, ROWS) / N
-            mean_gx = row_sums(acc_gx, ROWS) / N
+            sum_g, sum_gx = row_sums2(acc_g, acc_gx, ROWS)
+            mean_g = sum_g / N
+            mean_gx = sum_gx / N
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
                 block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
                 x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, mean,
