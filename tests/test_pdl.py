@@ -6,6 +6,7 @@ import ast
 import importlib
 import inspect
 import os
+import pkgutil
 import textwrap
 
 import torch
@@ -21,15 +22,16 @@ from lmkernels.registry import get_op  # noqa: E402
 common = pytest.importorskip("lmkernels.backends.triton._common", reason="needs triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-KERNEL_MODULES = ("rms_norm", "layer_norm", "_norms", "rope", "glu", "_flce_kernels")
-HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
+HOPPER = DEVICE == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability() >= (9, 0)
 
 
 def _kernels():
     """Every kernel the Triton backend launches: the jit functions that its modules call with a
     grid (`kernel[grid](...)`), found in their source."""
+    import lmkernels.backends.triton as package
+
     out = []
-    for name in KERNEL_MODULES:
+    for name in sorted(m.name for m in pkgutil.iter_modules(package.__path__)):
         module = importlib.import_module(f"lmkernels.backends.triton.{name}")
         launched = {
             node.func.value.id
