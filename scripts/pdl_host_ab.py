@@ -5,7 +5,7 @@ this measures what that costs the host, per op and shape, the two settings takin
 by block so that the host's drift falls on both alike (scripts/host_profile.per_call_us: 40
 calls per block while a sleep kernel keeps the GPU busy; the best block of 20 counts).
 
-    python scripts/pdl_host_ab.py --out DIR [--rounds 6] [--launch-only]
+    python scripts/pdl_host_ab.py --out DIR [--rounds 6] [--launch-only] [--cprofile OP]
 
 The launches alone are measured first: an empty kernel with and without launch_pdl, and the
 forward launchers of RMSNorm and RoPE.
@@ -68,12 +68,44 @@ def launch_rows(rounds: int) -> list[dict]:
     return rows
 
 
+def cprofile_tables(op: str, calls: int = 400) -> str:
+    """cProfile of `calls` forward + backward steps of op at the small shape, PDL on and off:
+    where the host time differs."""
+    import cProfile
+    import io
+    import pstats
+
+    step = make_step(op, "triton", SMALL[op], torch.bfloat16)
+    out = []
+    for on in (True, False):
+        _common.USE_PDL = on
+        step()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        for _ in range(calls // 40):
+            torch.cuda._sleep(100_000_000)
+            prof.enable()
+            for _ in range(40):
+                step()
+            prof.disable()
+            torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
+        out.append(f"## {op}, PDL {'on' if on else 'off'}\n\n```\n{buf.getvalue().strip()}\n```\n")
+    _common.USE_PDL = True
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--launch-only", action="store_true", help="only the launches (launch_rows)")
+    p.add_argument("--cprofile", metavar="OP", help="also write cprofile.md: OP's steps profiled")
     args = p.parse_args(argv)
+    if args.cprofile:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "cprofile.md").write_text(cprofile_tables(args.cprofile))
     rows = launch_rows(args.rounds)
     for op in () if args.launch_only else OPS:
         for name, shapes in (("small", SMALL), ("design", DESIGN)):
