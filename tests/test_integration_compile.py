@@ -162,6 +162,20 @@ def test_plain_causal_batch_compiles_to_is_causal_sdpa(llama):
     assert len(graphs.graphs) == compiled_graphs, "the next step recompiled"
 
 
+def test_mask_wrapper_imports_nothing_while_traced():
+    """What the mask wrapper runs on every call (and dynamo traces) holds no import statement:
+    torch 2.11's dynamo refuses `from transformers import ...` in traced code (transformers is a
+    _LazyModule, "Bad import result"), which failed the fullgraph compile above on the H200
+    image; the CPU's torch 2.13 traces it, so only this check catches it here."""
+    import dis
+
+    wrapper = masks.mask_function_wrapper(masks.CAUSAL, masking_utils.create_causal_mask)
+    traced = [wrapper, masks._is_causal_answer, masks._sdpa_is_stock, masks._empty_cache]
+    for fn in traced:
+        ops = {i.opname for i in dis.get_instructions(fn.__code__)}
+        assert "IMPORT_NAME" not in ops, f"{fn.__name__} imports while traced"
+
+
 def test_without_the_patch_compile_builds_the_mask(llama):
     """The control: plain transformers under compile passes a (B, 1, T, T) mask (with no cache,
     position_ids it made could be packed ones as far as it can tell while tracing)."""

@@ -82,33 +82,44 @@ def _params(fn) -> list[str]:
         return []
 
 
-def _sdpa_is_stock() -> bool:
-    """The "sdpa" mask and attention functions are transformers' own (None means is_causal)."""
+def _stock_objects() -> tuple:
+    """transformers' objects that the wrapper compares against on every call, imported here, at
+    patch time: dynamo (torch 2.11) refuses an import statement inside traced code when the
+    package is transformers' _LazyModule ("Bad import result"), which broke fullgraph compiles.
+    (mask functions, stock sdpa mask, attention functions, stock sdpa attention, DynamicCache)"""
     from transformers import masking_utils
+    from transformers.cache_utils import DynamicCache
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    masks = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS
     return (
-        masks["sdpa"] is masking_utils.sdpa_mask and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+        masking_utils.ALL_MASK_ATTENTION_FUNCTIONS,
+        masking_utils.sdpa_mask,
+        ALL_ATTENTION_FUNCTIONS,
+        sdpa_attention_forward,
+        DynamicCache,
     )
 
 
-def _empty_cache(cache) -> bool:
+def _sdpa_is_stock(stock: tuple) -> bool:
+    """The "sdpa" mask and attention functions are transformers' own (None means is_causal)."""
+    masks, sdpa_mask, attention, sdpa_attention, _ = stock
+    return masks["sdpa"] is sdpa_mask and attention["sdpa"] is sdpa_attention
+
+
+def _empty_cache(cache, stock: tuple) -> bool:
     """No cache, or the empty DynamicCache the base model makes when use_cache is on."""
     if cache is None:
         return True
-    from transformers.cache_utils import DynamicCache
-
-    return type(cache) is DynamicCache and cache.get_seq_length() == 0
+    return type(cache) is stock[4] and cache.get_seq_length() == 0
 
 
-def _is_causal_answer(args: dict) -> bool:
+def _is_causal_answer(args: dict, stock: tuple) -> bool:
     """Whether create_causal_mask(attention_mask=None, **args) means exactly SDPA's is_causal."""
     config = args.get("config")
     if config is None or not getattr(config, "is_causal", True):
         return False  # bidirectional configs go to create_bidirectional_mask
-    if getattr(config, "_attn_implementation", None) != "sdpa" or not _sdpa_is_stock():
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not _sdpa_is_stock(stock):
         return False
     if args.get("allow_is_causal_skip", True) is False:
         return False
@@ -118,7 +129,7 @@ def _is_causal_answer(args: dict) -> bool:
         if name not in NEUTRAL_ARGS | {"allow_is_causal_skip"}
     ):
         return False  # or/and mask functions, block overlays, arguments of a newer transformers
-    return _empty_cache(args.get("past_key_values"))
+    return _empty_cache(args.get("past_key_values"), stock)
 
 
 def mask_function_wrapper(name: str, real):
@@ -128,6 +139,7 @@ def mask_function_wrapper(name: str, real):
     names = _params(real)
     index = names.index("attention_mask")
     may_skip = name == CAUSAL and real is masking_utils.create_causal_mask
+    stock = _stock_objects()
 
     @functools.wraps(real)
     def wrapper(*args, **kwargs):
@@ -137,7 +149,7 @@ def mask_function_wrapper(name: str, real):
             args = args[:index] + (None,) + args[index + 1 :]
         else:
             return real(*args, **kwargs)
-        if may_skip and _is_causal_answer(dict(zip(names, args)) | kwargs):
+        if may_skip and _is_causal_answer(dict(zip(names, args)) | kwargs, stock):
             return None
         return real(*args, **kwargs)
 
