@@ -31,7 +31,7 @@ from lmkernels.backends.triton import interpreting
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # Triton < 3.4 has no PDL: `pdl` never turns it on, these never run
+except ImportError:  # a Triton without PDL: `pdl` never turns it on, these never run
 
     @triton.jit
     def gdc_wait():
@@ -200,7 +200,7 @@ def pdl_enter(PDL: tl.constexpr):
 
 
 _PDL_ON = {"PDL": True, "launch_pdl": True}
-_PDL_OFF = {"PDL": False}  # no launch_pdl: Triton < 3.4 rejects the keyword
+_PDL_OFF = {"PDL": False}  # no launch_pdl keyword: a Triton without PDL rejects it
 
 
 def pdl(t: torch.Tensor) -> dict[str, bool]:
