@@ -176,9 +176,9 @@ def soft_bf16(t: torch.Tensor) -> bool:
 # A kernel launched with PDL (Hopper and later) may be scheduled before the kernel ahead of it
 # in the stream has finished: its launch, its programs' placement on the SMs and their first
 # instructions overlap the previous kernel's last programs, and `gdc_wait` then holds it until
-# that kernel has completed and its writes are visible. Between two dependent kernels that
-# saves the drain-and-launch gap (about a microsecond or two each), which is a few percent of a
-# norm's or RoPE's forward + backward at common sizes.
+# that kernel has completed and its writes are visible. That shortens the gap between two
+# dependent kernels: 1-3 us per norm forward + backward (three kernels) on an H200, a few
+# percent at common sizes (benchmarks/results/2026-11-24-h200-pdl/).
 #
 # The rule that keeps it correct: a kernel launched with PDL calls `pdl_enter(PDL)` before it
 # touches global memory at all (reads and writes: a buffer it writes may have been freed by a
