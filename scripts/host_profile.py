@@ -108,8 +108,15 @@ def profile_op(op: str) -> dict:
     result["torch_mul_fwd_bwd"] = per_call_us(lambda: torch.autograd.grad([x * w], [x, w], [g]))
     design = make_step(op, "triton", DESIGN[op], torch.bfloat16)
     result["public_fwd_bwd_design_shape"] = per_call_us(design)
+    result["cprofile_top"] = profile_top(step, blocks=10, lines=22)
+    return result
+
+
+def profile_top(step, blocks: int, lines: int) -> str:
+    """cProfile of `blocks` x CALLS calls of step, each block issued while a sleep kernel keeps
+    the GPU busy: the top `lines` functions by own time."""
     prof = cProfile.Profile()
-    for _ in range(10):
+    for _ in range(blocks):
         torch.cuda._sleep(100_000_000)
         prof.enable()
         for _ in range(CALLS):
@@ -117,9 +124,8 @@ def profile_op(op: str) -> dict:
         prof.disable()
         torch.cuda.synchronize()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
-    result["cprofile_top"] = buf.getvalue()
-    return result
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(lines)
+    return buf.getvalue()
 
 
 def main(argv=None) -> int:

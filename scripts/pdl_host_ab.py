@@ -26,7 +26,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host_overhead import DESIGN, SMALL, make_step  # noqa: E402
-from host_profile import per_call_us  # noqa: E402
+from host_profile import per_call_us, profile_top  # noqa: E402
 
 from lmkernels.backends.triton import _common  # noqa: E402
 
@@ -68,30 +68,17 @@ def launch_rows(rounds: int) -> list[dict]:
     return rows
 
 
-def cprofile_tables(op: str, calls: int = 400) -> str:
-    """cProfile of `calls` forward + backward steps of op at the small shape, PDL on and off:
-    where the host time differs."""
-    import cProfile
-    import io
-    import pstats
-
+def cprofile_tables(op: str, blocks: int = 10) -> str:
+    """cProfile of `blocks` x 40 forward + backward steps of op at the small shape, PDL on and
+    off: where the host time differs."""
     step = make_step(op, "triton", SMALL[op], torch.bfloat16)
     out = []
     for on in (True, False):
         _common.USE_PDL = on
         step()
         torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        for _ in range(calls // 40):
-            torch.cuda._sleep(100_000_000)
-            prof.enable()
-            for _ in range(40):
-                step()
-            prof.disable()
-            torch.cuda.synchronize()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
-        out.append(f"## {op}, PDL {'on' if on else 'off'}\n\n```\n{buf.getvalue().strip()}\n```\n")
+        table = profile_top(step, blocks=blocks, lines=18).strip()
+        out.append(f"## {op}, PDL {'on' if on else 'off'}\n\n```\n{table}\n```\n")
     _common.USE_PDL = True
     return "\n".join(out)
 

@@ -204,15 +204,17 @@ _PDL_OFF = {"PDL": False}  # no launch_pdl keyword: a Triton without PDL rejects
 
 
 def pdl(t: torch.Tensor) -> dict[str, bool]:
-    """Launch keywords for a kernel working on t: PDL on NVIDIA GPUs of sm_90 and later, never
-    in the interpreter or on ROCm. The kernel must start with `pdl_enter(PDL)`."""
-    if USE_PDL and t.is_cuda and _pdl_device(t.get_device()):
+    """Launch keywords for a kernel working on t: PDL where sm90_ptx holds and Triton has it.
+    The kernel must start with `pdl_enter(PDL)`."""
+    if USE_PDL and _TRITON_PDL and t.is_cuda and sm90_ptx(t.get_device()):
         return _PDL_ON
     return _PDL_OFF
 
 
 @functools.cache
-def _pdl_device(index: int) -> bool:
-    if not _TRITON_PDL or interpreting() or torch.version.hip is not None:
+def sm90_ptx(index: int) -> bool:
+    """Whether sm_90 instructions (PDL, the bulk L2 prefetch) run on CUDA device `index`: an
+    NVIDIA GPU of sm_90 or later, kernels compiled (not the interpreter), not ROCm."""
+    if interpreting() or torch.version.hip is not None:
         return False
     return torch.cuda.get_device_capability(index) >= (9, 0)

@@ -43,8 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmkernels.backends.triton import interpreting
-from lmkernels.backends.triton._common import cdiv, pdl, pdl_enter, soft_bf16
+from lmkernels.backends.triton._common import cdiv, pdl, pdl_enter, sm90_ptx, soft_bf16
 from lmkernels.utils import empty
 
 # Rows up to this width are kept in registers; wider rows loop over blocks of WIDE_BLOCK: the
@@ -535,14 +534,7 @@ def _fit_stages(cfg: BwdConfig, x_bytes: int, w_bytes: int, device_index: int) -
 def can_prefetch(cfg: BwdConfig, x: torch.Tensor) -> bool:
     """The backward kernel's PREFETCH: cfg.prefetch on NVIDIA devices of sm_90 and later; never
     in the interpreter or on ROCm, which run no PTX."""
-    return cfg.prefetch and x.device.type == "cuda" and _can_prefetch(_device_index(x.device))
-
-
-@functools.cache
-def _can_prefetch(device_index: int) -> bool:
-    if interpreting() or torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+    return cfg.prefetch and x.device.type == "cuda" and sm90_ptx(_device_index(x.device))
 
 
 def persistent_programs(tiles: int, programs_per_sm: int, device: torch.device) -> int:
