@@ -162,6 +162,36 @@ def test_plain_causal_batch_compiles_to_is_causal_sdpa(llama):
     assert len(graphs.graphs) == compiled_graphs, "the next step recompiled"
 
 
+def test_first_call_inside_activation_checkpoints_compiles_fullgraph():
+    """With activation checkpointing the first lmkernels calls of a compiled model can be traced
+    inside a layer's checkpoint, where dynamo refuses any store to outside state (a model built
+    from lmkernels.nn modules, compiled before any eager call). The registry's lazily cached
+    state (each impl's availability, the parsed LMKERNELS_BACKEND) used to be stored there on
+    first use: fullgraph=True failed with "HOP: Unsafe side effect". apply() fills those caches
+    when it verifies its replacements, so they are emptied here, as in a fresh process."""
+    from lmkernels.registry import core, dispatch
+
+    plain = lk_hf.tiny_model("llama", use_cache=False)
+    patched = lk_hf.apply(copy.deepcopy(plain), backend="eager")
+    for model in (plain, patched):
+        # transformers 5 renamed gradient checkpointing to activation checkpointing.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for impl in core.impls():
+        impl.__dict__.pop("_availability", None)
+    dispatch._invalidate()
+    torch._dynamo.reset()
+    graphs = Graphs()
+    compiled = torch.compile(patched, fullgraph=True, backend=graphs)
+    ids = _ids(seed=7)
+    assert_same_step(step(compiled, input_ids=ids, labels=ids), step(plain, input_ids=ids, labels=ids))
+    assert len(graphs.graphs) == 1
+    assert core.get_impl("rms_norm", "eager").__dict__["_availability"] is None  # cached for real
+
+
 def test_mask_wrapper_imports_nothing_while_traced():
     """What the mask wrapper runs on every call (and dynamo traces) holds no import statement:
     torch 2.11's dynamo refuses `from transformers import ...` in traced code (transformers is a

@@ -122,9 +122,15 @@ class Impl:
 
     def unavailable_reason(self) -> str | None:
         # Cached by hand: functools.cached_property takes a lock that torch.compile cannot trace.
-        if "_availability" not in self.__dict__:
-            self.__dict__["_availability"] = self.available()
-        return self.__dict__["_availability"]
+        cached = self.__dict__.get("_availability", _NOT_CACHED)
+        if cached is not _NOT_CACHED:
+            return cached
+        if _IMPLS.get(self.op, {}).get(self.backend) is self:
+            # The first call may come from code torch.compile traces, e.g. inside an activation
+            # checkpoint, where dynamo refuses to store anything: done for real there.
+            return _registered_availability(self.op, self.backend)
+        reason = self.__dict__["_availability"] = self.available()
+        return reason
 
     def not_supported_reasons(self, **inputs: Any) -> list[str]:
         """Empty list: this impl can run these inputs. Otherwise, every reason it cannot."""
@@ -156,6 +162,19 @@ class Impl:
 
 _OPS: dict[str, OpSpec] = {}
 _IMPLS: dict[str, dict[str, Impl]] = {}
+_NOT_CACHED = object()
+
+
+def _registered_availability(op: str, backend: str) -> str | None:
+    """The registered impl's unavailable_reason, computed once and cached on it."""
+    impl = _IMPLS[op][backend]
+    if "_availability" not in impl.__dict__:
+        impl.__dict__["_availability"] = impl.available()
+    return impl.__dict__["_availability"]
+
+
+# Run for real when torch.compile traces a call (as _ensure_loaded below, and for the same reason).
+_registered_availability._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def register_op(spec: OpSpec) -> OpSpec:

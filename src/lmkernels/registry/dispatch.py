@@ -112,9 +112,14 @@ _env_cache: tuple[str, dict[str, str]] | None = None
 def _env_table() -> dict[str, str]:
     global _env_cache
     raw = os.environ.get(ENV_VAR, "")
-    if _env_cache is None or _env_cache[0] != raw:
-        _env_cache = (raw, parse_backend_spec(raw) if raw else {})
-    return _env_cache[1]
+    if _env_cache is not None and _env_cache[0] == raw:
+        return _env_cache[1]
+    table = parse_backend_spec(raw) if raw else {}
+    # Not stored while torch.compile traces: inside an activation checkpoint dynamo refuses
+    # any store to a global.
+    if not torch.compiler.is_compiling():
+        _env_cache = (raw, table)
+    return table
 
 
 def _invalidate() -> None:
