@@ -328,16 +328,17 @@ def test_scaled_in_place_without_copy(monkeypatch, accum):
     torch.testing.assert_close(weight.grad.float(), expected[1], rtol=2**-8, atol=0)
 
 
+@pytest.mark.parametrize("value", [0.3719, 1.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_scale_rounds_the_fp32_product_once(monkeypatch, dtype):
+def test_scale_rounds_the_fp32_product_once(monkeypatch, dtype, value):
     """scale_ (the backward's in-place scaling by the upstream scalar) rounds x * scale, taken in
     fp32, once, over several programs and a partial last block, and bumps the version counter
     as an in-place torch op does. (torch's own mul_ on CUDA rounds a 0-dim fp32 scale to x's
-    dtype first: not the reference.)"""
+    dtype first: not the reference.) A scale of 1, which the kernel skips, leaves x's bits."""
     monkeypatch.setattr(kernels, "SCALE_BLOCK", 64)
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(5, 41, generator=g) * 3).to(DEVICE, dtype)
-    scale = torch.tensor(0.3719, device=DEVICE)
+    scale = torch.tensor(value, device=DEVICE)
     expected = (x.float() * scale).to(dtype)
     version = x._version
     assert kernels.scale_(x, scale) is x

@@ -211,10 +211,14 @@ def _flce_rows_kernel(
 @triton.jit
 def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32) * tl.load(scale_ptr).to(tl.float32)
-    tl.store(x_ptr + offs, _to_output_dtype(x, x_ptr.dtype.element_ty), mask=mask)
+    scale = tl.load(scale_ptr).to(tl.float32)
+    # An upstream gradient of exactly 1 (loss.backward() of the loss itself) leaves every value
+    # as it is, bit for bit: the product is x, which its dtype holds. Nothing is read or written.
+    if scale != 1.0:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask).to(tl.float32) * scale
+        tl.store(x_ptr + offs, _to_output_dtype(x, x_ptr.dtype.element_ty), mask=mask)
 
 
 def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -224,7 +228,8 @@ def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     torch's x.mul_(scale) on CUDA treats the 0-dim device tensor as a stride-0 operand, rounds
     it to x's dtype (bf16: up to 2^-8 relative) and runs its non-vectorized elementwise kernel:
     0.96 ms for a 128256 x 2048 bf16 grad_W on the H200, against 0.26 ms here (one read and
-    one write of its bytes take 0.22 ms at 4.8 TB/s)."""
+    one write of its bytes take 0.22 ms at 4.8 TB/s). With scale == 1 (checked on the device:
+    no host sync) the kernel touches nothing, and the version counter is still bumped."""
     n = x.numel()
     if n:
         _scale_kernel[(cdiv(n, SCALE_BLOCK),)](x, scale, n, BLOCK=SCALE_BLOCK, num_warps=8, **pdl(x))
