@@ -90,3 +90,7 @@ def upstream_one_vs_other():
             f"  upstream {value}: median {median:.3f}, rounds " + " ".join(f"{t:.3f}" for t in runs),
             flush=True,
         )
+
+
+if __name__ == "__main__":
+    main()

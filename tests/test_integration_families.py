@@ -114,10 +114,12 @@ def test_family_patched_trains_like_plain(model_type):
 @pytest.mark.parametrize("model_type", TRITON_FAMILIES)
 def test_family_triton_step_matches_plain(model_type):
     _require_triton()
-    plain = lk_hf.tiny_model(model_type, seed=0)
-    patched = lk_hf.apply(lk_hf.tiny_model(model_type, seed=0), backend="triton")
+    # The Triton impls run on the GPU, or on the CPU under the interpreter only.
+    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    plain = lk_hf.tiny_model(model_type, seed=0).to(device)
+    patched = lk_hf.apply(lk_hf.tiny_model(model_type, seed=0).to(device), backend="triton")
     assert set(lk_hf.report(patched).patched_ops()) == set(EXPECTED[model_type][0])
-    ids = torch.randint(0, V, (1, 8), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, V, (1, 8), generator=torch.Generator().manual_seed(0)).to(device)
     losses, grads = [], []
     for model in (plain, patched):
         model.train()
