@@ -257,7 +257,11 @@ def main(argv=None) -> int:
         import torch.multiprocessing as mp
 
         if args.device == "cpu":
-            os.environ.setdefault("TRITON_INTERPRET", "1")  # inherited by the spawned ranks
+            # CPU ranks run Triton only on its interpreter, even where a GPU and an explicit
+            # TRITON_INTERPRET=0 are: with compiled kernels the Triton checks would fail on CPU
+            # tensors in one rank and leave the other waiting in a collective. Inherited by the
+            # spawned ranks.
+            os.environ["TRITON_INTERPRET"] = "1"
         mp.spawn(_worker, args=(free_port(), args, names), nprocs=WORLD)
         results = json.loads(Path(args.out).read_text())
     failed = [n for n, rs in results["checks"].items() if not all(r["ok"] for r in rs)]

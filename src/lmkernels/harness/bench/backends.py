@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from lmkernels.harness.bench.plan import FLCE
+from lmkernels.harness.runner import not_runnable_here
 from lmkernels.registry.core import impls
 
 
@@ -58,8 +59,11 @@ PSEUDO_BACKENDS: dict[str, tuple[str, Callable[[dict[str, Any]], Callable[..., A
 }
 
 
-def backends_for(op: str, requested: Sequence[str] | None) -> tuple[list[str], dict[str, str]]:
-    """The backends to run for `op` and, for the others asked for or registered, why not."""
+def backends_for(
+    op: str, requested: Sequence[str] | None, device: str | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The backends to run for `op` (on `device`, when given) and, for the others asked for or
+    registered, why not."""
     names, skipped = [], {}
     registered = {i.backend: i for i in impls(op)}
     candidates = (
@@ -75,7 +79,7 @@ def backends_for(op: str, requested: Sequence[str] | None) -> tuple[list[str], d
         impl = registered.get(name)
         if impl is None:
             continue  # not implemented for this op: nothing to report
-        reason = impl.unavailable_reason()
+        reason = impl.unavailable_reason() if device is None else not_runnable_here(impl, device)
         if reason:
             skipped[name] = reason
         else:

@@ -126,7 +126,7 @@ def run_bench(
     }
     meta |= reference_rates(device, console)
     points = plan(ops, grid, dtype, quick, options)
-    per_op = {op: backends_for(op, backends) for op in ops}
+    per_op = {op: backends_for(op, backends, device) for op in ops}
     meta["not_run"] = {op: skipped for op, (_, skipped) in per_op.items() if skipped}
     total = sum(len(per_op[p.op][0]) * len(modes) for p in points)
     rows: list[dict[str, Any]] = []
