@@ -42,7 +42,12 @@ def check_tp_transformers_auto(ctx):
         tiny().save_pretrained(path)
     dist.barrier()
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+        # The mesh on DEVICE: transformers' default mesh is on the GPU whenever torch sees one,
+        # so CPU ranks on a one-GPU machine would each claim cuda:rank.
+        mesh = device_mesh((ctx["world"],))
+        model = AutoModelForCausalLM.from_pretrained(
+            path, tp_plan="auto", device_mesh=mesh, dtype=torch.float32
+        )
     finally:
         dist.barrier()
         if ctx["rank"] == 0:

@@ -205,6 +205,9 @@ def fsdp_run(ctx, lm_head_alone=False, embed_alone=False, ckpt=None, backend=Non
             enable(activation_checkpointing_kwargs={"use_reentrant": ckpt})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt})
+    # The mesh on DEVICE: FSDP2's default mesh is on the GPU whenever torch sees one, so CPU
+    # ranks on a one-GPU machine would each claim cuda:rank.
+    shard_kw.setdefault("mesh", device_mesh((ctx["world"],)))
     for layer in model.model.layers:
         fully_shard(layer, **shard_kw)
     if embed_alone:

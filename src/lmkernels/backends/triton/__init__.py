@@ -24,9 +24,7 @@ def triton_unavailable_reason() -> str | None:
         return f"triton is not importable ({e.__class__.__name__}: {e})"
     import torch
 
-    if not torch.cuda.is_available():
-        if not interpreting():
-            return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter)"
+    if interpreting():  # on the CPU, also where a GPU is
         if _version(triton.__version__) < (3, 7):
             # Seen with triton 3.6: its interpreter fails on the row loops of the norm, rope and
             # FLCE kernels ("only 0-dimensional arrays can be converted to Python scalars"); the
@@ -34,6 +32,8 @@ def triton_unavailable_reason() -> str | None:
             return (
                 f"the CPU interpreter of triton {triton.__version__} cannot run these kernels (needs >= 3.7)"
             )
+    elif not torch.cuda.is_available():
+        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter)"
     return None
 
 
