@@ -258,8 +258,8 @@ def main(argv=None) -> int:
 
         if args.device == "cpu":
             # CPU ranks run Triton only on its interpreter, even where a GPU and an explicit
-            # TRITON_INTERPRET=0 are: with compiled kernels the Triton checks would fail on CPU
-            # tensors in one rank and leave the other waiting in a collective. Inherited by the
+            # TRITON_INTERPRET=0 are: compiled kernels cannot take their CPU tensors (the
+            # checks pick their Triton paths by triton_unavailable_reason). Inherited by the
             # spawned ranks.
             os.environ["TRITON_INTERPRET"] = "1"
         mp.spawn(_worker, args=(free_port(), args, names), nprocs=WORLD)
