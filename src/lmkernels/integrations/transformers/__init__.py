@@ -29,7 +29,7 @@ What is replaced (`ops` chooses a subset of SUPPORTED_OPS):
   `logits_to_keep` slices the hidden states as the original forward does. Without labels, or in
   eval mode, the original forward runs unchanged and returns logits (generation, evaluation).
 - "causal_mask" (not a kernel): a base model called with no attention_mask, position_ids or
-  past_key_values builds no (B, 1, T, T) causal mask, also under torch.compile, where
+  cache (past_key_values before transformers 5.24) builds no (B, 1, T, T) causal mask, also under torch.compile, where
   transformers always builds one: SDPA runs is_causal=True with GQA instead of its masked
   kernel on repeated K/V. Every other call gets the mask transformers builds. Applied only where the base
   forward's source shows attention_mask reaching nothing but transformers' mask functions

@@ -6,8 +6,8 @@ while tracing, and position_ids it made itself look like possibly packed ones. S
 model builds the full mask, SDPA runs its masked kernel and repeats K/V for every query head.
 
 The caller knows more. A base model called with no attention_mask, no position_ids and no
-past_key_values gets position_ids = arange(T) (no packing), an empty or no cache, and nothing
-padded: the plain causal case. The patched base-model forward passes PLAIN_CAUSAL as
+cache (past_key_values before transformers 5.24) gets position_ids = arange(T) (no packing),
+an empty or no cache, and nothing padded: the plain causal case. The patched base-model forward passes PLAIN_CAUSAL as
 attention_mask then, and the modeling module's mask functions (create_causal_mask & co,
 replaced in its namespace while a patch holds them) map it back: full causal attention under
 the stock SDPA gets None (is_causal), anything else the real function's answer for
@@ -35,7 +35,18 @@ MASKING_MODULE = "transformers.masking_utils"
 CAUSAL = "create_causal_mask"
 # Arguments of create_causal_mask that may have any value when the answer is is_causal: with no
 # cache (or the empty one the model made) they change nothing about a plain causal mask.
-NEUTRAL_ARGS = {"config", "inputs_embeds", "attention_mask", "past_key_values", "position_ids", "layer_idx"}
+NEUTRAL_ARGS = {
+    "config",
+    "inputs_embeds",
+    "attention_mask",
+    "past_key_values",
+    "cache",
+    "position_ids",
+    "layer_idx",
+}
+# The cache argument's names: past_key_values up to transformers 5.23, cache from 5.24 (which
+# still takes the old name, renamed by a decorator).
+CACHE_ARGS = ("past_key_values", "cache")
 
 
 class MarkerMisuse(AttributeError):
@@ -129,7 +140,7 @@ def _is_causal_answer(args: dict, stock: tuple) -> bool:
         if name not in NEUTRAL_ARGS | {"allow_is_causal_skip"}
     ):
         return False  # or/and mask functions, block overlays, arguments of a newer transformers
-    return _empty_cache(args.get("past_key_values"), stock)
+    return all(_empty_cache(args.get(name), stock) for name in CACHE_ARGS)
 
 
 def mask_function_wrapper(name: str, real):
@@ -164,8 +175,7 @@ def plain_causal_forward(original, call_original):
     `call_original(self, *args, **kwargs)` runs the unpatched forward."""
     names = positional_names(original)
     where = {
-        n: names.index(n) if n in names else None
-        for n in ("attention_mask", "position_ids", "past_key_values")
+        n: names.index(n) if n in names else None for n in ("attention_mask", "position_ids", *CACHE_ARGS)
     }
     inner = inspect.unwrap(original)
     namespace = inner.__globals__
@@ -210,7 +220,9 @@ def forward_problem(module: nn.Module) -> str | None:
     outer = type(module).forward
     inner = inspect.unwrap(outer)
     for params in (_params(outer), _params(inner)):
-        missing = [n for n in ("attention_mask", "position_ids", "past_key_values") if n not in params]
+        missing = [n for n in ("attention_mask", "position_ids") if n not in params]
+        if not any(n in params for n in CACHE_ARGS):
+            missing.append(" or ".join(CACHE_ARGS))
         if missing:
             return f"forward has no {', '.join(missing)} argument"
     layer = outer

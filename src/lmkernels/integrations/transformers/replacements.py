@@ -311,11 +311,13 @@ def fused_forward(self, spec: HeadSpec, backend, labels, logits_to_keep=0, retur
         shift_labels=kwargs.get("shift_labels"),
         backend=backend,
     )
-    common = dict(
-        past_key_values=getattr(outputs, "past_key_values", None),
-        hidden_states=getattr(outputs, "hidden_states", None),
-        attentions=getattr(outputs, "attentions", None),
-    )
+    # The cache field: past_key_values up to transformers 5.23, cache from 5.24.
+    cache = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+    common = {
+        cache: getattr(outputs, cache, None),
+        "hidden_states": getattr(outputs, "hidden_states", None),
+        "attentions": getattr(outputs, "attentions", None),
+    }
     if spec.moe:
         aux_loss = None
         if kwargs["output_router_logits"]:
