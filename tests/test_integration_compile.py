@@ -329,3 +329,27 @@ def test_fails_closed_where_attention_mask_is_used_otherwise():
     assert finding.status == "kept" and "OwnSdpaAttention calls scaled_dot_product" in finding.detail
     with pytest.raises(masks.MarkerMisuse, match="outside the mask functions"):
         masks.PLAIN_CAUSAL.shape  # noqa: B018
+
+
+def test_cache_argument_under_either_name():
+    """transformers 5.24 renamed the base models' past_key_values argument (and the mask
+    functions') to cache: the patch takes either name, whichever transformers is installed."""
+    from types import SimpleNamespace
+
+    stock = masks._stock_objects()
+    config = SimpleNamespace(is_causal=True, _attn_implementation="sdpa")
+    full = object()  # not the empty DynamicCache the base model makes: a real cache
+    for name in masks.CACHE_ARGS:
+        assert masks._is_causal_answer({"config": config, name: None}, stock)
+        assert not masks._is_causal_answer({"config": config, name: full}, stock)
+
+    class Base(torch.nn.Module):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None):
+            return masking_utils.create_causal_mask(attention_mask=attention_mask)
+
+    class Renamed(Base):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None):
+            return masking_utils.create_causal_mask(attention_mask=attention_mask, cache=cache)
+
+    assert masks.forward_problem(Base()) == "forward has no past_key_values or cache argument"
+    assert "argument" not in (masks.forward_problem(Renamed()) or "")
