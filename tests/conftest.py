@@ -31,3 +31,11 @@ def _reset_backend_choice():
 @pytest.fixture
 def device() -> str:
     return DEVICE
+
+
+@pytest.fixture
+def triton_device() -> str:
+    """Where the Triton impls run here: the CPU under the interpreter, else the GPU."""
+    from lmkernels.backends.triton import interpreting
+
+    return "cpu" if interpreting() else "cuda"

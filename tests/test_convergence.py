@@ -8,7 +8,6 @@ measured in lmkernels/convergence/compare.py); these tests check the verdicts it
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -57,13 +56,13 @@ def test_compile_backend_converges_like_transformers():
     get_impl("rms_norm", "triton").unavailable_reason() is not None,
     reason="triton backend unavailable here (needs triton and a GPU or TRITON_INTERPRET=1)",
 )
-def test_triton_backend_converges_like_transformers():
+def test_triton_backend_converges_like_transformers(triton_device):
     """Every Triton kernel (norm, rope, SwiGLU, FLCE) in training; under the CPU interpreter,
     so a smaller run: 6 steps of 2 x 16 tokens (the interpreter runs each Triton program in
     Python; 12 steps of 4 x 32 took 7 minutes). The fp32 limits only loosen with fewer steps."""
-    # The kernels run on the GPU, or on the CPU under the interpreter only.
-    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
-    report = run_convergence("triton", families=("llama",), steps=6, batch_size=2, seq_len=16, device=device)
+    report = run_convergence(
+        "triton", families=("llama",), steps=6, batch_size=2, seq_len=16, device=triton_device
+    )
     (case,) = report.cases
     failed = [f"{c.metric} {c.value:.3g} > {c.limit:.3g}" for c in case.checks if not c.passed]
     assert report.passed, failed

@@ -112,10 +112,9 @@ def test_family_patched_trains_like_plain(model_type):
 
 
 @pytest.mark.parametrize("model_type", TRITON_FAMILIES)
-def test_family_triton_step_matches_plain(model_type):
+def test_family_triton_step_matches_plain(model_type, triton_device):
     _require_triton()
-    # The Triton impls run on the GPU, or on the CPU under the interpreter only.
-    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    device = triton_device
     plain = lk_hf.tiny_model(model_type, seed=0).to(device)
     patched = lk_hf.apply(lk_hf.tiny_model(model_type, seed=0).to(device), backend="triton")
     assert set(lk_hf.report(patched).patched_ops()) == set(EXPECTED[model_type][0])
