@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import subprocess
@@ -121,6 +122,9 @@ def main_in_rank(args, names: list[str]) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != WORLD:
         raise SystemExit(f"the checks need a world of {WORLD} processes, got WORLD_SIZE={world}")
+    # A rank that dies of a signal (one CI run lost rank 0 to a SIGSEGV that never came back)
+    # prints its Python stack to stderr, which test_distributed shows.
+    faulthandler.enable()
     common.configure(args.device, args.backend)
     init_world(args.timeout)
     try:
