@@ -10,8 +10,11 @@ wrong op (missing offset, swapped rope halves, wrong shift) is off by O(1).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import gc
+import inspect
 import os
 
 import pytest
@@ -45,18 +48,19 @@ def batch(seed: int = 0, ignore: bool = True, b: int = B, t: int = T):
     return ids, labels
 
 
-def loss_and_grads(model, **inputs):
+def loss_and_grads(model, forward_context=contextlib.nullcontext, **inputs):
     model.train()
     model.zero_grad(set_to_none=True)
-    out = model(**inputs)
+    with forward_context():
+        out = model(**inputs)
     out.loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return out, grads
 
 
-def assert_same_training_step(reference, patched, **inputs):
-    ref_out, ref_grads = loss_and_grads(reference, **inputs)
-    out, grads = loss_and_grads(patched, **inputs)
+def assert_same_training_step(reference, patched, forward_context=contextlib.nullcontext, **inputs):
+    ref_out, ref_grads = loss_and_grads(reference, forward_context, **inputs)
+    out, grads = loss_and_grads(patched, forward_context, **inputs)
     assert out.logits is None, "the fused path must not return logits"
     torch.testing.assert_close(out.loss, ref_out.loss, rtol=RTOL, atol=0)
     assert grads.keys() == ref_grads.keys()
@@ -78,6 +82,16 @@ def _triton_covered_ops():
     return ops, note
 
 
+def _patched(reference, backend):
+    """A patched copy of reference, with the Triton backend limited to the ops it runs here."""
+    ops = lk_hf.SUPPORTED_OPS
+    if backend == "triton":
+        ops, reason = _triton_covered_ops()
+        if ops is None:
+            pytest.skip(reason)
+    return lk_hf.apply(copy.deepcopy(reference), backend=backend, ops=ops)
+
+
 BACKENDS = [
     pytest.param("eager", id="eager"),
     pytest.param("compile", id="compile"),
@@ -97,12 +111,39 @@ def test_patched_model_matches_transformers(family, backend):
 # and GeGLU, the final-logit softcap) and a 2 x 16 batch keep it to seconds.
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_patched_model_matches_transformers_triton(family):
-    ops, reason = _triton_covered_ops()
-    if ops is None:
-        pytest.skip(reason)
     reference = tiny(family)
-    patched = lk_hf.apply(copy.deepcopy(reference), backend="triton", ops=ops)
+    patched = _patched(reference, "triton")
     ids, labels = batch(b=2, t=16)
+    assert_same_training_step(reference, patched, input_ids=ids, labels=labels)
+
+
+# The backends' saved tensors pass through other code's saved-tensor hooks here: copies made at
+# the forward and handed back in the backward (activation offloading; the Triton GLU may write
+# its gradients over what it is handed), and a layer recomputed while the next one is not.
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_.* is deprecated:FutureWarning")
+@pytest.mark.parametrize("backend", [*BACKENDS, pytest.param("triton", id="triton")])
+def test_activation_offloading_around_checkpointed_layers(backend):
+    """Every layer checkpointed and the whole forward under torch's save_on_cpu, as
+    transformers' activation_checkpointing_enable(offload=True) does (save_on_cpu around each
+    checkpoint), here without pinned memory, which needs an accelerator."""
+    reference = tiny("llama")
+    reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    patched = _patched(reference, backend)
+    ids, labels = batch(b=2, t=16) if backend == "triton" else batch()
+    offload = functools.partial(torch.autograd.graph.save_on_cpu, pin_memory=False)
+    assert_same_training_step(reference, patched, offload, input_ids=ids, labels=labels)
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, pytest.param("triton", id="triton")])
+def test_every_other_layer_checkpointed(backend):
+    reference = tiny("llama")
+    enable = getattr(reference, "activation_checkpointing_enable", None)
+    if enable is None or "every_n_layers" not in inspect.signature(enable).parameters:
+        pytest.skip(f"transformers {transformers.__version__} cannot checkpoint every n-th layer only")
+    enable(every_n_layers=2)
+    assert [layer.gradient_checkpointing for layer in reference.model.layers] == [True, False]
+    patched = _patched(reference, backend)
+    ids, labels = batch(b=2, t=16) if backend == "triton" else batch()
     assert_same_training_step(reference, patched, input_ids=ids, labels=labels)
 
 
