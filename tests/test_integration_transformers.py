@@ -357,6 +357,40 @@ def test_unsupported_activation_and_custom_loss_raise_before_patching():
         lk_hf.apply(model)
 
 
+class _ScaledHead(torch.nn.Linear):
+    """An lm_head with a learned logit scale per vocabulary entry, 1 at initialization (as
+    transformers' DoryLMHead): its own forward, which a fused loss reading the weight skips."""
+
+    def __init__(self, linear):
+        super().__init__(linear.in_features, linear.out_features, bias=False)
+        self.weight = linear.weight
+        self.logit_scale = torch.nn.Parameter(torch.ones(linear.out_features))
+
+    def forward(self, x):
+        return super().forward(x) * self.logit_scale
+
+
+def test_lm_head_with_its_own_forward_or_parameters_outside_is_not_fused():
+    reference = tiny("llama")
+    reference.lm_head = _ScaledHead(reference.lm_head)
+    with pytest.raises(LMKernelsError, match="lm_head is a _ScaledHead, whose forward is not nn.Linear's"):
+        lk_hf.apply(copy.deepcopy(reference), backend="eager")
+    patched = lk_hf.apply(copy.deepcopy(reference), backend="eager", strict=False)
+    assert "flce" not in lk_hf.report(patched).patched_ops()
+    ids, labels = batch()
+    ref_out, ref_grads = loss_and_grads(reference, input_ids=ids, labels=labels)
+    out, grads = loss_and_grads(patched, input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=RTOL, atol=0)
+    torch.testing.assert_close(
+        grads["lm_head.logit_scale"], ref_grads["lm_head.logit_scale"], rtol=RTOL, atol=0
+    )
+
+    other = tiny("llama")
+    other.logit_bias = torch.nn.Parameter(torch.zeros(V))  # as if its forward added it to the logits
+    with pytest.raises(LMKernelsError, match="logit_bias is outside model and lm_head"):
+        lk_hf.apply(other, backend="eager")
+
+
 def test_transformers_version_check():
     lk_hf.check_transformers_version()  # the installed version is supported
     for version in ("4.49.0", "4.57.1", "6.0.0"):

@@ -12,8 +12,9 @@ modules (same class, same epsilon and shapes: one check covers them all), per ro
   (Mixtral, Qwen2-MoE, Qwen3-MoE) get the same GLU inside their routing loop.
 - rotary: the `apply_rotary_pos_emb` an attention module's forward calls, in that module's own
   namespace; its layout (neox / interleaved, partial rotary, table form) is probed.
-- the causal-LM head + loss: an nn.Linear output embedding, the standard causal-LM loss, logit
-  scaling (Cohere, Granite), final softcapping (Gemma2/3) and router aux loss (MoE).
+- the causal-LM head + loss: an nn.Linear output embedding (nn.Linear's own forward), the
+  standard causal-LM loss, logit scaling (Cohere, Granite), final softcapping (Gemma2/3) and
+  router aux loss (MoE).
 - the base model's mask building (masks.py): its forward's source is read, not run.
 
 A Finding is "patched" (verified), "kept" (not a kind lmkernels has an op for: the reason says
@@ -281,6 +282,22 @@ def head_spec(model: nn.Module) -> tuple[rp.HeadSpec | None, str | None]:
         return (
             None,
             f"{head_attr} is a {type(head).__name__}, not nn.Linear (apply lmkernels before PEFT on lm_head)",
+        )
+    # The fused loss reads the weight and bias, so a subclass's own forward would be skipped:
+    # e.g. transformers' DoryLMHead scales each vocabulary entry's logit by a learned parameter
+    # that is exactly 1 at initialization (the value check below cannot see it).
+    if type(head).forward is not nn.Linear.forward:
+        return None, f"{head_attr} is a {type(head).__name__}, whose forward is not nn.Linear's"
+    # Likewise a parameter of the causal LM outside those two would get no gradient.
+    outside = [
+        n
+        for n, _ in model.named_parameters(remove_duplicate=False)
+        if n.split(".")[0] not in (base_attr, head_attr)
+    ]
+    if outside:
+        return (
+            None,
+            f"{outside[0]} is outside {base_attr} and {head_attr}, the only modules the fused loss runs",
         )
     problem = _loss_problem(model)
     if problem:
