@@ -38,6 +38,7 @@ EXPECTED = {
     "qwen2_moe": (RMS, ()),
     "qwen3": (RMS, ()),
     "qwen3_moe": (RMS, ()),
+    "qwen3_next": (RMS, ()),
     "phi3": (RMS, ()),
     "gemma": (RMS, ()),
     "gemma2": (RMS, ()),

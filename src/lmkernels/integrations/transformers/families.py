@@ -28,6 +28,7 @@ TESTED = (
     "qwen2_moe",
     "qwen3",
     "qwen3_moe",
+    "qwen3_next",
     "phi3",
     "gemma",
     "gemma2",
@@ -76,6 +77,9 @@ FAMILY_TINY = {
     "gemma2": {"sliding_window": 16, "attn_implementation": "eager"},
     "gemma3_text": {"sliding_window": 16, "final_logit_softcapping": 30.0},
     "cohere": {"use_qk_norm": False},
+    # Its default layer pattern puts the first full-attention layer fourth: in 2 layers, one
+    # of each kind (gated delta net, then gated attention).
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"]},
 }
 
 
