@@ -147,6 +147,24 @@ def test_every_other_layer_checkpointed(backend):
     assert_same_training_step(reference, patched, input_ids=ids, labels=labels)
 
 
+def test_rope_with_half_width_tables():
+    """GPT-OSS passes cos/sin of head_dim / 2 columns, one per rotated pair, for both halves
+    of the head (the neox layout). Its attention layers alternate sliding windows (8 < T here)
+    and full attention; its experts clamp their GLU, which no lmkernels op computes."""
+    reference = lk_hf.tiny_model("gpt_oss", seed=0, attn_implementation="eager", sliding_window=8)
+    with pytest.raises(LMKernelsError, match="apply with ops excluding 'mlp'"):
+        lk_hf.apply(copy.deepcopy(reference), backend="eager")
+    patched = lk_hf.apply(
+        copy.deepcopy(reference), backend="eager", ops=("rms_norm", "rope", "flce", "causal_mask")
+    )
+    rope = [f for f in lk_hf.report(patched).patched if f.op == "rope"]
+    assert [f.detail for f in rope] == ["neox, half-width table"]
+    ids = torch.randint(0, reference.config.vocab_size, (B, 16), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, -5:] = -100
+    assert_same_training_step(reference, patched, input_ids=ids, labels=labels)
+
+
 def test_batched_position_ids_and_per_op_backends():
     """cos/sin with a batch dim (per-row offsets), and a backend spec mixing backends per op."""
     reference = tiny("llama")

@@ -176,12 +176,22 @@ def experts_forward(act_attr: str, backends: dict):
 class RopeStyle:
     layout: str  # "neox" (rotate_half over halves) or "interleaved" (pairs)
     half_table: bool  # the function builds its table from cos[..., :R/2] repeated per pair (GLM)
+    half_width: bool = False  # it is passed R/2 columns, one per pair, for both halves (GPT-OSS)
 
     def describe(self) -> str:
-        return self.layout + (", half table repeated per pair" if self.half_table else "")
+        return (
+            self.layout
+            + (", half table repeated per pair" if self.half_table else "")
+            + (", half-width table" if self.half_width else "")
+        )
 
 
-ROPE_STYLES = (RopeStyle("neox", False), RopeStyle("interleaved", False), RopeStyle("interleaved", True))
+ROPE_STYLES = (
+    RopeStyle("neox", False),
+    RopeStyle("interleaved", False),
+    RopeStyle("interleaved", True),
+    RopeStyle("neox", False, half_width=True),
+)
 
 
 def rope_function(original, style: RopeStyle, backend_of):
@@ -193,8 +203,11 @@ def rope_function(original, style: RopeStyle, backend_of):
         # transformers passes q, k as (B, H, T, D) with cos/sin (B or 1, T, R) and unsqueeze_dim=1;
         # (B, T, H, D) layouts use unsqueeze_dim=2. Anything else is not what these models call,
         # so it goes to the original function rather than guessing.
-        if cos.dim() != 3 or cos.shape[-1] > q.shape[-1] or cos.shape[-1] % 2 or unsqueeze_dim not in (1, 2):
+        width = cos.shape[-1] * (2 if style.half_width else 1)
+        if cos.dim() != 3 or width > q.shape[-1] or width % 2 or unsqueeze_dim not in (1, 2):
             return original(q, k, cos, sin, unsqueeze_dim)
+        if style.half_width:
+            cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         if style.half_table:
             half = cos.shape[-1] // 2
             cos = cos[..., :half].repeat_interleave(2, dim=-1)
