@@ -285,7 +285,7 @@ def head_spec(model: nn.Module) -> tuple[rp.HeadSpec | None, str | None]:
         )
     # The fused loss reads the weight and bias, so a subclass's own forward would be skipped:
     # e.g. transformers' DoryLMHead scales each vocabulary entry's logit by a learned parameter
-    # that is exactly 1 at initialization (the value check below cannot see it).
+    # that is exactly 1 at initialization (the apply-time value check cannot see it).
     if type(head).forward is not nn.Linear.forward:
         return None, f"{head_attr} is a {type(head).__name__}, whose forward is not nn.Linear's"
     # Likewise a parameter of the causal LM outside those two would get no gradient.

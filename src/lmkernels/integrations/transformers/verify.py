@@ -237,6 +237,8 @@ def probe_rope(original, head_dim: int, rotary_dim: int, backend_of, *, device) 
             partial = f", rotary dim {rotary_dim} of {head_dim}" if rotary_dim < head_dim else ""
             return style, style.describe() + partial
         best = min(best, err)
+    if best == math.inf:
+        raise Mismatch(f"the function raised on tables of {rotary_dim} and of {rotary_dim // 2} columns")
     raise Mismatch(f"no lmkernels rope layout matches (best error {best:.1e})")
 
 
