@@ -165,6 +165,15 @@ def test_rope_with_half_width_tables():
     assert_same_training_step(reference, patched, input_ids=ids, labels=labels)
 
 
+def test_rope_refusal_names_what_is_missing():
+    """DeepSeek-V3's attention (MLA) ropes a slice of each head and has no head_dim: the report
+    says so rather than blaming the function's signature, which is the usual one."""
+    mla = {"q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8}
+    model = lk_hf.tiny_model("deepseek_v3", v_head_dim=16, head_dim=8, n_routed_experts=4, **mla)
+    rope = [f for f in lk_hf.patch_report(model, backend="eager").failed if f.op == "rope"]
+    assert [f.detail for f in rope] == ["DeepseekV3Attention has no integer head_dim or head_size"]
+
+
 def test_batched_position_ids_and_per_op_backends():
     """cos/sin with a batch dim (per-row offsets), and a backend spec mixing backends per op."""
     reference = tiny("llama")

@@ -240,8 +240,14 @@ def _rope_findings(model, table, device, backend_of) -> list[Finding]:
         what = f"{module_name.rsplit('.', 1)[-1]}.apply_rotary_pos_emb"
         base = dict(what=what, paths=[f"{module_name}.apply_rotary_pos_emb"], module_name=module_name)
         head_dim = getattr(module, "head_dim", None) or getattr(module, "head_size", None)
-        if original is None or not rp.rope_signature_ok(original) or not isinstance(head_dim, int):
-            why = "not the (q, k, cos, sin, unsqueeze_dim) convention" if original else "function not found"
+        why = None
+        if original is None:
+            why = "function not found"
+        elif not rp.rope_signature_ok(original):
+            why = "not the (q, k, cos, sin, unsqueeze_dim) convention"
+        elif not isinstance(head_dim, int):  # e.g. DeepSeek's MLA: rope on a slice of each head
+            why = f"{type(module).__name__} has no integer head_dim or head_size"
+        if why:
             findings.append(Finding("rope", status=FAILED, detail=why, **base))
             continue
         rotary = rdim or head_dim
