@@ -9,9 +9,10 @@ The caller knows more. A base model called with no attention_mask, no position_i
 cache (past_key_values before transformers 5.24) gets position_ids = arange(T) (no packing),
 an empty or no cache, and nothing padded: the plain causal case. The patched base-model
 forward passes PLAIN_CAUSAL as attention_mask then, and the modeling module's mask functions
-(create_causal_mask & co, replaced in its namespace while a patch holds them) map it back: full causal attention under
-the stock SDPA gets None (is_causal), anything else the real function's answer for
-attention_mask=None, exactly what transformers would build. Any other call passes through
+(create_causal_mask & co, replaced in its namespace while a patch holds them) map it back:
+full causal attention under the stock SDPA gets None (is_causal), anything else the real
+function's answer for attention_mask=None, exactly what transformers would build. Any other
+call passes through
 unchanged. The marker is an argument, not state: threads never see each other's, and dynamo
 folds the `is` test to a constant (one graph, no guards on values, no host sync).
 

@@ -219,20 +219,24 @@ def probe_rope(original, head_dim: int, rotary_dim: int, backend_of, *, device) 
     q = _randn(g, 2, 3, 5, head_dim, device=device)
     k = _randn(g, 2, 2, 5, head_dim, device=device)
     cases = {}  # table width -> [(cos, sin, original's output)], or None where it raises
-    for width in (rotary_dim, rotary_dim // 2):
-        tables = [(_randn(g, 2, 5, width, device=device), _randn(g, 2, 5, width, device=device))]
-        tables.append((tables[0][0][:1], tables[0][1][:1]))  # one table for the whole batch
-        try:
-            cases[width] = [(c, s, original(q, k, c, s)) for c, s in tables]
-        except RuntimeError:  # a table of the other width: a shape error
-            cases[width] = None
+
+    def cases_of(width):  # built when a style first needs them (the half width rarely)
+        if width not in cases:
+            tables = [(_randn(g, 2, 5, width, device=device), _randn(g, 2, 5, width, device=device))]
+            tables.append((tables[0][0][:1], tables[0][1][:1]))  # one table for the whole batch
+            try:
+                cases[width] = [(c, s, original(q, k, c, s)) for c, s in tables]
+            except RuntimeError:  # a table of the other width: a shape error
+                cases[width] = None
+        return cases[width]
+
     best = math.inf
     for style in rp.ROPE_STYLES:
-        width = rotary_dim // 2 if style.half_width else rotary_dim
-        if cases[width] is None:
+        width_cases = cases_of(rotary_dim // 2 if style.half_width else rotary_dim)
+        if width_cases is None:
             continue
         fn = rp.rope_function(original, style, backend_of)
-        err = max(rel_err(o, r) for c, s, ref in cases[width] for o, r in zip(fn(q, k, c, s), ref))
+        err = max(rel_err(o, r) for c, s, ref in width_cases for o, r in zip(fn(q, k, c, s), ref))
         if err <= TOL:
             partial = f", rotary dim {rotary_dim} of {head_dim}" if rotary_dim < head_dim else ""
             return style, style.describe() + partial
