@@ -44,6 +44,10 @@ NORM_GRID = {
     # The 16384 block's layouts with the prefetch.
     "prefetch-layouts": [(m, n) for m in (4096, 16384, 65536) for n in (11008, 16384)]
     + [(12288, 13824), (3000, 12288)],
+    # hold_x (--hold): the widths whose backward reads x and dy again (reload_x) or holds them
+    # in fp32 at over 100 registers a thread, with 13824 (84% of the 16384 block) between.
+    "hold": [(m, n) for m in (4096, 16384, 65536) for n in (5120, 8192, 11008, 16384)]
+    + [(12288, 13824), (40960, 13824)],
     # Few rows: below 2048 the table had an entry of its own (FEW_ROWS, now removed); above it.
     "reload-few": [(1024, 11008), (1024, 16384), (1536, 16384), (2048, 11008), (2048, 16384)],
 }
@@ -253,6 +257,30 @@ def prefetch_bwd_candidates(N, op):
     return list(dict.fromkeys(c for c in out if c != table))
 
 
+def hold_bwd_candidates(N, op):
+    """Backwards that hold a row's x and dy as loaded (bf16) across the row sums (hold_x) instead
+    of reading them again (reload_x) or holding them in fp32: the table's own with hold_x, and
+    hold_x as one register block or two, at the table's layout (16 warps, one program per SM)
+    pipelined or not, at 32 warps (16384 block) or two 8-warp programs per SM (8192 block).
+    scripts/roofline_ptxas.py (local Triton, sm_90) counts for LayerNorm: no spills at 5120 and
+    8192 columns (102 registers against the table's 125), none at 11008 as 8192 + 4096, 8 bytes
+    as one 16384 block; 64-112 bytes at 16384 (the table's reload_x: none)."""
+    from lmkernels.backends.triton import _norms
+
+    table = _norms.bwd_config(op, N)
+    if not table.single_block or N <= 4096:
+        return []
+    block = 1 << (N - 1).bit_length()
+    layouts = [(16, 1, 1), (16, 1, 2), (32, 1, 1)] if block == 16384 else [(16, 1, 3), (8, 2, 3), (8, 2, 1)]
+    out = [dataclasses.replace(table, hold_x=True)]
+    for lo, tail in _register_splits(N, block):
+        for warps, pps, st in layouts:
+            prefetch = table.prefetch and pps == 1
+            out.append(_norms.BwdConfig(1, lo, _norms.PATH_REGS, warps, pps, True, tail, _norms.APART_NONE, st,
+                                        True, reload_x=table.reload_x, prefetch=prefetch, hold_x=True))  # fmt: skip
+    return list(dict.fromkeys(c for c in out if c != table))
+
+
 def _stage_candidates(N, op):
     """The table's backward software-pipelined (stages 2 and 3) where it is not, for rows above
     8192 columns (one program per SM: nothing else overlaps a row's loads with its reductions)."""
@@ -370,7 +398,7 @@ def bwd_name(b):
     if b.stages > 1:
         tag += f" s{b.stages}"
     tag += (" const" if b.const_n else "") + (" rx" if b.reload_x else "")
-    return tag + (" pf" if b.prefetch else "")
+    return tag + (" pf" if b.prefetch else "") + (" hx" if b.hold_x else "")
 
 
 # Column-kernel configurations tried with the "apart" candidates: (BLOCK_M, BLOCK_N, warps, per SM).

@@ -71,7 +71,8 @@ def bwd_usage(op, cfg, N=0):
         NUM_STAGES=cfg.stages,
         SOFT_BF16=False,
         N_CONST=N if cfg.const_n else 0,
-        RELOAD_X=cfg.reload_x,
+        RELOAD_X=cfg.reload_x and not cfg.hold_x,  # bf16 (PTRS): hold_x replaces reload_x
+        HOLD_X=cfg.hold_x,
     )
     if op == "rms_norm":
         const = dict(MODE=0, HAS_WEIGHT=True, ACC=cfg.apart == _norms.APART_NONE, **common)

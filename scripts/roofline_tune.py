@@ -48,6 +48,7 @@ from roofline_candidates import (  # noqa: E402
     bwd_name,
     const_n_fwd_candidates,
     fwd_name,
+    hold_bwd_candidates,
     norm_bwd_candidates,
     norm_fwd_candidates,
     prefetch_bwd_candidates,
@@ -151,8 +152,9 @@ def norm_variants(case):
         return name, lambda: set_norm_config(**cfg)
 
     out = [("table", lambda: set_norm_config())]
-    if PREFETCH["on"]:  # the table's backward with and without the next tile prefetched
-        return out + [variant(bwd_name(b), bwd=b) for b in prefetch_bwd_candidates(case.N, case.op)]
+    if FAMILY["name"]:  # the table, and one family of backward candidates (--prefetch, --hold)
+        family = BWD_FAMILIES[FAMILY["name"]](case.N, case.op)
+        return out + [variant(bwd_name(b), bwd=b) for b in family]
     fwds = const_n_fwd_candidates(case.N, case.op) if SHORT["on"] else norm_fwd_candidates(case.N)
     out += [variant(fwd_name(f), fwd=f) for f in dict.fromkeys(fwds)]
     if not SHORT["on"]:
@@ -188,7 +190,8 @@ def make_case(op, shape):
 
 SHORT = {"on": False}
 LEAN = {"on": False}
-PREFETCH = {"on": False}
+FAMILY = {"name": None}
+BWD_FAMILIES = {"prefetch": prefetch_bwd_candidates, "hold": hold_bwd_candidates}
 
 
 def lean_variants(op, case):
@@ -242,11 +245,11 @@ def set_pdl(on):
     _common.USE_PDL = on
 
 
-def warm(group, short=False, lean=False, part=0, parts=1, prefetch=False):
+def warm(group, short=False, lean=False, part=0, parts=1, family=None, peers=True):
     """Worker: compile every variant and peer of a group of (op, shape) points once (fills the
     disk caches). A group shares its Triton kernels (same op and row block). part / parts: this
     worker's share of the variants (the peers with part 0)."""
-    SHORT["on"], LEAN["on"], PREFETCH["on"] = short, lean, prefetch
+    SHORT["on"], LEAN["on"], FAMILY["name"] = short, lean, family
     torch._dynamo.config.cache_size_limit = 4096
     torch._dynamo.config.accumulated_cache_size_limit = 4096
     os.environ.pop("TRITON_INTERPRET", None)
@@ -263,7 +266,7 @@ def warm(group, short=False, lean=False, part=0, parts=1, prefetch=False):
             except Exception:  # noqa: BLE001 (the timing process records the error)
                 pass
         reset(op)
-        for peer in case.peers().values() if part == 0 else ():
+        for peer in case.peers().values() if part == 0 and peers else ():
             try:
                 case.run_full(peer)[0]()
             except Exception:  # noqa: BLE001
@@ -295,7 +298,7 @@ def warm_groups(jobs):
 # --- measure ------------------------------------------------------------------------------------
 
 
-def measure(op, shape, reps, bw, log):
+def measure(op, shape, reps, bw, log, peers=True):
     case = make_case(op, shape)
     case.truth()
     rows = []
@@ -326,7 +329,7 @@ def measure(op, shape, reps, bw, log):
         set_norm_config(best.get("fwd"), best.get("bwd"), best.get("col"))
         record("tuned", fn, "triton")
         reset(op)
-    for name, peer in case.peers().items():
+    for name, peer in case.peers().items() if peers else ():
         record(name, peer, "peer")
     log(summary_line(op, shape, rows))
     return rows
@@ -468,7 +471,18 @@ def main(argv=None):
         "--lean", action="store_true", help="only the table and the previous table where it changed"
     )
     ap.add_argument(
-        "--prefetch", action="store_true", help="norms: only the table's backward with and without prefetch"
+        "--prefetch",
+        dest="family",
+        action="store_const",
+        const="prefetch",
+        help="norms: only the table's backward with and without prefetch",
+    )
+    ap.add_argument(
+        "--hold",
+        dest="family",
+        action="store_const",
+        const="hold",
+        help="norms: only the table's backward and its layouts holding x and dy as loaded (hold_x)",
     )
     ap.add_argument(
         "--rope-layout",
@@ -476,9 +490,12 @@ def main(argv=None):
         choices=["bhtd", "bthd"],
         help="RoPE's q, k: contiguous (B, H, T, D), or transposes of (B, T, H, D) (transformers)",
     )
+    ap.add_argument(
+        "--no-peers", dest="peers", action="store_false", help="time no peers (A/B runs of our variants)"
+    )
     ap.add_argument("--warm-budget", type=float, default=150.0, help="seconds for the parallel compile")
     args = ap.parse_args(argv)
-    SHORT["on"], LEAN["on"], PREFETCH["on"] = args.short, args.lean, args.prefetch
+    SHORT["on"], LEAN["on"], FAMILY["name"] = args.short, args.lean, args.family
     os.environ["ROOFLINE_ROPE_LAYOUT"] = args.rope_layout  # read by RopeCase, workers included
     # One compiled reference per shape, all of the same function: past dynamo's default limit
     # of 8 recompiles the peer silently ran eager (run 4's 12-17x slower compile column).
@@ -496,7 +513,8 @@ def main(argv=None):
     if args.jobs > 1:
         pool = cf.ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn"))
         futures = [
-            pool.submit(warm, g, args.short, args.lean, p, n, args.prefetch) for g, p, n in warm_groups(jobs)
+            pool.submit(warm, g, args.short, args.lean, p, n, args.family, args.peers)
+            for g, p, n in warm_groups(jobs)
         ]
         try:
             for f in cf.as_completed(futures, timeout=args.warm_budget):
@@ -530,7 +548,7 @@ def main(argv=None):
             log(f"budget spent: skipping {op} {shape}")
             continue
         try:
-            point = measure(op, shape, args.reps, bw, log)
+            point = measure(op, shape, args.reps, bw, log, args.peers)
         except Exception as e:  # noqa: BLE001 (e.g. out of memory: the other points go on)
             log(f"{op} {shape} failed: {type(e).__name__}: {str(e)[:300]}")
             torch.cuda.empty_cache()

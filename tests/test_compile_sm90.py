@@ -143,6 +143,7 @@ def _configs():
                 stages=extra[0] if extra else 1,
                 const_n=len(extra) > 1 and extra[1],
                 reload_x=len(extra) > 2 and extra[2],
+                hold_x=len(extra) > 3 and extra[3],
             )
         )
     return out

@@ -294,7 +294,8 @@ def test_layer_norm_wide_rows_default_config():
 # the same loops). A one-row tile ("rows1") is held as 1-D blocks, more rows as 2-D tiles.
 # "const-n": both kernels compiled for N = 100 (a constexpr), the padded lanes of the block
 # masked at compile time. "reload-x": the backward reads x and dy a second time after the row
-# sums instead of holding them.
+# sums instead of holding them; "hold-x": it holds them as loaded (bf16) and widens them again
+# by their bits.
 _PATHS = {
     "regs-rows4": (4, "PATH_REGS", False, 0, "APART_NONE"),
     "regs-reload-w-stages2": (2, "PATH_REGS", True, 0, "APART_NONE", 2),
@@ -313,6 +314,8 @@ _PATHS = {
     "wide-apart-all-const-n": (2, "PATH_WIDE", False, 0, "APART_ALL", 3, True),
     "tail-reload-x": (1, "PATH_REGS", True, 64, "APART_NONE", 1, True, True),
     "regs-rows2-reload-x-stages2": (2, "PATH_REGS", False, 0, "APART_NONE", 2, False, True),
+    "tail-hold-x": (1, "PATH_REGS", True, 64, "APART_NONE", 1, True, True, True),
+    "regs-rows2-hold-x-stages2": (2, "PATH_REGS", False, 0, "APART_NONE", 2, False, False, True),
 }
 
 
@@ -322,10 +325,12 @@ def forced_config(request, monkeypatch):
     stages = extra[0] if extra else 1
     const_n = len(extra) > 1 and extra[1]
     reload_x = len(extra) > 2 and extra[2]
+    hold_x = len(extra) > 3 and extra[3]
     wide = path == "PATH_WIDE"
     block = 32 if wide else 64 if tail else 128
     path, apart = getattr(norms_mod, path), getattr(norms_mod, apart)
-    bwd = norms_mod.BwdConfig(rows, block, path, 4, 1, reload_w, tail, apart, stages, const_n, reload_x)
+    bwd = norms_mod.BwdConfig(rows, block, path, 4, 1, reload_w, tail, apart, stages, const_n, reload_x,
+                              hold_x=hold_x)  # fmt: skip
     fwd = (
         norms_mod.FwdConfig(1, 32, False, 4, hints=True, const_n=const_n)
         if wide
@@ -644,6 +649,7 @@ class _OnCuda:
 
     def __init__(self, element_size):
         self.device = torch.device("cuda", 0)
+        self.dtype = {2: torch.bfloat16, 4: torch.float32}[element_size]
         self._element_size = element_size
 
     def element_size(self):
@@ -660,7 +666,8 @@ def test_pipeline_stages_fit_the_shared_memory(monkeypatch, limit, bf16_stages, 
     backward buffers x, dy and the reloaded weight (96 KiB in bf16), so fp32 inputs or a GPU
     with less shared memory must run fewer stages or the kernel would fail to launch. With
     reload_x the second reads of x and dy get buffers too (160 KiB a stage: three stages failed
-    to launch on an H200)."""
+    to launch on an H200), unless hold_x keeps bf16 rows in registers instead (fp32 ones are
+    still read again)."""
     monkeypatch.setattr(norms_mod, "_max_shared_bytes", lambda index: limit)
     norms_mod._fit_stages.cache_clear()
     cfg = norms_mod.BwdConfig(1, 16384, norms_mod.PATH_REGS, 16, 2, True, stages=3)
@@ -668,6 +675,9 @@ def test_pipeline_stages_fit_the_shared_memory(monkeypatch, limit, bf16_stages, 
     assert norms_mod.pipeline_stages(cfg, _OnCuda(4), _OnCuda(4)) == fp32_stages
     reload_x = dataclasses.replace(cfg, reload_x=True)
     assert norms_mod.pipeline_stages(reload_x, _OnCuda(2), _OnCuda(2)) == reload_x_stages
+    hold_x = dataclasses.replace(reload_x, hold_x=True)
+    assert norms_mod.pipeline_stages(hold_x, _OnCuda(2), _OnCuda(2)) == bf16_stages
+    assert norms_mod.pipeline_stages(hold_x, _OnCuda(4), _OnCuda(4)) == 1  # 320 KiB a stage
     x = torch.zeros(2, 16384)  # the CPU interpreter has no such limit
     assert norms_mod.pipeline_stages(cfg, x, x[0]) == 3
     norms_mod._fit_stages.cache_clear()  # answers for the limit patched in

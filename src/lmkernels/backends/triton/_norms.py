@@ -86,6 +86,29 @@ def to_dtype(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
+def load_x_dy(x_ptr, dy_ptr, offs, mask, EVICT: tl.constexpr):
+    """x and dy of one register block of a backward's row tile, as stored (bf16: half the
+    registers of fp32). EVICT: the loads' cache eviction policy (reload_x reads the block
+    twice: keep it, then let it go)."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT)
+    return x, dy
+
+
+@triton.jit
+def widen(v, AGAIN: tl.constexpr):
+    """`v` (a block as loaded) in fp32. AGAIN: a second widening of the same held registers
+    (hold_x), written with other operations (bf16: its bits shifted into an fp32's top half, the
+    same value) so that the compiler cannot merge it with the first and keep the fp32 copy
+    alive across the row sums instead of the half-size one."""
+    if AGAIN and v.dtype == tl.bfloat16:
+        out = (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        out = v.to(tl.float32)
+    return out
+
+
+@triton.jit
 def round_as(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
     """fp32 `v` as if stored in `dtype` and loaded back: emulates one eager op in `dtype`."""
     return to_dtype(v, dtype, SOFT_BF16).to(tl.float32)
@@ -308,6 +331,7 @@ class BwdConfig:
     const_n: bool = False  # compile for this row width (N a constexpr): see Tuned.const_n
     reload_x: bool = False  # single-block paths: see Tuned.reload_x
     prefetch: bool = False  # single-block paths: see Tuned.prefetch
+    hold_x: bool = False  # single-block paths: see Tuned.hold_x
 
     @property
     def single_block(self) -> bool:
@@ -341,6 +365,10 @@ class Tuned:
     # The backward asks L2 for its next row tile while the current one's loads are in flight
     # (prefetch_tile).
     prefetch: bool = False
+    # The backward holds x and dy as loaded (bf16: half the registers of fp32) across the row
+    # sums and widens them again for dx and the gradient sums: reload_x's register budget
+    # without its second reads. Other dtypes take reload_x instead (the launcher: widen).
+    hold_x: bool = False
 
 
 # Per op and next_power_of_2(N) =: block, optionally "part" (rows that fill at most 3/4 of their
@@ -481,7 +509,7 @@ def _bwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> BwdConfig
             tail = triton.next_power_of_2(N - block)
         return BwdConfig(t.bwd_rows, block, t.path, t.bwd_warps, t.programs_per_sm, reload_w=t.reload_w,
                          tail=tail, apart=t.apart, stages=t.stages, const_n=t.const_n,
-                         reload_x=t.reload_x, prefetch=t.prefetch)  # fmt: skip
+                         reload_x=t.reload_x, prefetch=t.prefetch, hold_x=t.hold_x)  # fmt: skip
     rows = max(1, 1024 // block)
     num_warps = _default_warps(rows * block, 8, 16)
     return BwdConfig(rows, block, PATH_REGS, num_warps, max(1, 32 // num_warps))
@@ -517,18 +545,30 @@ def pipeline_stages(cfg: BwdConfig, x: torch.Tensor, weight: torch.Tensor | None
         return cfg.stages
     index = _device_index(x.device)
     reload_w = weight is not None and (cfg.reload_w or cfg.path != PATH_REGS)
-    return _fit_stages(cfg, x.element_size(), weight.element_size() if reload_w else 0, index)
+    w_bytes = weight.element_size() if reload_w else 0
+    return _fit_stages(cfg, x.element_size(), w_bytes, reloads_x(cfg, x), index)
 
 
 @functools.cache
-def _fit_stages(cfg: BwdConfig, x_bytes: int, w_bytes: int, device_index: int) -> int:
+def _fit_stages(cfg: BwdConfig, x_bytes: int, w_bytes: int, reload_x: bool, device_index: int) -> int:
     # reload_x: the second reads of x and dy are pipelined as well, with buffers of their own.
-    per_stage = cfg.rows * (cfg.block + cfg.tail) * ((4 if cfg.reload_x else 2) * x_bytes + w_bytes)
+    per_stage = cfg.rows * (cfg.block + cfg.tail) * ((4 if reload_x else 2) * x_bytes + w_bytes)
     limit = _max_shared_bytes(device_index) - SHARED_MARGIN
     stages = cfg.stages
     while stages > 1 and (stages - 1) * per_stage > limit:
         stages -= 1
     return stages
+
+
+def holds_x(cfg: BwdConfig, x: torch.Tensor) -> bool:
+    """The backward kernel's HOLD_X: cfg.hold_x for bf16 inputs, whose second widening is a
+    shift (widen); other dtypes keep the entry's reload_x or fp32 registers."""
+    return cfg.hold_x and x.dtype == torch.bfloat16
+
+
+def reloads_x(cfg: BwdConfig, x: torch.Tensor) -> bool:
+    """The backward kernel's RELOAD_X: cfg.reload_x, unless it holds x as loaded instead."""
+    return cfg.reload_x and not holds_x(cfg, x)
 
 
 def can_prefetch(cfg: BwdConfig, x: torch.Tensor) -> bool:

@@ -35,7 +35,9 @@ from lmkernels.backends.triton._norms import (
     column_splits,
     const_n,
     fwd_config,
+    holds_x,
     load_block,
+    load_x_dy,
     num_rows,
     num_tiles,
     partial_buffer,
@@ -44,6 +46,7 @@ from lmkernels.backends.triton._norms import (
     persistent_programs,
     pipeline_stages,
     prefetch_tile,
+    reloads_x,
     row_block,
     row_limit_reasons,
     row_sums,
@@ -53,6 +56,7 @@ from lmkernels.backends.triton._norms import (
     tile_rows,
     tile_zeros,
     to_dtype,
+    widen,
 )
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
@@ -147,12 +151,12 @@ def _add_to_partial(partial_row, cols, mask, contrib, i):
 
 
 @triton.jit
-def _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w, mean, rstd, RELOAD_W: tl.constexpr,
-              HAS_WEIGHT: tl.constexpr, ROWS: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
-    """x_hat, dy and g = dy * w of one register block of a row tile, in fp32. EVICT: the loads'
-    cache eviction policy (RELOAD_X reads the block twice: keep it, then let it go)."""
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+def _bwd_terms(x, dy, w_ptr, cols, col_mask, w, mean, rstd, RELOAD_W: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+               ROWS: tl.constexpr, AGAIN: tl.constexpr):  # fmt: skip
+    """x_hat, dy and g = dy * w in fp32 from a block as loaded. AGAIN: the block's second
+    widening (widen)."""
+    x = widen(x, AGAIN)
+    dy = widen(dy, AGAIN)
     x_hat = (x - per_row(mean, ROWS)) * per_row(rstd, ROWS)
     g = dy
     if HAS_WEIGHT:
@@ -209,6 +213,7 @@ def _layer_norm_bwd_kernel(
     N_CONST: tl.constexpr = 0,
     RELOAD_X: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    HOLD_X: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dy * w, x_hat = (x - mean) * rstd;
@@ -253,8 +258,9 @@ def _layer_norm_bwd_kernel(
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             offs, mask = tile_block(rows, row_mask, cols, col_mask, N, ROWS)
             first: tl.constexpr = "evict_last" if RELOAD_X else ""
-            x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w, mean, rstd,
-                                     RELOAD_W, HAS_WEIGHT, ROWS, first)  # fmt: skip
+            x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, first)
+            x_hat, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, cols, col_mask, w, mean, rstd, RELOAD_W, HAS_WEIGHT,
+                                      ROWS, False)  # fmt: skip
             if PREFETCH:  # the next tile, while this one's loads are in flight
                 prefetch_tile(x_ptr, dy_ptr, pid + (i + 1) * num_programs, M, N, ROWS)
             if BLOCK < 16384:
@@ -264,24 +270,28 @@ def _layer_norm_bwd_kernel(
                 sum_gx = row_sums(g * x_hat, ROWS)
             if TAIL > 0:
                 offs_t, mask_t = tile_block(rows, row_mask, cols_t, tail_mask, N, ROWS)
-                x_hat_t, dy_t, g_t = _bwd_load(x_ptr, dy_ptr, w_ptr, offs_t, mask_t, cols_t, tail_mask, w_t,
-                                               mean, rstd, RELOAD_W, HAS_WEIGHT, ROWS, first)  # fmt: skip
+                x_raw_t, dy_raw_t = load_x_dy(x_ptr, dy_ptr, offs_t, mask_t, first)
+                x_hat_t, dy_t, g_t = _bwd_terms(x_raw_t, dy_raw_t, w_ptr, cols_t, tail_mask, w_t, mean, rstd,
+                                                RELOAD_W, HAS_WEIGHT, ROWS, False)  # fmt: skip
                 sum_g_t, sum_gx_t = row_sums2(g_t, g_t * x_hat_t, ROWS)
                 sum_g += sum_g_t
                 sum_gx += sum_gx_t
             mean_g = sum_g / N
             mean_gx = sum_gx / N
             if RELOAD_X:  # another eviction policy: the compiler does not merge the two loads
-                x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w, mean, rstd,
-                                         RELOAD_W, HAS_WEIGHT, ROWS, "evict_first")  # fmt: skip
+                x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, "evict_first")
+            if RELOAD_X or HOLD_X:
+                x_hat, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, cols, col_mask, w, mean, rstd, RELOAD_W,
+                                          HAS_WEIGHT, ROWS, HOLD_X)  # fmt: skip
             dw_acc, db_acc = _bwd_store(dx_ptr, offs, mask, cols, col_mask, x_hat, dy, g, rstd, mean_g, mean_gx,
                                         dw_acc, db_acc, dw_row, db_row, i, PATH, ACC_DW, ACC_DB,
                                         SOFT_BF16, ROWS)  # fmt: skip
             if TAIL > 0:
                 if RELOAD_X:
-                    x_hat_t, dy_t, g_t = _bwd_load(x_ptr, dy_ptr, w_ptr, offs_t, mask_t, cols_t, tail_mask,
-                                                   w_t, mean, rstd, RELOAD_W, HAS_WEIGHT, ROWS,
-                                                   "evict_first")  # fmt: skip
+                    x_raw_t, dy_raw_t = load_x_dy(x_ptr, dy_ptr, offs_t, mask_t, "evict_first")
+                if RELOAD_X or HOLD_X:
+                    x_hat_t, dy_t, g_t = _bwd_terms(x_raw_t, dy_raw_t, w_ptr, cols_t, tail_mask, w_t, mean, rstd,
+                                                    RELOAD_W, HAS_WEIGHT, ROWS, HOLD_X)  # fmt: skip
                 dw_acc_t, db_acc_t = _bwd_store(dx_ptr, offs_t, mask_t, cols_t, tail_mask, x_hat_t, dy_t, g_t,
                                                 rstd, mean_g, mean_gx, dw_acc_t, db_acc_t, dw_row, db_row, i,
                                                 PATH, ACC_DW, ACC_DB, SOFT_BF16, ROWS)  # fmt: skip
@@ -306,8 +316,9 @@ def _layer_norm_bwd_kernel(
             acc_gx = tile_zeros(ROWS, BLOCK)
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
                 block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
-                x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, mean,
-                                         rstd, True, HAS_WEIGHT, ROWS, "")  # fmt: skip
+                x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, "")
+                x_hat, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, block_cols, block_mask, cols, mean, rstd, True,
+                                          HAS_WEIGHT, ROWS, False)  # fmt: skip
                 acc_g += g
                 acc_gx += g * x_hat
             sum_g, sum_gx = row_sums2(acc_g, acc_gx, ROWS)
@@ -315,8 +326,9 @@ def _layer_norm_bwd_kernel(
             mean_gx = sum_gx / N
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
                 block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
-                x_hat, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, mean,
-                                         rstd, True, HAS_WEIGHT, ROWS, "")  # fmt: skip
+                x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, "")
+                x_hat, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, block_cols, block_mask, cols, mean, rstd, True,
+                                          HAS_WEIGHT, ROWS, False)  # fmt: skip
                 _bwd_store(dx_ptr, offs, mask, block_cols, block_mask, x_hat, dy, g, rstd, mean_g, mean_gx,
                            acc_g, acc_gx, dw_row, db_row, i, MEM, ACC_DW, ACC_DB, SOFT_BF16, ROWS)  # fmt: skip
 
@@ -485,8 +497,9 @@ def _layer_norm_bwd(
             NUM_STAGES=pipeline_stages(cfg, x, weight),
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
-            RELOAD_X=cfg.reload_x,
+            RELOAD_X=reloads_x(cfg, x),
             PREFETCH=can_prefetch(cfg, x),
+            HOLD_X=holds_x(cfg, x),
             num_warps=cfg.num_warps,
             **pdl(x),
         )

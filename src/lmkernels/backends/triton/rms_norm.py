@@ -36,7 +36,9 @@ from lmkernels.backends.triton._norms import (
     column_splits,
     const_n,
     fwd_config,
+    holds_x,
     load_block,
+    load_x_dy,
     num_rows,
     num_tiles,
     partial_buffer,
@@ -45,6 +47,7 @@ from lmkernels.backends.triton._norms import (
     persistent_programs,
     pipeline_stages,
     prefetch_tile,
+    reloads_x,
     round_as,
     row_block,
     row_limit_reasons,
@@ -54,6 +57,7 @@ from lmkernels.backends.triton._norms import (
     tile_rows,
     tile_zeros,
     to_dtype,
+    widen,
 )
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
@@ -162,13 +166,13 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
-def _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w_factor, offset, RELOAD_W: tl.constexpr,
-              MODE: tl.constexpr, HAS_WEIGHT: tl.constexpr, dtype: tl.constexpr, SOFT_BF16: tl.constexpr,
-              ROWS: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
-    """x, dy and g = dy * (w + offset) of one register block of a row tile, in fp32. EVICT: the
-    loads' cache eviction policy (RELOAD_X reads the block twice: keep it, then let it go)."""
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+def _bwd_terms(x, dy, w_ptr, cols, col_mask, w_factor, offset, RELOAD_W: tl.constexpr, MODE: tl.constexpr,
+               HAS_WEIGHT: tl.constexpr, dtype: tl.constexpr, SOFT_BF16: tl.constexpr, ROWS: tl.constexpr,
+               AGAIN: tl.constexpr):  # fmt: skip
+    """x, dy and g = dy * (w + offset) in fp32 from a block as loaded. AGAIN: the block's
+    second widening (widen)."""
+    x = widen(x, AGAIN)
+    dy = widen(dy, AGAIN)
     g = dy
     if HAS_WEIGHT:
         if RELOAD_W:  # reloaded (an L1 hit) rather than held in registers
@@ -222,6 +226,7 @@ def _rms_norm_bwd_kernel(
     N_CONST: tl.constexpr = 0,
     RELOAD_X: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    HOLD_X: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """dx = rstd * (g - x * rstd^2 * mean(g * x)) with g = dy * (w + offset); dw = sum dy * x_hat.
@@ -266,28 +271,32 @@ def _rms_norm_bwd_kernel(
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             offs, mask = tile_block(rows, row_mask, cols, col_mask, N, ROWS)
             first: tl.constexpr = "evict_last" if RELOAD_X else ""
-            x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w_factor, offset,
-                                 RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS, first)  # fmt: skip
+            x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, first)
+            x, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, cols, col_mask, w_factor, offset, RELOAD_W, MODE,
+                                  HAS_WEIGHT, dtype, SOFT_BF16, ROWS, False)  # fmt: skip
             if PREFETCH:  # the next tile, while this one's loads are in flight
                 prefetch_tile(x_ptr, dy_ptr, pid + (i + 1) * num_programs, M, N, ROWS)
             dot = row_sums(g * x, ROWS)
             if TAIL > 0:
                 offs_t, mask_t = tile_block(rows, row_mask, cols_t, tail_mask, N, ROWS)
-                x_t, dy_t, g_t = _bwd_load(x_ptr, dy_ptr, w_ptr, offs_t, mask_t, cols_t, tail_mask, w_factor_t,
-                                           offset, RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS,
-                                           first)  # fmt: skip
+                x_raw_t, dy_raw_t = load_x_dy(x_ptr, dy_ptr, offs_t, mask_t, first)
+                x_t, dy_t, g_t = _bwd_terms(x_raw_t, dy_raw_t, w_ptr, cols_t, tail_mask, w_factor_t, offset,
+                                            RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS, False)  # fmt: skip
                 dot += row_sums(g_t * x_t, ROWS)
             scale = rstd * rstd * dot / N
             if RELOAD_X:  # another eviction policy: the compiler does not merge the two loads
-                x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, cols, col_mask, w_factor, offset,
-                                     RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS, "evict_first")  # fmt: skip
+                x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, "evict_first")
+            if RELOAD_X or HOLD_X:
+                x, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, cols, col_mask, w_factor, offset, RELOAD_W, MODE,
+                                      HAS_WEIGHT, dtype, SOFT_BF16, ROWS, HOLD_X)  # fmt: skip
             dw_acc = _bwd_store(dx_ptr, offs, mask, cols, col_mask, x, dy, g, rstd, scale, dw_acc,
                                 partial_row, i, PATH, ACC, MODE, SOFT_BF16, ROWS)  # fmt: skip
             if TAIL > 0:
                 if RELOAD_X:
-                    x_t, dy_t, g_t = _bwd_load(x_ptr, dy_ptr, w_ptr, offs_t, mask_t, cols_t, tail_mask,
-                                               w_factor_t, offset, RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16,
-                                               ROWS, "evict_first")  # fmt: skip
+                    x_raw_t, dy_raw_t = load_x_dy(x_ptr, dy_ptr, offs_t, mask_t, "evict_first")
+                if RELOAD_X or HOLD_X:
+                    x_t, dy_t, g_t = _bwd_terms(x_raw_t, dy_raw_t, w_ptr, cols_t, tail_mask, w_factor_t, offset,
+                                                RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS, HOLD_X)  # fmt: skip
                 dw_acc_t = _bwd_store(dx_ptr, offs_t, mask_t, cols_t, tail_mask, x_t, dy_t, g_t, rstd, scale,
                                       dw_acc_t, partial_row, i, PATH, ACC, MODE, SOFT_BF16, ROWS)  # fmt: skip
         if ACC and PATH == REGS:
@@ -304,14 +313,16 @@ def _rms_norm_bwd_kernel(
             acc = tile_zeros(ROWS, BLOCK)
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
                 block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
-                x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, offset,
-                                     True, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS, "")  # fmt: skip
+                x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, "")
+                x, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, block_cols, block_mask, cols, offset, True, MODE,
+                                      HAS_WEIGHT, dtype, SOFT_BF16, ROWS, False)  # fmt: skip
                 acc += g * x
             scale = rstd * rstd * row_sums(acc, ROWS) / N
             for start in tl.range(0, N, BLOCK, num_stages=NUM_STAGES):
                 block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
-                x, dy, g = _bwd_load(x_ptr, dy_ptr, w_ptr, offs, mask, block_cols, block_mask, cols, offset,
-                                     True, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS, "")  # fmt: skip
+                x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, "")
+                x, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, block_cols, block_mask, cols, offset, True, MODE,
+                                      HAS_WEIGHT, dtype, SOFT_BF16, ROWS, False)  # fmt: skip
                 _bwd_store(dx_ptr, offs, mask, block_cols, block_mask, x, dy, g, rstd, scale, acc, partial_row,
                            i, MEM, ACC, MODE, SOFT_BF16, ROWS)  # fmt: skip
 
@@ -433,7 +444,8 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
             NUM_STAGES=pipeline_stages(cfg, x, weight),
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
-            RELOAD_X=cfg.reload_x,
+            RELOAD_X=reloads_x(cfg, x),
+            HOLD_X=holds_x(cfg, x),
             PREFETCH=can_prefetch(cfg, x),
             num_warps=cfg.num_warps,
             **pdl(x),
