@@ -427,4 +427,7 @@ FEW_ROWS_BELOW = 2048
 PREVIOUS_FEW = {}
 # RoPE's TILE_TUNED before this session's changes; None: unchanged (the committed table).
 PREVIOUS_ROPE_TILES = None
-PREVIOUS_WITHOUT_PDL = True
+PREVIOUS_WITHOUT_PDL = False
+# Session 17 changed only the hold_x of three entries: its "previous table" is the table's own
+# backward with these fields reverted, wherever that differs.
+PREVIOUS_BWD_FIELDS = {"hold_x": False}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -39,6 +40,7 @@ from roofline_candidates import (  # noqa: E402
     FEW_ROWS_BELOW,
     NORM_GRID,
     PREVIOUS,
+    PREVIOUS_BWD_FIELDS,
     PREVIOUS_FEW,
     PREVIOUS_ROPE_TILES,
     PREVIOUS_WITHOUT_PDL,
@@ -198,6 +200,13 @@ def lean_variants(op, case):
     out = [("table", lambda: reset(op))]
     if PREVIOUS_WITHOUT_PDL:
         out.append(("previous table", lambda: set_pdl(False)))
+    elif PREVIOUS_BWD_FIELDS and op != "rope":
+        from lmkernels.backends.triton import _norms
+
+        table = _norms.bwd_config(op, case.N)
+        before = dataclasses.replace(table, **PREVIOUS_BWD_FIELDS)
+        if before != table:
+            out.append(("previous table", lambda: set_norm_config(bwd=before)))
     elif op == "rope":
         from lmkernels.backends.triton import rope
 
