@@ -393,9 +393,10 @@ class Tuned:
 # LayerNorm 1.05-1.14x at 11008-16384 columns from 3000 rows up, RMSNorm 1.08-1.10x at
 # 11008-12288; RMSNorm at 12289-16384 columns with it takes 16 warps instead of 32, 1.04-1.06x
 # (benchmarks/results/2026-11-24-h200-prefetch/, layouts/). Elsewhere it measured slower.
-# hold_x (bf16 rows held as loaded instead of read again) where it measured faster: RMSNorm at
-# 13824-16384 columns 1.00-1.02x, at 5120 0.99-1.03x, LayerNorm at 11008 1.01-1.02x; elsewhere
-# 0.85-1.00x (benchmarks/results/2026-11-24-h200-hold/).
+# hold_x (bf16 rows held as loaded instead of read again): RMSNorm at 13824-16384 columns
+# 0.99-1.02x, at 5120 1.00-1.03x, in two runs (benchmarks/results/2026-11-24-h200-hold/).
+# LayerNorm gained 1.00-1.02x at 11008 columns but lost 5% at 12288 (the same entry), and
+# 0.85-1.00x elsewhere: none of its entries holds.
 TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 1024): Tuned(2, 4, 4, 8),
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
@@ -437,17 +438,7 @@ TUNED: dict[tuple, Tuned] = {
     ("layer_norm", 8192): Tuned(1, 8, 16, 1, stages=3, const_n=True),
     ("layer_norm", 8192, "part"): Tuned(1, 8, 16, 1, fwd_chunk=2048, hints=True, stages=3, const_n=True),
     ("layer_norm", 16384, "part"): Tuned(
-        1,
-        16,
-        16,
-        1,
-        fwd_chunk=4096,
-        hints=True,
-        reload_w=True,
-        const_n=True,
-        reload_x=True,
-        prefetch=True,
-        hold_x=True,
+        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, reload_x=True, prefetch=True
     ),
     ("layer_norm", 16384): Tuned(
         1,
