@@ -27,6 +27,9 @@ Both norms lay the work out the same way:
 - `prefetch`: a backward with one program per SM and one row in flight asks L2 for its next
   row as soon as the current row's loads are issued (prefetch_tile), so that HBM streams
   through the row's reductions.
+- `hold_x`: the backward holds a bf16 row's x and dy as loaded across the row sums, then widens
+  them to fp32 a second time (widen) instead of reading them again (reload_x) or keeping fp32
+  copies.
 
 The configurations come from a table per op and row width, filled from measurements on an H200
 (scripts/roofline_tune.py; benchmarks/results/2026-11-23-roofline-tune/, -tune2/ and
@@ -366,8 +369,9 @@ class Tuned:
     # (prefetch_tile).
     prefetch: bool = False
     # The backward holds x and dy as loaded (bf16: half the registers of fp32) across the row
-    # sums and widens them again for dx and the gradient sums: reload_x's register budget
-    # without its second reads. Other dtypes take reload_x instead (the launcher: widen).
+    # sums and widens them again for dx and the gradient sums (widen): about reload_x's
+    # register budget without its second reads. Other dtypes keep the entry's reload_x or fp32
+    # registers (holds_x).
     hold_x: bool = False
 
 

@@ -225,7 +225,8 @@ def _layer_norm_bwd_kernel(
     is columns [0, BLOCK) and, when TAIL > 0, [BLOCK, BLOCK + TAIL): two register blocks.
     RELOAD_X: x and dy are read again (L1 / L2 hits) after the row sums, one register block at
     a time, instead of being held: what lets both fp32 accumulators of a 16384-column row stay
-    in registers. PREFETCH: right after a tile's first loads are issued, L2 is asked for the
+    in registers. HOLD_X: they are held as loaded (bf16) across the row sums and widened
+    again (widen). PREFETCH: right after a tile's first loads are issued, L2 is asked for the
     program's next tile (prefetch_tile).
     """
     pdl_enter(PDL)

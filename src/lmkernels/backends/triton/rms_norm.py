@@ -239,6 +239,7 @@ def _rms_norm_bwd_kernel(
     element at the same address is written, by the same program. RELOAD_X: x and dy are read
     again (L1 / L2 hits) after the row sum, one register block at a time, instead of being
     held (fewer registers per thread; a block is read again before its own dx is written).
+    HOLD_X: x and dy are held as loaded (bf16) across the row sum and widened again (widen).
     PREFETCH: right after a tile's first loads are issued, L2 is asked for the
     program's next tile (prefetch_tile).
     """
