@@ -285,10 +285,10 @@ def test_layer_norm_wide_rows_default_config():
 
 # Every backward path and a multi-row tile, forced (the table picks them only for wide rows on
 # the GPU): PATH_MEM keeps the weight-gradient partial sums in memory, stored on a program's
-# first tile and added after, so 3 interpreter programs over 11 tiles exercise both; rows = 4
-# with M = 41 leaves a partial last tile. "tail": the row of 100 as register blocks of 64 and 64
-# (36 used); "apart": gradient sums left to the column kernel (2 row ranges of 21 rows, each
-# 16 + 5, two column blocks of 64, the second partial). "wide": the row in column blocks of 32
+# first tile and added after, so 3 interpreter programs over 6 tiles exercise both; rows = 4
+# with M = 21 leaves a partial last tile. "tail": the row of 100 as register blocks of 64 and 64
+# (36 used); "apart": gradient sums left to the column kernel (2 row ranges of 11 rows, each
+# 8 + 3, two column blocks of 64, the second partial). "wide": the row in column blocks of 32
 # (the last one partial), read twice, the partial sums in memory; its forward too, with eviction
 # hints. "stages": the loops software-pipelined (a GPU-only transformation; the interpreter runs
 # the same loops). A one-row tile ("rows1") is held as 1-D blocks, more rows as 2-D tiles.
@@ -296,6 +296,7 @@ def test_layer_norm_wide_rows_default_config():
 # masked at compile time. "reload-x": the backward reads x and dy a second time after the row
 # sums instead of holding them; "hold-x": it holds them as loaded (bf16) and widens them again
 # by their bits.
+PATH_SHAPE = (21, 100)
 _PATHS = {
     "regs-rows4": (4, "PATH_REGS", False, 0, "APART_NONE"),
     "regs-reload-w-stages2": (2, "PATH_REGS", True, 0, "APART_NONE", 2),
@@ -336,7 +337,7 @@ def forced_config(request, monkeypatch):
         if wide
         else norms_mod.FwdConfig(rows, 128, True, 4, const_n=const_n)
     )
-    monkeypatch.setattr(norms_mod, "COL_CONFIG", (16, 64, 4, 1))
+    monkeypatch.setattr(norms_mod, "COL_CONFIG", (8, 64, 4, 1))
     monkeypatch.setattr(norms_mod, "FORCE_FWD", fwd)
     monkeypatch.setattr(norms_mod, "FORCE_BWD", bwd)
     return request.param
@@ -344,12 +345,12 @@ def forced_config(request, monkeypatch):
 
 @pytest.mark.parametrize("case", ["llama", "none-offset", "no-weight"])
 def test_rms_norm_backward_paths(forced_config, case):
-    _check_rms((41, 100), torch.bfloat16, f"rms_norm {forced_config} {case}", **RMS_CASES[case])
+    _check_rms(PATH_SHAPE, torch.bfloat16, f"rms_norm {forced_config} {case}", **RMS_CASES[case])
 
 
 @pytest.mark.parametrize("case", ["weight-bias", "no-bias", "no-weight"])
 def test_layer_norm_backward_paths(forced_config, case):
-    _check_ln((41, 100), torch.bfloat16, f"layer_norm {forced_config} {case}", **LN_CASES[case])
+    _check_ln(PATH_SHAPE, torch.bfloat16, f"layer_norm {forced_config} {case}", **LN_CASES[case])
 
 
 @pytest.mark.parametrize(
