@@ -283,6 +283,16 @@ def test_layer_norm_wide_rows_default_config():
     _check_ln((2, 16411), torch.bfloat16, "layer_norm 16411 wide")
 
 
+def test_layer_norm_16384_block_default_config():
+    """The table over 8192 columns, where the backward takes its fused multiply-add forms
+    (FMA): at 11008 columns one padded 16384 block read twice (reload_x); weight and bias
+    gradients over 3 programs. (16384 columns, two blocks of 8192, take 2x the interpreter's
+    time; the GPU runs check them: roofline_tune.py checks every point it times.)"""
+    cfg = norms_mod.bwd_config("layer_norm", 11008)
+    assert (cfg.block, cfg.tail, cfg.reload_x) == (16384, 0, True)
+    _check_ln((3, 11008), torch.bfloat16, "layer_norm 11008 table")
+
+
 # Every backward path and a multi-row tile, forced (the table picks them only for wide rows on
 # the GPU): PATH_MEM keeps the weight-gradient partial sums in memory, stored on a program's
 # first tile and added after, so 3 interpreter programs over 6 tiles exercise both; rows = 4

@@ -152,12 +152,16 @@ def _add_to_partial(partial_row, cols, mask, contrib, i):
 
 @triton.jit
 def _bwd_terms(x, dy, w_ptr, cols, col_mask, w, mean, rstd, RELOAD_W: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-               ROWS: tl.constexpr, AGAIN: tl.constexpr):  # fmt: skip
+               ROWS: tl.constexpr, AGAIN: tl.constexpr, FMA: tl.constexpr):  # fmt: skip
     """x_hat, dy and g = dy * w in fp32 from a block as loaded. AGAIN: the block's second
-    widening (widen)."""
+    widening (widen). FMA: x_hat = x * rstd + (-mean * rstd), one fused multiply-add an
+    element (see _bwd_store)."""
     x = widen(x, AGAIN)
     dy = widen(dy, AGAIN)
-    x_hat = (x - per_row(mean, ROWS)) * per_row(rstd, ROWS)
+    if FMA:
+        x_hat = x * per_row(rstd, ROWS) + per_row(-mean * rstd, ROWS)
+    else:
+        x_hat = (x - per_row(mean, ROWS)) * per_row(rstd, ROWS)
     g = dy
     if HAS_WEIGHT:
         if RELOAD_W:  # reloaded (an L1 hit) rather than held in registers
@@ -169,10 +173,21 @@ def _bwd_terms(x, dy, w_ptr, cols, col_mask, w, mean, rstd, RELOAD_W: tl.constex
 @triton.jit
 def _bwd_store(dx_ptr, offs, mask, cols, col_mask, x_hat, dy, g, rstd, mean_g, mean_gx, dw_acc, db_acc,
                dw_row, db_row, i, PATH: tl.constexpr, ACC_DW: tl.constexpr, ACC_DB: tl.constexpr,
-               SOFT_BF16: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+               SOFT_BF16: tl.constexpr, ROWS: tl.constexpr, FMA: tl.constexpr):  # fmt: skip
     """Writes dx of one register block and adds its dw / db contributions (ACC_DW / ACC_DB) to
-    the accumulators (PATH_REGS) or to the program's partial rows (PATH_MEM)."""
-    dx = (g - per_row(mean_g, ROWS) - x_hat * per_row(mean_gx, ROWS)) * per_row(rstd, ROWS)
+    the accumulators (PATH_REGS) or to the program's partial rows (PATH_MEM).
+
+    FMA: dx = g * rstd + (x_hat * c_x + c_0) with the row's products c_x = -mean_gx * rstd and
+    c_0 = -mean_g * rstd, two fused multiply-adds an element. The backward of rows over 8192
+    columns issues instructions at ~60% of the SM's rate (ncu,
+    benchmarks/results/2026-11-24-h200-hold/ncu/) and gains 1.0-1.8% from these forms at
+    11008-16384 columns; at 8192 and below they measured 0.99-1.00x, and 0.80-0.93x at 1024-2048
+    columns (fma-ab/), so only the wider rows take them."""
+    if FMA:
+        c_x = per_row(-mean_gx * rstd, ROWS)
+        dx = g * per_row(rstd, ROWS) + (x_hat * c_x + per_row(-mean_g * rstd, ROWS))
+    else:
+        dx = (g - per_row(mean_g, ROWS) - x_hat * per_row(mean_gx, ROWS)) * per_row(rstd, ROWS)
     tl.store(dx_ptr + offs, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
     # Padding columns and rows have dy = 0: they add nothing to any sum.
     if PATH == MEM:
@@ -235,6 +250,7 @@ def _layer_norm_bwd_kernel(
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
+    FMA: tl.constexpr = BLOCK + TAIL > 8192  # rows over 8192 columns: _bwd_store's FMA forms
     dw_row = dw_partial_ptr + pid.to(tl.int64) * N
     db_row = db_partial_ptr + pid.to(tl.int64) * N
     if PATH != WIDE:
@@ -261,7 +277,7 @@ def _layer_norm_bwd_kernel(
             first: tl.constexpr = "evict_last" if RELOAD_X else ""
             x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, first)
             x_hat, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, cols, col_mask, w, mean, rstd, RELOAD_W, HAS_WEIGHT,
-                                      ROWS, False)  # fmt: skip
+                                      ROWS, False, FMA)  # fmt: skip
             if PREFETCH:  # the next tile, while this one's loads are in flight
                 prefetch_tile(x_ptr, dy_ptr, pid + (i + 1) * num_programs, M, N, ROWS)
             if BLOCK < 16384:
@@ -273,7 +289,7 @@ def _layer_norm_bwd_kernel(
                 offs_t, mask_t = tile_block(rows, row_mask, cols_t, tail_mask, N, ROWS)
                 x_raw_t, dy_raw_t = load_x_dy(x_ptr, dy_ptr, offs_t, mask_t, first)
                 x_hat_t, dy_t, g_t = _bwd_terms(x_raw_t, dy_raw_t, w_ptr, cols_t, tail_mask, w_t, mean, rstd,
-                                                RELOAD_W, HAS_WEIGHT, ROWS, False)  # fmt: skip
+                                                RELOAD_W, HAS_WEIGHT, ROWS, False, FMA)  # fmt: skip
                 sum_g_t, sum_gx_t = row_sums2(g_t, g_t * x_hat_t, ROWS)
                 sum_g += sum_g_t
                 sum_gx += sum_gx_t
@@ -283,19 +299,19 @@ def _layer_norm_bwd_kernel(
                 x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, "evict_first")
             if RELOAD_X or HOLD_X:
                 x_hat, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, cols, col_mask, w, mean, rstd, RELOAD_W,
-                                          HAS_WEIGHT, ROWS, HOLD_X)  # fmt: skip
+                                          HAS_WEIGHT, ROWS, HOLD_X, FMA)  # fmt: skip
             dw_acc, db_acc = _bwd_store(dx_ptr, offs, mask, cols, col_mask, x_hat, dy, g, rstd, mean_g, mean_gx,
                                         dw_acc, db_acc, dw_row, db_row, i, PATH, ACC_DW, ACC_DB,
-                                        SOFT_BF16, ROWS)  # fmt: skip
+                                        SOFT_BF16, ROWS, FMA)  # fmt: skip
             if TAIL > 0:
                 if RELOAD_X:
                     x_raw_t, dy_raw_t = load_x_dy(x_ptr, dy_ptr, offs_t, mask_t, "evict_first")
                 if RELOAD_X or HOLD_X:
                     x_hat_t, dy_t, g_t = _bwd_terms(x_raw_t, dy_raw_t, w_ptr, cols_t, tail_mask, w_t, mean, rstd,
-                                                    RELOAD_W, HAS_WEIGHT, ROWS, HOLD_X)  # fmt: skip
+                                                    RELOAD_W, HAS_WEIGHT, ROWS, HOLD_X, FMA)  # fmt: skip
                 dw_acc_t, db_acc_t = _bwd_store(dx_ptr, offs_t, mask_t, cols_t, tail_mask, x_hat_t, dy_t, g_t,
                                                 rstd, mean_g, mean_gx, dw_acc_t, db_acc_t, dw_row, db_row, i,
-                                                PATH, ACC_DW, ACC_DB, SOFT_BF16, ROWS)  # fmt: skip
+                                                PATH, ACC_DW, ACC_DB, SOFT_BF16, ROWS, FMA)  # fmt: skip
         if PATH == REGS:
             if ACC_DW:
                 tl.store(dw_row + cols, dw_acc, mask=col_mask)
@@ -319,7 +335,7 @@ def _layer_norm_bwd_kernel(
                 block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
                 x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, "")
                 x_hat, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, block_cols, block_mask, cols, mean, rstd, True,
-                                          HAS_WEIGHT, ROWS, False)  # fmt: skip
+                                          HAS_WEIGHT, ROWS, False, FMA)  # fmt: skip
                 acc_g += g
                 acc_gx += g * x_hat
             sum_g, sum_gx = row_sums2(acc_g, acc_gx, ROWS)
@@ -329,9 +345,9 @@ def _layer_norm_bwd_kernel(
                 block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
                 x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, "")
                 x_hat, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, block_cols, block_mask, cols, mean, rstd, True,
-                                          HAS_WEIGHT, ROWS, False)  # fmt: skip
+                                          HAS_WEIGHT, ROWS, False, FMA)  # fmt: skip
                 _bwd_store(dx_ptr, offs, mask, block_cols, block_mask, x_hat, dy, g, rstd, mean_g, mean_gx,
-                           acc_g, acc_gx, dw_row, db_row, i, MEM, ACC_DW, ACC_DB, SOFT_BF16, ROWS)  # fmt: skip
+                           acc_g, acc_gx, dw_row, db_row, i, MEM, ACC_DW, ACC_DB, SOFT_BF16, ROWS, FMA)  # fmt: skip
 
 
 @triton.jit
