@@ -398,7 +398,7 @@ def bwd_name(b):
     if b.stages > 1:
         tag += f" s{b.stages}"
     tag += (" const" if b.const_n else "") + (" rx" if b.reload_x else "")
-    return tag + (" pf" if b.prefetch else "") + (" hx" if b.hold_x else "")
+    return tag + (" pf" if b.prefetch else "") + (" hx" if b.hold_x else "") + (" fma" if b.fma else "")
 
 
 # Column-kernel configurations tried with the "apart" candidates: (BLOCK_M, BLOCK_N, warps, per SM).
@@ -428,6 +428,6 @@ PREVIOUS_FEW = {}
 # RoPE's TILE_TUNED before this session's changes; None: unchanged (the committed table).
 PREVIOUS_ROPE_TILES = None
 PREVIOUS_WITHOUT_PDL = False
-# Session 17 changed only the hold_x of three entries: its "previous table" is the table's own
-# backward with these fields reverted, wherever that differs.
-PREVIOUS_BWD_FIELDS = {"hold_x": False}
+# Session 17 changed only the hold_x of RMSNorm's entries and the fma of LayerNorm's: its
+# "previous table" is the table's own backward with these fields reverted, wherever that differs.
+PREVIOUS_BWD_FIELDS = {"hold_x": False, "fma": False}

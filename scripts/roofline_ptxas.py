@@ -74,6 +74,8 @@ def bwd_usage(op, cfg, N=0):
         RELOAD_X=cfg.reload_x and not cfg.hold_x,  # bf16 (PTRS): hold_x replaces reload_x
         HOLD_X=cfg.hold_x,
     )
+    if op == "layer_norm":
+        common["FMA"] = cfg.fma
     if op == "rms_norm":
         const = dict(MODE=0, HAS_WEIGHT=True, ACC=cfg.apart == _norms.APART_NONE, **common)
         kernel = rms_norm._rms_norm_bwd_kernel

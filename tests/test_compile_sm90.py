@@ -144,6 +144,7 @@ def _configs():
                 const_n=len(extra) > 1 and extra[1],
                 reload_x=len(extra) > 2 and extra[2],
                 hold_x=len(extra) > 3 and extra[3],
+                fma=len(extra) > 4 and extra[4],
             )
         )
     return out

@@ -283,14 +283,23 @@ def test_layer_norm_wide_rows_default_config():
     _check_ln((2, 16411), torch.bfloat16, "layer_norm 16411 wide")
 
 
-def test_layer_norm_16384_block_default_config():
-    """The table over 8192 columns, where the backward takes its fused multiply-add forms
-    (FMA): at 11008 columns one padded 16384 block read twice (reload_x); weight and bias
-    gradients over 3 programs. (16384 columns, two blocks of 8192, take 2x the interpreter's
-    time; the GPU runs check them: roofline_tune.py checks every point it times.)"""
-    cfg = norms_mod.bwd_config("layer_norm", 11008)
-    assert (cfg.block, cfg.tail, cfg.reload_x) == (16384, 0, True)
-    _check_ln((3, 11008), torch.bfloat16, "layer_norm 11008 table")
+def test_layer_norm_fma_forms_where_they_measured_faster():
+    """LayerNorm's backward takes its fused multiply-add forms at 8193-11264 columns (the 16384
+    block's "part-11/16" entry) and 12289-16384, not at 11265-12288 where they measured slower
+    (their values: the forced "fma" paths below)."""
+    fma = {
+        N: norms_mod.bwd_config("layer_norm", N).fma for N in (8192, 11008, 11264, 11265, 12288, 13824, 16384)
+    }
+    assert fma == {
+        8192: False,
+        11008: True,
+        11264: True,
+        11265: False,
+        12288: False,
+        13824: True,
+        16384: True,
+    }
+    assert not any(norms_mod.bwd_config("rms_norm", N).fma for N in (11008, 16384))
 
 
 # Every backward path and a multi-row tile, forced (the table picks them only for wide rows on
@@ -305,7 +314,7 @@ def test_layer_norm_16384_block_default_config():
 # "const-n": both kernels compiled for N = 100 (a constexpr), the padded lanes of the block
 # masked at compile time. "reload-x": the backward reads x and dy a second time after the row
 # sums instead of holding them; "hold-x": it holds them as loaded (bf16) and widens them again
-# by their bits.
+# by their bits. "fma": LayerNorm's x_hat and dx as fused multiply-adds (RMSNorm ignores it).
 PATH_SHAPE = (21, 100)
 _PATHS = {
     "regs-rows4": (4, "PATH_REGS", False, 0, "APART_NONE"),
@@ -327,6 +336,8 @@ _PATHS = {
     "regs-rows2-reload-x-stages2": (2, "PATH_REGS", False, 0, "APART_NONE", 2, False, True),
     "tail-hold-x": (1, "PATH_REGS", True, 64, "APART_NONE", 1, True, True, True),
     "regs-rows2-hold-x-stages2": (2, "PATH_REGS", False, 0, "APART_NONE", 2, False, False, True),
+    "tail-reload-x-fma": (1, "PATH_REGS", True, 64, "APART_NONE", 1, True, True, False, True),
+    "regs-rows4-fma": (4, "PATH_REGS", False, 0, "APART_NONE", 1, False, False, False, True),
 }
 
 
@@ -337,11 +348,12 @@ def forced_config(request, monkeypatch):
     const_n = len(extra) > 1 and extra[1]
     reload_x = len(extra) > 2 and extra[2]
     hold_x = len(extra) > 3 and extra[3]
+    fma = len(extra) > 4 and extra[4]
     wide = path == "PATH_WIDE"
     block = 32 if wide else 64 if tail else 128
     path, apart = getattr(norms_mod, path), getattr(norms_mod, apart)
     bwd = norms_mod.BwdConfig(rows, block, path, 4, 1, reload_w, tail, apart, stages, const_n, reload_x,
-                              hold_x=hold_x)  # fmt: skip
+                              hold_x=hold_x, fma=fma)  # fmt: skip
     fwd = (
         norms_mod.FwdConfig(1, 32, False, 4, hints=True, const_n=const_n)
         if wide

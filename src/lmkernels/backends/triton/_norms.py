@@ -335,6 +335,7 @@ class BwdConfig:
     reload_x: bool = False  # single-block paths: see Tuned.reload_x
     prefetch: bool = False  # single-block paths: see Tuned.prefetch
     hold_x: bool = False  # single-block paths: see Tuned.hold_x
+    fma: bool = False  # LayerNorm, single-block paths: see Tuned.fma
 
     @property
     def single_block(self) -> bool:
@@ -373,10 +374,15 @@ class Tuned:
     # register budget without its second reads. Other dtypes keep the entry's reload_x or fp32
     # registers (holds_x).
     hold_x: bool = False
+    # LayerNorm's backward computes x_hat and dx as fused multiply-adds with per-row products
+    # (layer_norm._bwd_store): fewer instructions where the backward issues at ~60% of the SM's
+    # rate.
+    fma: bool = False
 
 
 # Per op and next_power_of_2(N) =: block, optionally "part" (rows that fill at most 3/4 of their
-# block, e.g. 5120 and 11008) or "part-5/8" (at most 5/8, e.g. 5120; see _tuned). Each entry is
+# block, e.g. 5120 and 11008), "part-11/16" (e.g. 11008) or "part-5/8" (at most 5/8, e.g.
+# 5120; see _tuned). Each entry is
 # the fastest fwd+bwd combination measured on an H200 (scripts/roofline_tune.py;
 # benchmarks/results/2026-11-23-roofline-tune/, -tune2/ and 2026-11-23-norm-pipelining/). The
 # backward's loop over row tiles is pipelined (stages 2-3, Triton keeps the next tiles' loads in
@@ -441,6 +447,22 @@ TUNED: dict[tuple, Tuned] = {
     ("layer_norm", 4096, "part"): Tuned(1, 4, 8, 2, reload_w=True, stages=3, const_n=True),
     ("layer_norm", 8192): Tuned(1, 8, 16, 1, stages=3, const_n=True),
     ("layer_norm", 8192, "part"): Tuned(1, 8, 16, 1, fwd_chunk=2048, hints=True, stages=3, const_n=True),
+    # fma: 1.00-1.02x at 11008 columns, 1.01-1.02x at 13824-16384, but 0.96-0.97x at 12288
+    # (benchmarks/results/2026-11-24-h200-hold/fma-ab/): rows of at most 11/16 of the block
+    # take it, the rest of the "part" range (11265-12288 columns) does not.
+    ("layer_norm", 16384, "part-11/16"): Tuned(
+        1,
+        16,
+        16,
+        1,
+        fwd_chunk=4096,
+        hints=True,
+        reload_w=True,
+        const_n=True,
+        reload_x=True,
+        prefetch=True,
+        fma=True,
+    ),
     ("layer_norm", 16384, "part"): Tuned(
         1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, reload_x=True, prefetch=True
     ),
@@ -456,6 +478,7 @@ TUNED: dict[tuple, Tuned] = {
         const_n=True,
         reload_x=True,
         prefetch=True,
+        fma=True,
     ),
 }
 
@@ -485,8 +508,14 @@ def _default_warps(elements: int, per_thread: int, cap: int) -> int:
 
 def _tuned(op: str, N: int, block: int) -> Tuned | None:
     """The table entry for rows of N columns in a power-of-two block: "part-5/8" (at most 5/8
-    of the block), else "part" (at most 3/4), else the block's own, whichever exists first."""
-    for kind, fits in (("part-5/8", 8 * N <= 5 * block), ("part", 4 * N <= 3 * block)):
+    of the block), else "part-11/16", else "part" (at most 3/4), else the block's own, whichever
+    exists first."""
+    parts = (
+        ("part-5/8", 8 * N <= 5 * block),
+        ("part-11/16", 16 * N <= 11 * block),
+        ("part", 4 * N <= 3 * block),
+    )
+    for kind, fits in parts:
         if fits and (op, block, kind) in TUNED:
             return TUNED[(op, block, kind)]
     return TUNED.get((op, block))
@@ -520,7 +549,7 @@ def _bwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> BwdConfig
             tail = triton.next_power_of_2(N - block)
         return BwdConfig(t.bwd_rows, block, t.path, t.bwd_warps, t.programs_per_sm, reload_w=t.reload_w,
                          tail=tail, apart=t.apart, stages=t.stages, const_n=t.const_n,
-                         reload_x=t.reload_x, prefetch=t.prefetch, hold_x=t.hold_x)  # fmt: skip
+                         reload_x=t.reload_x, prefetch=t.prefetch, hold_x=t.hold_x, fma=t.fma)  # fmt: skip
     rows = max(1, 1024 // block)
     num_warps = _default_warps(rows * block, 8, 16)
     return BwdConfig(rows, block, PATH_REGS, num_warps, max(1, 32 // num_warps))

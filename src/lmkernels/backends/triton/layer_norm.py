@@ -180,9 +180,8 @@ def _bwd_store(dx_ptr, offs, mask, cols, col_mask, x_hat, dy, g, rstd, mean_g, m
     FMA: dx = g * rstd + (x_hat * c_x + c_0) with the row's products c_x = -mean_gx * rstd and
     c_0 = -mean_g * rstd, two fused multiply-adds an element. The backward of rows over 8192
     columns issues instructions at ~60% of the SM's rate (ncu,
-    benchmarks/results/2026-11-24-h200-hold/ncu/) and gains 1.0-1.8% from these forms at
-    11008-16384 columns; at 8192 and below they measured 0.99-1.00x, and 0.80-0.93x at 1024-2048
-    columns (fma-ab/), so only the wider rows take them."""
+    benchmarks/results/2026-11-24-h200-hold/ncu/); the table's fma field says where these
+    forms measured faster (at 1024-2048 columns they were 0.80-0.93x, fma-ab/)."""
     if FMA:
         c_x = per_row(-mean_gx * rstd, ROWS)
         dx = g * per_row(rstd, ROWS) + (x_hat * c_x + per_row(-mean_g * rstd, ROWS))
@@ -229,6 +228,7 @@ def _layer_norm_bwd_kernel(
     RELOAD_X: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     HOLD_X: tl.constexpr = False,
+    FMA: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dy * w, x_hat = (x - mean) * rstd;
@@ -250,7 +250,6 @@ def _layer_norm_bwd_kernel(
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
-    FMA: tl.constexpr = BLOCK + TAIL > 8192  # rows over 8192 columns: _bwd_store's FMA forms
     dw_row = dw_partial_ptr + pid.to(tl.int64) * N
     db_row = db_partial_ptr + pid.to(tl.int64) * N
     if PATH != WIDE:
@@ -517,6 +516,7 @@ def _layer_norm_bwd(
             RELOAD_X=reloads_x(cfg, x),
             PREFETCH=can_prefetch(cfg, x),
             HOLD_X=holds_x(cfg, x),
+            FMA=cfg.fma,
             num_warps=cfg.num_warps,
             **pdl(x),
         )
