@@ -407,6 +407,10 @@ class Tuned:
 # 0.99-1.02x, at 5120 1.00-1.03x, in two runs (benchmarks/results/2026-11-24-h200-hold/).
 # LayerNorm gained 1.00-1.02x at 11008 columns but lost 5% at 12288 (the same entry), and
 # 0.85-1.00x elsewhere: none of its entries holds.
+# LayerNorm's 16384 block: its three entries differ only in tail and fma.
+_LAYER_NORM_16384 = Tuned(
+    1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, reload_x=True, prefetch=True
+)
 TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 1024): Tuned(2, 4, 4, 8),
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
@@ -450,36 +454,9 @@ TUNED: dict[tuple, Tuned] = {
     # fma: 1.00-1.02x at 11008 columns, 1.01-1.02x at 13824-16384, but 0.96-0.97x at 12288
     # (benchmarks/results/2026-11-24-h200-hold/fma-ab/): rows of at most 11/16 of the block
     # take it, the rest of the "part" range (11265-12288 columns) does not.
-    ("layer_norm", 16384, "part-11/16"): Tuned(
-        1,
-        16,
-        16,
-        1,
-        fwd_chunk=4096,
-        hints=True,
-        reload_w=True,
-        const_n=True,
-        reload_x=True,
-        prefetch=True,
-        fma=True,
-    ),
-    ("layer_norm", 16384, "part"): Tuned(
-        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, reload_x=True, prefetch=True
-    ),
-    ("layer_norm", 16384): Tuned(
-        1,
-        16,
-        16,
-        1,
-        fwd_chunk=4096,
-        hints=True,
-        reload_w=True,
-        tail=True,
-        const_n=True,
-        reload_x=True,
-        prefetch=True,
-        fma=True,
-    ),
+    ("layer_norm", 16384, "part-11/16"): dataclasses.replace(_LAYER_NORM_16384, fma=True),
+    ("layer_norm", 16384, "part"): _LAYER_NORM_16384,
+    ("layer_norm", 16384): dataclasses.replace(_LAYER_NORM_16384, tail=True, fma=True),
 }
 
 # Tuning hook (scripts/roofline_tune.py, tests): configurations used instead of the table.
