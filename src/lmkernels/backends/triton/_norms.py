@@ -568,7 +568,8 @@ def pipeline_stages(cfg: BwdConfig, x: torch.Tensor, weight: torch.Tensor | None
 
 @functools.cache
 def _fit_stages(cfg: BwdConfig, x_bytes: int, w_bytes: int, reload_x: bool, device_index: int) -> int:
-    # reload_x: the second reads of x and dy are pipelined as well, with buffers of their own.
+    # reload_x (reloads_x: cfg.reload_x unless the row is held as loaded): the second reads of x
+    # and dy are pipelined as well, with buffers of their own.
     per_stage = cfg.rows * (cfg.block + cfg.tail) * ((4 if reload_x else 2) * x_bytes + w_bytes)
     limit = _max_shared_bytes(device_index) - SHARED_MARGIN
     stages = cfg.stages

@@ -12,9 +12,9 @@ forward passes PLAIN_CAUSAL as attention_mask then, and the modeling module's ma
 (create_causal_mask & co, replaced in its namespace while a patch holds them) map it back:
 full causal attention under the stock SDPA gets None (is_causal), anything else the real
 function's answer for attention_mask=None, exactly what transformers would build. Any other
-call passes through
-unchanged. The marker is an argument, not state: threads never see each other's, and dynamo
-folds the `is` test to a constant (one graph, no guards on values, no host sync).
+call passes through unchanged. The marker is an argument, not state: threads never see each
+other's, and dynamo folds the `is` test to a constant (one graph, no guards on values, no host
+sync).
 
 Fail closed: apply() reads the base forward's source and patches it only when attention_mask
 reaches nothing but these mask functions (directly or through a kwargs dict) and position_ids
