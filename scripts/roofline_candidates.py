@@ -48,6 +48,11 @@ NORM_GRID = {
     # in fp32 at over 100 registers a thread, with 13824 (84% of the 16384 block) between.
     "hold": [(m, n) for m in (4096, 16384, 65536) for n in (5120, 8192, 11008, 16384)]
     + [(12288, 13824), (40960, 13824)],
+    # Fewer instructions per element (--issue): the widths where a backward issues 24-35
+    # instructions per element (scripts/roofline_ptxas.py --family issue) and the grid points
+    # at 80-85% of copy.
+    "issue": [(16384, n) for n in (1024, 2048, 3584, 4096, 5120)]
+    + [(65536, 1024), (65536, 2048), (4096, 2048), (4096, 5120), (65536, 5120)],
     # Few rows: below 2048 the table had an entry of its own (FEW_ROWS, now removed); above it.
     "reload-few": [(1024, 11008), (1024, 16384), (1536, 16384), (2048, 11008), (2048, 16384)],
 }
@@ -278,6 +283,37 @@ def hold_bwd_candidates(N, op):
             prefetch = table.prefetch and pps == 1
             out.append(_norms.BwdConfig(1, lo, _norms.PATH_REGS, warps, pps, True, tail, _norms.APART_NONE, st,
                                         True, reload_x=table.reload_x, prefetch=prefetch, hold_x=True))  # fmt: skip
+    return list(dict.fromkeys(c for c in out if c != table))
+
+
+def issue_bwd_candidates(N, op):
+    """Backwards that issue fewer instructions per element: more columns per thread (fewer warps
+    per row), with as few programs per SM as their registers allow, and LayerNorm's fused
+    multiply-add forms (fma). The row sums and the pipeline cost about the same per row and
+    thread at any width, so that a thread holding twice the columns issues 20-30% fewer
+    instructions per element (scripts/roofline_ptxas.py --family issue, local Triton, sm_90).
+    The first tuning runs tried 8-16 columns per thread at 32-64 warps per SM, where such a
+    thread's 120-250 registers do not fit: the layouts here run 8-16 warps per SM."""
+    from lmkernels.backends.triton import _norms
+
+    table = _norms.bwd_config(op, N)
+    block = 1 << (N - 1).bit_length()
+    if not table.single_block or block > 8192:
+        return []
+    fma = [False, True] if op == "layer_norm" else [False]
+    # (block, tail, warps, programs per SM) by row block; 5120 columns: 4096 + 1024.
+    layouts = {
+        1024: [(1024, 0, 2, 8), (1024, 0, 4, 4)],
+        2048: [(2048, 0, 4, 4), (2048, 0, 4, 2)],
+        4096: [(4096, 0, 8, 2), (4096, 0, 8, 1), (4096, 0, 4, 2)],
+        8192: [(4096, 1024, 8, 2), (4096, 1024, 8, 1)] if 4 * N <= 3 * block else [],
+    }[block]
+    out = [dataclasses.replace(table, fma=True)] if op == "layer_norm" else []
+    for lo, tail, warps, pps in layouts:
+        for reload_w in (False, True):
+            for f in fma:
+                out.append(dataclasses.replace(table, block=lo, tail=tail, num_warps=warps, programs_per_sm=pps,
+                                               reload_w=reload_w, fma=f, reload_x=False, hold_x=False))  # fmt: skip
     return list(dict.fromkeys(c for c in out if c != table))
 
 

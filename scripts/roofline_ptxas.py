@@ -1,12 +1,18 @@
 #!/usr/bin/env python3
-"""Registers and spills of the norm backward and RoPE kernels for Hopper (sm_90), without a GPU.
+"""Registers, spills and instructions of the norm backward and RoPE kernels for Hopper (sm_90),
+without a GPU.
 
 Compiles each candidate configuration of the RMSNorm / LayerNorm backward with the installed
-Triton for target cuda:90 and reads the cubin's resource usage (cuobjdump): registers per
-thread and stack bytes (spills). The Triton on the GPU machine may allocate differently; this
-only prunes candidates that spill before a GPU run.
+Triton for target cuda:90 and reads the cubin (cuobjdump): registers per thread, stack bytes
+(spills), and for the norms the instructions of the loop over row tiles (the SASS between the
+loop's backward branch and its target), per element of a row: loop instructions x threads /
+(rows x columns). That is what a warp scheduler issues per element when the loop runs; "fits"
+says whether the registers let programs_per_sm programs share an SM (65536 registers). The
+Triton on the GPU machine may compile differently; this prunes candidates before a GPU run.
 
 Usage: python3 scripts/roofline_ptxas.py [--ops rms_norm,layer_norm,rope] [--n 5120,11008,16384]
+  [--family issue|hold|prefetch]  (the table and that family of roofline_tune.py instead of the
+  candidates added since the pipelining run)
   (rope: the tile kernel's candidates and the position kernel's table at the --grid rope points)
 """
 
@@ -35,7 +41,8 @@ PTRS = {
 
 
 def usage(kernel, signature, constexprs, num_warps, aligned=()):
-    """aligned: arguments that the launch specializes as multiples of 16 (pointers, strides).
+    """(registers, stack bytes, instructions of the longest loop) of the kernel's cubin.
+    aligned: arguments that the launch specializes as multiples of 16 (pointers, strides).
     Constexprs not given take their defaults (PREFETCH, PDL: off)."""
     defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.name not in constexprs}
     constexprs = dict(constexprs, **defaults)
@@ -53,9 +60,22 @@ def usage(kernel, signature, constexprs, num_warps, aligned=()):
         f.write(compiled.asm["cubin"])
         f.flush()
         out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
     regs = int(re.search(r"REG:(\d+)", out).group(1))
     stack = int(re.search(r"STACK:(\d+)", out).group(1))
-    return regs, stack
+    return regs, stack, loop_instructions(sass)
+
+
+def loop_instructions(sass):
+    """Instructions of the longest loop in a SASS listing: from a backward branch's target to
+    the branch."""
+    addrs = [int(m.group(1), 16) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+\S", sass)]
+    longest = 0
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+[^;]*\bBRA\b[^;]*?(0x[0-9a-f]+)\s*;", sass):
+        branch, target = int(m.group(1), 16), int(m.group(2), 16)
+        if target < branch:
+            longest = max(longest, sum(1 for a in addrs if target <= a <= branch))
+    return longest
 
 
 def bwd_usage(op, cfg, N=0):
@@ -127,7 +147,7 @@ def rope_main():
             variants.append((name, "_rope_tile_kernel", dict(BLOCK_T=block_t, TABLES_ONCE=once), w))
         for name, kernel, const, w in variants:
             try:
-                regs, stack = rope_usage(kernel, D, R, True, const, w)
+                regs, stack, _ = rope_usage(kernel, D, R, True, const, w)
                 print(f"{D:>4} {R:>4}  {name:<34} {regs:>4} {stack:>6}", flush=True)
             except Exception as e:  # noqa: BLE001 (reported, the others go on)
                 print(f"{D:>4} {R:>4}  {name:<34} error {type(e).__name__}: {str(e)[:100]}")
@@ -137,26 +157,36 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", default="rms_norm,layer_norm")
     ap.add_argument("--n", default="5120,11008,16384")
+    ap.add_argument("--family", choices=["issue", "hold", "prefetch"])
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import roofline_candidates
     from roofline_candidates import bwd_name, norm_bwd_candidates
+
+    def candidates(N, op):
+        if args.family:
+            return getattr(roofline_candidates, f"{args.family}_bwd_candidates")(N, op)
+        return norm_bwd_candidates(N, op, new_only=True)
 
     ops = args.ops.split(",")
     if "rope" in ops:
         rope_main()
         ops.remove("rope")
 
-    print(f"{'op':<10} {'N':>6}  {'variant':<44} {'regs':>4} {'stack':>6}")
+    print(f"{'op':<10} {'N':>6}  {'variant':<44} {'regs':>4} {'stack':>6} {'loop':>5} {'/elem':>5}")
     for op in ops:
         for N in map(int, args.n.split(",")):
             from lmkernels.backends.triton import _norms
 
             table = _norms.bwd_config(op, N)
-            for cfg in [table] + norm_bwd_candidates(N, op, new_only=True):
+            for cfg in [table] + candidates(N, op):
                 try:
-                    regs, stack = bwd_usage(op, cfg, N)
+                    regs, stack, loop = bwd_usage(op, cfg, N)
                     name = "table: " + bwd_name(cfg) if cfg is table else bwd_name(cfg)
-                    print(f"{op:<10} {N:>6}  {name:<44} {regs:>4} {stack:>6}", flush=True)
+                    per_elem = loop * 32 * cfg.num_warps / (cfg.rows * N)
+                    fits = regs * 32 * cfg.num_warps * cfg.programs_per_sm <= 65536
+                    print(f"{op:<10} {N:>6}  {name:<44} {regs:>4} {stack:>6} {loop:>5} {per_elem:>5.1f}"
+                          + ("" if fits else "  (does not fit)"), flush=True)  # fmt: skip
                 except Exception as e:  # noqa: BLE001 (reported, the others go on)
                     print(f"{op:<10} {N:>6}  {bwd_name(cfg):<44} error {type(e).__name__}: {str(e)[:100]}")
     return 0

@@ -51,6 +51,7 @@ from roofline_candidates import (  # noqa: E402
     const_n_fwd_candidates,
     fwd_name,
     hold_bwd_candidates,
+    issue_bwd_candidates,
     norm_bwd_candidates,
     norm_fwd_candidates,
     prefetch_bwd_candidates,
@@ -193,7 +194,7 @@ def make_case(op, shape):
 SHORT = {"on": False}
 LEAN = {"on": False}
 FAMILY = {"name": None}
-BWD_FAMILIES = {"prefetch": prefetch_bwd_candidates, "hold": hold_bwd_candidates}
+BWD_FAMILIES = {"prefetch": prefetch_bwd_candidates, "hold": hold_bwd_candidates, "issue": issue_bwd_candidates}
 
 
 def lean_variants(op, case):
@@ -492,6 +493,13 @@ def main(argv=None):
         action="store_const",
         const="hold",
         help="norms: only the table's backward and its layouts holding x and dy as loaded (hold_x)",
+    )
+    ap.add_argument(
+        "--issue",
+        dest="family",
+        action="store_const",
+        const="issue",
+        help="norms: only the table's backward and layouts that issue fewer instructions per element",
     )
     ap.add_argument(
         "--rope-layout",
