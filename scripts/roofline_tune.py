@@ -194,7 +194,11 @@ def make_case(op, shape):
 SHORT = {"on": False}
 LEAN = {"on": False}
 FAMILY = {"name": None}
-BWD_FAMILIES = {"prefetch": prefetch_bwd_candidates, "hold": hold_bwd_candidates, "issue": issue_bwd_candidates}
+BWD_FAMILIES = {
+    "prefetch": prefetch_bwd_candidates,
+    "hold": hold_bwd_candidates,
+    "issue": issue_bwd_candidates,
+}
 
 
 def lean_variants(op, case):
