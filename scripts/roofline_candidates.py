@@ -53,6 +53,8 @@ NORM_GRID = {
     # at 80-85% of copy.
     "issue": [(16384, n) for n in (1024, 2048, 3584, 4096, 5120)]
     + [(65536, 1024), (65536, 2048), (4096, 2048), (4096, 5120), (65536, 5120)],
+    # Deeper pipelines (--deep): the pipelined widths' points under 90% of copy.
+    "deep": [(16384, n) for n in (1024, 2048, 3584, 5120)] + [(65536, 1024), (4096, 5120), (65536, 5120)],
     # Few rows: below 2048 the table had an entry of its own (FEW_ROWS, now removed); above it.
     "reload-few": [(1024, 11008), (1024, 16384), (1536, 16384), (2048, 11008), (2048, 16384)],
 }
@@ -314,6 +316,27 @@ def issue_bwd_candidates(N, op):
             for f in fma:
                 out.append(dataclasses.replace(table, block=lo, tail=tail, num_warps=warps, programs_per_sm=pps,
                                                reload_w=reload_w, fma=f, reload_x=False, hold_x=False))  # fmt: skip
+    return list(dict.fromkeys(c for c in out if c != table))
+
+
+def deep_bwd_candidates(N, op):
+    """Deeper software pipelines of the loop over row tiles (stages 2-6), for the table's
+    backward and the --issue layouts that measured within 1% of it or better
+    (benchmarks/results/2026-11-24-h200-issue/issue/). Loads in flight per SM are what a
+    memory-bound loop needs (Little's law: ~4 MB over 132 SMs at ~1 us); LayerNorm at 5120
+    columns runs one program per SM with two rows ahead, RMSNorm two programs with two each."""
+    from lmkernels.backends.triton import _norms
+
+    table = _norms.bwd_config(op, N)
+    block = 1 << (N - 1).bit_length()
+    if not table.single_block or block > 8192:
+        return []
+    bases = [table]
+    if op == "layer_norm" and block == 4096:
+        bases.append(dataclasses.replace(table, num_warps=4, reload_w=False))
+    if op == "layer_norm" and block == 8192 and 4 * N <= 3 * block:
+        bases.append(dataclasses.replace(table, block=4096, tail=1024, num_warps=8, fma=True))
+    out = [dataclasses.replace(b, stages=st) for b in bases for st in (2, 3, 4, 5, 6)]
     return list(dict.fromkeys(c for c in out if c != table))
 
 

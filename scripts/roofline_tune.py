@@ -49,6 +49,7 @@ from roofline_candidates import (  # noqa: E402
     SUM_CANDIDATES,
     bwd_name,
     const_n_fwd_candidates,
+    deep_bwd_candidates,
     fwd_name,
     hold_bwd_candidates,
     issue_bwd_candidates,
@@ -198,6 +199,7 @@ BWD_FAMILIES = {
     "prefetch": prefetch_bwd_candidates,
     "hold": hold_bwd_candidates,
     "issue": issue_bwd_candidates,
+    "deep": deep_bwd_candidates,
 }
 
 
@@ -504,6 +506,13 @@ def main(argv=None):
         action="store_const",
         const="issue",
         help="norms: only the table's backward and layouts that issue fewer instructions per element",
+    )
+    ap.add_argument(
+        "--deep",
+        dest="family",
+        action="store_const",
+        const="deep",
+        help="norms: only the table's backward and deeper pipelines (stages 2-6)",
     )
     ap.add_argument(
         "--rope-layout",
