@@ -55,6 +55,8 @@ NORM_GRID = {
     + [(65536, 1024), (65536, 2048), (4096, 2048), (4096, 5120), (65536, 5120)],
     # Deeper pipelines (--deep): the pipelined widths' points under 90% of copy.
     "deep": [(16384, n) for n in (1024, 2048, 3584, 5120)] + [(65536, 1024), (4096, 5120), (65536, 5120)],
+    # Prefetching further ahead (--ahead): the 16384 block's points under 90% of copy.
+    "ahead": [(m, n) for m in (4096, 16384) for n in (11008, 16384)] + [(65536, 11008), (12288, 13824)],
     # Few rows: below 2048 the table had an entry of its own (FEW_ROWS, now removed); above it.
     "reload-few": [(1024, 11008), (1024, 16384), (1536, 16384), (2048, 11008), (2048, 16384)],
 }
@@ -260,7 +262,7 @@ def prefetch_bwd_candidates(N, op):
         for lo, tail in _register_splits(N, block):
             for warps in (16, 32):
                 out.append(_norms.BwdConfig(1, lo, _norms.PATH_REGS, warps, 1, True, tail, const_n=True,
-                                            reload_x=True, prefetch=True))  # fmt: skip
+                                            reload_x=True, prefetch=1))  # fmt: skip
     return list(dict.fromkeys(c for c in out if c != table))
 
 
@@ -338,6 +340,19 @@ def deep_bwd_candidates(N, op):
         bases.append(dataclasses.replace(table, block=4096, tail=1024, num_warps=8, fma=True))
     out = [dataclasses.replace(b, stages=st) for b in bases for st in (2, 3, 4, 5, 6)]
     return list(dict.fromkeys(c for c in out if c != table))
+
+
+def ahead_bwd_candidates(N, op):
+    """The table's prefetching backward (one program per SM, one row tile in flight) asking L2
+    for the tile 2 or 3 iterations ahead instead of the next (prefetch_ahead): more bytes in
+    flight per SM, which is what deeper pipelines gained at 1024 and 5120 columns
+    (benchmarks/results/2026-11-24-h200-issue/deep/)."""
+    from lmkernels.backends.triton import _norms
+
+    table = _norms.bwd_config(op, N)
+    if not table.prefetch:
+        return []
+    return [dataclasses.replace(table, prefetch=ahead) for ahead in (2, 3)]
 
 
 def _stage_candidates(N, op):
@@ -457,7 +472,8 @@ def bwd_name(b):
     if b.stages > 1:
         tag += f" s{b.stages}"
     tag += (" const" if b.const_n else "") + (" rx" if b.reload_x else "")
-    return tag + (" pf" if b.prefetch else "") + (" hx" if b.hold_x else "") + (" fma" if b.fma else "")
+    tag += (" pf" if b.prefetch else "") + (str(int(b.prefetch)) if b.prefetch > 1 else "")
+    return tag + (" hx" if b.hold_x else "") + (" fma" if b.fma else "")
 
 
 # Column-kernel configurations tried with the "apart" candidates: (BLOCK_M, BLOCK_N, warps, per SM).
@@ -481,12 +497,21 @@ SUM_CANDIDATES = [(64, 32, 4), (128, 32, 8), (256, 16, 8), (32, 64, 4), (128, 64
 # its change is how every kernel is launched (programmatic dependent launch), so its "previous
 # table" is the same table launched without PDL at every point (PREVIOUS_WITHOUT_PDL).
 P = 0
-PREVIOUS = {}
+# Session 18 changed the pipelines (stages) of the 1024 entries and of LayerNorm's 8192 "part"
+# entry, and LayerNorm's 4096 entry to 4 warps with the weight held (benchmarks/results/
+# 2026-11-24-h200-issue/).
+PREVIOUS = {
+    ("rms_norm", 1024, False): (None, (1, 1024, P, 4, 8)),
+    ("layer_norm", 1024, False): (None, (1, 1024, P, 4, 8)),
+    ("layer_norm", 4096, False): (None, (1, 4096, P, 8, 2, True, 0, 0, 3)),
+    ("layer_norm", 8192, True): (None, (1, 8192, P, 16, 1, False, 0, 0, 3, True)),
+}
 FEW_ROWS_BELOW = 2048
 PREVIOUS_FEW = {}
 # RoPE's TILE_TUNED before this session's changes; None: unchanged (the committed table).
 PREVIOUS_ROPE_TILES = None
 PREVIOUS_WITHOUT_PDL = False
 # Session 17 changed only the hold_x of RMSNorm's entries and the fma of LayerNorm's: its
-# "previous table" is the table's own backward with these fields reverted, wherever that differs.
-PREVIOUS_BWD_FIELDS = {"hold_x": False, "fma": False}
+# "previous table" was the table's own backward with these fields reverted, wherever that
+# differed ({"hold_x": False, "fma": False}). Empty: the PREVIOUS entries above.
+PREVIOUS_BWD_FIELDS = {}

@@ -257,6 +257,18 @@ def prefetch_l2(ptr, start, count):
 
 
 @triton.jit
+def prefetch_ahead(x_ptr, dy_ptr, pid, i, num_programs, M, N, ROWS: tl.constexpr, AHEAD: tl.constexpr):
+    """On loop iteration i of program pid, asks L2 for the program's tile AHEAD iterations
+    later (prefetch_tile); on the first iteration also for those in between, so that AHEAD
+    tiles stream from HBM from the start."""
+    if AHEAD > 1:
+        if i == 0:
+            for d in tl.static_range(1, AHEAD):
+                prefetch_tile(x_ptr, dy_ptr, pid + d * num_programs, M, N, ROWS)
+    prefetch_tile(x_ptr, dy_ptr, pid + (i + AHEAD) * num_programs, M, N, ROWS)
+
+
+@triton.jit
 def prefetch_tile(x_ptr, dy_ptr, tile, M, N, ROWS: tl.constexpr):
     """prefetch_l2 of row tile `tile` of x and dy ([M, N], row-major), if it exists. The
     persistent backward asks for a tile it will work on later, so that HBM keeps streaming
@@ -333,7 +345,7 @@ class BwdConfig:
     stages: int = 1  # software pipelining of the loop over row tiles (wide path: column blocks)
     const_n: bool = False  # compile for this row width (N a constexpr): see Tuned.const_n
     reload_x: bool = False  # single-block paths: see Tuned.reload_x
-    prefetch: bool = False  # single-block paths: see Tuned.prefetch
+    prefetch: int = 0  # single-block paths: see Tuned.prefetch
     hold_x: bool = False  # single-block paths: see Tuned.hold_x
     fma: bool = False  # LayerNorm, single-block paths: see Tuned.fma
 
@@ -366,9 +378,9 @@ class Tuned:
     # The backward reads x and dy again after the row sums, a register block at a time, instead
     # of holding them, so that the weight-gradient accumulators of a wide row fit in registers.
     reload_x: bool = False
-    # The backward asks L2 for its next row tile while the current one's loads are in flight
-    # (prefetch_tile).
-    prefetch: bool = False
+    # The backward asks L2 for the row tile this many iterations ahead while the current one's
+    # loads are in flight (prefetch_ahead); 0: no prefetch.
+    prefetch: int = 0
     # The backward holds x and dy as loaded (bf16: half the registers of fp32) across the row
     # sums and widens them again for dx and the gradient sums (widen): about reload_x's
     # register budget without its second reads. Other dtypes keep the entry's reload_x or fp32
@@ -409,10 +421,10 @@ class Tuned:
 # 0.85-1.00x elsewhere: none of its entries holds.
 # LayerNorm's 16384 block: its three entries differ only in tail and fma.
 _LAYER_NORM_16384 = Tuned(
-    1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, reload_x=True, prefetch=True
+    1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, reload_x=True, prefetch=1
 )
 TUNED: dict[tuple, Tuned] = {
-    ("rms_norm", 1024): Tuned(2, 4, 4, 8),
+    ("rms_norm", 1024): Tuned(2, 4, 4, 8, stages=3),
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
     ("rms_norm", 2048, "part"): Tuned(2, 4, 8, 4, stages=3, const_n=True),
     ("rms_norm", 4096): Tuned(1, 8, 16, 2, stages=3, const_n=True),
@@ -439,18 +451,18 @@ TUNED: dict[tuple, Tuned] = {
         hold_x=True,
     ),
     ("rms_norm", 16384): Tuned(
-        1, 32, 16, 1, reload_w=True, const_n=True, reload_x=True, prefetch=True, hold_x=True
+        1, 32, 16, 1, reload_w=True, const_n=True, reload_x=True, prefetch=1, hold_x=True
     ),
     ("rms_norm", 16384, "part"): Tuned(
-        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, prefetch=True
+        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, prefetch=1
     ),
-    ("layer_norm", 1024): Tuned(2, 4, 4, 8),
+    ("layer_norm", 1024): Tuned(2, 4, 4, 8, stages=3),
     ("layer_norm", 2048): Tuned(1, 4, 8, 4, stages=3),
     ("layer_norm", 2048, "part"): Tuned(2, 4, 8, 4, stages=3, const_n=True),
-    ("layer_norm", 4096): Tuned(1, 8, 8, 2, reload_w=True, stages=3),
+    ("layer_norm", 4096): Tuned(1, 8, 4, 2, stages=3),
     ("layer_norm", 4096, "part"): Tuned(1, 4, 8, 2, reload_w=True, stages=3, const_n=True),
     ("layer_norm", 8192): Tuned(1, 8, 16, 1, stages=3, const_n=True),
-    ("layer_norm", 8192, "part"): Tuned(1, 8, 16, 1, fwd_chunk=2048, hints=True, stages=3, const_n=True),
+    ("layer_norm", 8192, "part"): Tuned(1, 8, 16, 1, fwd_chunk=2048, hints=True, stages=5, const_n=True),
     # fma: 1.00-1.02x at 11008 columns, 1.01-1.02x at 13824-16384, but 0.96-0.97x at 12288
     # (benchmarks/results/2026-11-24-h200-hold/fma-ab/): rows of at most 11/16 of the block
     # take it, the rest of the "part" range (11265-12288 columns) does not.
@@ -589,10 +601,11 @@ def reloads_x(cfg: BwdConfig, x: torch.Tensor) -> bool:
     return cfg.reload_x and not holds_x(cfg, x)
 
 
-def can_prefetch(cfg: BwdConfig, x: torch.Tensor) -> bool:
-    """The backward kernel's PREFETCH: cfg.prefetch on NVIDIA devices of sm_90 and later; never
-    in the interpreter or on ROCm, which run no PTX."""
-    return cfg.prefetch and x.device.type == "cuda" and sm90_ptx(_device_index(x.device))
+def can_prefetch(cfg: BwdConfig, x: torch.Tensor) -> int:
+    """The backward kernel's PREFETCH (tiles ahead): cfg.prefetch on NVIDIA devices of sm_90 and
+    later; 0 in the interpreter and on ROCm, which run no PTX."""
+    on = x.device.type == "cuda" and sm90_ptx(_device_index(x.device))
+    return int(cfg.prefetch) if on else 0
 
 
 def persistent_programs(tiles: int, programs_per_sm: int, device: torch.device) -> int:
