@@ -55,6 +55,10 @@ NORM_GRID = {
     + [(65536, 1024), (65536, 2048), (4096, 2048), (4096, 5120), (65536, 5120)],
     # Deeper pipelines (--deep): the pipelined widths' points under 90% of copy.
     "deep": [(16384, n) for n in (1024, 2048, 3584, 5120)] + [(65536, 1024), (4096, 5120), (65536, 5120)],
+    # The pipelined entries' other widths (--deep, --issue): the "part" entries' widths off the
+    # grid, and the 8192 block's full entries.
+    "parts2": [(m, n) for m in (12288, 40960) for n in (1536, 2560, 3072, 6144, 7168)]
+    + [(4096, 8192), (16384, 8192), (4096, 4096)],
     # Prefetching further ahead (--ahead): the 16384 block's points under 90% of copy.
     "ahead": [(m, n) for m in (4096, 16384) for n in (11008, 16384)] + [(65536, 11008), (12288, 13824)],
     # Few rows: below 2048 the table had an entry of its own (FEW_ROWS, now removed); above it.
