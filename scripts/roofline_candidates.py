@@ -314,7 +314,7 @@ def issue_bwd_candidates(N, op):
         1024: [(1024, 0, 2, 8), (1024, 0, 4, 4)],
         2048: [(2048, 0, 4, 4), (2048, 0, 4, 2)],
         4096: [(4096, 0, 8, 2), (4096, 0, 8, 1), (4096, 0, 4, 2)],
-        8192: [(4096, 1024, 8, 2), (4096, 1024, 8, 1)] if 4 * N <= 3 * block else [],
+        8192: [(4096, 1024, 8, 2), (4096, 1024, 8, 1)] if 8 * N <= 5 * block else [],
     }[block]
     out = [dataclasses.replace(table, fma=True)] if op == "layer_norm" else []
     for lo, tail, warps, pps in layouts:
@@ -340,7 +340,7 @@ def deep_bwd_candidates(N, op):
     bases = [table]
     if op == "layer_norm" and block == 4096:
         bases.append(dataclasses.replace(table, num_warps=4, reload_w=False))
-    if op == "layer_norm" and block == 8192 and 4 * N <= 3 * block:
+    if op == "layer_norm" and block == 8192 and 8 * N <= 5 * block:  # 4096 + 1024 hold the row
         bases.append(dataclasses.replace(table, block=4096, tail=1024, num_warps=8, fma=True))
     out = [dataclasses.replace(b, stages=st) for b in bases for st in (2, 3, 4, 5, 6)]
     return list(dict.fromkeys(c for c in out if c != table))
@@ -501,14 +501,21 @@ SUM_CANDIDATES = [(64, 32, 4), (128, 32, 8), (256, 16, 8), (32, 64, 4), (128, 64
 # its change is how every kernel is launched (programmatic dependent launch), so its "previous
 # table" is the same table launched without PDL at every point (PREVIOUS_WITHOUT_PDL).
 P = 0
-# Session 18 changed the pipelines (stages) of the 1024 entries and of LayerNorm's 8192 "part"
-# entry, and LayerNorm's 4096 entry to 4 warps with the weight held (benchmarks/results/
-# 2026-11-24-h200-issue/).
+# Session 18 changed the pipelines (stages) of the 1024 entries and of the 8192 and 4096
+# "part" entries (RMSNorm's 4096 "part" entry is new: the full entry was what those widths
+# got), and LayerNorm's 4096 and 2048 "part" entries to 4 warps with the weight held
+# (benchmarks/results/2026-11-24-h200-issue/). The RMSNorm 8192 "part" key also covers 5120
+# columns, whose "part-5/8" entry did not change: lean_variants skips widths whose backward is
+# the table's.
 PREVIOUS = {
     ("rms_norm", 1024, False): (None, (1, 1024, P, 4, 8)),
     ("layer_norm", 1024, False): (None, (1, 1024, P, 4, 8)),
     ("layer_norm", 4096, False): (None, (1, 4096, P, 8, 2, True, 0, 0, 3)),
     ("layer_norm", 8192, True): (None, (1, 8192, P, 16, 1, False, 0, 0, 3, True)),
+    ("layer_norm", 2048, True): (None, (1, 2048, P, 8, 4, False, 0, 0, 3, True)),
+    ("layer_norm", 4096, True): (None, (1, 4096, P, 8, 2, True, 0, 0, 3, True)),
+    ("rms_norm", 4096, True): (None, (1, 4096, P, 16, 2, False, 0, 0, 3, True)),
+    ("rms_norm", 8192, True): (None, (1, 8192, P, 8, 1, True, 0, 0, 3, True)),
 }
 FEW_ROWS_BELOW = 2048
 PREVIOUS_FEW = {}

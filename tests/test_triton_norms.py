@@ -704,6 +704,8 @@ def test_pipeline_stages_fit_the_shared_memory(monkeypatch, limit, bf16_stages, 
     assert norms_mod.pipeline_stages(hold_x, _OnCuda(4), _OnCuda(4)) == 1  # 320 KiB a stage
     x = torch.zeros(2, 16384)  # the CPU interpreter has no such limit
     assert norms_mod.pipeline_stages(cfg, x, x[0]) == 3
+    # A loop that runs once per program has nothing to overlap.
+    assert norms_mod.pipeline_stages(cfg, _OnCuda(2), _OnCuda(2), iterations=1) == 1
     norms_mod._fit_stages.cache_clear()  # answers for the limit patched in
 
 

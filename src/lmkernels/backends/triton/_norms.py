@@ -428,9 +428,10 @@ TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 2048): Tuned(2, 8, 8, 4, stages=3),
     ("rms_norm", 2048, "part"): Tuned(2, 4, 8, 4, stages=3, const_n=True),
     ("rms_norm", 4096): Tuned(1, 8, 16, 2, stages=3, const_n=True),
+    ("rms_norm", 4096, "part"): Tuned(1, 8, 16, 2, stages=4, const_n=True),
     ("rms_norm", 8192): Tuned(1, 16, 8, 1, fwd_chunk=4096, hints=True, reload_w=True, stages=3, const_n=True),
     ("rms_norm", 8192, "part"): Tuned(
-        1, 8, 8, 1, fwd_chunk=4096, hints=True, reload_w=True, stages=3, const_n=True
+        1, 8, 8, 1, fwd_chunk=4096, hints=True, reload_w=True, stages=4, const_n=True
     ),
     # Rows of at most 5/8 of the block (5120 columns): two register blocks that fit the row
     # (4096 + 1024), read again after the row sum (reload_x), two 8-warp programs per SM:
@@ -458,9 +459,9 @@ TUNED: dict[tuple, Tuned] = {
     ),
     ("layer_norm", 1024): Tuned(2, 4, 4, 8, stages=3),
     ("layer_norm", 2048): Tuned(1, 4, 8, 4, stages=3),
-    ("layer_norm", 2048, "part"): Tuned(2, 4, 8, 4, stages=3, const_n=True),
+    ("layer_norm", 2048, "part"): Tuned(2, 4, 4, 4, stages=3, const_n=True),
     ("layer_norm", 4096): Tuned(1, 8, 4, 2, stages=3),
-    ("layer_norm", 4096, "part"): Tuned(1, 4, 8, 2, reload_w=True, stages=3, const_n=True),
+    ("layer_norm", 4096, "part"): Tuned(1, 4, 4, 2, stages=4, const_n=True),
     ("layer_norm", 8192): Tuned(1, 8, 16, 1, stages=3, const_n=True),
     ("layer_norm", 8192, "part"): Tuned(1, 8, 16, 1, fwd_chunk=2048, hints=True, stages=5, const_n=True),
     # fma: 1.00-1.02x at 11008 columns, 1.01-1.02x at 13824-16384, but 0.96-0.97x at 12288
@@ -563,8 +564,10 @@ def _max_shared_bytes(device_index: int) -> int:
 SHARED_MARGIN = 4096
 
 
-def pipeline_stages(cfg: BwdConfig, x: torch.Tensor, weight: torch.Tensor | None) -> int:
-    """cfg.stages, lowered until the pipeline buffers fit the device's shared memory.
+def pipeline_stages(cfg: BwdConfig, x: torch.Tensor, weight: torch.Tensor | None, iterations: int = 2) -> int:
+    """cfg.stages, lowered until the pipeline buffers fit the device's shared memory; 1 where
+    each program's loop over row tiles runs once (`iterations`): nothing to overlap there, and
+    the pipeline's copies through shared memory only add to the one pass.
 
     Triton keeps stages - 1 copies of a loop iteration's pipelined loads in shared memory: x and
     dy, and the weight where it is reloaded per tile. The table's stages were chosen on an H200
@@ -572,6 +575,8 @@ def pipeline_stages(cfg: BwdConfig, x: torch.Tensor, weight: torch.Tensor | None
     (A100 163 KiB, consumer parts ~100 KiB), where the table's stages would fail to launch."""
     if cfg.stages <= 1 or x.device.type != "cuda":
         return cfg.stages
+    if iterations <= 1:
+        return 1
     index = _device_index(x.device)
     reload_w = weight is not None and (cfg.reload_w or cfg.path != PATH_REGS)
     w_bytes = weight.element_size() if reload_w else 0

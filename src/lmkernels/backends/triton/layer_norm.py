@@ -510,7 +510,7 @@ def _layer_norm_bwd(
             TAIL=cfg.tail,
             PATH=cfg.path,
             RELOAD_W=cfg.reload_w or cfg.path == PATH_MEM,
-            NUM_STAGES=pipeline_stages(cfg, x, weight),
+            NUM_STAGES=pipeline_stages(cfg, x, weight, cdiv(num_tiles(M, rows), P)),
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
             RELOAD_X=reloads_x(cfg, x),
