@@ -494,7 +494,7 @@ ROPE_CANDIDATES = [
 SUM_CANDIDATES = [(64, 32, 4), (128, 32, 8), (256, 16, 8), (32, 64, 4), (128, 64, 8), (64, 16, 2)]
 
 
-# The table before this session's changes (per op, block and "part"; fwd args of FwdConfig or
+# The table before this session's changes (per TUNED key: op, block and kind; fwd args of FwdConfig or
 # None where unchanged, bwd args of BwdConfig): --lean times it beside the table, as "previous
 # table", in the same run; PREVIOUS_FEW likewise below FEW_ROWS_BELOW rows, where the table had
 # entries of its own until session 12 (none since). P = PATH_REGS. Session 14 changed no entry:
@@ -504,18 +504,17 @@ P = 0
 # Session 18 changed the pipelines (stages) of the 1024 entries and of the 8192 and 4096
 # "part" entries (RMSNorm's 4096 "part" entry is new: the full entry was what those widths
 # got), and LayerNorm's 4096 and 2048 "part" entries to 4 warps with the weight held
-# (benchmarks/results/2026-11-24-h200-issue/). The RMSNorm 8192 "part" key also covers 5120
-# columns, whose "part-5/8" entry did not change: lean_variants skips widths whose backward is
-# the table's.
+# (benchmarks/results/2026-11-24-h200-issue/). Keys as _norms.tuned_key gives them: 5120
+# columns are RMSNorm's ("rms_norm", 8192, "part-5/8"), which did not change.
 PREVIOUS = {
-    ("rms_norm", 1024, False): (None, (1, 1024, P, 4, 8)),
-    ("layer_norm", 1024, False): (None, (1, 1024, P, 4, 8)),
-    ("layer_norm", 4096, False): (None, (1, 4096, P, 8, 2, True, 0, 0, 3)),
-    ("layer_norm", 8192, True): (None, (1, 8192, P, 16, 1, False, 0, 0, 3, True)),
-    ("layer_norm", 2048, True): (None, (1, 2048, P, 8, 4, False, 0, 0, 3, True)),
-    ("layer_norm", 4096, True): (None, (1, 4096, P, 8, 2, True, 0, 0, 3, True)),
-    ("rms_norm", 4096, True): (None, (1, 4096, P, 16, 2, False, 0, 0, 3, True)),
-    ("rms_norm", 8192, True): (None, (1, 8192, P, 8, 1, True, 0, 0, 3, True)),
+    ("rms_norm", 1024): (None, (1, 1024, P, 4, 8)),
+    ("layer_norm", 1024): (None, (1, 1024, P, 4, 8)),
+    ("layer_norm", 4096): (None, (1, 4096, P, 8, 2, True, 0, 0, 3)),
+    ("layer_norm", 8192, "part"): (None, (1, 8192, P, 16, 1, False, 0, 0, 3, True)),
+    ("layer_norm", 2048, "part"): (None, (1, 2048, P, 8, 4, False, 0, 0, 3, True)),
+    ("layer_norm", 4096, "part"): (None, (1, 4096, P, 8, 2, True, 0, 0, 3, True)),
+    ("rms_norm", 4096, "part"): (None, (1, 4096, P, 16, 2, False, 0, 0, 3, True)),  # the full entry's
+    ("rms_norm", 8192, "part"): (None, (1, 8192, P, 8, 1, True, 0, 0, 3, True)),
 }
 FEW_ROWS_BELOW = 2048
 PREVIOUS_FEW = {}

@@ -419,6 +419,14 @@ class Tuned:
 # 0.99-1.02x, at 5120 1.00-1.03x, in two runs (benchmarks/results/2026-11-24-h200-hold/).
 # LayerNorm gained 1.00-1.02x at 11008 columns but lost 5% at 12288 (the same entry), and
 # 0.85-1.00x elsewhere: none of its entries holds.
+# Loads in flight per SM (benchmarks/results/2026-11-24-h200-issue/): a deeper pipeline where
+# the loop had too few rows ahead for HBM's latency: stages 3 at the 1024 block (1.03-1.05x
+# from 16384 rows), 5 at LayerNorm's 8192 "part" entry (5120 columns: one program per SM;
+# 1.04-1.07x), 4 at the 4096 and RMSNorm's 8192 "part" widths (2560-3072, 6144 columns;
+# 1.00-1.14x). Prefetching 2-3 tiles ahead instead was 0.87-0.97x. Fewer warps per row (more
+# columns per thread: 20-35% fewer instructions per element, scripts/roofline_ptxas.py
+# --family issue) gained only where they also left more programs' loads in flight: LayerNorm's
+# 4096 entry and 2048 / 4096 "part" entries at 4 warps, the weight held (1.02-1.19x).
 # LayerNorm's 16384 block: its three entries differ only in tail and fma.
 _LAYER_NORM_16384 = Tuned(
     1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, reload_x=True, prefetch=1
@@ -497,8 +505,13 @@ def _default_warps(elements: int, per_thread: int, cap: int) -> int:
 
 
 def _tuned(op: str, N: int, block: int) -> Tuned | None:
-    """The table entry for rows of N columns in a power-of-two block: "part-5/8" (at most 5/8
-    of the block), else "part-11/16", else "part" (at most 3/4), else the block's own, whichever
+    """The table entry for rows of N columns in a power-of-two block (tuned_key)."""
+    return TUNED.get(tuned_key(op, N, block))
+
+
+def tuned_key(op: str, N: int, block: int) -> tuple:
+    """TUNED's key for rows of N columns in a power-of-two block: "part-5/8" (at most 5/8 of the
+    block), else "part-11/16", else "part" (at most 3/4), else the block's own, whichever
     exists first."""
     parts = (
         ("part-5/8", 8 * N <= 5 * block),
@@ -507,8 +520,8 @@ def _tuned(op: str, N: int, block: int) -> Tuned | None:
     )
     for kind, fits in parts:
         if fits and (op, block, kind) in TUNED:
-            return TUNED[(op, block, kind)]
-    return TUNED.get((op, block))
+            return (op, block, kind)
+    return (op, block)
 
 
 @functools.cache
