@@ -59,6 +59,8 @@ NORM_GRID = {
     # grid, and the 8192 block's full entries.
     "parts2": [(m, n) for m in (12288, 40960) for n in (1536, 2560, 3072, 6144, 7168)]
     + [(4096, 8192), (16384, 8192), (4096, 4096)],
+    # Fewer programs per SM at the narrow blocks (--fewer).
+    "fewer": [(m, n) for m in (16384, 65536) for n in (1024, 2048)] + [(40960, 1536)],
     # Prefetching further ahead (--ahead): the 16384 block's points under 90% of copy.
     "ahead": [(m, n) for m in (4096, 16384) for n in (11008, 16384)] + [(65536, 11008), (12288, 13824)],
     # Few rows: below 2048 the table had an entry of its own (FEW_ROWS, now removed); above it.
@@ -357,6 +359,24 @@ def ahead_bwd_candidates(N, op):
     if not table.prefetch:
         return []
     return [dataclasses.replace(table, prefetch=ahead) for ahead in (2, 3)]
+
+
+def fewer_bwd_candidates(N, op):
+    """The 1024 and 2048 blocks' backward with fewer programs per SM (half or three quarters of
+    the table's) and deeper pipelines, so that the loads in flight per SM stay about the same
+    while the partial rows that the second kernel sums (P x N fp32) shrink: at 2048 columns
+    they are 4.3 MB per gradient for 528 programs."""
+    from lmkernels.backends.triton import _norms
+
+    table = _norms.bwd_config(op, N)
+    block = 1 << (N - 1).bit_length()
+    if not table.single_block or block > 2048:
+        return []
+    out = []
+    for pps in sorted({max(1, table.programs_per_sm // 2), max(1, 3 * table.programs_per_sm // 4)}):
+        for st in (3, 4, 5, 6):
+            out.append(dataclasses.replace(table, programs_per_sm=pps, stages=st))
+    return list(dict.fromkeys(c for c in out if c != table))
 
 
 def _stage_candidates(N, op):

@@ -51,6 +51,7 @@ from roofline_candidates import (  # noqa: E402
     bwd_name,
     const_n_fwd_candidates,
     deep_bwd_candidates,
+    fewer_bwd_candidates,
     fwd_name,
     hold_bwd_candidates,
     issue_bwd_candidates,
@@ -202,6 +203,7 @@ BWD_FAMILIES = {
     "issue": issue_bwd_candidates,
     "deep": deep_bwd_candidates,
     "ahead": ahead_bwd_candidates,
+    "fewer": fewer_bwd_candidates,
 }
 
 
@@ -522,6 +524,13 @@ def main(argv=None):
         action="store_const",
         const="ahead",
         help="norms: only the table's prefetching backward and its prefetch 2-3 tiles ahead",
+    )
+    ap.add_argument(
+        "--fewer",
+        dest="family",
+        action="store_const",
+        const="fewer",
+        help="norms: only the table's backward and fewer programs per SM with deeper pipelines",
     )
     ap.add_argument(
         "--rope-layout",
