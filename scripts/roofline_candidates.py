@@ -514,18 +514,17 @@ ROPE_CANDIDATES = [
 SUM_CANDIDATES = [(64, 32, 4), (128, 32, 8), (256, 16, 8), (32, 64, 4), (128, 64, 8), (64, 16, 2)]
 
 
-# The table before this session's changes (per TUNED key: op, block and kind; fwd args of FwdConfig or
-# None where unchanged, bwd args of BwdConfig): --lean times it beside the table, as "previous
-# table", in the same run; PREVIOUS_FEW likewise below FEW_ROWS_BELOW rows, where the table had
-# entries of its own until session 12 (none since). P = PATH_REGS. Session 14 changed no entry:
-# its change is how every kernel is launched (programmatic dependent launch), so its "previous
-# table" is the same table launched without PDL at every point (PREVIOUS_WITHOUT_PDL).
+# The table before this session's changes (per TUNED key, as _norms.tuned_key gives it: op,
+# block and kind; fwd args of FwdConfig or None where unchanged, bwd args of BwdConfig):
+# --lean times it beside the table, as "previous table", in the same run. P = PATH_REGS.
+# Earlier sessions' runs name the commit whose tuner they used (their own kinds of "previous":
+# the table without PDL, session 14; named fields reverted, session 17).
 P = 0
 # Session 18 changed the pipelines (stages) of the 1024 entries and of the 8192 and 4096
 # "part" entries (RMSNorm's 4096 "part" entry is new: the full entry was what those widths
 # got), and LayerNorm's 4096 and 2048 "part" entries to 4 warps with the weight held
-# (benchmarks/results/2026-11-24-h200-issue/). Keys as _norms.tuned_key gives them: 5120
-# columns are RMSNorm's ("rms_norm", 8192, "part-5/8"), which did not change.
+# (benchmarks/results/2026-11-24-h200-issue/). 5120 columns are RMSNorm's ("rms_norm", 8192,
+# "part-5/8") entry, which did not change.
 PREVIOUS = {
     ("rms_norm", 1024): (None, (1, 1024, P, 4, 8)),
     ("layer_norm", 1024): (None, (1, 1024, P, 4, 8)),
@@ -536,12 +535,5 @@ PREVIOUS = {
     ("rms_norm", 4096, "part"): (None, (1, 4096, P, 16, 2, False, 0, 0, 3, True)),  # the full entry's
     ("rms_norm", 8192, "part"): (None, (1, 8192, P, 8, 1, True, 0, 0, 3, True)),
 }
-FEW_ROWS_BELOW = 2048
-PREVIOUS_FEW = {}
 # RoPE's TILE_TUNED before this session's changes; None: unchanged (the committed table).
 PREVIOUS_ROPE_TILES = None
-PREVIOUS_WITHOUT_PDL = False
-# Session 17 changed only the hold_x of RMSNorm's entries and the fma of LayerNorm's: its
-# "previous table" was the table's own backward with these fields reverted, wherever that
-# differed ({"hold_x": False, "fma": False}). Empty: the PREVIOUS entries above.
-PREVIOUS_BWD_FIELDS = {}

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -37,13 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import roofline_rope  # noqa: E402
 from roofline_candidates import (  # noqa: E402
     COL_CANDIDATES,
-    FEW_ROWS_BELOW,
     NORM_GRID,
     PREVIOUS,
-    PREVIOUS_BWD_FIELDS,
-    PREVIOUS_FEW,
     PREVIOUS_ROPE_TILES,
-    PREVIOUS_WITHOUT_PDL,
     ROPE_CANDIDATES,
     ROPE_GRID,
     SUM_CANDIDATES,
@@ -209,16 +204,7 @@ BWD_FAMILIES = {
 
 def lean_variants(op, case):
     out = [("table", lambda: reset(op))]
-    if PREVIOUS_WITHOUT_PDL:
-        out.append(("previous table", lambda: set_pdl(False)))
-    elif PREVIOUS_BWD_FIELDS and op != "rope":
-        from lmkernels.backends.triton import _norms
-
-        table = _norms.bwd_config(op, case.N)
-        before = dataclasses.replace(table, **PREVIOUS_BWD_FIELDS)
-        if before != table:
-            out.append(("previous table", lambda: set_norm_config(bwd=before)))
-    elif op == "rope":
+    if op == "rope":
         from lmkernels.backends.triton import rope
 
         B, Hq, Hkv, T, D, R = case.shape
@@ -227,21 +213,18 @@ def lean_variants(op, case):
         reset(op)
         if previous != rope._tile_config(B, T, Hq, Hkv, R or D, D, True):
             out.append(("previous table", lambda: set_rope_config(tile_table=PREVIOUS_ROPE_TILES)))
-    else:
-        from lmkernels.backends.triton import _norms
+        return out
+    from lmkernels.backends.triton import _norms
 
-        block = 1 << (case.N - 1).bit_length()
-        key = _norms.tuned_key(op, case.N, block)  # the entry the table gives these rows
-        few = case.M < FEW_ROWS_BELOW and key in PREVIOUS_FEW
-        previous = PREVIOUS_FEW[key] if few else PREVIOUS.get(key)
-        if previous is not None:
-            fwd, bwd = previous
-            fwd = _norms.FwdConfig(*fwd) if fwd else None
-            bwd = _norms.BwdConfig(*bwd) if bwd else None
-            # A key's previous entry may still be what some widths get (e.g. 6144 columns, where
-            # only 5120 changed): nothing to compare there.
-            if fwd is not None or bwd != _norms.bwd_config(op, case.N):
-                out.append(("previous table", lambda: set_norm_config(fwd=fwd, bwd=bwd)))
+    block = 1 << (case.N - 1).bit_length()
+    previous = PREVIOUS.get(_norms.tuned_key(op, case.N, block))  # the entry these rows get
+    if previous is not None:
+        fwd, bwd = previous
+        fwd = _norms.FwdConfig(*fwd) if fwd else None
+        bwd = _norms.BwdConfig(*bwd) if bwd else None
+        # A key's previous entry may still be what some widths get: nothing to compare there.
+        if fwd is not None or bwd != _norms.bwd_config(op, case.N):
+            out.append(("previous table", lambda: set_norm_config(fwd=fwd, bwd=bwd)))
     return out
 
 
