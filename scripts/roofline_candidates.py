@@ -61,8 +61,6 @@ NORM_GRID = {
     + [(4096, 8192), (16384, 8192), (4096, 4096)],
     # Fewer programs per SM at the narrow blocks (--fewer).
     "fewer": [(m, n) for m in (16384, 65536) for n in (1024, 2048)] + [(40960, 1536)],
-    # Prefetching further ahead (--ahead): the 16384 block's points under 90% of copy.
-    "ahead": [(m, n) for m in (4096, 16384) for n in (11008, 16384)] + [(65536, 11008), (12288, 13824)],
     # Few rows: below 2048 the table had an entry of its own (FEW_ROWS, now removed); above it.
     "reload-few": [(1024, 11008), (1024, 16384), (1536, 16384), (2048, 11008), (2048, 16384)],
 }
@@ -268,7 +266,7 @@ def prefetch_bwd_candidates(N, op):
         for lo, tail in _register_splits(N, block):
             for warps in (16, 32):
                 out.append(_norms.BwdConfig(1, lo, _norms.PATH_REGS, warps, 1, True, tail, const_n=True,
-                                            reload_x=True, prefetch=1))  # fmt: skip
+                                            reload_x=True, prefetch=True))  # fmt: skip
     return list(dict.fromkeys(c for c in out if c != table))
 
 
@@ -346,19 +344,6 @@ def deep_bwd_candidates(N, op):
         bases.append(dataclasses.replace(table, block=4096, tail=1024, num_warps=8, fma=True))
     out = [dataclasses.replace(b, stages=st) for b in bases for st in (2, 3, 4, 5, 6)]
     return list(dict.fromkeys(c for c in out if c != table))
-
-
-def ahead_bwd_candidates(N, op):
-    """The table's prefetching backward (one program per SM, one row tile in flight) asking L2
-    for the tile 2 or 3 iterations ahead instead of the next (prefetch_ahead): more bytes in
-    flight per SM, which is what deeper pipelines gained at 1024 and 5120 columns
-    (benchmarks/results/2026-11-24-h200-issue/deep/)."""
-    from lmkernels.backends.triton import _norms
-
-    table = _norms.bwd_config(op, N)
-    if not table.prefetch:
-        return []
-    return [dataclasses.replace(table, prefetch=ahead) for ahead in (2, 3)]
 
 
 def fewer_bwd_candidates(N, op):
@@ -496,8 +481,7 @@ def bwd_name(b):
     if b.stages > 1:
         tag += f" s{b.stages}"
     tag += (" const" if b.const_n else "") + (" rx" if b.reload_x else "")
-    tag += (" pf" if b.prefetch else "") + (str(int(b.prefetch)) if b.prefetch > 1 else "")
-    return tag + (" hx" if b.hold_x else "") + (" fma" if b.fma else "")
+    return tag + (" pf" if b.prefetch else "") + (" hx" if b.hold_x else "") + (" fma" if b.fma else "")
 
 
 # Column-kernel configurations tried with the "apart" candidates: (BLOCK_M, BLOCK_N, warps, per SM).

@@ -157,7 +157,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", default="rms_norm,layer_norm")
     ap.add_argument("--n", default="5120,11008,16384")
-    ap.add_argument("--family", choices=["issue", "deep", "ahead", "fewer", "hold", "prefetch"])
+    ap.add_argument("--family", choices=["issue", "deep", "fewer", "hold", "prefetch"])
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import roofline_candidates

@@ -42,7 +42,6 @@ from roofline_candidates import (  # noqa: E402
     ROPE_CANDIDATES,
     ROPE_GRID,
     SUM_CANDIDATES,
-    ahead_bwd_candidates,
     bwd_name,
     const_n_fwd_candidates,
     deep_bwd_candidates,
@@ -197,7 +196,6 @@ BWD_FAMILIES = {
     "hold": hold_bwd_candidates,
     "issue": issue_bwd_candidates,
     "deep": deep_bwd_candidates,
-    "ahead": ahead_bwd_candidates,
     "fewer": fewer_bwd_candidates,
 }
 
@@ -500,13 +498,6 @@ def main(argv=None):
         action="store_const",
         const="deep",
         help="norms: only the table's backward and deeper pipelines (stages 2-6)",
-    )
-    ap.add_argument(
-        "--ahead",
-        dest="family",
-        action="store_const",
-        const="ahead",
-        help="norms: only the table's prefetching backward and its prefetch 2-3 tiles ahead",
     )
     ap.add_argument(
         "--fewer",

@@ -96,9 +96,8 @@ def main(configs):
             # compiled that way here.
             variants = [dict(kwargs, PDL=True)]
             if "PREFETCH" in kwargs and kwargs["PATH"] != _norms.PATH_WIDE:
-                # The launcher prefetches on CUDA devices only (PTX): that path is compiled here,
-                # one tile ahead and two (prefetch_ahead's first-iteration loop).
-                variants += [dict(kwargs, PREFETCH=ahead, PDL=True) for ahead in (1, 2)]
+                # The launcher prefetches on CUDA devices only (PTX): that path is compiled here.
+                variants.append(dict(kwargs, PREFETCH=True, PDL=True))
             for kw in variants:
                 sig, constexprs, options = signature(kernel, args, kw)
                 key = (kernel.__name__, json.dumps(sig, sort_keys=True), json.dumps(constexprs, sort_keys=True))

@@ -458,7 +458,7 @@ def test_prefetch_changes_no_result(monkeypatch, op):
     w = _randn((N,), torch.bfloat16, 1)
     base = norms_mod.BwdConfig(1, 16384, norms_mod.PATH_REGS, 16, 1, True, const_n=True, reload_x=True)
     results = []
-    for cfg in (base, dataclasses.replace(base, prefetch=1), dataclasses.replace(base, prefetch=3)):
+    for cfg in (base, dataclasses.replace(base, prefetch=True)):
         monkeypatch.setattr(norms_mod, "FORCE_BWD", cfg)
         if op == "rms_norm":
             _, rstd = rms_mod._rms_norm_fwd(x, w, 1e-6, 0.0, "llama")
@@ -466,10 +466,9 @@ def test_prefetch_changes_no_result(monkeypatch, op):
         else:
             _, mean, rstd = ln_mod._layer_norm_fwd(x, w, w, 1e-5)
             results.append(ln_mod._layer_norm_bwd(dy, x, w, mean, rstd, torch.bfloat16))
-    assert norms_mod.can_prefetch(dataclasses.replace(base, prefetch=3), x) == 3
-    for other in results[1:]:
-        for a, b in zip(results[0], other):
-            assert torch.equal(a, b)
+    assert norms_mod.can_prefetch(dataclasses.replace(base, prefetch=True), x)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_layer_norm_large_mean_is_stable():

@@ -257,18 +257,6 @@ def prefetch_l2(ptr, start, count):
 
 
 @triton.jit
-def prefetch_ahead(x_ptr, dy_ptr, pid, i, num_programs, M, N, ROWS: tl.constexpr, AHEAD: tl.constexpr):
-    """On loop iteration i of program pid, asks L2 for the program's tile AHEAD iterations
-    later (prefetch_tile); on the first iteration also for those in between, so that AHEAD
-    tiles stream from HBM from the start."""
-    if AHEAD > 1:
-        if i == 0:
-            for d in tl.static_range(1, AHEAD):
-                prefetch_tile(x_ptr, dy_ptr, pid + d * num_programs, M, N, ROWS)
-    prefetch_tile(x_ptr, dy_ptr, pid + (i + AHEAD) * num_programs, M, N, ROWS)
-
-
-@triton.jit
 def prefetch_tile(x_ptr, dy_ptr, tile, M, N, ROWS: tl.constexpr):
     """prefetch_l2 of row tile `tile` of x and dy ([M, N], row-major), if it exists. The
     persistent backward asks for a tile it will work on later, so that HBM keeps streaming
@@ -345,7 +333,7 @@ class BwdConfig:
     stages: int = 1  # software pipelining of the loop over row tiles (wide path: column blocks)
     const_n: bool = False  # compile for this row width (N a constexpr): see Tuned.const_n
     reload_x: bool = False  # single-block paths: see Tuned.reload_x
-    prefetch: int = 0  # single-block paths: see Tuned.prefetch
+    prefetch: bool = False  # single-block paths: see Tuned.prefetch
     hold_x: bool = False  # single-block paths: see Tuned.hold_x
     fma: bool = False  # LayerNorm, single-block paths: see Tuned.fma
 
@@ -378,9 +366,10 @@ class Tuned:
     # The backward reads x and dy again after the row sums, a register block at a time, instead
     # of holding them, so that the weight-gradient accumulators of a wide row fit in registers.
     reload_x: bool = False
-    # The backward asks L2 for the row tile this many iterations ahead while the current one's
-    # loads are in flight (prefetch_ahead); 0: no prefetch.
-    prefetch: int = 0
+    # The backward asks L2 for its next row tile while the current one's loads are in flight
+    # (prefetch_tile). Asking for the tile 2-3 iterations ahead instead measured 0.87-0.97x
+    # (benchmarks/results/2026-11-24-h200-issue/ahead-eabb5eb/).
+    prefetch: bool = False
     # The backward holds x and dy as loaded (bf16: half the registers of fp32) across the row
     # sums and widens them again for dx and the gradient sums (widen): about reload_x's
     # register budget without its second reads. Other dtypes keep the entry's reload_x or fp32
@@ -423,13 +412,13 @@ class Tuned:
 # the loop had too few rows ahead for HBM's latency: stages 3 at the 1024 block (1.03-1.05x
 # from 16384 rows), 5 at LayerNorm's 8192 "part" entry (5120 columns: one program per SM;
 # 1.04-1.07x), 4 at the 4096 and RMSNorm's 8192 "part" widths (2560-3072, 6144 columns;
-# 1.00-1.14x). Prefetching 2-3 tiles ahead instead was 0.87-0.97x. Fewer warps per row (more
+# 1.00-1.14x). Fewer warps per row (more
 # columns per thread: 20-35% fewer instructions per element, scripts/roofline_ptxas.py
 # --family issue) gained only where they also left more programs' loads in flight: LayerNorm's
 # 4096 entry and 2048 / 4096 "part" entries at 4 warps, the weight held (1.02-1.19x).
 # LayerNorm's 16384 block: its three entries differ only in tail and fma.
 _LAYER_NORM_16384 = Tuned(
-    1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, reload_x=True, prefetch=1
+    1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, reload_x=True, prefetch=True
 )
 TUNED: dict[tuple, Tuned] = {
     ("rms_norm", 1024): Tuned(2, 4, 4, 8, stages=3),
@@ -460,10 +449,10 @@ TUNED: dict[tuple, Tuned] = {
         hold_x=True,
     ),
     ("rms_norm", 16384): Tuned(
-        1, 32, 16, 1, reload_w=True, const_n=True, reload_x=True, prefetch=1, hold_x=True
+        1, 32, 16, 1, reload_w=True, const_n=True, reload_x=True, prefetch=True, hold_x=True
     ),
     ("rms_norm", 16384, "part"): Tuned(
-        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, prefetch=1
+        1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, prefetch=True
     ),
     ("layer_norm", 1024): Tuned(2, 4, 4, 8, stages=3),
     ("layer_norm", 2048): Tuned(1, 4, 8, 4, stages=3),
@@ -619,11 +608,10 @@ def reloads_x(cfg: BwdConfig, x: torch.Tensor) -> bool:
     return cfg.reload_x and not holds_x(cfg, x)
 
 
-def can_prefetch(cfg: BwdConfig, x: torch.Tensor) -> int:
-    """The backward kernel's PREFETCH (tiles ahead): cfg.prefetch on NVIDIA devices of sm_90 and
-    later; 0 in the interpreter and on ROCm, which run no PTX."""
-    on = x.device.type == "cuda" and sm90_ptx(_device_index(x.device))
-    return int(cfg.prefetch) if on else 0
+def can_prefetch(cfg: BwdConfig, x: torch.Tensor) -> bool:
+    """The backward kernel's PREFETCH: cfg.prefetch on NVIDIA devices of sm_90 and later; never
+    in the interpreter or on ROCm, which run no PTX."""
+    return cfg.prefetch and x.device.type == "cuda" and sm90_ptx(_device_index(x.device))
 
 
 def persistent_programs(tiles: int, programs_per_sm: int, device: torch.device) -> int:

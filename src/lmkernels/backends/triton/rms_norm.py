@@ -46,7 +46,7 @@ from lmkernels.backends.triton._norms import (
     per_row,
     persistent_programs,
     pipeline_stages,
-    prefetch_ahead,
+    prefetch_tile,
     reloads_x,
     round_as,
     row_block,
@@ -225,7 +225,7 @@ def _rms_norm_bwd_kernel(
     SOFT_BF16: tl.constexpr,
     N_CONST: tl.constexpr = 0,
     RELOAD_X: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = False,
     HOLD_X: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
@@ -240,8 +240,8 @@ def _rms_norm_bwd_kernel(
     again (L1 / L2 hits) after the row sum, one register block at a time, instead of being
     held (fewer registers per thread; a block is read again before its own dx is written).
     HOLD_X: x and dy are held as loaded (bf16) across the row sum and widened again (widen).
-    PREFETCH (> 0): right after a tile's first loads are issued, L2 is asked for
-    the program's tile PREFETCH iterations ahead (prefetch_ahead).
+    PREFETCH: right after a tile's first loads are issued, L2 is asked for the
+    program's next tile (prefetch_tile).
     """
     pdl_enter(PDL)
     if N_CONST > 0:  # the row width as a compile-time constant (const_n)
@@ -275,8 +275,8 @@ def _rms_norm_bwd_kernel(
             x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, first)
             x, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, cols, col_mask, w_factor, offset, RELOAD_W, MODE,
                                   HAS_WEIGHT, dtype, SOFT_BF16, ROWS, False)  # fmt: skip
-            if PREFETCH > 0:  # a later tile, while this one's loads are in flight
-                prefetch_ahead(x_ptr, dy_ptr, pid, i, num_programs, M, N, ROWS, PREFETCH)
+            if PREFETCH:  # the next tile, while this one's loads are in flight
+                prefetch_tile(x_ptr, dy_ptr, pid + (i + 1) * num_programs, M, N, ROWS)
             dot = row_sums(g * x, ROWS)
             if TAIL > 0:
                 offs_t, mask_t = tile_block(rows, row_mask, cols_t, tail_mask, N, ROWS)
