@@ -59,6 +59,9 @@ NORM_GRID = {
     # grid, and the 8192 block's full entries.
     "parts2": [(m, n) for m in (12288, 40960) for n in (1536, 2560, 3072, 6144, 7168)]
     + [(4096, 8192), (16384, 8192), (4096, 4096)],
+    # LayerNorm's "part-11/16" entry (8193-11264 columns, fma since session 17) with hold_x
+    # (--hold): session 17 measured hold_x at 11008 when 12288 shared the entry.
+    "hold-11": [(m, 11008) for m in (4096, 16384, 65536)] + [(12288, 9216), (12288, 10240)],
     # Fewer programs per SM at the narrow blocks (--fewer).
     "fewer": [(m, n) for m in (16384, 65536) for n in (1024, 2048)] + [(40960, 1536)],
     # Few rows: below 2048 the table had an entry of its own (FEW_ROWS, now removed); above it.
