@@ -646,3 +646,19 @@ def test_fp16_tiny_dlogits(monkeypatch, reduction, accum, mode):
     _, _, r_grads = run(scaled(lambda i: truth_fp64(i)[0]), inputs, up_cast=torch.float64)
     for name in t_grads:
         check(f"grad {name}", t_grads[name], e_grads[name], r_grads[name], torch.float16)
+
+
+@pytest.mark.parametrize("n", [65, 131, 132])
+def test_dlogits_gemms_read_only_the_row(n):
+    """The in-place 16-bit dlogits of a row are followed by the rest of its fp32 logits, here all
+    nan. The GEMMs must not read them: the CPU's bf16 GEMM read past such rows (torch 2.13 on an
+    AVX512-BF16 CPU), which turned whole rows of grad_hidden into nan."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.full((37, n), float("nan"), device=DEVICE)  # that CPU GEMM: from 32 rows on
+    dlogits = kernels._dlogits_view(logits, torch.bfloat16)
+    dlogits.copy_(torch.randn(37, n, generator=g).to(DEVICE, torch.bfloat16))
+    weight = torch.randn(n, 64, generator=g).to(DEVICE, torch.bfloat16)
+    out = torch.mm(kernels._gemm_ready(dlogits), weight)
+    expected = dlogits.double() @ weight.double()
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)

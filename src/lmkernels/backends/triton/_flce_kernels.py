@@ -460,6 +460,15 @@ def _dlogits_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return logits if dtype == torch.float32 else logits.view(dtype)[:, : logits.shape[1]]
 
 
+def _gemm_ready(dlogits: torch.Tensor) -> torch.Tensor:
+    """dlogits as the GEMMs take them. cuBLAS takes the in-place view's leading dimension as
+    is. The CPU's bf16 GEMM reads past the end of such rows from 32 rows on (torch 2.13 on an
+    AVX512-BF16 CPU): the bytes there are the rest of each fp32 row, and where they spelled
+    inf or nan, whole rows of grad_hidden came out nan. The CPU path (the interpreter's) gets
+    a contiguous copy."""
+    return dlogits if dlogits.is_cuda or dlogits.is_contiguous() else dlogits.contiguous()
+
+
 def _fp16_scaling(grad, dtype, need_weight, accum_fp32):
     """fp16 only: the upstream gradient scaled into fp16's normal range and the factor to undo."""
     if grad is None or dtype != torch.float16:
@@ -514,6 +523,7 @@ def run_chunks(hidden, weight, rows, grad, need_hidden, need_weight, need_bias, 
             rows.launch(logits, dlogits, slice(start, stop), lse, loss, grad, 0, lse_given=False)
             if not write_grad:
                 continue
+            dlogits = _gemm_ready(dlogits)
             if grad_h is not None:
                 torch.mm(dlogits, weight, out=grad_h[start:stop])
             if grad_w is not None:
@@ -572,6 +582,7 @@ def run_blocks(hidden, weight, rows, lse, grad, need_hidden, need_weight, need_b
                 _mm_fp32(h, w_fp32[v0:v1].T, out=logits)
                 dlogits = _dlogits_view(logits, dtype)
                 rows.launch(logits, dlogits, slice(s0, s1), lse, None, grad, v0, lse_given=True)
+                dlogits = _gemm_ready(dlogits)
                 if grad_w is not None and unscale is not None:
                     w_block = w_block.new_empty((v1 - v0, H)) if w_block.shape[0] != v1 - v0 else w_block
                     _mm_fp32(dlogits.T, h, out=w_block)
