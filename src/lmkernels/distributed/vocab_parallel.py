@@ -265,7 +265,7 @@ class _TritonRows:
         row's values fill the first bytes of its fp32 row)."""
         dz = self.kernels._dlogits_view(z, low_dtype)
         self.grads.launch(z, dz, slice(s, e), lse, None, g, start, True)
-        return dz
+        return self.kernels._gemm_ready(dz)  # contiguous on the CPU (see there)
 
 
 def _triton_rows(target, tg, opts, vocab_size, weight, bias, chunks):
