@@ -301,7 +301,7 @@ def issue_bwd_candidates(N, op):
     """Backwards that issue fewer instructions per element: more columns per thread (fewer warps
     per row), with as few programs per SM as their registers allow, and LayerNorm's fused
     multiply-add forms (fma). The row sums and the pipeline cost about the same per row and
-    thread at any width, so that a thread holding twice the columns issues 20-30% fewer
+    thread at any width, so that a thread holding twice the columns issues 20-35% fewer
     instructions per element (scripts/roofline_ptxas.py --family issue, local Triton, sm_90).
     The first tuning runs tried 8-16 columns per thread at 32-64 warps per SM, where such a
     thread's 120-250 registers do not fit: the layouts here run 8-16 warps per SM."""

@@ -409,13 +409,13 @@ class Tuned:
 # LayerNorm gained 1.00-1.02x at 11008 columns but lost 5% at 12288 (the same entry), and
 # 0.85-1.00x elsewhere: none of its entries holds.
 # Loads in flight per SM (benchmarks/results/2026-11-24-h200-issue/): a deeper pipeline where
-# the loop had too few rows ahead for HBM's latency: stages 3 at the 1024 block (1.03-1.05x
-# from 16384 rows), 5 at LayerNorm's 8192 "part" entry (5120 columns: one program per SM;
-# 1.04-1.07x), 4 at the 4096 and RMSNorm's 8192 "part" widths (2560-3072, 6144 columns;
-# 1.00-1.14x). Fewer warps per row (more
+# the loop had too few rows ahead for HBM's latency: stages 3 at the 1024 block (1.03-1.08x
+# from 4096 rows), 5 at LayerNorm's 8192 "part" entry (5120 columns: one program per SM;
+# 1.05-1.06x), 4 at the 4096 and RMSNorm's 8192 "part" widths (2560-3072, 6144 columns;
+# 1.01-1.07x). Fewer warps per row (more
 # columns per thread: 20-35% fewer instructions per element, scripts/roofline_ptxas.py
 # --family issue) gained only where they also left more programs' loads in flight: LayerNorm's
-# 4096 entry and 2048 / 4096 "part" entries at 4 warps, the weight held (1.02-1.19x).
+# 4096 entry and 2048 / 4096 "part" entries at 4 warps, the weight held (1.01-1.19x).
 # LayerNorm's 16384 block: its three entries differ only in tail and fma.
 _LAYER_NORM_16384 = Tuned(
     1, 16, 16, 1, fwd_chunk=4096, hints=True, reload_w=True, const_n=True, reload_x=True, prefetch=True
