@@ -62,6 +62,9 @@ NORM_GRID = {
     # LayerNorm's "part-11/16" entry (8193-11264 columns, fma since session 17) with hold_x
     # (--hold): session 17 measured hold_x at 11008 when 12288 shared the entry.
     "hold-11": [(m, 11008) for m in (4096, 16384, 65536)] + [(12288, 9216), (12288, 10240)],
+    # Rows of 9216-10240 columns, over 40% padding in the 16384 block (--prefetch: its layouts
+    # include two register blocks, 8192 + 1024 / 2048).
+    "part-9": [(m, n) for m in (4096, 12288, 40960) for n in (9216, 10240)],
     # Fewer programs per SM at the narrow blocks (--fewer).
     "fewer": [(m, n) for m in (16384, 65536) for n in (1024, 2048)] + [(40960, 1536)],
     # Few rows: below 2048 the table had an entry of its own (FEW_ROWS, now removed); above it.
