@@ -370,6 +370,23 @@ def fewer_bwd_candidates(N, op):
     return list(dict.fromkeys(c for c in out if c != table))
 
 
+# The backward candidate families that roofline_tune.py times alone beside the table (--NAME)
+# and roofline_ptxas.py counts (--family NAME): name -> (candidates(N, op), help).
+BWD_FAMILIES = {
+    "prefetch": (prefetch_bwd_candidates, "norms: only the table's backward with and without prefetch"),
+    "hold": (
+        hold_bwd_candidates,
+        "norms: only the table's backward and its layouts holding x and dy as loaded",
+    ),
+    "issue": (
+        issue_bwd_candidates,
+        "norms: only the table's backward and layouts issuing fewer instructions",
+    ),
+    "deep": (deep_bwd_candidates, "norms: only the table's backward and deeper pipelines (stages 2-6)"),
+    "fewer": (fewer_bwd_candidates, "norms: only the table's backward and fewer programs per SM"),
+}
+
+
 def _stage_candidates(N, op):
     """The table's backward software-pipelined (stages 2 and 3) where it is not, for rows above
     8192 columns (one program per SM: nothing else overlaps a row's loads with its reductions)."""

@@ -157,15 +157,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", default="rms_norm,layer_norm")
     ap.add_argument("--n", default="5120,11008,16384")
-    ap.add_argument("--family", choices=["issue", "deep", "fewer", "hold", "prefetch"])
-    args = ap.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import roofline_candidates
-    from roofline_candidates import bwd_name, norm_bwd_candidates
+    from roofline_candidates import BWD_FAMILIES, bwd_name, norm_bwd_candidates
+
+    ap.add_argument("--family", choices=list(BWD_FAMILIES))
+    args = ap.parse_args(argv)
 
     def candidates(N, op):
         if args.family:
-            return getattr(roofline_candidates, f"{args.family}_bwd_candidates")(N, op)
+            return BWD_FAMILIES[args.family][0](N, op)
         return norm_bwd_candidates(N, op, new_only=True)
 
     ops = args.ops.split(",")

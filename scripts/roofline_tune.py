@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import roofline_rope  # noqa: E402
 from roofline_candidates import (  # noqa: E402
+    BWD_FAMILIES,
     COL_CANDIDATES,
     NORM_GRID,
     PREVIOUS,
@@ -44,14 +45,9 @@ from roofline_candidates import (  # noqa: E402
     SUM_CANDIDATES,
     bwd_name,
     const_n_fwd_candidates,
-    deep_bwd_candidates,
-    fewer_bwd_candidates,
     fwd_name,
-    hold_bwd_candidates,
-    issue_bwd_candidates,
     norm_bwd_candidates,
     norm_fwd_candidates,
-    prefetch_bwd_candidates,
 )
 from roofline_cases import DEVICE, E, NormCase, RopeCase  # noqa: E402
 
@@ -153,7 +149,7 @@ def norm_variants(case):
 
     out = [("table", lambda: set_norm_config())]
     if FAMILY["name"]:  # the table, and one family of backward candidates (--prefetch, --hold)
-        family = BWD_FAMILIES[FAMILY["name"]](case.N, case.op)
+        family = BWD_FAMILIES[FAMILY["name"]][0](case.N, case.op)
         return out + [variant(bwd_name(b), bwd=b) for b in family]
     fwds = const_n_fwd_candidates(case.N, case.op) if SHORT["on"] else norm_fwd_candidates(case.N)
     out += [variant(fwd_name(f), fwd=f) for f in dict.fromkeys(fwds)]
@@ -191,13 +187,6 @@ def make_case(op, shape):
 SHORT = {"on": False}
 LEAN = {"on": False}
 FAMILY = {"name": None}
-BWD_FAMILIES = {
-    "prefetch": prefetch_bwd_candidates,
-    "hold": hold_bwd_candidates,
-    "issue": issue_bwd_candidates,
-    "deep": deep_bwd_candidates,
-    "fewer": fewer_bwd_candidates,
-}
 
 
 def lean_variants(op, case):
@@ -471,41 +460,8 @@ def main(argv=None):
     ap.add_argument(
         "--lean", action="store_true", help="only the table and the previous table where it changed"
     )
-    ap.add_argument(
-        "--prefetch",
-        dest="family",
-        action="store_const",
-        const="prefetch",
-        help="norms: only the table's backward with and without prefetch",
-    )
-    ap.add_argument(
-        "--hold",
-        dest="family",
-        action="store_const",
-        const="hold",
-        help="norms: only the table's backward and its layouts holding x and dy as loaded (hold_x)",
-    )
-    ap.add_argument(
-        "--issue",
-        dest="family",
-        action="store_const",
-        const="issue",
-        help="norms: only the table's backward and layouts that issue fewer instructions per element",
-    )
-    ap.add_argument(
-        "--deep",
-        dest="family",
-        action="store_const",
-        const="deep",
-        help="norms: only the table's backward and deeper pipelines (stages 2-6)",
-    )
-    ap.add_argument(
-        "--fewer",
-        dest="family",
-        action="store_const",
-        const="fewer",
-        help="norms: only the table's backward and fewer programs per SM with deeper pipelines",
-    )
+    for name, (_, help_text) in BWD_FAMILIES.items():  # --prefetch, --hold, ...
+        ap.add_argument(f"--{name}", dest="family", action="store_const", const=name, help=help_text)
     ap.add_argument(
         "--rope-layout",
         default="bhtd",

@@ -314,7 +314,7 @@ def test_layer_norm_fma_forms_where_they_measured_faster():
 # "const-n": both kernels compiled for N = 100 (a constexpr), the padded lanes of the block
 # masked at compile time. "reload-x": the backward reads x and dy a second time after the row
 # sums instead of holding them; "hold-x": it holds them as loaded (bf16) and widens them again
-# by their bits. "fma": LayerNorm's x_hat and dx as fused multiply-adds (LayerNorm's only).
+# by their bits. "fma": LayerNorm's x_hat and dx as fused multiply-adds (LayerNorm only).
 PATH_SHAPE = (21, 100)
 _PATHS = {
     "regs-rows4": (4, "PATH_REGS", False, 0, "APART_NONE"),
