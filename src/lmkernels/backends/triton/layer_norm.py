@@ -273,9 +273,9 @@ def _layer_norm_bwd_kernel(
             db_acc_t = tl.zeros([TAIL], tl.float32)
         first: tl.constexpr = "evict_last" if RELOAD_X else ""
         if CARRY:  # the first tile's x and dy; each iteration then loads the next one's
-            x_next, dy_next = load_tile_x_dy(x_ptr, dy_ptr, pid, M, N, cols, col_mask, ROWS, first)  # fmt: skip
+            x_next, dy_next = load_tile_x_dy(x_ptr, dy_ptr, pid, M, N, cols, col_mask, ROWS, first)
             if TAIL > 0:
-                x_next_t, dy_next_t = load_tile_x_dy(x_ptr, dy_ptr, pid, M, N, cols_t, tail_mask, ROWS, first)  # fmt: skip
+                x_next_t, dy_next_t = load_tile_x_dy(x_ptr, dy_ptr, pid, M, N, cols_t, tail_mask, ROWS, first)
             if PREFETCH:
                 prefetch_tile(x_ptr, dy_ptr, pid + num_programs, M, N, ROWS)
         # NUM_STAGES > 1: the next tiles' loads are issued while this one is computed.
@@ -310,9 +310,9 @@ def _layer_norm_bwd_kernel(
                 sum_gx += sum_gx_t
             if CARRY:  # the next tile's loads, in flight while this one's dx is computed and stored
                 tile = pid + (i + 1) * num_programs
-                x_next, dy_next = load_tile_x_dy(x_ptr, dy_ptr, tile, M, N, cols, col_mask, ROWS, first)  # fmt: skip
+                x_next, dy_next = load_tile_x_dy(x_ptr, dy_ptr, tile, M, N, cols, col_mask, ROWS, first)
                 if TAIL > 0:
-                    x_next_t, dy_next_t = load_tile_x_dy(x_ptr, dy_ptr, tile, M, N, cols_t, tail_mask, ROWS, first)  # fmt: skip
+                    x_next_t, dy_next_t = load_tile_x_dy(x_ptr, dy_ptr, tile, M, N, cols_t, tail_mask, ROWS, first)
                 if PREFETCH:  # and the one after it, from HBM to L2
                     prefetch_tile(x_ptr, dy_ptr, tile + num_programs, M, N, ROWS)
             mean_g = sum_g / N
