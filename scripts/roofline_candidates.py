@@ -67,12 +67,6 @@ NORM_GRID = {
     "part-9": [(m, n) for m in (4096, 12288, 40960) for n in (9216, 10240)],
     # Fewer programs per SM at the narrow blocks (--fewer).
     "fewer": [(m, n) for m in (16384, 65536) for n in (1024, 2048)] + [(40960, 1536)],
-    # The next tile's loads carried in registers (--carry): the 8192 and 16384 blocks' points
-    # under 90% of copy, 13824 / 12288 (the 16384 block's other entries), and the narrower
-    # blocks' points at 80-85%, where carry may stand in for the shared-memory pipeline.
-    "carry": [(m, n) for m in (4096, 16384, 65536) for n in (8192, 11008, 16384)]
-    + [(16384, n) for n in (1024, 2048, 3584, 5120)]
-    + [(65536, 2048), (4096, 5120), (12288, 13824), (12288, 12288)],
     # Few rows: below 2048 the table had an entry of its own (FEW_ROWS, now removed); above it.
     "reload-few": [(1024, 11008), (1024, 16384), (1536, 16384), (2048, 11008), (2048, 16384)],
 }
@@ -376,31 +370,6 @@ def fewer_bwd_candidates(N, op):
     return list(dict.fromkeys(c for c in out if c != table))
 
 
-def carry_bwd_candidates(N, op):
-    """The table's backward loading its next row tile into registers after the row sums
-    (carry), so that those loads are in flight while the current tile's dx is computed and
-    stored. Where the table pipelines the loop (stages > 1, through shared memory) also with
-    stages 1: carry may do that job in registers. Above 8192 columns (one program per SM,
-    stages do not fit) also with the row held as loaded (hold_x) instead of read again, and at
-    32 warps with and without carry (the carried loads take 24-32 registers a thread at 16
-    warps, where LayerNorm's backward already uses 128: scripts/roofline_ptxas.py --family
-    carry)."""
-    from lmkernels.backends.triton import _norms
-
-    table = _norms.bwd_config(op, N)
-    if not table.single_block:
-        return []
-    out = [dataclasses.replace(table, carry=True)]
-    if table.stages > 1:
-        out.append(dataclasses.replace(table, carry=True, stages=1))
-    if N > 8192:
-        out.append(dataclasses.replace(table, carry=True, hold_x=not table.hold_x))
-        if table.num_warps < 32:  # half the registers per thread for the carried loads
-            out.append(dataclasses.replace(table, carry=True, num_warps=32))
-            out.append(dataclasses.replace(table, num_warps=32))
-    return list(dict.fromkeys(c for c in out if c != table))
-
-
 # The backward candidate families that roofline_tune.py times alone beside the table (--NAME)
 # and roofline_ptxas.py counts (--family NAME): name -> (candidates(N, op), help).
 BWD_FAMILIES = {
@@ -415,7 +384,6 @@ BWD_FAMILIES = {
     ),
     "deep": (deep_bwd_candidates, "norms: only the table's backward and deeper pipelines (stages 2-6)"),
     "fewer": (fewer_bwd_candidates, "norms: only the table's backward and fewer programs per SM"),
-    "carry": (carry_bwd_candidates, "norms: only the table's backward and it carrying the next tile's loads"),
 }
 
 
@@ -536,8 +504,7 @@ def bwd_name(b):
     if b.stages > 1:
         tag += f" s{b.stages}"
     tag += (" const" if b.const_n else "") + (" rx" if b.reload_x else "")
-    tag += (" pf" if b.prefetch else "") + (" hx" if b.hold_x else "") + (" fma" if b.fma else "")
-    return tag + (" carry" if b.carry else "")
+    return tag + (" pf" if b.prefetch else "") + (" hx" if b.hold_x else "") + (" fma" if b.fma else "")
 
 
 # Column-kernel configurations tried with the "apart" candidates: (BLOCK_M, BLOCK_N, warps, per SM).

@@ -93,7 +93,6 @@ def bwd_usage(op, cfg, N=0):
         N_CONST=N if cfg.const_n else 0,
         RELOAD_X=cfg.reload_x and not cfg.hold_x,  # bf16 (PTRS): hold_x replaces reload_x
         HOLD_X=cfg.hold_x,
-        CARRY=cfg.carry,
     )
     if op == "layer_norm":
         common["FMA"] = cfg.fma

@@ -338,8 +338,6 @@ _PATHS = {
     "regs-rows2-hold-x-stages2": (2, "PATH_REGS", False, 0, "APART_NONE", 2, False, False, True),
     "tail-reload-x-fma": (1, "PATH_REGS", True, 64, "APART_NONE", 1, True, True, False, True),
     "regs-rows4-fma": (4, "PATH_REGS", False, 0, "APART_NONE", 1, False, False, False, True),
-    "tail-reload-x-carry": (1, "PATH_REGS", True, 64, "APART_NONE", 1, True, True, False, False, True),
-    "mem-rows4-hold-x-carry": (4, "PATH_MEM", False, 0, "APART_NONE", 1, False, False, True, False, True),
 }
 
 
@@ -352,12 +350,11 @@ def forced_config(request, monkeypatch):
     reload_x = len(extra) > 2 and extra[2]
     hold_x = len(extra) > 3 and extra[3]
     fma = len(extra) > 4 and extra[4]
-    carry = len(extra) > 5 and extra[5]
     wide = path == "PATH_WIDE"
     block = 32 if wide else 64 if tail else 128
     path, apart = getattr(norms_mod, path), getattr(norms_mod, apart)
     bwd = norms_mod.BwdConfig(rows, block, path, 4, 1, reload_w, tail, apart, stages, const_n, reload_x,
-                              hold_x=hold_x, fma=fma, carry=carry)  # fmt: skip
+                              hold_x=hold_x, fma=fma)  # fmt: skip
     fwd = (
         norms_mod.FwdConfig(1, 32, False, 4, hints=True, const_n=const_n)
         if wide

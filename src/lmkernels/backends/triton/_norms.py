@@ -269,18 +269,6 @@ def prefetch_tile(x_ptr, dy_ptr, tile, M, N, ROWS: tl.constexpr):
 
 
 @triton.jit
-def load_tile_x_dy(x_ptr, dy_ptr, tile, M, N, cols, col_mask, ROWS: tl.constexpr, EVICT: tl.constexpr):
-    """load_x_dy of columns `cols` of row tile `tile`, nothing where the tile is past M (a
-    persistent backward's loads of its next tile, carry: the last iteration's have none)."""
-    rows, row_mask = tile_rows(tile, M, ROWS)
-    offs, mask = tile_block(rows, row_mask, cols, col_mask, N, ROWS)
-    if ROWS == 1:  # tile_block leaves single rows unmasked; a vector compare (the interpreter
-        # cannot take a scalar in a mask), ANDed so that col_mask's lanes still fold (const_n)
-        mask = mask & (cols < tl.where(row_mask, N, 0))
-    return load_x_dy(x_ptr, dy_ptr, offs, mask, EVICT)
-
-
-@triton.jit
 def _sum_columns(
     partial_ptr, out_ptr, P, N, SOFT_BF16: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
 ):
@@ -348,7 +336,6 @@ class BwdConfig:
     prefetch: bool = False  # single-block paths: see Tuned.prefetch
     hold_x: bool = False  # single-block paths: see Tuned.hold_x
     fma: bool = False  # LayerNorm, single-block paths: see Tuned.fma
-    carry: bool = False  # single-block paths: see Tuned.carry
 
     @property
     def single_block(self) -> bool:
@@ -392,12 +379,6 @@ class Tuned:
     # (layer_norm._bwd_store): fewer instructions where the backward issues at ~60% of the SM's
     # rate.
     fma: bool = False
-    # The backward loads its next row tile's x and dy into registers once the current tile's row
-    # sums are done, and carries them into the next iteration (load_tile_x_dy): those loads are
-    # in flight while the current tile's dx is computed and stored. Triton's pipelining
-    # (stages) does the same through shared memory, which a 16384-column tile leaves no room
-    # for.
-    carry: bool = False
 
 
 # Per op and next_power_of_2(N) =: block, optionally "part" (rows that fill at most 3/4 of their
@@ -560,8 +541,7 @@ def _bwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> BwdConfig
             tail = triton.next_power_of_2(N - block)
         return BwdConfig(t.bwd_rows, block, t.path, t.bwd_warps, t.programs_per_sm, reload_w=t.reload_w,
                          tail=tail, apart=t.apart, stages=t.stages, const_n=t.const_n,
-                         reload_x=t.reload_x, prefetch=t.prefetch, hold_x=t.hold_x, fma=t.fma,
-                         carry=t.carry)  # fmt: skip
+                         reload_x=t.reload_x, prefetch=t.prefetch, hold_x=t.hold_x, fma=t.fma)  # fmt: skip
     rows = max(1, 1024 // block)
     num_warps = _default_warps(rows * block, 8, 16)
     return BwdConfig(rows, block, PATH_REGS, num_warps, max(1, 32 // num_warps))

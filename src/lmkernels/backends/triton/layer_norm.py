@@ -37,7 +37,6 @@ from lmkernels.backends.triton._norms import (
     fwd_config,
     holds_x,
     load_block,
-    load_tile_x_dy,
     load_x_dy,
     num_rows,
     num_tiles,
@@ -230,7 +229,6 @@ def _layer_norm_bwd_kernel(
     PREFETCH: tl.constexpr = False,
     HOLD_X: tl.constexpr = False,
     FMA: tl.constexpr = False,
-    CARRY: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """dx = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) with g = dy * w, x_hat = (x - mean) * rstd;
@@ -244,9 +242,7 @@ def _layer_norm_bwd_kernel(
     a time, instead of being held: what lets both fp32 accumulators of a 16384-column row stay
     in registers. HOLD_X: they are held as loaded (bf16) across the row sums and widened
     again (widen). PREFETCH: right after a tile's first loads are issued, L2 is asked for the
-    program's next tile (prefetch_tile). CARRY: the next tile's x and dy are loaded into
-    registers once this tile's row sums are done and carried into the next iteration; with
-    PREFETCH, L2 is then asked for the tile after it.
+    program's next tile (prefetch_tile).
     """
     pdl_enter(PDL)
     if N_CONST > 0:  # the row width as a compile-time constant (const_n)
@@ -271,26 +267,17 @@ def _layer_norm_bwd_kernel(
                 w_t = tl.load(w_ptr + cols_t, mask=tail_mask, other=0.0).to(tl.float32)
             dw_acc_t = tl.zeros([TAIL], tl.float32)
             db_acc_t = tl.zeros([TAIL], tl.float32)
-        first: tl.constexpr = "evict_last" if RELOAD_X else ""
-        if CARRY:  # the first tile's x and dy; each iteration then loads the next one's
-            x_next, dy_next = load_tile_x_dy(x_ptr, dy_ptr, pid, M, N, cols, col_mask, ROWS, first)
-            if TAIL > 0:
-                x_next_t, dy_next_t = load_tile_x_dy(x_ptr, dy_ptr, pid, M, N, cols_t, tail_mask, ROWS, first)
-            if PREFETCH:
-                prefetch_tile(x_ptr, dy_ptr, pid + num_programs, M, N, ROWS)
         # NUM_STAGES > 1: the next tiles' loads are issued while this one is computed.
         for i in tl.range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs), num_stages=NUM_STAGES):
             rows, row_mask = tile_rows(pid + i * num_programs, M, ROWS)
             mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             offs, mask = tile_block(rows, row_mask, cols, col_mask, N, ROWS)
-            if CARRY:
-                x_raw, dy_raw = x_next, dy_next
-            else:
-                x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, first)
+            first: tl.constexpr = "evict_last" if RELOAD_X else ""
+            x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, first)
             x_hat, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, cols, col_mask, w, mean, rstd, RELOAD_W, HAS_WEIGHT,
                                       ROWS, False, FMA)  # fmt: skip
-            if PREFETCH and not CARRY:  # the next tile, while this one's loads are in flight
+            if PREFETCH:  # the next tile, while this one's loads are in flight
                 prefetch_tile(x_ptr, dy_ptr, pid + (i + 1) * num_programs, M, N, ROWS)
             if BLOCK < 16384:
                 sum_g, sum_gx = row_sums2(g, g * x_hat, ROWS)
@@ -299,22 +286,12 @@ def _layer_norm_bwd_kernel(
                 sum_gx = row_sums(g * x_hat, ROWS)
             if TAIL > 0:
                 offs_t, mask_t = tile_block(rows, row_mask, cols_t, tail_mask, N, ROWS)
-                if CARRY:
-                    x_raw_t, dy_raw_t = x_next_t, dy_next_t
-                else:
-                    x_raw_t, dy_raw_t = load_x_dy(x_ptr, dy_ptr, offs_t, mask_t, first)
+                x_raw_t, dy_raw_t = load_x_dy(x_ptr, dy_ptr, offs_t, mask_t, first)
                 x_hat_t, dy_t, g_t = _bwd_terms(x_raw_t, dy_raw_t, w_ptr, cols_t, tail_mask, w_t, mean, rstd,
                                                 RELOAD_W, HAS_WEIGHT, ROWS, False, FMA)  # fmt: skip
                 sum_g_t, sum_gx_t = row_sums2(g_t, g_t * x_hat_t, ROWS)
                 sum_g += sum_g_t
                 sum_gx += sum_gx_t
-            if CARRY:  # the next tile's loads, in flight while this one's dx is computed and stored
-                tile = pid + (i + 1) * num_programs
-                x_next, dy_next = load_tile_x_dy(x_ptr, dy_ptr, tile, M, N, cols, col_mask, ROWS, first)
-                if TAIL > 0:
-                    x_next_t, dy_next_t = load_tile_x_dy(x_ptr, dy_ptr, tile, M, N, cols_t, tail_mask, ROWS, first)
-                if PREFETCH:  # and the one after it, from HBM to L2
-                    prefetch_tile(x_ptr, dy_ptr, tile + num_programs, M, N, ROWS)
             mean_g = sum_g / N
             mean_gx = sum_gx / N
             if RELOAD_X:  # another eviction policy: the compiler does not merge the two loads
@@ -540,7 +517,6 @@ def _layer_norm_bwd(
             PREFETCH=can_prefetch(cfg, x),
             HOLD_X=holds_x(cfg, x),
             FMA=cfg.fma,
-            CARRY=cfg.carry,
             num_warps=cfg.num_warps,
             **pdl(x),
         )

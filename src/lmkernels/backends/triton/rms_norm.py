@@ -38,7 +38,6 @@ from lmkernels.backends.triton._norms import (
     fwd_config,
     holds_x,
     load_block,
-    load_tile_x_dy,
     load_x_dy,
     num_rows,
     num_tiles,
@@ -228,7 +227,6 @@ def _rms_norm_bwd_kernel(
     RELOAD_X: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     HOLD_X: tl.constexpr = False,
-    CARRY: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """dx = rstd * (g - x * rstd^2 * mean(g * x)) with g = dy * (w + offset); dw = sum dy * x_hat.
@@ -243,10 +241,7 @@ def _rms_norm_bwd_kernel(
     held (fewer registers per thread; a block is read again before its own dx is written).
     HOLD_X: x and dy are held as loaded (bf16) across the row sum and widened again (widen).
     PREFETCH: right after a tile's first loads are issued, L2 is asked for the
-    program's next tile (prefetch_tile). CARRY: the next tile's x and dy are loaded into
-    registers once this tile's row sum is done and carried into the next iteration (with
-    PREFETCH, L2 is then asked for the tile after it). In place, the next tile's dy is read
-    before its dx is written: tiles are written only by the program that reads them.
+    program's next tile (prefetch_tile).
     """
     pdl_enter(PDL)
     if N_CONST > 0:  # the row width as a compile-time constant (const_n)
@@ -271,43 +266,24 @@ def _rms_norm_bwd_kernel(
                 w = tl.load(w_ptr + cols_t, mask=tail_mask, other=0.0).to(tl.float32)
                 w_factor_t = _weight_factor(w, offset, MODE, dtype, SOFT_BF16)
             dw_acc_t = tl.zeros([TAIL], tl.float32)
-        first: tl.constexpr = "evict_last" if RELOAD_X else ""
-        if CARRY:  # the first tile's x and dy; each iteration then loads the next one's
-            x_next, dy_next = load_tile_x_dy(x_ptr, dy_ptr, pid, M, N, cols, col_mask, ROWS, first)
-            if TAIL > 0:
-                x_next_t, dy_next_t = load_tile_x_dy(x_ptr, dy_ptr, pid, M, N, cols_t, tail_mask, ROWS, first)
-            if PREFETCH:
-                prefetch_tile(x_ptr, dy_ptr, pid + num_programs, M, N, ROWS)
         # NUM_STAGES > 1: the next tiles' loads are issued while this one is computed.
         for i in tl.range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs), num_stages=NUM_STAGES):
             rows, row_mask = tile_rows(pid + i * num_programs, M, ROWS)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
             offs, mask = tile_block(rows, row_mask, cols, col_mask, N, ROWS)
-            if CARRY:
-                x_raw, dy_raw = x_next, dy_next
-            else:
-                x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, first)
+            first: tl.constexpr = "evict_last" if RELOAD_X else ""
+            x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, first)
             x, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, cols, col_mask, w_factor, offset, RELOAD_W, MODE,
                                   HAS_WEIGHT, dtype, SOFT_BF16, ROWS, False)  # fmt: skip
-            if PREFETCH and not CARRY:  # the next tile, while this one's loads are in flight
+            if PREFETCH:  # the next tile, while this one's loads are in flight
                 prefetch_tile(x_ptr, dy_ptr, pid + (i + 1) * num_programs, M, N, ROWS)
             dot = row_sums(g * x, ROWS)
             if TAIL > 0:
                 offs_t, mask_t = tile_block(rows, row_mask, cols_t, tail_mask, N, ROWS)
-                if CARRY:
-                    x_raw_t, dy_raw_t = x_next_t, dy_next_t
-                else:
-                    x_raw_t, dy_raw_t = load_x_dy(x_ptr, dy_ptr, offs_t, mask_t, first)
+                x_raw_t, dy_raw_t = load_x_dy(x_ptr, dy_ptr, offs_t, mask_t, first)
                 x_t, dy_t, g_t = _bwd_terms(x_raw_t, dy_raw_t, w_ptr, cols_t, tail_mask, w_factor_t, offset,
                                             RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS, False)  # fmt: skip
                 dot += row_sums(g_t * x_t, ROWS)
-            if CARRY:  # the next tile's loads, in flight while this one's dx is computed and stored
-                tile = pid + (i + 1) * num_programs
-                x_next, dy_next = load_tile_x_dy(x_ptr, dy_ptr, tile, M, N, cols, col_mask, ROWS, first)
-                if TAIL > 0:
-                    x_next_t, dy_next_t = load_tile_x_dy(x_ptr, dy_ptr, tile, M, N, cols_t, tail_mask, ROWS, first)
-                if PREFETCH:  # and the one after it, from HBM to L2
-                    prefetch_tile(x_ptr, dy_ptr, tile + num_programs, M, N, ROWS)
             scale = rstd * rstd * dot / N
             if RELOAD_X:  # another eviction policy: the compiler does not merge the two loads
                 x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, "evict_first")
@@ -471,7 +447,6 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
             N_CONST=const_n(cfg, N),
             RELOAD_X=reloads_x(cfg, x),
             HOLD_X=holds_x(cfg, x),
-            CARRY=cfg.carry,
             PREFETCH=can_prefetch(cfg, x),
             num_warps=cfg.num_warps,
             **pdl(x),
