@@ -10,6 +10,11 @@ torch.cuda._sleep so nothing waits), microseconds per call of:
   public_fwd_bwd        forward + torch.autograd.grad
   public_fwd_bwd_design_shape   the same at the op's design shape (scripts/host_overhead.py)
   torch_mul_fwd_bwd     x * w forward + autograd.grad in plain torch (autograd's own floor)
+  triton_empty_launch_direct    the empty kernel through its compiled launcher, as Triton calls it
+                        after its binder, specialization and cache lookup (recorded once, replayed)
+  launcher_fwd_launches_direct  the forward launcher's launches replayed the same way (no
+                        allocations, no binder): what a launch cache could bring launcher_fwd to
+  launcher_bwd, launcher_bwd_launches_direct   the same for the norms' backward launcher
 and the top functions of a cProfile of public_fwd_bwd by own time. Writes host_profile.json and
 host_profile.md (device, versions, command) to --out.
 """
@@ -67,6 +72,42 @@ def per_call_us(fn, calls: int = CALLS) -> float:
     return best
 
 
+def record_launches(fn) -> list:
+    """The (launcher, args) of each Triton kernel launch that fn() makes, as Triton's JIT path
+    calls the compiled kernel's launcher after binding and specializing the arguments."""
+    from triton.compiler.compiler import CompiledKernel
+
+    calls = []
+    prop = CompiledKernel.__dict__.get("run")
+    if not isinstance(prop, property):
+        raise RuntimeError(f"triton {triton.__version__}: CompiledKernel.run is not a property")
+
+    def recording(self):
+        launcher = prop.fget(self)
+
+        def record(*args):
+            calls.append((launcher, args))
+            return launcher(*args)
+
+        return record
+
+    CompiledKernel.run = property(recording)
+    try:
+        fn()
+    finally:
+        CompiledKernel.run = prop
+    torch.cuda.synchronize()
+    return calls
+
+
+def replay(calls: list):
+    def run():
+        for launcher, args in calls:
+            launcher(*args)
+
+    return run
+
+
 def launcher_fwd(op: str, inputs: dict):
     from lmkernels.backends.triton import layer_norm, rms_norm, rope
 
@@ -80,13 +121,32 @@ def launcher_fwd(op: str, inputs: dict):
     return None
 
 
+def launcher_bwd(op: str, inputs: dict):
+    from lmkernels.backends.triton import layer_norm, rms_norm
+
+    x, w = inputs["x"].detach(), inputs["weight"].detach()
+    dy = torch.randn_like(x)
+    if op == "rms_norm":
+        _, rstd = rms_norm._rms_norm_fwd(x, w, 1e-6, 0.0, "llama")
+        return lambda: rms_norm._rms_norm_bwd(dy, x, w, rstd, 0.0, "llama")
+    if op == "layer_norm":
+        _, mean, rstd = layer_norm._layer_norm_fwd(x, w, inputs["bias"], 1e-5)
+        return lambda: layer_norm._layer_norm_bwd(dy, x, w, mean, rstd, inputs["bias"].dtype)
+    return None
+
+
 def profile_op(op: str) -> dict:
     spec = get_op(op)
     shape = SHAPES[op]
     inputs = spec.make_inputs(shape, torch.bfloat16, "cuda", 0)
     a = torch.empty(64, device="cuda")
     result = {"shape": shape}
-    result["triton_empty_launch"] = per_call_us(lambda: _empty_kernel[(1,)](a, a, a, a, 64, BLOCK=64))
+    empty = lambda: _empty_kernel[(1,)](a, a, a, a, 64, BLOCK=64)  # noqa: E731
+    result["triton_empty_launch"] = per_call_us(empty)
+    try:
+        result["triton_empty_launch_direct"] = per_call_us(replay(record_launches(empty)))
+    except Exception as e:  # a Triton whose compiled kernels this script cannot record: say so
+        result["direct_error"] = repr(e)
     launcher = None
     try:
         launcher = launcher_fwd(op, inputs)
@@ -95,8 +155,20 @@ def profile_op(op: str) -> dict:
     if launcher is not None:
         try:
             result["launcher_fwd"] = per_call_us(launcher)
+            launches = record_launches(launcher)
+            result["launcher_fwd_launches"] = float(len(launches))
+            result["launcher_fwd_launches_direct"] = per_call_us(replay(launches))
         except Exception as e:
             result["launcher_fwd_error"] = repr(e)
+    try:
+        backward = launcher_bwd(op, inputs)
+        if backward is not None:
+            result["launcher_bwd"] = per_call_us(backward)
+            launches = record_launches(backward)
+            result["launcher_bwd_launches"] = float(len(launches))
+            result["launcher_bwd_launches_direct"] = per_call_us(replay(launches))
+    except Exception as e:
+        result["launcher_bwd_error"] = repr(e)
     public = getattr(lk, op)
     plain = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
     result["public_fwd"] = per_call_us(lambda: public(**plain, backend="triton"))
