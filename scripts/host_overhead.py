@@ -12,6 +12,8 @@ forward + backward in bf16, per backend:
 Ours runs through the public function (`lk.rms_norm(..., backend="triton")`, dispatch included,
 what a user pays); the peers through their own functions (the registered adapters, no dispatch).
 Targets: wall <= 1.1x gpu at the design shapes; host time per op <= Liger's.
+Backend "triton-no-cache": ours with the launch cache off (backends/triton/_launch.py: every
+launch through Triton's own binding), an A/B within the run.
 LMKERNELS_CHECK_VALUES=0 (the production setting): FLCE's target range check syncs with the
 host on every call, which would stall the launch queue this script measures.
 
@@ -65,8 +67,27 @@ PUBLIC = {
 }
 
 
+NO_CACHE = "triton-no-cache"
+
+
+def without_launch_cache(step):
+    from lmkernels.backends.triton import _launch
+
+    def run():
+        saved = _launch._ENABLED
+        _launch._ENABLED = False
+        try:
+            step()
+        finally:
+            _launch._ENABLED = saved
+
+    return run
+
+
 def make_step(op: str, backend: str, shape: dict, dtype: torch.dtype):
     """A function running one forward + backward of `backend` on fresh inputs of `shape`."""
+    if backend == NO_CACHE:
+        return without_launch_cache(make_step(op, "triton", shape, dtype))
     spec = get_op(op)
     inputs = spec.make_inputs(shape, dtype, "cuda", 0)
     names = [n for n in spec.grad_inputs if isinstance(inputs.get(n), torch.Tensor)]
@@ -170,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for host_overhead.json and .md")
     p.add_argument("--op", action="append", help="op (repeatable); default all")
-    p.add_argument("--backend", action="append", help="default: triton, compile, liger")
+    p.add_argument("--backend", action="append", help=f"default: triton, compile, liger; also {NO_CACHE}")
     p.add_argument("--shapes", default="design,small", help="design, small or both (comma-separated)")
     p.add_argument("--host-blocks", type=int, default=20, help="timed blocks per backend for host_ms")
     args = p.parse_args(argv)
@@ -190,9 +211,11 @@ def main(argv: list[str] | None = None) -> int:
         label = "x".join(map(str, shape.values()))
         print(f"[{n}/{len(plan)}] {op} {label}", flush=True)
         steps, op_rows = {}, {}
-        for backend in [b for b in wanted if any(i.backend == b for i in impls(op))]:
+        for backend in [
+            b for b in wanted if any(i.backend == b.replace(NO_CACHE, "triton") for i in impls(op))
+        ]:
             row = op_rows[backend] = {"op": op, "shape_set": set_name, "shape": label, "backend": backend}
-            reason = get_impl(op, backend).unavailable_reason()
+            reason = get_impl(op, backend.replace(NO_CACHE, "triton")).unavailable_reason()
             if reason:
                 row["error"] = f"not available: {reason}"
                 continue

@@ -15,6 +15,8 @@ torch.cuda._sleep so nothing waits), microseconds per call of:
   launcher_fwd_launches_direct  the forward launcher's launches replayed the same way (no
                         allocations, no binder): what a launch cache could bring launcher_fwd to
   launcher_bwd, launcher_bwd_launches_direct   the same for the norms' backward launcher
+  *_ab_cache_on / *_ab_cache_off   launcher_fwd, launcher_bwd, public_fwd and public_fwd_bwd
+                        again, with the launch cache (backends/triton/_launch.py) and without
 and the top functions of a cProfile of public_fwd_bwd by own time. Writes host_profile.json and
 host_profile.md (device, versions, command) to --out.
 """
@@ -35,7 +37,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_overhead import DESIGN, make_step  # noqa: E402
+from host_overhead import DESIGN, make_step, without_launch_cache  # noqa: E402
 
 import lmkernels as lk  # noqa: E402
 from lmkernels.registry import get_op  # noqa: E402
@@ -93,7 +95,7 @@ def record_launches(fn) -> list:
 
     CompiledKernel.run = property(recording)
     try:
-        fn()
+        without_launch_cache(fn)()  # the launch cache calls launchers it holds, not the property
     finally:
         CompiledKernel.run = prop
     torch.cuda.synchronize()
@@ -160,6 +162,7 @@ def profile_op(op: str) -> dict:
             result["launcher_fwd_launches_direct"] = per_call_us(replay(launches))
         except Exception as e:
             result["launcher_fwd_error"] = repr(e)
+    backward = None
     try:
         backward = launcher_bwd(op, inputs)
         if backward is not None:
@@ -180,6 +183,13 @@ def profile_op(op: str) -> dict:
     result["torch_mul_fwd_bwd"] = per_call_us(lambda: torch.autograd.grad([x * w], [x, w], [g]))
     design = make_step(op, "triton", DESIGN[op], torch.bfloat16)
     result["public_fwd_bwd_design_shape"] = per_call_us(design)
+    # The same with the launch cache off (backends/triton/_launch.py), the two taking turns.
+    timed = {"launcher_fwd": launcher, "launcher_bwd": backward if "launcher_bwd" in result else None,
+             "public_fwd": lambda: public(**plain, backend="triton"), "public_fwd_bwd": step}  # fmt: skip
+    for name, fn in timed.items():
+        if fn is not None and name in result:
+            on, off = per_call_us(fn), per_call_us(without_launch_cache(fn))
+            result[name + "_ab_cache_on"], result[name + "_ab_cache_off"] = on, off
     result["cprofile_top"] = profile_top(step, blocks=10, lines=22)
     return result
 

@@ -25,22 +25,28 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HOPPER = DEVICE == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability() >= (9, 0)
 
 
+def _launched_name(node) -> str | None:
+    """The kernel a call launches: `launch(kernel, grid, ...)` or `kernel[grid](...)`."""
+    if not isinstance(node, ast.Call):
+        return None
+    if isinstance(node.func, ast.Name) and node.func.id == "launch" and node.args:
+        first = node.args[0]
+        return first.id if isinstance(first, ast.Name) else None
+    if isinstance(node.func, ast.Subscript) and isinstance(node.func.value, ast.Name):
+        return node.func.value.id
+    return None
+
+
 def _kernels():
-    """Every kernel the Triton backend launches: the jit functions that its modules call with a
-    grid (`kernel[grid](...)`), found in their source."""
+    """Every kernel the Triton backend launches: the jit functions that its modules launch
+    (`launch(kernel, grid, ...)` or `kernel[grid](...)`), found in their source."""
     import lmkernels.backends.triton as package
 
     out = []
     for name in sorted(m.name for m in pkgutil.iter_modules(package.__path__)):
         module = importlib.import_module(f"lmkernels.backends.triton.{name}")
-        launched = {
-            node.func.value.id
-            for node in ast.walk(ast.parse(inspect.getsource(module)))
-            if isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Subscript)
-            and isinstance(node.func.value, ast.Name)
-            and hasattr(getattr(module, node.func.value.id, None), "fn")
-        }
+        names = {_launched_name(node) for node in ast.walk(ast.parse(inspect.getsource(module)))}
+        launched = {n for n in names if n is not None and hasattr(getattr(module, n, None), "fn")}
         out += [pytest.param(getattr(module, k), id=f"{name}.{k}") for k in sorted(launched)]
     return out
 

@@ -25,6 +25,7 @@ import triton.language as tl
 from torch.autograd.graph import increment_version
 
 from lmkernels.backends.triton._common import cdiv, pdl, pdl_enter
+from lmkernels.backends.triton._launch import launch
 from lmkernels.utils import empty
 
 # Token chunks of run_chunks: at most CHUNK_BYTES of fp32 logits (the "fast" mode), or the
@@ -232,7 +233,7 @@ def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     no host sync) the kernel touches nothing, and the version counter is still bumped."""
     n = x.numel()
     if n:
-        _scale_kernel[(cdiv(n, SCALE_BLOCK),)](x, scale, n, BLOCK=SCALE_BLOCK, num_warps=8, **pdl(x))
+        launch(_scale_kernel, (cdiv(n, SCALE_BLOCK),), x, scale, n, BLOCK=SCALE_BLOCK, num_warps=8, **pdl(x))
     increment_version(x)  # as an in-place torch op would: autograd's saved-tensor check sees it
     return x
 
@@ -421,7 +422,9 @@ class Rows:
         dummy = lse  # stands in for absent optional pointers (never read: constexpr flags)
         g = grad if grad is None or grad.dim() == 0 else grad[rows]
         block_v = min(4096, triton.next_power_of_2(n_cols))
-        _flce_rows_kernel[(n_rows,)](
+        launch(
+            _flce_rows_kernel,
+            (n_rows,),
             logits,
             dlogits if dlogits is not None else logits,
             self.target[rows],

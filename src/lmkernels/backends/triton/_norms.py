@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton._common import cdiv, pdl, pdl_enter, sm90_ptx, soft_bf16
+from lmkernels.backends.triton._launch import launch
 from lmkernels.utils import empty
 
 # Rows up to this width are kept in registers; wider rows loop over blocks of WIDE_BLOCK: the
@@ -653,7 +654,9 @@ def sum_partials(partial: torch.Tensor, out: torch.Tensor, partial2=None, out2=N
     P, N = partial.shape
     block_p, block_n, num_warps = SUM_CONFIG
     second = partial2 is not None
-    _sum_partials_kernel[(cdiv(N, block_n), 2 if second else 1)](
+    launch(
+        _sum_partials_kernel,
+        (cdiv(N, block_n), 2 if second else 1),
         partial,
         out,
         partial2 if second else partial,

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import cdiv, device_guard, op_or_raw, pdl, pdl_enter, traced
+from lmkernels.backends.triton._launch import launch
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
 
@@ -125,9 +126,10 @@ def _glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch
     n = gate.numel()
     if n:
         with device_guard(gate):
-            _glu_fwd_kernel[_grid(n)](
-                gate, up, out, n, ACT=act, BLOCK=BLOCK, num_warps=NUM_WARPS, **pdl(gate)
-            )
+            launch(
+                _glu_fwd_kernel, _grid(n), gate, up, out, n,
+                ACT=act, BLOCK=BLOCK, num_warps=NUM_WARPS, **pdl(gate),
+            )  # fmt: skip
     return out
 
 
@@ -137,9 +139,10 @@ def _glu_backward_into(grad, gate, up, activation, d_gate, d_up) -> None:
     n = gate.numel()
     if n:
         with device_guard(gate):
-            _glu_bwd_kernel[_grid(n)](
-                grad, gate, up, d_gate, d_up, n, ACT=act, BLOCK=BLOCK, num_warps=NUM_WARPS, **pdl(gate)
-            )
+            launch(
+                _glu_bwd_kernel, _grid(n), grad, gate, up, d_gate, d_up, n,
+                ACT=act, BLOCK=BLOCK, num_warps=NUM_WARPS, **pdl(gate),
+            )  # fmt: skip
 
 
 def _glu_backward_to(grad, gate, up, activation, d_gate=None, d_up=None):

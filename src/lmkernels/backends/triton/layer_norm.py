@@ -23,6 +23,7 @@ from lmkernels.backends.triton._common import (
     pdl_enter,
     soft_bf16,
 )
+from lmkernels.backends.triton._launch import launch
 from lmkernels.backends.triton._norms import (
     APART_ALL,
     APART_NONE,
@@ -415,7 +416,9 @@ def _layer_norm_fwd(
     cfg = fwd_config("layer_norm", N)
     rows = cfg.rows if cfg.single_block else 1
     with device_guard(x):
-        _layer_norm_fwd_kernel[(num_tiles(M, rows),)](
+        launch(
+            _layer_norm_fwd_kernel,
+            (num_tiles(M, rows),),
             x,
             weight.contiguous() if weight is not None else x,  # x: placeholder, never read
             bias.contiguous() if bias is not None else x,
@@ -474,7 +477,9 @@ def _layer_norm_bwd(
                 dw_partial = partial_buffer(S, N, x.device)
             if apart_db:
                 db_partial = partial_buffer(S, N, x.device)
-            _layer_norm_dwdb_kernel[(cdiv(N, block_n), S)](
+            launch(
+                _layer_norm_dwdb_kernel,
+                (cdiv(N, block_n), S),
                 dy,
                 x,
                 mean,
@@ -491,7 +496,9 @@ def _layer_norm_bwd(
                 num_warps=num_warps,
                 **pdl(x),
             )
-        _layer_norm_bwd_kernel[(P,)](
+        launch(
+            _layer_norm_bwd_kernel,
+            (P,),
             dy,
             x,
             weight.contiguous() if weight is not None else x,  # placeholders, never touched

@@ -25,6 +25,7 @@ from lmkernels.backends.triton._common import (
     pdl_enter,
     soft_bf16,
 )
+from lmkernels.backends.triton._launch import launch
 from lmkernels.backends.triton._norms import (
     APART_NONE,
     PATH_MEM,
@@ -382,7 +383,9 @@ def _rms_norm_fwd(
     cfg = fwd_config("rms_norm", N)
     rows = cfg.rows if cfg.single_block else 1
     with device_guard(x):
-        _rms_norm_fwd_kernel[(num_tiles(M, rows),)](
+        launch(
+            _rms_norm_fwd_kernel,
+            (num_tiles(M, rows),),
             x,
             weight.contiguous() if weight is not None else x,  # x: placeholder, never read
             y,
@@ -424,7 +427,9 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
         if weight is not None and not acc:
             # First: the backward kernel may write dx over dy.
             partial = _dw_apart(dy, x, rstd, casting_mode)
-        _rms_norm_bwd_kernel[(P,)](
+        launch(
+            _rms_norm_bwd_kernel,
+            (P,),
             dy,
             x,
             weight.contiguous() if weight is not None else x,  # placeholders when no weight
@@ -462,7 +467,9 @@ def _dw_apart(dy, x, rstd, casting_mode) -> torch.Tensor:
     S = column_splits(M, N, x.device)
     partial = partial_buffer(S, N, x.device)
     block_m, block_n, num_warps, _ = _norms.COL_CONFIG  # read at call time: the tuner sets it
-    _rms_norm_dw_kernel[(cdiv(N, block_n), S)](
+    launch(
+        _rms_norm_dw_kernel,
+        (cdiv(N, block_n), S),
         dy,
         x,
         rstd,

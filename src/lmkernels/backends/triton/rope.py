@@ -34,6 +34,7 @@ import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import call, cdiv, device_guard, eager_function, pdl, pdl_enter
+from lmkernels.backends.triton._launch import launch
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
 
@@ -463,14 +464,14 @@ def _rope_rotate(
     with device_guard(q):
         if tile is not None:
             block_t, n_t_blocks, splits, num_warps, tables_once, head_stages = tile
-            _rope_tile_kernel[(B * n_t_blocks, splits)](
+            launch(_rope_tile_kernel, (B * n_t_blocks, splits),
                 *common, T, n_t_blocks, Hq, Hkv, D, rotary_dim // 2, *strides, splits,
                 BLOCK_T=block_t, TABLES_ONCE=tables_once, HEAD_STAGES=head_stages, num_warps=num_warps,
                 **flags,
             )  # fmt: skip
         else:
             block_h, _, _, splits, num_warps = _launch_config(n_pos, Hq, Hkv, rotary_dim, D)
-            _rope_kernel[(n_pos, splits)](
+            launch(_rope_kernel, (n_pos, splits),
                 *common, T, Hq, Hkv, D, rotary_dim // 2, *strides, splits,
                 BLOCK_H=block_h, num_warps=num_warps, **flags,
             )  # fmt: skip

@@ -1,0 +1,181 @@
+"""Kernel launches without Triton's per-call binding: a cache from what decides a launch's
+compiled kernel to that kernel's launcher.
+
+`kernel[grid](*args, **kw)` binds the arguments to the signature, specializes each one (its
+type, a pointer's 16-byte alignment, an integer's divisibility by 16, ...), builds a cache key
+from those and every constexpr and option value, and looks the compiled kernel up, on every
+call. For the norm kernels (~25 parameters) that costs tens of microseconds of host time per
+launch; the compiled kernel's launcher alone takes 6-8 us
+(benchmarks/results/2026-11-24-h200-launch/). The host time of a small op is mostly launches,
+so `launch` keeps its own key, per kernel, of exactly what Triton specializes on and calls the
+launcher directly once Triton has compiled the kernel for that key.
+
+The key of a launch: the current CUDA device; per positional argument its type, and for a tensor
+its dtype and whether its data pointer is 16-byte aligned, for an int whether it is 1, whether
+it is divisible by 16 and its width (i32, i64 or u64); each keyword (constexprs and launch
+options such as num_warps) by name, type and value. Those are all that Triton's specialization
+reads on NVIDIA GPUs (Triton 3.6-3.9). A launch whose arguments fall outside them (another
+tensor subclass, a constexpr passed by position, a non-constexpr by keyword) always takes
+Triton's own path, as do the interpreter, ROCm, launches while Triton's launch hooks are set (a
+profiler), and every launch when LMKERNELS_FAST_LAUNCH=0.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from typing import Any
+
+import torch
+
+from lmkernels.backends.triton import interpreting
+
+# LMKERNELS_FAST_LAUNCH=0: every launch through Triton's own path (to rule the cache out; A/B).
+USE_FAST_LAUNCH = os.environ.get("LMKERNELS_FAST_LAUNCH", "1") != "0"
+
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_NOT_CACHED = object()  # a cache entry: this key's launches take Triton's path
+_current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else None
+
+
+def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
+    """kernel[grid](*args, **kwargs), through the compiled kernel's launcher where the cache
+    has it. Non-constexpr parameters go by position, constexprs and options by keyword."""
+    if not _enabled() or _hooks_set():
+        kernel[grid](*args, **kwargs)
+        return
+    key = launch_key(args, kwargs)
+    cache = kernel.__dict__.get("_lmk_launches")
+    if cache is None:
+        cache = kernel._lmk_launches = {}
+    try:
+        entry = cache.get(key)
+    except TypeError:  # an unhashable keyword value: Triton's path
+        entry = _NOT_CACHED
+    if entry is None:
+        compiled = kernel[grid](*args, **kwargs)
+        cache[key] = _entry(kernel, compiled, len(args), kwargs)
+        return
+    if entry is _NOT_CACHED or key[1] is None:
+        kernel[grid](*args, **kwargs)
+        return
+    run, function, metadata, tail, stream = entry
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    # The arguments as Triton's path hands them over: every parameter in order, constexprs too
+    # (the launcher skips them); no launch metadata and no hooks (_hooks_set).
+    run(grid[0], g1, g2, stream(key[0]), function, metadata, None, None, None, *args, *tail)
+
+
+def launch_key(args: tuple, kwargs: dict) -> tuple:
+    """(device, the positional arguments' specialization or None where one is of a type this
+    cache does not key, the keywords' names, types and values)."""
+    spec: list | None = []
+    for a in args:
+        kind = type(a)
+        if kind in _TENSOR_TYPES:
+            spec.append(a.dtype)
+            spec.append(not a.data_ptr() & 15)
+        elif kind is int:
+            spec.append(_int_class(a))
+        elif kind is float or kind is bool or a is None:
+            spec.append(kind)
+        else:
+            spec = None
+            break
+    values = tuple(kwargs.values())
+    return (
+        _current_device() if _current_device is not None else None,
+        None if spec is None else tuple(spec),
+        tuple(kwargs),
+        values,
+        tuple(map(type, values)),
+    )
+
+
+def _int_class(v: int) -> int:
+    """What Triton specializes an int argument on: 1 (a constant), divisible by 16, and its
+    width (i32, i64, u64), as one small int."""
+    if v == 1:
+        return 1
+    width = 0 if -0x80000000 <= v <= 0x7FFFFFFF else 1 if -(1 << 63) <= v < (1 << 63) else 2
+    return 2 + (not v & 15) + 2 * width
+
+
+def _entry(kernel: Any, compiled: Any, n_args: int, kwargs: dict) -> Any:
+    """The launcher call of a key's compiled kernel, or _NOT_CACHED where the arguments do not
+    map onto the parameters the way `launch` calls the launcher (positional non-constexprs,
+    then keyword constexprs or defaults)."""
+    if compiled is None or not hasattr(compiled, "packed_metadata"):
+        return _NOT_CACHED
+    signature = inspect.signature(kernel.fn).parameters
+    tail = []
+    for i, param in enumerate(kernel.params):
+        if i < n_args:
+            if param.is_constexpr:
+                return _NOT_CACHED
+            continue
+        if not param.is_constexpr:
+            return _NOT_CACHED
+        if param.name in kwargs:
+            tail.append(kwargs[param.name])
+        else:
+            default = signature[param.name].default
+            if default is inspect.Parameter.empty:
+                return _NOT_CACHED
+            tail.append(default)
+    return compiled.run, compiled.function, compiled.packed_metadata, tuple(tail), _stream_getter()
+
+
+def _stream_getter() -> Any:
+    """Triton's own function for the current stream of a device (its launch path's)."""
+    from triton.runtime import driver
+
+    return driver.active.get_current_stream
+
+
+_ENABLED: bool | None = None
+
+
+def _enabled() -> bool:
+    """Whether `launch` may use its cache at all (decided once per process)."""
+    global _ENABLED
+    if _ENABLED is None:
+        _ENABLED = (
+            USE_FAST_LAUNCH
+            and not interpreting()
+            and torch.version.hip is None
+            and _current_device is not None
+            and _triton_layout_known()
+        )
+    return _ENABLED
+
+
+def _triton_layout_known() -> bool:
+    """The Triton versions whose launch path `launch` reproduces: compiled kernels with `run`,
+    `function` and `packed_metadata`, called with the grid, stream, function, metadata, launch
+    metadata, both hooks and every bound argument (3.4 and later)."""
+    import triton
+    from triton.compiler.compiler import CompiledKernel
+
+    version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2])
+    return version >= (3, 4) and isinstance(CompiledKernel.__dict__.get("run"), property)
+
+
+def _hooks_set() -> bool:
+    """Whether a launch hook is set (Triton 3.9 keeps them as chains of hooks, empty by default;
+    earlier versions as a function or None)."""
+    runtime = _runtime_knobs()
+    return _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
+
+
+def _hook_set(hook: Any) -> bool:
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+@functools.cache
+def _runtime_knobs() -> Any:
+    from triton import knobs
+
+    return knobs.runtime

@@ -1,0 +1,204 @@
+"""The launch cache (backends/triton/_launch.py): its key separates every launch that Triton
+would compile differently, it hands the launcher the arguments in Triton's order, and it steps
+aside where it cannot follow; on a GPU, the library's own launches all go through it and give
+the same results as Triton's path, misaligned views included."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton", reason="needs triton")
+import triton.language as tl  # noqa: E402
+
+import lmkernels  # noqa: E402
+from lmkernels.backends.triton import _launch  # noqa: E402
+from lmkernels.backends.triton._common import pdl_enter  # noqa: E402
+
+GPU = torch.cuda.is_available() and torch.version.hip is None and not _launch.interpreting()
+
+
+def _key_spec(*args, **kwargs):
+    return _launch.launch_key(args, kwargs)[1:]
+
+
+def test_key_separates_what_triton_specializes():
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    aligned, shifted = buf[:32], buf[1:33]  # 2-byte offset: not 16-byte aligned
+    assert _key_spec(aligned) == _key_spec(buf[8:40])  # 16 bytes further: aligned too
+    assert _key_spec(aligned) != _key_spec(shifted)
+    assert _key_spec(aligned) != _key_spec(aligned.float())
+    ints = [1, 2, 16, 17, 32, -16, 2**31 - 16, 2**31, 2**32, 2**63 - 16, 2**63, 2**64 - 16]
+    classes = {v: _launch._int_class(v) for v in ints}
+    assert classes[16] == classes[32] == classes[-16] == classes[2**31 - 16] != classes[17]
+    assert classes[1] not in (classes[2], classes[17], classes[16])
+    assert classes[2] == classes[17]  # i32, not divisible by 16: one specialization
+    assert classes[2**32] == classes[2**63 - 16] != classes[2**31 - 16]  # i64 against i32
+    assert classes[2**31] == classes[2**32]  # both i64 and divisible by 16
+    assert classes[2**64 - 16] != classes[2**63 - 16]  # u64 against i64
+    assert _key_spec(1.0) != _key_spec(1)
+    assert _key_spec(True) != _key_spec(1)
+    assert _key_spec(None) != _key_spec(0)
+
+
+def test_key_keeps_keyword_names_types_and_values():
+    assert _key_spec(A=1, B=2) != _key_spec(A=2, B=1)
+    assert _key_spec(A=True) != _key_spec(A=1)  # equal and hash-equal in a dict, not to Triton
+    assert _key_spec(A=1.0) != _key_spec(A=1)
+    assert _key_spec(A=1, num_warps=4) != _key_spec(A=1, num_warps=8)
+    assert _key_spec(B=1) != _key_spec(A=1)
+
+
+def test_key_leaves_other_argument_types_to_triton():
+    class Sub(torch.Tensor):
+        pass
+
+    assert _key_spec(torch.zeros(2).as_subclass(Sub))[0] is None
+    assert _key_spec(torch.nn.Parameter(torch.zeros(2)))[0] is not None
+    assert _key_spec("text")[0] is None
+
+
+def _probe(x_ptr, n, scale, A: tl.constexpr, B: tl.constexpr = 7, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
+    tl.store(x_ptr + tl.arange(0, 4), tl.full([4], A + B, tl.float32) * scale, mask=tl.arange(0, 4) < n)
+
+
+# A jit function as compiled code sees it (triton.jit gives the interpreter's under TRITON_INTERPRET).
+_probe_kernel = triton.runtime.jit.JITFunction(_probe)
+
+
+class _Recorder:
+    """Stands in for a jit function (its parameters, its source) whose launches through Triton's
+    path ("slow") return a compiled kernel whose launcher records the launches ("fast")."""
+
+    def __init__(self, kernel):
+        self.params = kernel.params
+        self.fn = kernel.fn
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def slow(*args, **kwargs):
+            self.calls.append(("slow", grid, args, kwargs))
+            return self
+
+        return slow
+
+    # The compiled kernel's side (the same object: the test needs only the records).
+    function = "function"
+    packed_metadata = "metadata"
+
+    @property
+    def run(self):
+        return lambda *args: self.calls.append(("fast", args))
+
+
+@pytest.fixture
+def enabled(monkeypatch):
+    """The cache switched on as on a CUDA machine, device 0, no launch hooks."""
+    monkeypatch.setattr(_launch, "_ENABLED", True)
+    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_hooks_set", lambda: False)
+    monkeypatch.setattr(_launch, "_stream_getter", lambda: lambda device: f"stream{device}")
+
+
+def test_launcher_gets_every_parameter_in_order(enabled):
+    kernel = _Recorder(_probe_kernel)
+    x = torch.zeros(4)
+    _launch.launch(kernel, (3,), x, 4, 0.5, A=2, PDL=True)
+    _launch.launch(kernel, (5, 2), x, 4, 0.5, A=2, PDL=True)
+    (kind0, *_), (kind1, args) = kernel.calls
+    assert kind0 == "slow" and kind1 == "fast"
+    # grid, stream, function, metadata, launch metadata and hooks (none), then x, n, scale, A,
+    # B (its default), PDL: the constexprs too, as Triton passes them.
+    assert args == (5, 2, 1, "stream0", "function", "metadata", None, None, None, x, 4, 0.5, 2, 7, True)
+
+
+def test_new_specialization_goes_through_triton(enabled):
+    kernel = _Recorder(_probe_kernel)
+    buf = torch.zeros(16)
+    _launch.launch(kernel, (1,), buf[:4], 4, 0.5, A=2)
+    _launch.launch(kernel, (1,), buf[1:5], 4, 0.5, A=2)  # misaligned: another key
+    _launch.launch(kernel, (1,), buf[:4], 16, 0.5, A=2)  # n divisible by 16: another key
+    _launch.launch(kernel, (1,), buf[:4], 4, 0.5, A=3)  # another constexpr value
+    _launch.launch(kernel, (1,), buf[4:8], 5, 0.25, A=2)  # the first key again
+    assert [c[0] for c in kernel.calls] == ["slow", "slow", "slow", "slow", "fast"]
+
+
+def test_launches_the_cache_cannot_follow_stay_on_triton(enabled, monkeypatch):
+    kernel = _Recorder(_probe_kernel)
+    x = torch.zeros(4)
+    for _ in range(2):
+        _launch.launch(kernel, (1,), x, 4, 0.5, 2)  # a constexpr by position
+        _launch.launch(kernel, (1,), x, n=4, scale=0.5, A=2)  # non-constexprs by keyword
+        _launch.launch(kernel, (1,), x, 4, 0.5, A=[2])  # an unhashable keyword value
+        _launch.launch(kernel, (1,), "text", 4, 0.5, A=2)  # an argument type the key lacks
+    assert [c[0] for c in kernel.calls] == ["slow"] * 8
+    monkeypatch.setattr(_launch, "_hooks_set", lambda: True)  # a profiler's launch hook
+    _launch.launch(kernel, (1,), x, 4, 0.5, A=2)
+    _launch.launch(kernel, (1,), x, 4, 0.5, A=2)
+    assert [c[0] for c in kernel.calls[8:]] == ["slow", "slow"]
+
+
+def test_cache_off_without_compiled_kernels():
+    """Under the interpreter (CI) and without CUDA the cache never switches on."""
+    if _launch.interpreting() or not torch.cuda.is_available():
+        assert not _launch._enabled()
+
+
+def test_hooks_read_as_set_only_when_they_are():
+    assert not _launch._hook_set(None)
+    chain = type("Chain", (), {"calls": []})()
+    assert not _launch._hook_set(chain)
+    chain.calls.append(print)
+    assert _launch._hook_set(chain)
+    assert _launch._hook_set(print)
+
+
+# --- on the GPU ---------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not GPU, reason="the cache runs on NVIDIA GPUs with compiled kernels")
+def test_library_launches_all_use_the_cache():
+    """After a forward and backward of every op, each kernel that launched has cache entries,
+    and none of them is one the cache could not follow (its launches would all pay Triton's
+    binding)."""
+    import test_pdl
+
+    assert _launch._enabled()
+    for op, shapes in test_pdl.SHAPES.items():
+        for shape in shapes:
+            for _ in range(2):
+                test_pdl._fwd_bwd(op, shape)
+    launched = 0
+    for param in test_pdl.KERNELS:
+        cache = param.values[0].__dict__.get("_lmk_launches", {})
+        launched += bool(cache)
+        assert all(e is not _launch._NOT_CACHED for e in cache.values()), param.id
+    assert launched >= 8
+
+
+@pytest.mark.skipif(not GPU, reason="the cache runs on NVIDIA GPUs with compiled kernels")
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "swiglu"])
+def test_cached_launches_match_triton_path_on_misaligned_views(monkeypatch, op):
+    """Aligned inputs, then views 2 bytes off (a specialization Triton compiles apart), then
+    aligned again: bit for bit what Triton's own path gives for each."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    buf = torch.randn(4097 * 512, generator=g, device="cuda", dtype=torch.bfloat16)
+    other = torch.randn(4097 * 512, generator=g, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(512, generator=g, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def run(offset):
+        x = buf[offset : offset + 4096 * 512].view(4096, 512)
+        if op == "swiglu":
+            return lmkernels.swiglu(x, other[offset : offset + 4096 * 512].view(4096, 512), backend="triton")
+        return getattr(lmkernels, op)(x, w, backend="triton")
+
+    cached = [run(o) for o in (0, 1, 0, 1)]
+    monkeypatch.setattr(_launch, "_ENABLED", False)
+    triton_path = [run(o) for o in (0, 1)]
+    for i, out in enumerate(cached):
+        assert torch.equal(out, triton_path[i % 2]), f"{op}: call {i} differs from Triton's path"
