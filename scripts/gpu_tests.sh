@@ -4,7 +4,8 @@
 #
 # Usage, from the repo root on the GPU machine:  bash scripts/gpu_tests.sh GROUP OUTDIR
 #   correctness  tests/test_correctness.py, as two processes at once (FLCE cases / the rest)
-#   kernels      the Triton kernel files, PDL, sm90 compile checks, the CUDA-graph step
+#   kernels      the Triton kernel files, PDL, sm90 compile checks, the CUDA-graph step, the
+#                launch cache
 #   integration  the four transformers integration files
 #   rest         every other file (dispatch, CLI, harness, distributed on the CPU, ...)
 # Session 15 ran test_correctness this way in about 255 s on one H200; the other groups, as
@@ -18,7 +19,7 @@ export TRITON_INTERPRET=0
 
 kernels=(tests/test_triton_norms.py tests/test_triton_flce.py tests/test_triton_rope_glu.py
     tests/test_triton_glu_inplace.py tests/test_compile_sm90.py tests/test_pdl.py
-    tests/test_cuda_graph_step.py)
+    tests/test_cuda_graph_step.py tests/test_launch.py)
 integration=(tests/test_integration_transformers.py tests/test_integration_families.py
     tests/test_integration_compile.py tests/test_integration_ecosystem.py)
 

@@ -26,6 +26,14 @@ def _key_spec(*args, **kwargs):
     return _launch.launch_key(args, kwargs)[1:]
 
 
+def test_key_separates_constexprs_passed_by_position():
+    """Positions 3 and 4 are constexprs: keyed by value, the others by specialization."""
+    key = lambda *args: _launch.launch_key(args, {}, (3, 4))  # noqa: E731
+    assert key(2, 3, 4, 5) != key(2, 3, 4, 6)
+    assert key(2, 3, 4, 5) == key(18, 3, 4, 5)  # position 0: not divisible by 16 either way
+    assert key(2, 3, 4, 5, True) != key(2, 3, 4, 5, 1)
+
+
 def test_key_separates_what_triton_specializes():
     buf = torch.zeros(64, dtype=torch.bfloat16)
     aligned, shifted = buf[:32], buf[1:33]  # 2-byte offset: not 16-byte aligned
@@ -132,15 +140,28 @@ def test_launches_the_cache_cannot_follow_stay_on_triton(enabled, monkeypatch):
     kernel = _Recorder(_probe_kernel)
     x = torch.zeros(4)
     for _ in range(2):
-        _launch.launch(kernel, (1,), x, 4, 0.5, 2)  # a constexpr by position
         _launch.launch(kernel, (1,), x, n=4, scale=0.5, A=2)  # non-constexprs by keyword
         _launch.launch(kernel, (1,), x, 4, 0.5, A=[2])  # an unhashable keyword value
         _launch.launch(kernel, (1,), "text", 4, 0.5, A=2)  # an argument type the key lacks
-    assert [c[0] for c in kernel.calls] == ["slow"] * 8
+    assert [c[0] for c in kernel.calls] == ["slow"] * 6
     monkeypatch.setattr(_launch, "_hooks_set", lambda: True)  # a profiler's launch hook
     _launch.launch(kernel, (1,), x, 4, 0.5, A=2)
     _launch.launch(kernel, (1,), x, 4, 0.5, A=2)
-    assert [c[0] for c in kernel.calls[8:]] == ["slow", "slow"]
+    assert [c[0] for c in kernel.calls[6:]] == ["slow", "slow"]
+
+
+def test_constexprs_by_position_are_keyed_by_value(enabled):
+    kernel = _Recorder(_probe_kernel)
+    x = torch.zeros(4)
+    _launch.launch(kernel, (1,), x, 4, 0.5, 2)
+    _launch.launch(kernel, (1,), x, 4, 0.5, 3)  # another value: Triton compiles it apart
+    _launch.launch(kernel, (1,), x, 4, 0.5, 2.0)  # equal, of another type: apart too
+    _launch.launch(kernel, (1,), x, 4, 0.5, 2, 9)
+    _launch.launch(kernel, (1,), x, 4, 0.5, 3)
+    _launch.launch(kernel, (1,), x, 4, 0.5, 2, 9)
+    assert [c[0] for c in kernel.calls] == ["slow", "slow", "slow", "slow", "fast", "fast"]
+    # The positional constexprs go through in place, the remaining one (PDL) from its default.
+    assert kernel.calls[-1][1][9:] == (x, 4, 0.5, 2, 9, False)
 
 
 def test_cache_off_without_compiled_kernels():

@@ -156,6 +156,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), for host code: triton.next_power_of_2 is
+    a constexpr-function wrapper too, 1.5 us per call against 0.02."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 _NO_GUARD = contextlib.nullcontext()
 
 

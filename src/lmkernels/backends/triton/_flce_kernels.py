@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
-from lmkernels.backends.triton._common import cdiv, pdl, pdl_enter
+from lmkernels.backends.triton._common import cdiv, next_power_of_2, pdl, pdl_enter
 from lmkernels.backends.triton._launch import launch
 from lmkernels.utils import empty
 
@@ -421,7 +421,7 @@ class Rows:
         n_rows, n_cols = logits.shape
         dummy = lse  # stands in for absent optional pointers (never read: constexpr flags)
         g = grad if grad is None or grad.dim() == 0 else grad[rows]
-        block_v = min(4096, triton.next_power_of_2(n_cols))
+        block_v = min(4096, next_power_of_2(n_cols))
         launch(
             _flce_rows_kernel,
             (n_rows,),

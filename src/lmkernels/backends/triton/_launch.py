@@ -12,10 +12,10 @@ launcher directly once Triton has compiled the kernel for that key.
 
 The key of a launch: the current CUDA device; per positional argument its type, and for a tensor
 its dtype and whether its data pointer is 16-byte aligned, for an int whether it is 1, whether
-it is divisible by 16 and its width (i32, i64 or u64); each keyword (constexprs and launch
-options such as num_warps) by name, type and value. Those are all that Triton's specialization
-reads on NVIDIA GPUs (Triton 3.6-3.9). A launch whose arguments fall outside them (another
-tensor subclass, a constexpr passed by position, a non-constexpr by keyword) always takes
+it is divisible by 16 and its width (i32, i64 or u64), for a constexpr its value; each keyword
+(constexprs and launch options such as num_warps) by name, type and value. Those are all that
+Triton's specialization reads on NVIDIA GPUs (Triton 3.6-3.9). A launch whose arguments fall
+outside them (another tensor subclass, a non-constexpr passed by keyword) always takes
 Triton's own path, as do the interpreter, ROCm, launches while Triton's launch hooks are set (a
 profiler), and every launch when LMKERNELS_FAST_LAUNCH=0.
 """
@@ -45,10 +45,11 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
     if not _enabled() or _hooks_set():
         kernel[grid](*args, **kwargs)
         return
-    key = launch_key(args, kwargs)
-    cache = kernel.__dict__.get("_lmk_launches")
-    if cache is None:
-        cache = kernel._lmk_launches = {}
+    state = kernel.__dict__.get("_lmk_launches")
+    if state is None:  # the kernel's cache, and the positions of its constexpr parameters
+        state = kernel._lmk_launches = ({}, tuple(i for i, p in enumerate(kernel.params) if p.is_constexpr))
+    cache, constexprs = state
+    key = launch_key(args, kwargs, constexprs)
     try:
         entry = cache.get(key)
     except TypeError:  # an unhashable keyword value: Triton's path
@@ -68,9 +69,10 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
     run(grid[0], g1, g2, stream(key[0]), function, metadata, None, None, None, *args, *tail)
 
 
-def launch_key(args: tuple, kwargs: dict) -> tuple:
+def launch_key(args: tuple, kwargs: dict, constexprs: tuple = ()) -> tuple:
     """(device, the positional arguments' specialization or None where one is of a type this
-    cache does not key, the keywords' names, types and values)."""
+    cache does not key, the keywords' names, types and values, the values and types of the
+    constexprs passed by position: at `constexprs`, positions in the kernel's parameters)."""
     spec: list | None = []
     for a in args:
         kind = type(a)
@@ -85,12 +87,16 @@ def launch_key(args: tuple, kwargs: dict) -> tuple:
             spec = None
             break
     values = tuple(kwargs.values())
+    n = len(args)
+    positional = tuple([args[i] for i in constexprs if i < n])
     return (
         _current_device() if _current_device is not None else None,
         None if spec is None else tuple(spec),
         tuple(kwargs),
         values,
         tuple(map(type, values)),
+        positional,
+        tuple(map(type, positional)),
     )
 
 
@@ -105,16 +111,14 @@ def _int_class(v: int) -> int:
 
 def _entry(kernel: Any, compiled: Any, n_args: int, kwargs: dict) -> Any:
     """The launcher call of a key's compiled kernel, or _NOT_CACHED where the arguments do not
-    map onto the parameters the way `launch` calls the launcher (positional non-constexprs,
-    then keyword constexprs or defaults)."""
+    map onto the parameters the way `launch` calls the launcher (positional arguments, then
+    keyword constexprs or defaults)."""
     if compiled is None or not hasattr(compiled, "packed_metadata"):
         return _NOT_CACHED
     signature = inspect.signature(kernel.fn).parameters
     tail = []
     for i, param in enumerate(kernel.params):
         if i < n_args:
-            if param.is_constexpr:
-                return _NOT_CACHED
             continue
         if not param.is_constexpr:
             return _NOT_CACHED

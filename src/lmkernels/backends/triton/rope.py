@@ -33,7 +33,15 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import call, cdiv, device_guard, eager_function, pdl, pdl_enter
+from lmkernels.backends.triton._common import (
+    call,
+    cdiv,
+    device_guard,
+    eager_function,
+    next_power_of_2,
+    pdl,
+    pdl_enter,
+)
 from lmkernels.backends.triton._launch import launch
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
@@ -444,17 +452,17 @@ def _rope_rotate(
         stride_cb, stride_ct, stride_sb, stride_st = 0, cos.stride(0), 0, sin.stride(0)
     has_pos = position_ids is not None
     stride_pb, stride_pt = position_ids.stride() if has_pos else (0, 0)
-    block_half = triton.next_power_of_2(rotary_dim // 2)
-    block_rest = triton.next_power_of_2(D - rotary_dim) if rotary_dim < D else 1
-    rows = q.stride(2) == D and k.stride(2) == D and q_out.stride(2) == D and k_out.stride(2) == D
+    block_half = next_power_of_2(rotary_dim // 2)
+    block_rest = next_power_of_2(D - rotary_dim) if rotary_dim < D else 1
+    # One stride() call per tensor (each call is host time on every launch).
+    sq, sk, sqo, sko = q.stride(), k.stride(), q_out.stride(), k_out.stride()
+    rows = sq[2] == D and sk[2] == D and sqo[2] == D and sko[2] == D
     tile = _tile_config(B, T, Hq, Hkv, rotary_dim, D, rows)
     common = (
         q, k, q_out, k_out, cos, sin, position_ids if has_pos else cos,
     )  # fmt: skip
     strides = (
-        q_out.stride(0), q_out.stride(1), q_out.stride(2),
-        k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        *sqo[:3], *sko[:3], *sq[:3], *sk[:3],
         stride_cb, stride_ct, stride_sb, stride_st, stride_pb, stride_pt,
     )  # fmt: skip
     flags = dict(
