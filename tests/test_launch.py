@@ -108,6 +108,7 @@ class _Recorder:
 def enabled(monkeypatch):
     """The cache switched on as on a CUDA machine, device 0, no launch hooks."""
     monkeypatch.setattr(_launch, "_ENABLED", True)
+    monkeypatch.setattr(_launch, "_JIT_FUNCTION", _Recorder)
     monkeypatch.setattr(_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(_launch, "_hooks_set", lambda: False)
     monkeypatch.setattr(_launch, "_stream_getter", lambda: lambda device: f"stream{device}")
@@ -164,6 +165,17 @@ def test_constexprs_by_position_are_keyed_by_value(enabled):
     assert kernel.calls[-1][1][9:] == (x, 4, 0.5, 2, 9, False)
 
 
+def test_other_kernel_objects_stay_on_triton(enabled):
+    """Wrappers of jit functions (an autotuner, a test's stand-in) launch through their own
+    __getitem__, every time."""
+    kernel = _Recorder(_probe_kernel)
+    wrapper = type("Wrapper", (), {"__getitem__": lambda self, grid: kernel[grid]})()
+    x = torch.zeros(4)
+    for _ in range(2):
+        _launch.launch(wrapper, (1,), x, 4, 0.5, A=2)
+    assert [c[0] for c in kernel.calls] == ["slow", "slow"]
+
+
 def test_cache_off_without_compiled_kernels():
     """Under the interpreter (CI) and without CUDA the cache never switches on."""
     if _launch.interpreting() or not torch.cuda.is_available():
@@ -196,7 +208,7 @@ def test_library_launches_all_use_the_cache():
                 test_pdl._fwd_bwd(op, shape)
     launched = 0
     for param in test_pdl.KERNELS:
-        cache = param.values[0].__dict__.get("_lmk_launches", {})
+        cache = param.values[0].__dict__.get("_lmk_launches", ({}, ()))[0]
         launched += bool(cache)
         assert all(e is not _launch._NOT_CACHED for e in cache.values()), param.id
     assert launched >= 8

@@ -16,7 +16,7 @@ it is divisible by 16 and its width (i32, i64 or u64), for a constexpr its value
 (constexprs and launch options such as num_warps) by name, type and value. Those are all that
 Triton's specialization reads on NVIDIA GPUs (Triton 3.6-3.9). A launch whose arguments fall
 outside them (another tensor subclass, a non-constexpr passed by keyword) always takes
-Triton's own path, as do the interpreter, ROCm, launches while Triton's launch hooks are set (a
+Triton's own path, as do kernels that are not plain jit functions (an autotuner), the interpreter, ROCm, launches while Triton's launch hooks are set (a
 profiler), and every launch when LMKERNELS_FAST_LAUNCH=0.
 """
 
@@ -42,7 +42,7 @@ _current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice
 def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
     """kernel[grid](*args, **kwargs), through the compiled kernel's launcher where the cache
     has it. Non-constexpr parameters go by position, constexprs and options by keyword."""
-    if not _enabled() or _hooks_set():
+    if not _enabled() or type(kernel) is not _JIT_FUNCTION or _hooks_set():
         kernel[grid](*args, **kwargs)
         return
     state = kernel.__dict__.get("_lmk_launches")
@@ -140,12 +140,16 @@ def _stream_getter() -> Any:
 
 
 _ENABLED: bool | None = None
+_JIT_FUNCTION: type | None = None  # the kernels the cache takes: plain jit functions (not wrappers)
 
 
 def _enabled() -> bool:
     """Whether `launch` may use its cache at all (decided once per process)."""
-    global _ENABLED
+    global _ENABLED, _JIT_FUNCTION
     if _ENABLED is None:
+        from triton.runtime.jit import JITFunction
+
+        _JIT_FUNCTION = JITFunction
         _ENABLED = (
             USE_FAST_LAUNCH
             and not interpreting()
