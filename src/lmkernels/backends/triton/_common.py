@@ -12,7 +12,9 @@ An op file therefore reads: kernels; raw launchers (plain Python functions, type
 `op = torch.library.custom_op("lmkernels::name", raw_launcher, mutates_args=...)` with
 register_fake; setup_context and backward, registered on the op with register_autograd and
 turned into the eager Function with `eager_function`; the impl, `call(op, Function, *args)`.
-Inside a backward, launchers run through `op_or_raw(op, raw)(*args)`.
+Inside a backward, launchers run through `op_or_raw(op, raw)(*args)`. Launchers launch their
+kernels with `_launch.launch(kernel, grid, *args, **constexprs)`, which skips Triton's per-call
+argument binding once a launch's specialization has been compiled.
 """
 
 from __future__ import annotations

@@ -4,11 +4,10 @@ compiled kernel to that kernel's launcher.
 `kernel[grid](*args, **kw)` binds the arguments to the signature, specializes each one (its
 type, a pointer's 16-byte alignment, an integer's divisibility by 16, ...), builds a cache key
 from those and every constexpr and option value, and looks the compiled kernel up, on every
-call. For the norm kernels (~25 parameters) that costs tens of microseconds of host time per
-launch; the compiled kernel's launcher alone takes 6-8 us
-(benchmarks/results/2026-11-24-h200-launch/). The host time of a small op is mostly launches,
-so `launch` keeps its own key, per kernel, of exactly what Triton specializes on and calls the
-launcher directly once Triton has compiled the kernel for that key.
+call: 7-13 us of host time per launch on the H200 machine, on top of the 5-8 us that the
+compiled kernel's launcher takes (benchmarks/results/2026-11-24-h200-launch/). So `launch`
+keeps its own key, per kernel, of exactly what Triton specializes on, and calls the launcher
+directly once Triton has compiled the kernel for that key.
 
 The key of a launch: the current CUDA device; per positional argument its type, and for a tensor
 its dtype and whether its data pointer is 16-byte aligned, for an int whether it is 1, whether
