@@ -137,6 +137,23 @@ def launcher_bwd(op: str, inputs: dict):
     return None
 
 
+def time_launcher(result: dict, name: str, make) -> object:
+    """result[name]: the host time per call of the launcher call that make() returns (None: the
+    op has none), then its launches recorded and replayed (name_launches, name_launches_direct).
+    Returns the call, or None where there is none or the script cannot time it (name_error)."""
+    try:
+        fn = make()
+        if fn is not None:
+            result[name] = per_call_us(fn)
+            launches = record_launches(fn)
+            result[name + "_launches"] = float(len(launches))
+            result[name + "_launches_direct"] = per_call_us(replay(launches))
+        return fn
+    except Exception as e:  # a launcher signature this script does not know: say so
+        result[name + "_error"] = repr(e)
+        return None
+
+
 def profile_op(op: str) -> dict:
     spec = get_op(op)
     shape = SHAPES[op]
@@ -149,29 +166,8 @@ def profile_op(op: str) -> dict:
         result["triton_empty_launch_direct"] = per_call_us(replay(record_launches(empty)))
     except Exception as e:  # a Triton whose compiled kernels this script cannot record: say so
         result["direct_error"] = repr(e)
-    launcher = None
-    try:
-        launcher = launcher_fwd(op, inputs)
-    except Exception as e:  # a launcher signature this script does not know: say so
-        result["launcher_fwd_error"] = repr(e)
-    if launcher is not None:
-        try:
-            result["launcher_fwd"] = per_call_us(launcher)
-            launches = record_launches(launcher)
-            result["launcher_fwd_launches"] = float(len(launches))
-            result["launcher_fwd_launches_direct"] = per_call_us(replay(launches))
-        except Exception as e:
-            result["launcher_fwd_error"] = repr(e)
-    backward = None
-    try:
-        backward = launcher_bwd(op, inputs)
-        if backward is not None:
-            result["launcher_bwd"] = per_call_us(backward)
-            launches = record_launches(backward)
-            result["launcher_bwd_launches"] = float(len(launches))
-            result["launcher_bwd_launches_direct"] = per_call_us(replay(launches))
-    except Exception as e:
-        result["launcher_bwd_error"] = repr(e)
+    launcher = time_launcher(result, "launcher_fwd", lambda: launcher_fwd(op, inputs))
+    backward = time_launcher(result, "launcher_bwd", lambda: launcher_bwd(op, inputs))
     public = getattr(lk, op)
     plain = {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
     result["public_fwd"] = per_call_us(lambda: public(**plain, backend="triton"))
@@ -183,11 +179,11 @@ def profile_op(op: str) -> dict:
     result["torch_mul_fwd_bwd"] = per_call_us(lambda: torch.autograd.grad([x * w], [x, w], [g]))
     design = make_step(op, "triton", DESIGN[op], torch.bfloat16)
     result["public_fwd_bwd_design_shape"] = per_call_us(design)
-    # The same with the launch cache off (backends/triton/_launch.py), the two taking turns.
-    timed = {"launcher_fwd": launcher, "launcher_bwd": backward if "launcher_bwd" in result else None,
+    # The same with the launch cache (backends/triton/_launch.py) on, then off.
+    timed = {"launcher_fwd": launcher, "launcher_bwd": backward,
              "public_fwd": lambda: public(**plain, backend="triton"), "public_fwd_bwd": step}  # fmt: skip
     for name, fn in timed.items():
-        if fn is not None and name in result:
+        if fn is not None:
             on, off = per_call_us(fn), per_call_us(without_launch_cache(fn))
             result[name + "_ab_cache_on"], result[name + "_ab_cache_off"] = on, off
     result["cprofile_top"] = profile_top(step, blocks=10, lines=22)
