@@ -15,7 +15,8 @@ it is divisible by 16 and its width (i32, i64 or u64), for a constexpr its value
 (constexprs and launch options such as num_warps) by name, type and value. Those are all that
 Triton's specialization reads on NVIDIA GPUs (Triton 3.6-3.9). A launch whose arguments fall
 outside them (another tensor subclass, a non-constexpr passed by keyword) always takes
-Triton's own path, as do kernels that are not plain jit functions (an autotuner), the interpreter, ROCm, launches while Triton's launch hooks are set (a
+Triton's own path, as do kernels that are not plain jit functions (an autotuner), Triton
+versions before 3.6, the interpreter, ROCm, launches while Triton's launch hooks are set (a
 profiler), and every launch when LMKERNELS_FAST_LAUNCH=0.
 """
 
@@ -40,7 +41,8 @@ _current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice
 
 def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
     """kernel[grid](*args, **kwargs), through the compiled kernel's launcher where the cache
-    has it. Non-constexpr parameters go by position, constexprs and options by keyword."""
+    has it. grid: a tuple of 1-3 ints. Non-constexpr parameters go by position, constexprs and
+    options by keyword."""
     if not _enabled() or type(kernel) is not _JIT_FUNCTION or _hooks_set():
         kernel[grid](*args, **kwargs)
         return
@@ -49,6 +51,9 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
         state = kernel._lmk_launches = ({}, tuple(i for i, p in enumerate(kernel.params) if p.is_constexpr))
     cache, constexprs = state
     key = launch_key(args, kwargs, constexprs)
+    if key[1] is None:  # an argument type the key does not cover
+        kernel[grid](*args, **kwargs)
+        return
     try:
         entry = cache.get(key)
     except TypeError:  # an unhashable keyword value: Triton's path
@@ -57,7 +62,7 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
         compiled = kernel[grid](*args, **kwargs)
         cache[key] = _entry(kernel, compiled, len(args), kwargs)
         return
-    if entry is _NOT_CACHED or key[1] is None:
+    if entry is _NOT_CACHED:
         kernel[grid](*args, **kwargs)
         return
     run, function, metadata, tail, stream = entry
@@ -160,14 +165,15 @@ def _enabled() -> bool:
 
 
 def _triton_layout_known() -> bool:
-    """The Triton versions whose launch path `launch` reproduces: compiled kernels with `run`,
-    `function` and `packed_metadata`, called with the grid, stream, function, metadata, launch
-    metadata, both hooks and every bound argument (3.4 and later)."""
+    """The Triton versions whose launch path `launch` reproduces, read in their source: compiled
+    kernels with `run` (a property), `function` and `packed_metadata`, called with the grid,
+    stream, function, metadata, launch metadata, both hooks and every bound argument, constexprs
+    included (3.6 and 3.9; later ones until they change it)."""
     import triton
     from triton.compiler.compiler import CompiledKernel
 
-    version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2])
-    return version >= (3, 4) and isinstance(CompiledKernel.__dict__.get("run"), property)
+    version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2] if p.isdigit())
+    return version >= (3, 6) and isinstance(CompiledKernel.__dict__.get("run"), property)
 
 
 def _hooks_set() -> bool:
