@@ -53,6 +53,35 @@ def test_key_separates_what_triton_specializes():
     assert _key_spec(None) != _key_spec(0)
 
 
+def _triton_specialization():
+    """Triton's own specialization of one argument (what its binder computes per launch), from
+    the installed Triton with its NVIDIA backend; None where that is not importable."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.nvidia.compiler import CUDABackend
+    except ImportError:
+        return None
+    return lambda arg: native_specialize_impl(CUDABackend, arg, False, True, True)
+
+
+def test_same_key_means_same_triton_specialization():
+    """Soundness against the installed Triton: two arguments the key cannot tell apart get the
+    same specialization from Triton (else a cached launch could run code compiled for the other
+    one), and the key tells apart no more than Triton does for these values."""
+    specialize = _triton_specialization()
+    if specialize is None:
+        pytest.skip("this Triton has no native_specialize_impl / NVIDIA backend to compare with")
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    values = [0, 1, 2, 16, 17, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, -(2**31), -(2**31) - 16, 2**32,
+              2**63 - 16, 2**63, 2**64 - 16, 1.0, 0.0, True, False, None,
+              buf[:8], buf[1:9], buf[8:16], buf.float()[:8], buf.float()[1:9]]  # fmt: skip
+    for a in values:
+        for b in values:
+            same_key = _key_spec(a) == _key_spec(b)
+            same_triton = specialize(a) == specialize(b)
+            assert same_key == same_triton, (a, b, specialize(a), specialize(b))
+
+
 def test_key_keeps_keyword_names_types_and_values():
     assert _key_spec(A=1, B=2) != _key_spec(A=2, B=1)
     assert _key_spec(A=True) != _key_spec(A=1)  # equal and hash-equal in a dict, not to Triton
