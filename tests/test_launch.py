@@ -59,9 +59,14 @@ def _triton_specialization():
     try:
         from triton._C.libtriton import native_specialize_impl
         from triton.backends.nvidia.compiler import CUDABackend
-    except ImportError:
+
+        def specialize(arg):
+            return native_specialize_impl(CUDABackend, arg, False, True, True)
+
+        specialize(16)  # the call as Triton 3.6-3.9's binder makes it
+    except Exception:  # another Triton: its internals differ
         return None
-    return lambda arg: native_specialize_impl(CUDABackend, arg, False, True, True)
+    return specialize
 
 
 def test_same_key_means_same_triton_specialization():
@@ -70,7 +75,7 @@ def test_same_key_means_same_triton_specialization():
     one), and the key tells apart no more than Triton does for these values."""
     specialize = _triton_specialization()
     if specialize is None:
-        pytest.skip("this Triton has no native_specialize_impl / NVIDIA backend to compare with")
+        pytest.skip("this Triton has no native_specialize_impl(backend, arg, ...) to compare with")
     buf = torch.zeros(64, dtype=torch.bfloat16)
     values = [0, 1, 2, 16, 17, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, -(2**31), -(2**31) - 16, 2**32,
               2**63 - 16, 2**63, 2**64 - 16, 1.0, 0.0, True, False, None,
