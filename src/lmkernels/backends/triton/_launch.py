@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lmkernels.backends.triton import interpreting
+from lmkernels.backends.triton import _version, interpreting
 
 # LMKERNELS_FAST_LAUNCH=0: every launch through Triton's own path (to rule the cache out; A/B).
 USE_FAST_LAUNCH = os.environ.get("LMKERNELS_FAST_LAUNCH", "1") != "0"
@@ -172,8 +172,7 @@ def _triton_layout_known() -> bool:
     import triton
     from triton.compiler.compiler import CompiledKernel
 
-    version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2] if p.isdigit())
-    return version >= (3, 6) and isinstance(CompiledKernel.__dict__.get("run"), property)
+    return _version(triton.__version__) >= (3, 6) and isinstance(CompiledKernel.__dict__.get("run"), property)
 
 
 def _hooks_set() -> bool:
