@@ -41,7 +41,7 @@ def test_key_separates_what_triton_specializes():
     assert _key_spec(aligned) != _key_spec(shifted)
     assert _key_spec(aligned) != _key_spec(aligned.float())
     ints = [1, 2, 16, 17, 32, -16, 2**31 - 16, 2**31, 2**32, 2**63 - 16, 2**63, 2**64 - 16]
-    classes = {v: _launch._int_class(v) for v in ints}
+    classes = {v: _key_spec(v) for v in ints}
     assert classes[16] == classes[32] == classes[-16] == classes[2**31 - 16] != classes[17]
     assert classes[1] not in (classes[2], classes[17], classes[16])
     assert classes[2] == classes[17]  # i32, not divisible by 16: one specialization

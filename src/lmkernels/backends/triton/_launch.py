@@ -76,23 +76,34 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
 def launch_key(args: tuple, kwargs: dict, constexprs: tuple = ()) -> tuple:
     """(device, the positional arguments' specialization or None where one is of a type this
     cache does not key, the keywords' names, types and values, the values and types of the
-    constexprs passed by position: at `constexprs`, positions in the kernel's parameters)."""
+    constexprs passed by position: at `constexprs`, positions in the kernel's parameters).
+
+    An int's specialization is one small int: 1 for the value 1 (a constant to Triton), else
+    2 + (divisible by 16) + 2 * width, width 0 for i32, 1 for i64, 2 for u64 (or beyond). It is
+    computed inline: this loop runs for every argument of every launch (RoPE passes 31), and a
+    function call per int cost as much as the rest of the key."""
     spec: list | None = []
+    append = spec.append
     for a in args:
         kind = type(a)
-        if kind in _TENSOR_TYPES:
-            spec.append(a.dtype)
-            spec.append(not a.data_ptr() & 15)
-        elif kind is int:
-            spec.append(_int_class(a))
+        if kind is int:
+            if a == 1:
+                append(1)
+            elif -0x80000000 <= a <= 0x7FFFFFFF:
+                append(2 + (not a & 15))
+            else:
+                append(4 + (not a & 15) + (0 if -(1 << 63) <= a < (1 << 63) else 2))
+        elif kind in _TENSOR_TYPES:
+            append(a.dtype)
+            append(not a.data_ptr() & 15)
         elif kind is float or kind is bool or a is None:
-            spec.append(kind)
+            append(kind)
         else:
             spec = None
             break
     values = tuple(kwargs.values())
     n = len(args)
-    positional = tuple([args[i] for i in constexprs if i < n])
+    positional = tuple([args[i] for i in constexprs if i < n]) if constexprs else ()
     return (
         _current_device() if _current_device is not None else None,
         None if spec is None else tuple(spec),
@@ -102,15 +113,6 @@ def launch_key(args: tuple, kwargs: dict, constexprs: tuple = ()) -> tuple:
         positional,
         tuple(map(type, positional)),
     )
-
-
-def _int_class(v: int) -> int:
-    """What Triton specializes an int argument on: 1 (a constant), divisible by 16, and its
-    width (i32, i64, u64), as one small int."""
-    if v == 1:
-        return 1
-    width = 0 if -0x80000000 <= v <= 0x7FFFFFFF else 1 if -(1 << 63) <= v < (1 << 63) else 2
-    return 2 + (not v & 15) + 2 * width
 
 
 def _entry(kernel: Any, compiled: Any, n_args: int, kwargs: dict) -> Any:
