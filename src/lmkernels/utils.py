@@ -37,6 +37,15 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) 
     return out
 
 
+def empty_strided(
+    shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    if _POISON and out.is_floating_point():
+        out.fill_(float("nan"))
+    return out
+
+
 def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return empty(t.shape, dtype or t.dtype, t.device)
 

@@ -44,7 +44,7 @@ from lmkernels.backends.triton._common import (
 )
 from lmkernels.backends.triton._launch import launch
 from lmkernels.registry.core import register
-from lmkernels.utils import empty
+from lmkernels.utils import empty, empty_strided
 
 # (elements of one heads x rotary-dims tile, warps) per (rotary half width, whether dims past
 # the rotary part are copied), measured on an H200 (scripts/roofline_tune.py; fwd+bwd, bf16,
@@ -357,8 +357,8 @@ def is_bthd(t: torch.Tensor) -> bool:
 def _empty_in_layout(shape, bthd: bool, like: torch.Tensor) -> torch.Tensor:
     """(B, H, T, D) output, stored as (B, T, H, D) when bthd (see _rope_rotate)."""
     B, H, T, D = shape
-    if bthd:
-        return empty((B, T, H, D), like.dtype, like.device).transpose(1, 2)
+    if bthd:  # one call: empty() + transpose(1, 2) cost twice the host time
+        return empty_strided((B, H, T, D), (T * H * D, D, H * D, 1), like.dtype, like.device)
     return empty((B, H, T, D), like.dtype, like.device)
 
 
