@@ -7,6 +7,11 @@ moves; the compiled launcher and the GPU are not involved. Run it against two tr
 them, e.g. `PYTHONPATH=OLD/src python3 scripts/launcher_host_cpu.py` against the checkout.
 
 Prints microseconds per call (best of 5 repeats of 20000 calls, tiny bf16 tensors on the CPU).
+--breakdown adds where an RMSNorm forward + backward through autograd spends its host time:
+against plain torch's `x * w`, a bare autograd.Function that makes the same allocations, and
+the launchers' floor (their allocations and keyed launches, none of their own logic). On the
+CPU the autograd engine runs the backward in the calling thread; on a GPU it hands it to a
+device thread, which adds a fixed cost per backward call that these figures leave out.
 """
 
 from __future__ import annotations
@@ -44,8 +49,78 @@ def per_call_us(fn, n: int = 20000, repeats: int = 5) -> float:
     return best * 1e6
 
 
+class _BareNorm(torch.autograd.Function):
+    """An RMSNorm-shaped Function that only allocates what the Triton one does: y and rstd
+    forward; dx, dw and the fp32 partial rows backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps, offset, mode):
+        y, r = torch.empty_like(x), torch.empty(x.shape[0], dtype=torch.float32)
+        ctx.mark_non_differentiable(r)
+        ctx.save_for_backward(x, w, r)
+        ctx.set_materialize_grads(False)
+        return y, r
+
+    @staticmethod
+    def backward(ctx, dy, _):
+        x, w, _r = ctx.saved_tensors
+        torch.empty((3, x.shape[1]), dtype=torch.float32)
+        return torch.empty_like(x), torch.empty_like(w), None, None, None
+
+
+def launcher_floor(launcher, *args):
+    """A function making the launcher's allocations (as many as it makes, x's size) and its
+    launches (keyed, with the arguments it passed): the launcher without its own logic."""
+    launches = []
+
+    def record(kernel, grid, *a, **kw):
+        launches.append((kernel, grid, a, kw))
+
+    for module in (rms_norm, _norms):
+        module.launch = record
+    outputs = launcher(*args)
+    for module in (rms_norm, _norms):
+        module.launch = keyed_launch
+    tensors = [t for t in (outputs if isinstance(outputs, tuple) else (outputs,))]
+    count = len(tensors) + (1 if len(launches) > 1 else 0)  # the partial rows between launches
+    like = args[0]
+
+    def floor():
+        for _ in range(count):
+            torch.empty(like.shape, dtype=like.dtype)
+        for kernel, grid, a, kw in launches:
+            keyed_launch(kernel, grid, *a, **kw)
+
+    return floor
+
+
+def breakdown(x, w, dy, rstd) -> dict:
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def ours():
+        torch.autograd.grad(rms_norm.rms_norm_triton(xg, wg, 1e-6), (xg, wg), dy)
+
+    def bare():
+        torch.autograd.grad(_BareNorm.apply(xg, wg, 1e-6, 0.0, "llama")[0], (xg, wg), dy)
+
+    def mul():
+        torch.autograd.grad(xg * wg, (xg, wg), dy)
+
+    fwd_floor = launcher_floor(rms_norm._rms_norm_fwd, x, w, 1e-6, 0.0, "llama")
+    bwd_floor = launcher_floor(rms_norm._rms_norm_bwd, dy, x, w, rstd, 0.0, "llama")
+    return {
+        "rms_norm fwd + bwd, autograd": ours,
+        "bare Function, same allocations": bare,
+        "x * w fwd + bwd (plain torch)": mul,
+        "forward launcher's floor": fwd_floor,
+        "backward launcher's floor": bwd_floor,
+    }
+
+
 def main(argv=None) -> int:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--breakdown", action="store_true", help="RMSNorm's host time through autograd")
+    args = p.parse_args(argv)
     for module in (rms_norm, layer_norm_mod, rope, _norms):
         module.launch = keyed_launch
     bf16 = torch.bfloat16
@@ -65,9 +140,11 @@ def main(argv=None) -> int:
         "layer_norm backward launcher": lambda: layer_norm_mod._layer_norm_bwd(dy, x, w, mean, ln_rstd, bf16),
         "rope launcher": lambda: rope._rope_rotate(q, k, cos, sin, None, False, D, False, True, True),
     }
+    if args.breakdown:
+        cases |= breakdown(x, w, dy, rstd)
     print(f"torch {torch.__version__}; us per call, launches keyed but not run")
     for name, fn in cases.items():
-        print(f"  {name:<30} {per_call_us(fn):7.2f}")
+        print(f"  {name:<34} {per_call_us(fn):7.2f}")
     return 0
 
 
