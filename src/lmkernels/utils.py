@@ -31,16 +31,16 @@ def poison_outputs(enabled: bool = True) -> Iterator[None]:
 
 
 def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    out = torch.empty(shape, dtype=dtype, device=device)
-    if _POISON and out.is_floating_point():
-        out.fill_(float("nan"))
-    return out
+    return _poisoned(torch.empty(shape, dtype=dtype, device=device))
 
 
 def empty_strided(
     shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype, device: torch.device | str
 ) -> torch.Tensor:
-    out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return _poisoned(torch.empty_strided(shape, stride, dtype=dtype, device=device))
+
+
+def _poisoned(out: torch.Tensor) -> torch.Tensor:
     if _POISON and out.is_floating_point():
         out.fill_(float("nan"))
     return out

@@ -80,8 +80,8 @@ def launch_key(args: tuple, kwargs: dict, constexprs: tuple = ()) -> tuple:
 
     An int's specialization is one small int: 1 for the value 1 (a constant to Triton), else
     2 + (divisible by 16) + 2 * width, width 0 for i32, 1 for i64, 2 for u64 (or beyond). It is
-    computed inline: this loop runs for every argument of every launch (RoPE passes 31), and a
-    function call per int cost as much as the rest of the key."""
+    computed inline: this loop runs for every argument of every launch, and a function call per
+    int was a quarter of RoPE's key (31 arguments: 5.3 against 4.0-4.2 us on the CPU)."""
     spec: list | None = []
     append = spec.append
     for a in args:
