@@ -10,12 +10,15 @@ Configurations (names as on the command line):
   liger                liger_kernel's apply_liger_kernel_to_llama(model=...) (RoPE, RMSNorm,
                        SwiGLU, FLCE)
   ...-noflce           a patched one without the fused loss (the ablation)
+  lmk...-nocheck       with LMKERNELS_CHECK_VALUES=0: no target range check, so no host sync
+                       per loss (what the default's check costs)
   ...+compile          then torch.compile(model) (model.compile(), batch dimension dynamic)
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any
 
@@ -88,14 +91,20 @@ def build_model(model_cfg: dict[str, Any], device: str, checkpointing: bool = Tr
 
 def parse_config(name: str) -> tuple[str, str | None, tuple[str, ...], bool]:
     """lmk:triton-noflce+compile -> ("lmk", "triton", ops without flce, compiled=True);
-    lmk:triton/flce=triton_lean -> ("lmk", "triton,flce=triton_lean", all ops, False)."""
+    lmk:triton/flce=triton_lean -> ("lmk", "triton,flce=triton_lean", all ops, False).
+    A "-nocheck" before "+compile" (lmk only) is read by `patch` (value_checks)."""
     base, compiled = (name[: -len("+compile")], True) if name.endswith("+compile") else (name, False)
+    base, nocheck = (base[: -len("-nocheck")], True) if base.endswith("-nocheck") else (base, False)
     base, noflce = (base[: -len("-noflce")], True) if base.endswith("-noflce") else (base, False)
     kind, _, backend = base.partition(":")
-    if kind not in ("plain", "lmk", "liger") or (kind == "plain" and (backend or noflce)):
+    if (
+        kind not in ("plain", "lmk", "liger")
+        or (kind == "plain" and (backend or noflce))
+        or (nocheck and kind != "lmk")
+    ):
         raise ValueError(
             f"unknown configuration {name!r}: plain, lmk[:BACKEND] or liger, then optionally "
-            "-noflce (not plain) and +compile"
+            "-noflce (not plain), -nocheck (lmk only) and +compile"
         )
     ops = tuple(o for o in ALL_OPS if not (noflce and o == "flce"))
     # "/" stands for the "," of a backend spec ("lmk:triton/flce=triton_lean"): configurations
@@ -106,6 +115,8 @@ def parse_config(name: str) -> tuple[str, str | None, tuple[str, ...], bool]:
 def patch(model, name: str):
     """Apply configuration `name` to `model` (in place); returns the model."""
     kind, backend, ops, compiled = parse_config(name)
+    if not value_checks(name):
+        os.environ["LMKERNELS_CHECK_VALUES"] = "0"  # read at each call; this process runs one configuration
     if kind == "lmk":
         from lmkernels.integrations.transformers import apply
 
@@ -124,6 +135,11 @@ def patch(model, name: str):
     if compiled:
         model.compile()
     return model
+
+
+def value_checks(name: str) -> bool:
+    """Whether configuration `name` keeps lmkernels' value checks (all but "-nocheck" ones)."""
+    return not name.removesuffix("+compile").endswith("-nocheck")
 
 
 def make_optimizer(model):

@@ -41,7 +41,21 @@ def test_parse_config():
         True,
     )
     assert e2e_setup.parse_config("plain+compile")[3] is True
-    for bad in ("plain-noflce", "plain:triton", "fast", "lmk+compiled"):
+    assert e2e_setup.parse_config("lmk-noflce-nocheck+compile") == e2e_setup.parse_config(
+        "lmk-noflce+compile"
+    )
+    assert not e2e_setup.value_checks("lmk-noflce-nocheck+compile") and not e2e_setup.value_checks(
+        "lmk-nocheck"
+    )
+    assert e2e_setup.value_checks("lmk") and e2e_setup.value_checks("lmk-noflce+compile")
+    for bad in (
+        "plain-noflce",
+        "plain:triton",
+        "fast",
+        "lmk+compiled",
+        "liger-nocheck",
+        "lmk-nocheck-noflce",
+    ):
         with pytest.raises(ValueError, match="unknown configuration"):
             e2e_setup.parse_config(bad)
 
