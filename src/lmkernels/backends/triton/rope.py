@@ -372,14 +372,14 @@ def _launch_config(n_pos: int, n_q_heads: int, n_k_heads: int, rot_dim: int, hea
 
 @functools.lru_cache(maxsize=1024)
 def _cached_launch_config(n_pos, n_q_heads, n_k_heads, rot_dim, head_dim, tile, warps, min_programs):
-    block_half = triton.next_power_of_2(rot_dim // 2)
+    block_half = next_power_of_2(rot_dim // 2)
     rest = head_dim - rot_dim
     default = PARTIAL_TILE if rest else DEFAULT_TILE
     tile_elements, num_warps = TUNED.get((block_half, rest > 0), default)
     tile_elements = tile if tile is not None else tile_elements
     num_warps = warps if warps is not None else num_warps
-    block_rest = triton.next_power_of_2(rest) if rest else 1
-    max_heads = triton.next_power_of_2(n_q_heads + n_k_heads)
+    block_rest = next_power_of_2(rest) if rest else 1
+    max_heads = next_power_of_2(n_q_heads + n_k_heads)
     block_h = max(1, min(max_heads, tile_elements // (2 * block_half)))
     n_groups = cdiv(n_q_heads + n_k_heads, block_h)
     splits = max(1, min(n_groups, cdiv(min_programs, max(n_pos, 1))))
@@ -401,12 +401,12 @@ def _cached_tile_config(B, T, n_q_heads, n_k_heads, head_dim, rows, kernel, cfg)
     if kernel == "pos" or cfg is None:
         return None
     tile_elements, num_warps, min_programs, tables_once, head_stages = cfg
-    block_t = max(1, tile_elements // triton.next_power_of_2(head_dim))
+    block_t = max(1, tile_elements // next_power_of_2(head_dim))
     # Decoding and short sequences (most of a tile masked off) and (B, T, H, D) memory (the
     # position kernel reads it contiguously) stay on the position kernel unless forced.
     if kernel != "tile" and (not rows or T < block_t):
         return None
-    block_t = min(block_t, triton.next_power_of_2(T))
+    block_t = min(block_t, next_power_of_2(T))
     n_t_blocks = cdiv(T, block_t)
     splits = max(1, min(n_q_heads + n_k_heads, cdiv(min_programs, max(B * n_t_blocks, 1))))
     return block_t, n_t_blocks, splits, num_warps, tables_once, head_stages
