@@ -30,6 +30,11 @@ model, ~60 s, batch dynamic + 2 points) = 160 s: ~6 min, budget 360 s.
 step time is the median over the rounds (per-round rows in e2e_rounds.json). In the host-bound
 regime (small batches) the host's speed drifts by tens of percent within a run, and one
 configuration measured after another takes the drift as its own difference.
+--interleave: the configurations of a model run in resident workers, all at once (each holds its
+model and optimizer: memory for all of them must fit), built once; each round, each point is
+measured by every configuration in turn, the order rotated per point and round. Configurations
+compared at a point are then measured seconds apart, and the start-ups are paid once. After
+an OOM, a configuration skips the points of as many tokens or more.
 Outputs in --out: e2e.csv, e2e.json, summary.md, e2e_<sweep>.png, memory_timeline.png.
 """
 
@@ -39,6 +44,7 @@ import argparse
 import gc
 import json
 import os
+import select
 import shlex
 import statistics
 import subprocess
@@ -100,6 +106,29 @@ def run_point(model, optimizer, spec, point, compiled):
     return row
 
 
+def measure(model, optimizer, spec, point, compiled) -> tuple[dict[str, Any], float]:
+    """run_point, its failure as a row (OOM or error), and the cleanup before the next point.
+    Returns (row, seconds it took without the first steps' compilation / autotuning)."""
+    import torch
+
+    started = time.time()
+    try:
+        row = run_point(model, optimizer, spec, point, compiled)
+    except Exception as e:
+        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        note = first if oom else f"{type(e).__name__}: {first}"
+        row = blank(spec, point, "OOM" if oom else "error", note[:300])
+    took = time.time() - started
+    if row["step_ms"]:  # compilation and autotuning happen once
+        took = min(took, (row["steps"] + spec["warmup_steps"]) * row["step_ms"] / 1e3 + 1.0)
+    optimizer.zero_grad(set_to_none=True)  # back to the model state before the next point
+    gc.collect()
+    if spec["device"].startswith("cuda"):
+        torch.cuda.empty_cache()
+    return row, took
+
+
 def run_worker(spec: dict[str, Any]) -> None:
     import torch
 
@@ -112,6 +141,11 @@ def run_worker(spec: dict[str, Any]) -> None:
             f"  [{spec['config']}] {row['sweep']} b{row['batch']} s{row['seq']}: {rate}, {peak} {row['note'][:80]}"
         )
 
+    serving = spec.get("serve", False)
+    if serving:  # the replies go to the parent through the real stdout; any print to stderr
+        replies = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
     torch.manual_seed(0)
     if not spec["device"].startswith("cuda"):
         # One thread: on a shared CPU (CI) two OpenMP threads spin-wait 20x slower.
@@ -121,10 +155,20 @@ def run_worker(spec: dict[str, Any]) -> None:
         setup.patch(model, spec["config"])
         optimizer = setup.make_optimizer(model)
     except Exception as e:  # e.g. a patch that fails: every point gets the reason
+        if serving:
+            replies.write(json.dumps({"setup_error": f"{type(e).__name__}: {e}"[:300]}) + "\n")
+            return
         for point in spec["points"]:
             emit(blank(spec, point, "error", f"setup: {type(e).__name__}: {e}"[:300]))
         return
     compiled = setup.parse_config(spec["config"])[3]
+    if serving:  # one point per line on stdin, one row per line back, until stdin closes
+        replies.write(json.dumps({"ready": True}) + "\n")
+        for line in sys.stdin:
+            row, _ = measure(model, optimizer, spec, json.loads(line), compiled)
+            emit(row)
+            replies.write(json.dumps(row) + "\n")
+        return
     done: dict[tuple[int, int], dict[str, Any]] = {}
     oom_in: set[str] = set()
     last_s = 0.0
@@ -139,22 +183,8 @@ def run_worker(spec: dict[str, Any]) -> None:
         if time.time() + 2 * last_s > spec["deadline"]:  # sizes grow: expect twice the last point's
             emit(blank(spec, point, "skipped", "time budget"))
             continue
-        started = time.time()
-        try:
-            row = run_point(model, optimizer, spec, point, compiled)
-        except Exception as e:
-            oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            note = first if oom else f"{type(e).__name__}: {first}"
-            row = blank(spec, point, "OOM" if oom else "error", note[:300])
-            oom_in |= {point["sweep"]} if oom else set()
-        last_s = time.time() - started
-        if row["step_ms"]:  # without the first steps' compilation / autotuning, which happen once
-            last_s = min(last_s, (row["steps"] + spec["warmup_steps"]) * row["step_ms"] / 1e3 + 1.0)
-        optimizer.zero_grad(set_to_none=True)  # back to the model state before the next point
-        gc.collect()
-        if spec["device"].startswith("cuda"):
-            torch.cuda.empty_cache()
+        row, last_s = measure(model, optimizer, spec, point, compiled)
+        oom_in |= {point["sweep"]} if row["status"] == "OOM" else set()
         done[key] = row
         emit(row)
 
@@ -225,15 +255,13 @@ def cost(config: str, points: list[dict[str, Any]]) -> float:
     return 15 + 2.5 * len(distinct) + (60 if config.endswith("+compile") else 0)
 
 
-def run_config(
-    model_name, config, points, args, out: Path, deadline: float, tag: str = ""
-) -> list[dict[str, Any]]:
+def worker_spec(model_name, config, points, args, out: Path, deadline: float, tag: str = "") -> dict:
     slug = "".join(c if c.isalnum() or c in "-." else "_" for c in f"{model_name}_{config}{tag}")
     results, timeline = out / "raw" / f"{slug}.jsonl", out / "raw" / f"timeline_{slug}.json"
     results.parent.mkdir(parents=True, exist_ok=True)
     for stale in (results, timeline):  # from an earlier run into the same directory
         stale.unlink(missing_ok=True)
-    spec = {
+    return {
         "config": config,
         "model_name": "tiny" if args.tiny else model_name,
         "model": setup.MODELS["tiny" if args.tiny else model_name],
@@ -246,10 +274,20 @@ def run_config(
         "results": str(results),
         "timeline": str(timeline),
     }
+
+
+def worker_cmd(spec: dict[str, Any]) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+
+
+def run_config(
+    model_name, config, points, args, out: Path, deadline: float, tag: str = ""
+) -> list[dict[str, Any]]:
+    spec = worker_spec(model_name, config, points, args, out, deadline, tag)
+    results = Path(spec["results"])
     status, note = "skipped", "not reached"
     try:
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
-        proc = subprocess.run(cmd, timeout=deadline - time.time() + GRACE_S)
+        proc = subprocess.run(worker_cmd(spec), timeout=deadline - time.time() + GRACE_S)
         if proc.returncode != 0:
             status, note = "error", f"the worker exited with status {proc.returncode} (see its output)"
     except subprocess.TimeoutExpired:
@@ -260,6 +298,77 @@ def run_config(
         blank(spec, p, status, note) for p in points if (p["sweep"], p["batch"], p["seq"]) not in reported
     ]
     return rows
+
+
+def run_interleaved(model_name, configs, points, args, out: Path, end: float) -> list[dict[str, Any]]:
+    """--interleave: one resident worker per configuration, started together. Each round, every
+    point is measured by each configuration in turn, in an order rotated per point and round, so
+    that the configurations compared at a point run seconds apart instead of minutes."""
+    specs = {c: worker_spec(model_name, c, points, args, out, end) | {"serve": True} for c in configs}
+    procs = {
+        c: subprocess.Popen(worker_cmd(spec), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for c, spec in specs.items()
+    }
+
+    def reply(config: str, wait_s: float) -> dict[str, Any] | None:
+        """The worker's next line; None if it exited or did not answer within wait_s."""
+        pipe = procs[config].stdout
+        readable, _, _ = select.select([pipe], [], [], max(wait_s, 0.0))
+        line = pipe.readline() if readable else ""
+        return json.loads(line) if line else None
+
+    failed: dict[str, str] = {}  # configuration -> why its remaining points are not measured
+    for config in configs:
+        got = reply(config, end - time.time())
+        if got is None or "setup_error" in got:
+            failed[config] = f"setup: {got['setup_error']}" if got else "the worker did not start in time"
+    sweeps: dict[tuple[int, int], list[str]] = {}  # a point shared by two sweeps is measured once
+    for point in points:
+        sweeps.setdefault((point["batch"], point["seq"]), []).append(point["sweep"])
+    distinct = [next(p for p in points if (p["batch"], p["seq"]) == key) for key in sweeps]
+    oom_at: dict[str, float] = dict.fromkeys(configs, float("inf"))  # fewest tokens that ran out
+    last_s: dict[str, float] = dict.fromkeys(configs, 0.0)
+    rows: list[dict[str, Any]] = []
+    round_s = 0.0
+    try:
+        for r in range(args.rounds):
+            started = time.time()
+            whole = started + round_s <= end  # a round that would not fit is not begun
+            for i, point in enumerate(distinct):
+                point = point | {"timeline": bool(point.get("timeline")) and r == 0}
+                k = (r + i) % len(configs)
+                for config in configs[k:] + configs[:k]:
+                    row = None
+                    if config in failed:
+                        row = blank(specs[config], point, "error", failed[config])
+                    elif not whole or time.time() + 2 * last_s[config] > end:
+                        row = blank(specs[config], point, "skipped", "time budget")
+                    elif point["batch"] * point["seq"] >= oom_at[config]:
+                        row = blank(specs[config], point, "skipped", "a point as small ran out of memory")
+                    else:
+                        t0 = time.time()
+                        procs[config].stdin.write(json.dumps(point) + "\n")
+                        procs[config].stdin.flush()
+                        row = reply(config, end - time.time() + GRACE_S)
+                        if row is None:
+                            failed[config] = "the worker stopped answering (see its output)"
+                            procs[config].kill()
+                            row = blank(specs[config], point, "error", failed[config])
+                        last_s[config] = time.time() - t0
+                        if row["status"] == "OOM":
+                            oom_at[config] = min(oom_at[config], point["batch"] * point["seq"])
+                    rows += [row | {"sweep": s, "round": r} for s in sweeps[(point["batch"], point["seq"])]]
+            round_s = time.time() - started
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.stdin.close()
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return sorted(rows, key=lambda row: configs.index(row["config"]))  # stable: rounds, points in order
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -283,6 +392,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--budget", type=float, help="seconds for the whole run (default 540, quick 360)")
     p.add_argument("--rounds", type=int, default=1, help="repeat the plan, configurations rotated (median)")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="resident workers, configurations taking turns at each point (see above)",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument(
         "--tiny", action="store_true", help="a 2-layer model with vocab 1000 (script check, CPU ok)"
@@ -325,10 +439,19 @@ def main(argv=None) -> int:
         setup.parse_config(name)  # fail early on a typo
     out = Path(args.out or f"benchmarks/results/e2e-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    workers = rounds(plan_workers(args), args.rounds)
     start = time.time()
     end = start + args.budget
     rows: list[dict[str, Any]] = []
+    if args.interleave:
+        groups: dict[tuple, list[str]] = {}  # workers with the same points share a group
+        for model, config, points in plan_workers(args):
+            groups.setdefault((model, json.dumps(points)), []).append(config)
+        costs = {g: args.rounds * sum(cost(c, json.loads(g[1])) for c in cs) for g, cs in groups.items()}
+        for i, ((model, points), configs) in enumerate(groups.items()):
+            share = (end - time.time()) * costs[(model, points)] / sum(list(costs.values())[i:])
+            log(f"[{i + 1}/{len(groups)}] {model} {','.join(configs)}: {args.rounds} rounds, {share:.0f} s")
+            rows += run_interleaved(model, configs, json.loads(points), args, out, time.time() + share)
+    workers = [] if args.interleave else rounds(plan_workers(args), args.rounds)
     for i, (model, config, points, r) in enumerate(workers):
         left = sum(cost(c, p) for _, c, p, _ in workers[i:])
         share = (end - time.time()) * cost(config, points) / left  # unused time passes on

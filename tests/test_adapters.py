@@ -2,7 +2,10 @@
 (harness/bench/) and the plots (harness/plots.py), on the CPU."""
 
 import importlib.util
+import json
 import math
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -415,3 +418,63 @@ def test_e2e_rounds_rotate_configs_and_take_the_median(monkeypatch):
     assert median["tokens_per_s"] == pytest.approx(1024 / 0.070) and "median of 3 rounds" in median["note"]
     (even,) = e2e.median_over_rounds(rows[:2])
     assert even["step_ms"] == 72.0
+
+
+FAKE_E2E_WORKER = r"""
+import json, sys
+spec = json.loads(sys.argv[1])
+if spec["config"] == "broken":
+    print(json.dumps({"setup_error": "ValueError: no such patch"}), flush=True)
+    sys.exit(0)
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    point = json.loads(line)
+    with open(spec["results"] + ".order", "a") as f:  # what was asked, in order
+        f.write(f"{spec['config']} {point['batch']} {point['timeline']}\n")
+    oom = spec["config"] == "big" and point["batch"] >= 2
+    row = {"model": spec["model_name"], "config": spec["config"], "sweep": point["sweep"],
+           "batch": point["batch"], "seq": point["seq"], "tokens_per_s": None if oom else 1.0,
+           "peak_gib": None, "step_ms": None if oom else 10.0 * point["batch"], "steps": 2,
+           "loss": 1.0, "status": "OOM" if oom else "ok", "note": ""}
+    print(json.dumps(row), flush=True)
+"""
+
+
+def test_e2e_interleave_takes_turns_per_point(monkeypatch, tmp_path):
+    """--interleave: resident workers answer one point at a time; each point goes to every
+    configuration in an order rotated per point and round; a point shared by two sweeps is
+    measured once; a failed set-up, an OOM and a start past the deadline show in the rows."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    e2e = importlib.import_module("e2e_train")
+    monkeypatch.setattr(
+        e2e, "worker_cmd", lambda spec: [sys.executable, "-c", FAKE_E2E_WORKER, json.dumps(spec)]
+    )
+    args = e2e.parse_args(["--device", "cpu", "--tiny", "--rounds", "2", "--interleave"])
+    points = [{"sweep": "batch", "batch": b, "seq": 32, "timeline": b == 2} for b in (1, 2, 4)]
+    points.append({"sweep": "small", "batch": 1, "seq": 32})
+    configs = ["plain", "lmk", "big", "broken"]
+    rows = e2e.run_interleaved("tiny", configs, points, args, tmp_path, time.time() + 60)
+
+    asked = {
+        c: (tmp_path / "raw" / f"tiny_{c}.jsonl.order").read_text().split("\n")[:-1] for c in configs[:3]
+    }
+    assert asked["plain"] == ["plain 1 False", "plain 2 True", "plain 4 False"] + [
+        "plain 1 False", "plain 2 False", "plain 4 False"]  # fmt: skip
+    assert asked["big"] == ["big 1 False", "big 2 True", "big 1 False"]  # none as large as an OOM
+    assert [r["config"] for r in rows] == sorted((r["config"] for r in rows), key=configs.index)
+    assert len(rows) == len(configs) * 2 * 4  # 4 rows a round: batch 1 stands for both sweeps
+    by = {(r["config"], r["sweep"], r["batch"], r["round"]): r for r in rows}
+    assert by[("lmk", "small", 1, 1)]["step_ms"] == by[("lmk", "batch", 1, 1)]["step_ms"] == 10.0
+    assert by[("big", "batch", 4, 0)]["status"] == "skipped" and by[("big", "batch", 2, 0)]["status"] == "OOM"
+    assert {by[("broken", "batch", b, r)]["note"] for b in (1, 2, 4) for r in (0, 1)} == {
+        "setup: ValueError: no such patch"}  # fmt: skip
+
+    order = tmp_path / "order.txt"
+    monkeypatch.setattr(e2e, "worker_cmd", lambda spec: [sys.executable, "-c", FAKE_E2E_WORKER.replace(
+        'spec["results"] + ".order"', repr(str(order))), json.dumps(spec)])  # fmt: skip
+    e2e.run_interleaved("tiny", ["plain", "lmk"], points[:2], args, tmp_path, time.time() + 60)
+    turns = [line.split()[0] for line in order.read_text().splitlines()]
+    assert turns == ["plain", "lmk", "lmk", "plain", "lmk", "plain", "plain", "lmk"]  # rotated
+
+    late = e2e.run_interleaved("tiny", ["plain"], points[:1], args, tmp_path, time.time() - 1)
+    assert {(r["status"], r["note"]) for r in late} == {("error", "the worker did not start in time")}
