@@ -34,7 +34,9 @@ configuration measured after another takes the drift as its own difference.
 model and optimizer: memory for all of them must fit), built once; each round, each point is
 measured by every configuration in turn, the order rotated per point and round. Configurations
 compared at a point are then measured seconds apart, and the start-ups are paid once. After
-an OOM, a configuration skips the points of as many tokens or more.
+an OOM, a configuration skips the points of as many tokens or more. With --rounds, summary.md
+also gives each configuration's speedups paired by round (median, range, rounds faster);
+--report DIR writes the reports of such a run again.
 Outputs in --out: e2e.csv, e2e.json, summary.md, e2e_<sweep>.png, memory_timeline.png.
 """
 
@@ -401,6 +403,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--tiny", action="store_true", help="a 2-layer model with vocab 1000 (script check, CPU ok)"
     )
+    p.add_argument("--report", metavar="DIR", help="rewrite the reports of a --rounds run in DIR")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     ints = lambda s: [int(v) for v in s.split(",") if v.strip()] if s else None
@@ -429,6 +432,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         run_worker(json.loads(args.worker))
+        return 0
+    if args.report:  # the reports again, from a run's e2e_rounds.json and e2e.json (its meta)
+        out = Path(args.report)
+        round_rows = json.loads((out / "e2e_rounds.json").read_text())
+        meta = json.loads((out / "e2e.json").read_text())["meta"]
+        write_reports(median_over_rounds(round_rows), meta, out, round_rows)
+        log((out / "summary.md").read_text())
         return 0
     import torch
 
@@ -463,7 +473,8 @@ def main(argv=None) -> int:
         tag = f"_r{r}" if args.rounds > 1 else ""
         got = run_config(model, config, points, args, out, time.time() + share, tag)
         rows += [row | {"round": r} for row in got]
-    if args.rounds > 1:
+    round_rows = rows if args.rounds > 1 else []
+    if round_rows:
         (out / "e2e_rounds.json").write_text(json.dumps(rows, indent=1))
         rows = median_over_rounds(rows)
     meta = setup.environment() | {
@@ -475,7 +486,7 @@ def main(argv=None) -> int:
         "seconds": round(time.time() - start),
         "command": shlex.join(["python", *sys.argv]) if argv is None else shlex.join(argv),
     }
-    paths = write_reports(rows, meta, out)
+    paths = write_reports(rows, meta, out, round_rows)
     log((out / "summary.md").read_text())
     log(f"wrote {len(paths)} files to {out} in {time.time() - start:.0f} s")
     return 0

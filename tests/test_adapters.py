@@ -420,6 +420,26 @@ def test_e2e_rounds_rotate_configs_and_take_the_median(monkeypatch):
     assert even["step_ms"] == 72.0
 
 
+def test_e2e_paired_speedups(monkeypatch):
+    """Per round, the base's step over the configuration's, where both ran: median, range and
+    the rounds it was faster in; pairs for non-base configurations and lmk, against each base."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    report = importlib.import_module("e2e_report")
+    point = {"model": "m", "sweep": "small", "batch": 1, "seq": 512}
+    steps = {"plain": (100.0, 120.0, 90.0), "lmk": (80.0, 100.0, 100.0), "lmk-x": (50.0, None, 45.0)}
+    rows = [point | {"config": c, "round": r, "step_ms": ms, "status": "ok" if ms else "OOM"}
+            for c, per_round in steps.items() for r, ms in enumerate(per_round)]  # fmt: skip
+    got = {(p["config"], p["base"]): p for p in report.paired_speedups(rows)}
+    assert set(got) == {("lmk", "plain"), ("lmk-x", "plain"), ("lmk-x", "lmk")}  # plain is a base
+    lmk = got[("lmk", "plain")]
+    assert lmk["median"] == 1.2 and (lmk["min"], lmk["max"]) == (0.9, 1.25) and lmk["faster"] == 2
+    x = got[("lmk-x", "lmk")]
+    assert x["pairs"] == 2 and x["median"] == pytest.approx((1.6 + 100 / 45) / 2) and x["faster"] == 2
+    assert "| m | small | 1 | 512 | lmk | plain | 1.20x [0.90-1.25] | 2/3 |" in report.paired_summary(
+        report.paired_speedups(rows)
+    )
+
+
 FAKE_E2E_WORKER = r"""
 import json, sys
 spec = json.loads(sys.argv[1])
