@@ -340,7 +340,6 @@ def run_interleaved(model_name, configs, points, args, out: Path, end: float) ->
                 point = point | {"timeline": bool(point.get("timeline")) and r == 0}
                 k = (r + i) % len(configs)
                 for config in configs[k:] + configs[:k]:
-                    row = None
                     if config in failed:
                         row = blank(specs[config], point, "error", failed[config])
                     elif not whole or time.time() + 2 * last_s[config] > end:
@@ -349,9 +348,12 @@ def run_interleaved(model_name, configs, points, args, out: Path, end: float) ->
                         row = blank(specs[config], point, "skipped", "a point as small ran out of memory")
                     else:
                         t0 = time.time()
-                        procs[config].stdin.write(json.dumps(point) + "\n")
-                        procs[config].stdin.flush()
-                        row = reply(config, end - time.time() + GRACE_S)
+                        try:
+                            procs[config].stdin.write(json.dumps(point) + "\n")
+                            procs[config].stdin.flush()
+                            row = reply(config, end - time.time() + GRACE_S)
+                        except OSError:  # it exited: a broken pipe
+                            row = None
                         if row is None:
                             failed[config] = "the worker stopped answering (see its output)"
                             procs[config].kill()
@@ -363,8 +365,10 @@ def run_interleaved(model_name, configs, points, args, out: Path, end: float) ->
             round_s = time.time() - started
     finally:
         for proc in procs.values():
-            if proc.poll() is None:
+            try:
                 proc.stdin.close()
+            except OSError:
+                pass
         for proc in procs.values():
             try:
                 proc.wait(timeout=GRACE_S)

@@ -457,13 +457,16 @@ for line in sys.stdin:
            "peak_gib": None, "step_ms": None if oom else 10.0 * point["batch"], "steps": 2,
            "loss": 1.0, "status": "OOM" if oom else "ok", "note": ""}
     print(json.dumps(row), flush=True)
+    if spec["config"] == "dies":
+        sys.exit(1)
 """
 
 
 def test_e2e_interleave_takes_turns_per_point(monkeypatch, tmp_path):
     """--interleave: resident workers answer one point at a time; each point goes to every
     configuration in an order rotated per point and round; a point shared by two sweeps is
-    measured once; a failed set-up, an OOM and a start past the deadline show in the rows."""
+    measured once; a failed set-up, an OOM, a worker that exits and a start past the deadline
+    show in the rows."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     e2e = importlib.import_module("e2e_train")
     monkeypatch.setattr(
@@ -472,7 +475,7 @@ def test_e2e_interleave_takes_turns_per_point(monkeypatch, tmp_path):
     args = e2e.parse_args(["--device", "cpu", "--tiny", "--rounds", "2", "--interleave"])
     points = [{"sweep": "batch", "batch": b, "seq": 32, "timeline": b == 2} for b in (1, 2, 4)]
     points.append({"sweep": "small", "batch": 1, "seq": 32})
-    configs = ["plain", "lmk", "big", "broken"]
+    configs = ["plain", "lmk", "big", "broken", "dies"]
     rows = e2e.run_interleaved("tiny", configs, points, args, tmp_path, time.time() + 60)
 
     asked = {
@@ -488,6 +491,9 @@ def test_e2e_interleave_takes_turns_per_point(monkeypatch, tmp_path):
     assert by[("big", "batch", 4, 0)]["status"] == "skipped" and by[("big", "batch", 2, 0)]["status"] == "OOM"
     assert {by[("broken", "batch", b, r)]["note"] for b in (1, 2, 4) for r in (0, 1)} == {
         "setup: ValueError: no such patch"}  # fmt: skip
+    dies = [by[("dies", "batch", b, r)] for r in (0, 1) for b in (1, 2, 4)]
+    assert dies[0]["status"] == "ok" and {r["note"] for r in dies[1:]} == {
+        "the worker stopped answering (see its output)"}  # fmt: skip
 
     order = tmp_path / "order.txt"
     monkeypatch.setattr(e2e, "worker_cmd", lambda spec: [sys.executable, "-c", FAKE_E2E_WORKER.replace(
