@@ -123,7 +123,7 @@ def summary(rows: list[dict[str, Any]], meta: dict[str, Any], paired=()) -> str:
 
 def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, round_rows=()) -> list[Path]:
     """round_rows: the rows of each round (--rounds), for the paired speedups."""
-    from lmkernels.harness.plots import plot_e2e, plot_memory_timeline
+    from lmkernels.harness.plots import plot_e2e, plot_e2e_paired, plot_memory_timeline
 
     out = Path(out)
     add_ratios(rows)
@@ -135,6 +135,10 @@ def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, r
     (out / "e2e.json").write_text(json.dumps({"meta": meta, "rows": rows, "paired": paired}, indent=1))
     (out / "summary.md").write_text(summary(rows, meta, paired))
     paths = [out / "e2e.csv", out / "e2e.json", out / "summary.md", *plot_e2e(rows, out)]
+    for model in dict.fromkeys(p["model"] for p in paired):
+        mine = [p for p in paired if p["model"] == model]
+        title = f"end-to-end training, {model}: speedups paired by round (median, range)"
+        paths.append(plot_e2e_paired(mine, out / f"e2e_paired_{model}.png", title))
     timelines = {}
     for f in sorted((out / "raw").glob("timeline_*.json")):
         tl = json.loads(f.read_text())

@@ -37,7 +37,8 @@ compared at a point are then measured seconds apart, and the start-ups are paid 
 an OOM, a configuration skips the points of as many tokens or more. With --rounds, summary.md
 also gives each configuration's speedups paired by round (median, range, rounds faster);
 --report DIR writes the reports of such a run again.
-Outputs in --out: e2e.csv, e2e.json, summary.md, e2e_<sweep>.png, memory_timeline.png.
+Outputs in --out: e2e.csv, e2e.json, summary.md, e2e_<sweep>.png, memory_timeline.png
+(--rounds: e2e_rounds.json, e2e_paired_<model>.png).
 """
 
 from __future__ import annotations

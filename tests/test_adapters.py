@@ -420,7 +420,7 @@ def test_e2e_rounds_rotate_configs_and_take_the_median(monkeypatch):
     assert even["step_ms"] == 72.0
 
 
-def test_e2e_paired_speedups(monkeypatch):
+def test_e2e_paired_speedups(monkeypatch, tmp_path):
     """Per round, the base's step over the configuration's, where both ran: median, range and
     the rounds it was faster in; pairs for non-base configurations and lmk, against each base."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -438,6 +438,8 @@ def test_e2e_paired_speedups(monkeypatch):
     assert "| m | small | 1 | 512 | lmk | plain | 1.20x [0.90-1.25] | 2/3 |" in report.paired_summary(
         report.paired_speedups(rows)
     )
+    png = plots.plot_e2e_paired(report.paired_speedups(rows), tmp_path / "paired.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 FAKE_E2E_WORKER = r"""

@@ -150,6 +150,38 @@ def plot_e2e(rows: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
     return paths
 
 
+def plot_e2e_paired(paired: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
+    """Speedups paired by round (benchmarks/e2e_report.paired_speedups): one panel per base,
+    a point per (configuration, batch x sequence), the median with the rounds' range as a bar."""
+    plt = _pyplot()
+    bases = list(dict.fromkeys(p["base"] for p in paired))
+    points = list(dict.fromkeys((p["model"], p["batch"], p["seq"]) for p in paired))
+    configs = list(dict.fromkeys(p["config"] for p in paired))
+    fig, axes = plt.subplots(1, len(bases), figsize=(6 * len(bases), 4.5), squeeze=False)
+    for ax, base in zip(axes[0], bases):
+        for j, config in enumerate(configs):
+            mine = {
+                (p["model"], p["batch"], p["seq"]): p
+                for p in paired
+                if p["base"] == base and p["config"] == config
+            }
+            xs = [i + 0.8 * (j + 0.5) / len(configs) - 0.4 for i, key in enumerate(points) if key in mine]
+            got = [mine[key] for key in points if key in mine]
+            if not got:
+                continue
+            med = [p["median"] for p in got]
+            bars = [[m - p["min"] for m, p in zip(med, got)], [p["max"] - m for m, p in zip(med, got)]]
+            ax.errorbar(xs, med, yerr=bars, fmt="o", capsize=3, label=config)
+        ax.axhline(1.0, color="gray", lw=1)
+        ax.set_xticks(range(len(points)), [f"{b} x {s}" for _, b, s in points], rotation=30)
+        ax.set_xlabel("batch x sequence")
+        ax.set_ylabel(f"speedup vs {base} (per round, paired)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title or "end-to-end speedups, paired by round: median and range")
+    return save_figure(fig, path)
+
+
 def plot_memory_timeline(timelines: dict[str, dict[str, list[float]]], path: Path, title: str = "") -> Path:
     """timelines: label -> {"x": [...], "mib": [...], "x_label": ...}: allocated memory (MiB)
     after each allocator event, x in ms (or the event index where torch gives no timestamps)."""
