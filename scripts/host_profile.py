@@ -10,6 +10,8 @@ torch.cuda._sleep so nothing waits), microseconds per call of:
   public_fwd_bwd        forward + torch.autograd.grad
   public_fwd_bwd_design_shape   the same at the op's design shape (scripts/host_overhead.py)
   torch_mul_fwd_bwd     x * w forward + autograd.grad in plain torch (autograd's own floor)
+  bare_function_fwd_bwd the same through a Python autograd.Function that launches nothing and
+                        makes the norms' allocations (the floor of a Python Function)
   triton_empty_launch_direct    the empty kernel through its compiled launcher, as Triton calls it
                         after its binder, specialization and cache lookup (recorded once, replayed)
   launcher_fwd_launches_direct  the forward launcher's launches replayed the same way (no
@@ -58,6 +60,25 @@ def _empty_kernel(a, b, c, d, n, BLOCK: tl.constexpr):
 # Calls per timed block: few enough that their launches fit in the CUDA launch queue (about a
 # thousand entries) while the GPU sleeps, else the host blocks and the wait is counted.
 CALLS = 40
+
+
+class _BareFunction(torch.autograd.Function):
+    """A Python autograd.Function that launches nothing and allocates what the norms' Triton
+    path does (y and rstd forward; dx, dw and fp32 partial rows backward): the floor of any op
+    written as a Python Function, above the engine's own (torch_mul_fwd_bwd)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        y = torch.empty_like(x)
+        rstd = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        ctx.save_for_backward(x, w, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, _ = ctx.saved_tensors
+        torch.empty((3, x.shape[1]), dtype=torch.float32, device=x.device)
+        return torch.empty_like(x), torch.empty_like(w)
 
 
 def per_call_us(fn, calls: int = CALLS) -> float:
@@ -177,6 +198,8 @@ def profile_op(op: str) -> dict:
     w = torch.randn(256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
     result["torch_mul_fwd_bwd"] = per_call_us(lambda: torch.autograd.grad([x * w], [x, w], [g]))
+    bare = lambda: torch.autograd.grad([_BareFunction.apply(x, w)], [x, w], [g])  # noqa: E731
+    result["bare_function_fwd_bwd"] = per_call_us(bare)
     design = make_step(op, "triton", DESIGN[op], torch.bfloat16)
     result["public_fwd_bwd_design_shape"] = per_call_us(design)
     # The same with the launch cache (backends/triton/_launch.py) on, then off.
