@@ -20,6 +20,11 @@ host on every call, which would stall the launch queue this script measures.
     python scripts/host_overhead.py --out benchmarks/results/host-overhead
     python scripts/host_overhead.py --op rms_norm --op rope --shapes small --out /tmp/ho
 
+--chain K: each step calls the op K times in a row (each call's outputs feeding the next, see
+CHAINED) and runs one backward through all of them, as a model does; the times are per op
+(divided by K). One backward per op charges the autograd engine's fixed cost per backward
+call (plain torch's x * w forward + backward: 99-127 us on the H200 hosts) to every op.
+
 Writes host_overhead.json and host_overhead.md (device, versions, command) to --out.
 """
 
@@ -84,10 +89,38 @@ def without_launch_cache(step):
     return run
 
 
-def make_step(op: str, backend: str, shape: dict, dtype: torch.dtype):
-    """A function running one forward + backward of `backend` on fresh inputs of `shape`."""
+# --chain: the inputs each call's outputs feed into the next call (the GLUs' output as the next
+# gate, the up projection kept); the FLCE gives a scalar and is not chained.
+CHAINED = {
+    "rms_norm": ("x",),
+    "layer_norm": ("x",),
+    "rope": ("q", "k"),
+    "swiglu": ("gate",),
+    "geglu": ("gate",),
+}
+
+
+def chained(fn, op: str, k: int):
+    """fn applied k times in a row, each call's outputs as the next call's CHAINED inputs: one
+    backward through k ops, as in a model, instead of one per op."""
+    if k == 1 or op not in CHAINED:
+        return fn
+
+    def run(**inputs):
+        out = fn(**inputs)
+        for _ in range(k - 1):
+            outs = out if isinstance(out, tuple) else (out,)
+            out = fn(**(inputs | dict(zip(CHAINED[op], outs))))
+        return out
+
+    return run
+
+
+def make_step(op: str, backend: str, shape: dict, dtype: torch.dtype, chain: int = 1):
+    """A function running one forward + backward of `backend` on fresh inputs of `shape` (with
+    chain > 1: `chain` calls in a row, then one backward through all of them)."""
     if backend == NO_CACHE:
-        return without_launch_cache(make_step(op, "triton", shape, dtype))
+        return without_launch_cache(make_step(op, "triton", shape, dtype, chain))
     spec = get_op(op)
     inputs = spec.make_inputs(shape, dtype, "cuda", 0)
     names = [n for n in spec.grad_inputs if isinstance(inputs.get(n), torch.Tensor)]
@@ -98,6 +131,7 @@ def make_step(op: str, backend: str, shape: dict, dtype: torch.dtype):
         fn = get_impl(op, backend).fn  # the peer's own call, without our dispatch
     else:
         fn = functools.partial(PUBLIC[op], backend=backend)
+    fn = chained(fn, op, chain)
     out = fn(**inputs)
     outs = out if isinstance(out, tuple) else (out,)
     upstream = [torch.randn_like(o) if o.requires_grad else None for o in outs]
@@ -194,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", action="append", help=f"default: triton, compile, liger; also {NO_CACHE}")
     p.add_argument("--shapes", default="design,small", help="design, small or both (comma-separated)")
     p.add_argument("--host-blocks", type=int, default=20, help="timed blocks per backend for host_ms")
+    p.add_argument("--chain", type=int, default=1, help="K calls per step, one backward (times per op: / K)")
     args = p.parse_args(argv)
     os.environ.setdefault("LMKERNELS_CHECK_VALUES", "0")
     if not torch.cuda.is_available():
@@ -204,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env, rows = environment(), []
+    if args.chain > 1:
+        env["chain"] = f"{args.chain} calls per step, one backward; times per op (FLCE: one call)"
     sets = [s.strip() for s in args.shapes.split(",") if s.strip()]
     plan = [(s, op) for s in sets for op in ops]
     for n, (set_name, op) in enumerate(plan, 1):
@@ -211,17 +248,19 @@ def main(argv: list[str] | None = None) -> int:
         label = "x".join(map(str, shape.values()))
         print(f"[{n}/{len(plan)}] {op} {label}", flush=True)
         steps, op_rows = {}, {}
+        k = args.chain if op in CHAINED else 1
         for backend in [
             b for b in wanted if any(i.backend == b.replace(NO_CACHE, "triton") for i in impls(op))
         ]:
             row = op_rows[backend] = {"op": op, "shape_set": set_name, "shape": label, "backend": backend}
+            row["chain"] = k
             reason = get_impl(op, backend.replace(NO_CACHE, "triton")).unavailable_reason()
             if reason:
                 row["error"] = f"not available: {reason}"
                 continue
             try:
-                steps[backend] = make_step(op, backend, shape, torch.bfloat16)
-                row.update(gpu_ms=gpu_ms(steps[backend]), wall_ms=wall_ms(steps[backend]))
+                steps[backend] = make_step(op, backend, shape, torch.bfloat16, k)
+                row.update(gpu_ms=gpu_ms(steps[backend]) / k, wall_ms=wall_ms(steps[backend]) / k)
                 row["wall_over_gpu"] = row["wall_ms"] / row["gpu_ms"]
             except Exception as e:  # one failing backend must not lose the others' numbers
                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
@@ -230,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         long_step = any(r.get("gpu_ms", 0.0) > 1.0 for r in op_rows.values())
         try:
             for backend, ms in host_ms(steps, args.host_blocks, calls=3 if long_step else 20).items():
-                op_rows[backend]["host_ms"] = ms
+                op_rows[backend]["host_ms"] = ms / k
         except Exception as e:  # noqa: BLE001 (recorded; the other ops go on)
             for backend in steps:
                 op_rows[backend]["error"] = f"host timing: {type(e).__name__}: {e}".splitlines()[0]
