@@ -13,7 +13,9 @@ Ours runs through the public function (`lk.rms_norm(..., backend="triton")`, dis
 what a user pays); the peers through their own functions (the registered adapters, no dispatch).
 Targets: wall <= 1.1x gpu at the design shapes; host time per op <= Liger's.
 Backend "triton-no-cache": ours with the launch cache off (backends/triton/_launch.py: every
-launch through Triton's own binding), an A/B within the run.
+launch through Triton's own binding), an A/B within the run. A backend name ending in "-1thread"
+(e.g. triton-1thread, liger-1thread): the same with the backward on the calling thread
+(torch.autograd.set_multithreading_enabled(False)); its host ratio is against liger-1thread.
 LMKERNELS_CHECK_VALUES=0 (the production setting): FLCE's target range check syncs with the
 host on every call, which would stall the launch queue this script measures.
 
@@ -73,6 +75,7 @@ PUBLIC = {
 
 
 NO_CACHE = "triton-no-cache"
+ONE_THREAD = "-1thread"  # a suffix: the backward on the calling thread (below)
 
 
 def without_launch_cache(step):
@@ -116,11 +119,29 @@ def chained(fn, op: str, k: int):
     return run
 
 
+def base_backend(name: str) -> str:
+    """The registered backend behind a variant's name (triton-no-cache, liger-1thread, ...)."""
+    return name.removesuffix(ONE_THREAD).replace(NO_CACHE, "triton")
+
+
+def on_calling_thread(step):
+    """step with the backward run on the calling thread: on CUDA the autograd engine otherwise
+    hands it to a device thread (torch.autograd.set_multithreading_enabled)."""
+
+    def run():
+        with torch.autograd.set_multithreading_enabled(False):
+            step()
+
+    return run
+
+
 def make_step(op: str, backend: str, shape: dict, dtype: torch.dtype, chain: int = 1):
     """A function running one forward + backward of `backend` on fresh inputs of `shape` (with
     chain > 1: `chain` calls in a row, then one backward through all of them)."""
     if backend == NO_CACHE:
         return without_launch_cache(make_step(op, "triton", shape, dtype, chain))
+    if backend.endswith(ONE_THREAD):
+        return on_calling_thread(make_step(op, backend.removesuffix(ONE_THREAD), shape, dtype, chain))
     spec = get_op(op)
     inputs = spec.make_inputs(shape, dtype, "cuda", 0)
     names = [n for n in spec.grad_inputs if isinstance(inputs.get(n), torch.Tensor)]
@@ -249,12 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{n}/{len(plan)}] {op} {label}", flush=True)
         steps, op_rows = {}, {}
         k = args.chain if op in CHAINED else 1
-        for backend in [
-            b for b in wanted if any(i.backend == b.replace(NO_CACHE, "triton") for i in impls(op))
-        ]:
+        for backend in [b for b in wanted if any(i.backend == base_backend(b) for i in impls(op))]:
             row = op_rows[backend] = {"op": op, "shape_set": set_name, "shape": label, "backend": backend}
             row["chain"] = k
-            reason = get_impl(op, backend.replace(NO_CACHE, "triton")).unavailable_reason()
+            reason = get_impl(op, base_backend(backend)).unavailable_reason()
             if reason:
                 row["error"] = f"not available: {reason}"
                 continue
@@ -280,9 +299,13 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"    {json.dumps({k: v for k, v in row.items() if k not in ('op', 'shape', 'shape_set')})}"
             )
-    liger = {(r["op"], r["shape"]): r.get("host_ms") for r in rows if r["backend"] == "liger"}
+    liger = {
+        (r["op"], r["shape"], r["backend"].endswith(ONE_THREAD)): r.get("host_ms")
+        for r in rows
+        if base_backend(r["backend"]) == "liger"
+    }
     for r in rows:
-        base = liger.get((r["op"], r["shape"]))
+        base = liger.get((r["op"], r["shape"], r["backend"].endswith(ONE_THREAD)))
         r["host_vs_liger"] = r["host_ms"] / base if base and "host_ms" in r else None
     (out / "host_overhead.json").write_text(json.dumps({"meta": env, "rows": rows}, indent=1))
     (out / "host_overhead.md").write_text(to_markdown(rows, env))
