@@ -12,6 +12,9 @@ Configurations (names as on the command line):
   ...-noflce           a patched one without the fused loss (the ablation)
   lmk...-nocheck       with LMKERNELS_CHECK_VALUES=0: no target range check, so no host sync
                        per loss (what the default's check costs)
+  ...-1thread          the backward on the training thread: torch.autograd.
+                       set_multithreading_enabled(False), where CUDA's default hands it to a
+                       device thread (what that hand-over costs in the host-bound regime)
   ...+compile          then torch.compile(model) (model.compile(), batch dimension dynamic)
 """
 
@@ -92,8 +95,10 @@ def build_model(model_cfg: dict[str, Any], device: str, checkpointing: bool = Tr
 def parse_config(name: str) -> tuple[str, str | None, tuple[str, ...], bool]:
     """lmk:triton-noflce+compile -> ("lmk", "triton", ops without flce, compiled=True);
     lmk:triton/flce=triton_lean -> ("lmk", "triton,flce=triton_lean", all ops, False).
-    A "-nocheck" before "+compile" (lmk only) is read by `patch` (value_checks)."""
+    A "-nocheck" before "+compile" (lmk only) is read by `patch` (value_checks), as is a
+    "-1thread" (any kind) after it (backward_threads)."""
     base, compiled = (name[: -len("+compile")], True) if name.endswith("+compile") else (name, False)
+    base = base.removesuffix("-1thread")
     base, nocheck = (base[: -len("-nocheck")], True) if base.endswith("-nocheck") else (base, False)
     base, noflce = (base[: -len("-noflce")], True) if base.endswith("-noflce") else (base, False)
     kind, _, backend = base.partition(":")
@@ -104,7 +109,7 @@ def parse_config(name: str) -> tuple[str, str | None, tuple[str, ...], bool]:
     ):
         raise ValueError(
             f"unknown configuration {name!r}: plain, lmk[:BACKEND] or liger, then optionally "
-            "-noflce (not plain), -nocheck (lmk only) and +compile"
+            "-noflce (not plain), -nocheck (lmk only), -1thread and +compile"
         )
     ops = tuple(o for o in ALL_OPS if not (noflce and o == "flce"))
     # "/" stands for the "," of a backend spec ("lmk:triton/flce=triton_lean"): configurations
@@ -117,6 +122,11 @@ def patch(model, name: str):
     kind, backend, ops, compiled = parse_config(name)
     if not value_checks(name):
         os.environ["LMKERNELS_CHECK_VALUES"] = "0"  # read at each call; this process runs one configuration
+    if not backward_threads(name):
+        import torch
+
+        # Thread-local: the worker trains on this thread.
+        torch.autograd.set_multithreading_enabled(False)
     if kind == "lmk":
         from lmkernels.integrations.transformers import apply
 
@@ -139,7 +149,13 @@ def patch(model, name: str):
 
 def value_checks(name: str) -> bool:
     """Whether configuration `name` keeps lmkernels' value checks (all but "-nocheck" ones)."""
-    return not name.removesuffix("+compile").endswith("-nocheck")
+    return not name.removesuffix("+compile").removesuffix("-1thread").endswith("-nocheck")
+
+
+def backward_threads(name: str) -> bool:
+    """Whether configuration `name` leaves the backward to autograd's device threads (all but
+    "-1thread" ones)."""
+    return not name.removesuffix("+compile").endswith("-1thread")
 
 
 def make_optimizer(model):

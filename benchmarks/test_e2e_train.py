@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -52,7 +54,14 @@ def test_parse_config():
         "lmk-nocheck"
     )
     assert e2e_setup.value_checks("lmk") and e2e_setup.value_checks("lmk-noflce+compile")
+    assert e2e_setup.parse_config("lmk-nocheck-1thread+compile") == e2e_setup.parse_config("lmk+compile")
+    assert not e2e_setup.value_checks("lmk-nocheck-1thread") and e2e_setup.value_checks("liger-1thread")
+    assert not e2e_setup.backward_threads("plain-1thread") and not e2e_setup.backward_threads(
+        "lmk-1thread+compile"
+    )
+    assert e2e_setup.backward_threads("lmk") and e2e_setup.backward_threads("lmk-nocheck+compile")
     for bad in (
+        "lmk-1thread-nocheck",
         "plain-noflce",
         "plain:triton",
         "fast",
@@ -201,3 +210,17 @@ def test_tiny_interleaved_run_on_cpu(tmp_path):
     assert (pair["config"], pair["base"], pair["pairs"]) == ("lmk:eager", "plain", 2)
     assert "## speedups per round, paired" in (tmp_path / "summary.md").read_text()
     assert (tmp_path / "e2e_paired_tiny.png").exists()
+
+
+def test_1thread_runs_the_backward_on_the_training_thread():
+    seen = {}
+
+    def worker(name):
+        e2e_setup.patch(torch.nn.Linear(2, 2), name)
+        seen[name] = torch._C._is_multithreading_enabled()
+
+    for name in ("plain-1thread", "plain"):  # each in a fresh thread: the setting is thread-local
+        thread = threading.Thread(target=worker, args=(name,))
+        thread.start()
+        thread.join()
+    assert seen == {"plain-1thread": False, "plain": True}
