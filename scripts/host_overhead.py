@@ -269,17 +269,17 @@ def main(argv: list[str] | None = None) -> int:
         label = "x".join(map(str, shape.values()))
         print(f"[{n}/{len(plan)}] {op} {label}", flush=True)
         steps, op_rows = {}, {}
-        k = args.chain if op in CHAINED else 1
+        chain = args.chain if op in CHAINED else 1
         for backend in [b for b in wanted if any(i.backend == base_backend(b) for i in impls(op))]:
             row = op_rows[backend] = {"op": op, "shape_set": set_name, "shape": label, "backend": backend}
-            row["chain"] = k
+            row["chain"] = chain
             reason = get_impl(op, base_backend(backend)).unavailable_reason()
             if reason:
                 row["error"] = f"not available: {reason}"
                 continue
             try:
-                steps[backend] = make_step(op, backend, shape, torch.bfloat16, k)
-                row.update(gpu_ms=gpu_ms(steps[backend]) / k, wall_ms=wall_ms(steps[backend]) / k)
+                steps[backend] = make_step(op, backend, shape, torch.bfloat16, chain)
+                row.update(gpu_ms=gpu_ms(steps[backend]) / chain, wall_ms=wall_ms(steps[backend]) / chain)
                 row["wall_over_gpu"] = row["wall_ms"] / row["gpu_ms"]
             except Exception as e:  # one failing backend must not lose the others' numbers
                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         long_step = any(r.get("gpu_ms", 0.0) > 1.0 for r in op_rows.values())
         try:
             for backend, ms in host_ms(steps, args.host_blocks, calls=3 if long_step else 20).items():
-                op_rows[backend]["host_ms"] = ms / k
+                op_rows[backend]["host_ms"] = ms / chain
         except Exception as e:  # noqa: BLE001 (recorded; the other ops go on)
             for backend in steps:
                 op_rows[backend]["error"] = f"host timing: {type(e).__name__}: {e}".splitlines()[0]
