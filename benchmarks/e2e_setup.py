@@ -92,20 +92,32 @@ def build_model(model_cfg: dict[str, Any], device: str, checkpointing: bool = Tr
     return model
 
 
+# Optional suffixes of a configuration's name, in the order they are written.
+SUFFIXES = ("-noflce", "-nocheck", "-1thread", "+compile")
+
+
+def split_suffixes(name: str) -> tuple[str, set[str]]:
+    """("lmk:triton", {"-noflce", "+compile"}) for "lmk:triton-noflce+compile": the base name and
+    the SUFFIXES it ends with, each at most once and in SUFFIXES' order."""
+    found = set()
+    for suffix in reversed(SUFFIXES):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            found.add(suffix)
+    return name, found
+
+
 def parse_config(name: str) -> tuple[str, str | None, tuple[str, ...], bool]:
     """lmk:triton-noflce+compile -> ("lmk", "triton", ops without flce, compiled=True);
     lmk:triton/flce=triton_lean -> ("lmk", "triton,flce=triton_lean", all ops, False).
-    A "-nocheck" before "+compile" (lmk only) is read by `patch` (value_checks), as is a
-    "-1thread" (any kind) after it (backward_threads)."""
-    base, compiled = (name[: -len("+compile")], True) if name.endswith("+compile") else (name, False)
-    base = base.removesuffix("-1thread")
-    base, nocheck = (base[: -len("-nocheck")], True) if base.endswith("-nocheck") else (base, False)
-    base, noflce = (base[: -len("-noflce")], True) if base.endswith("-noflce") else (base, False)
+    "-nocheck" (lmk only) and "-1thread" are read by `patch` (value_checks, backward_threads)."""
+    base, found = split_suffixes(name)
+    noflce = "-noflce" in found
     kind, _, backend = base.partition(":")
     if (
         kind not in ("plain", "lmk", "liger")
         or (kind == "plain" and (backend or noflce))
-        or (nocheck and kind != "lmk")
+        or ("-nocheck" in found and kind != "lmk")
     ):
         raise ValueError(
             f"unknown configuration {name!r}: plain, lmk[:BACKEND] or liger, then optionally "
@@ -114,7 +126,7 @@ def parse_config(name: str) -> tuple[str, str | None, tuple[str, ...], bool]:
     ops = tuple(o for o in ALL_OPS if not (noflce and o == "flce"))
     # "/" stands for the "," of a backend spec ("lmk:triton/flce=triton_lean"): configurations
     # are listed comma-separated on the command line.
-    return kind, backend.replace("/", ",") or None, ops, compiled
+    return kind, backend.replace("/", ",") or None, ops, "+compile" in found
 
 
 def patch(model, name: str):
@@ -149,13 +161,13 @@ def patch(model, name: str):
 
 def value_checks(name: str) -> bool:
     """Whether configuration `name` keeps lmkernels' value checks (all but "-nocheck" ones)."""
-    return not name.removesuffix("+compile").removesuffix("-1thread").endswith("-nocheck")
+    return "-nocheck" not in split_suffixes(name)[1]
 
 
 def backward_threads(name: str) -> bool:
     """Whether configuration `name` leaves the backward to autograd's device threads (all but
     "-1thread" ones)."""
-    return not name.removesuffix("+compile").endswith("-1thread")
+    return "-1thread" not in split_suffixes(name)[1]
 
 
 def make_optimizer(model):
