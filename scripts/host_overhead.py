@@ -74,6 +74,26 @@ PUBLIC = {
 }
 
 
+class BareNorm(torch.autograd.Function):
+    """An RMSNorm-shaped autograd.Function that launches nothing and allocates what the Triton
+    one does: y and rstd forward; dx, dw and fp32 partial rows backward. Its forward + backward
+    is the floor of any op written as a Python Function (host_profile.py, launcher_host_cpu.py)."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps, offset, mode):
+        y, r = torch.empty_like(x), torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        ctx.mark_non_differentiable(r)
+        ctx.save_for_backward(x, w, r)
+        ctx.set_materialize_grads(False)
+        return y, r
+
+    @staticmethod
+    def backward(ctx, dy, _):
+        x, w, _r = ctx.saved_tensors
+        torch.empty((3, x.shape[1]), dtype=torch.float32, device=x.device)
+        return torch.empty_like(x), torch.empty_like(w), None, None, None
+
+
 NO_CACHE = "triton-no-cache"
 ONE_THREAD = "-1thread"  # a suffix: the backward on the calling thread (below)
 

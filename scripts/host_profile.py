@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_overhead import DESIGN, make_step, without_launch_cache  # noqa: E402
+from host_overhead import DESIGN, BareNorm, make_step, without_launch_cache  # noqa: E402
 
 import lmkernels as lk  # noqa: E402
 from lmkernels.registry import get_op  # noqa: E402
@@ -60,25 +60,6 @@ def _empty_kernel(a, b, c, d, n, BLOCK: tl.constexpr):
 # Calls per timed block: few enough that their launches fit in the CUDA launch queue (about a
 # thousand entries) while the GPU sleeps, else the host blocks and the wait is counted.
 CALLS = 40
-
-
-class _BareFunction(torch.autograd.Function):
-    """A Python autograd.Function that launches nothing and allocates what the norms' Triton
-    path does (y and rstd forward; dx, dw and fp32 partial rows backward): the floor of any op
-    written as a Python Function, above the engine's own (torch_mul_fwd_bwd)."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        y = torch.empty_like(x)
-        rstd = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        ctx.save_for_backward(x, w, rstd)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, _ = ctx.saved_tensors
-        torch.empty((3, x.shape[1]), dtype=torch.float32, device=x.device)
-        return torch.empty_like(x), torch.empty_like(w)
 
 
 def per_call_us(fn, calls: int = CALLS) -> float:
@@ -198,7 +179,7 @@ def profile_op(op: str) -> dict:
     w = torch.randn(256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
     result["torch_mul_fwd_bwd"] = per_call_us(lambda: torch.autograd.grad([x * w], [x, w], [g]))
-    bare = lambda: torch.autograd.grad([_BareFunction.apply(x, w)], [x, w], [g])  # noqa: E731
+    bare = lambda: torch.autograd.grad([BareNorm.apply(x, w, 1e-6, 0.0, "llama")[0]], [x, w], [g])  # noqa: E731
     result["bare_function_fwd_bwd"] = per_call_us(bare)
     design = make_step(op, "triton", DESIGN[op], torch.bfloat16)
     result["public_fwd_bwd_design_shape"] = per_call_us(design)

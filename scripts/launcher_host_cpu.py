@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 os.environ["TRITON_INTERPRET"] = "0"  # jit functions as compiled code sees them (their params)
@@ -26,6 +27,9 @@ import torch  # noqa: E402
 
 from lmkernels.backends.triton import _launch, _norms, rms_norm, rope  # noqa: E402
 from lmkernels.backends.triton import layer_norm as layer_norm_mod  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_overhead import BareNorm  # noqa: E402
 
 
 def keyed_launch(kernel, grid, *args, **kwargs):
@@ -47,25 +51,6 @@ def per_call_us(fn, n: int = 20000, repeats: int = 5) -> float:
             fn()
         best = min(best, (time.perf_counter() - start) / n)
     return best * 1e6
-
-
-class _BareNorm(torch.autograd.Function):
-    """An RMSNorm-shaped Function that only allocates what the Triton one does: y and rstd
-    forward; dx, dw and the fp32 partial rows backward."""
-
-    @staticmethod
-    def forward(ctx, x, w, eps, offset, mode):
-        y, r = torch.empty_like(x), torch.empty(x.shape[0], dtype=torch.float32)
-        ctx.mark_non_differentiable(r)
-        ctx.save_for_backward(x, w, r)
-        ctx.set_materialize_grads(False)
-        return y, r
-
-    @staticmethod
-    def backward(ctx, dy, _):
-        x, w, _r = ctx.saved_tensors
-        torch.empty((3, x.shape[1]), dtype=torch.float32)
-        return torch.empty_like(x), torch.empty_like(w), None, None, None
 
 
 def launcher_floor(launcher, *args):
@@ -101,7 +86,7 @@ def breakdown(x, w, dy, rstd) -> dict:
         torch.autograd.grad(rms_norm.rms_norm_triton(xg, wg, 1e-6), (xg, wg), dy)
 
     def bare():
-        torch.autograd.grad(_BareNorm.apply(xg, wg, 1e-6, 0.0, "llama")[0], (xg, wg), dy)
+        torch.autograd.grad(BareNorm.apply(xg, wg, 1e-6, 0.0, "llama")[0], (xg, wg), dy)
 
     def mul():
         torch.autograd.grad(xg * wg, (xg, wg), dy)
