@@ -7,7 +7,7 @@
 Models (e2e_setup.MODELS): "llama-1b" (Llama-3.2-1B's shape, vocab 128256) and "llama-1b-v256k"
 (the same body, vocab 256000: the loss dominates), random init, bf16 parameters, fused AdamW,
 gradient checkpointing, random token batches. Configurations: see e2e_setup.py (plain,
-lmk[:BACKEND], liger, -noflce, -nocheck, +compile).
+lmk[:BACKEND], liger, -noflce, -nocheck, -1thread, +compile).
 
 Sweeps (--sweeps), at sequence 1024 unless said:
   batch    llama-1b, batch 1..64 (the memory timeline at --timeline-batch, 32)
