@@ -37,6 +37,7 @@ import functools
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -96,6 +97,13 @@ class BareNorm(torch.autograd.Function):
 
 NO_CACHE = "triton-no-cache"
 ONE_THREAD = "-1thread"  # a suffix: the backward on the calling thread (below)
+# torch's own fused norms (one C++ autograd node, no Python in the backward): what the engine
+# and torch's dispatcher cost an op that has no Python at all, at the same shapes.
+NATIVE = "torch-native"
+NATIVE_FNS = {
+    "rms_norm": lambda x, weight: torch.nn.functional.rms_norm(x, weight.shape, weight, 1e-6),
+    "layer_norm": lambda x, weight, bias: torch.nn.functional.layer_norm(x, weight.shape, weight, bias, 1e-5),
+}
 
 
 def without_launch_cache(step):
@@ -140,8 +148,15 @@ def chained(fn, op: str, k: int):
 
 
 def base_backend(name: str) -> str:
-    """The registered backend behind a variant's name (triton-no-cache, liger-1thread, ...)."""
+    """The registered backend behind a variant's name (triton-no-cache, liger-1thread, ...);
+    torch-native stands for itself (no registered backend)."""
     return name.removesuffix(ONE_THREAD).replace(NO_CACHE, "triton")
+
+
+def runs_here(op: str, backend: str) -> bool:
+    if base_backend(backend) == NATIVE:
+        return op in NATIVE_FNS
+    return any(i.backend == base_backend(backend) for i in impls(op))
 
 
 def on_calling_thread(step):
@@ -168,7 +183,9 @@ def make_step(op: str, backend: str, shape: dict, dtype: torch.dtype, chain: int
     for n in names:
         inputs[n].requires_grad_(True)
     wrt = [inputs[n] for n in names]
-    if get_impl(op, backend).external:
+    if backend == NATIVE:
+        fn = NATIVE_FNS[op]
+    elif get_impl(op, backend).external:
         fn = get_impl(op, backend).fn  # the peer's own call, without our dispatch
     else:
         fn = functools.partial(PUBLIC[op], backend=backend)
@@ -255,8 +272,10 @@ def to_markdown(rows: list[dict], env: dict) -> str:
             lines.append(f"| {r['op']} | {r['shape']} | {r['backend']} | error: {r['error'][:80]} | | | | |")
             continue
         ratio = f"{r['host_vs_liger']:.2f}" if r.get("host_vs_liger") is not None else "-"
+        ws = r.get("wall_ms_rounds", [])
+        wall = f"{r['wall_ms']:.3f}" + (f" [{min(ws):.3f}-{max(ws):.3f}]" if len(ws) > 1 else "")
         lines.append(
-            f"| {r['op']} | {r['shape']} | {r['backend']} | {r['gpu_ms']:.3f} | {r['wall_ms']:.3f} | "
+            f"| {r['op']} | {r['shape']} | {r['backend']} | {r['gpu_ms']:.3f} | {wall} | "
             f"{r['wall_over_gpu']:.2f} | {r['host_ms']:.3f} | {ratio} |"
         )
     return "\n".join(lines) + "\n"
@@ -266,9 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for host_overhead.json and .md")
     p.add_argument("--op", action="append", help="op (repeatable); default all")
-    p.add_argument("--backend", action="append", help=f"default: triton, compile, liger; also {NO_CACHE}")
+    p.add_argument(
+        "--backend",
+        action="append",
+        help=f"default: triton, compile, liger; also {NO_CACHE}, {NATIVE} (norms); -1thread suffix",
+    )
     p.add_argument("--shapes", default="design,small", help="design, small or both (comma-separated)")
     p.add_argument("--host-blocks", type=int, default=20, help="timed blocks per backend for host_ms")
+    p.add_argument("--wall-repeats", type=int, default=1, help="rounds of wall timings (median kept)")
     p.add_argument("--chain", type=int, default=1, help="K calls per step, one backward (times per op: / K)")
     args = p.parse_args(argv)
     os.environ.setdefault("LMKERNELS_CHECK_VALUES", "0")
@@ -290,20 +314,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{n}/{len(plan)}] {op} {label}", flush=True)
         steps, op_rows = {}, {}
         chain = args.chain if op in CHAINED else 1
-        for backend in [b for b in wanted if any(i.backend == base_backend(b) for i in impls(op))]:
+        for backend in [b for b in wanted if runs_here(op, b)]:
             row = op_rows[backend] = {"op": op, "shape_set": set_name, "shape": label, "backend": backend}
             row["chain"] = chain
-            reason = get_impl(op, base_backend(backend)).unavailable_reason()
+            native = base_backend(backend) == NATIVE
+            reason = None if native else get_impl(op, base_backend(backend)).unavailable_reason()
             if reason:
                 row["error"] = f"not available: {reason}"
                 continue
             try:
                 steps[backend] = make_step(op, backend, shape, torch.bfloat16, chain)
-                row.update(gpu_ms=gpu_ms(steps[backend]) / chain, wall_ms=wall_ms(steps[backend]) / chain)
-                row["wall_over_gpu"] = row["wall_ms"] / row["gpu_ms"]
+                row["gpu_ms"] = gpu_ms(steps[backend]) / chain
             except Exception as e:  # one failing backend must not lose the others' numbers
                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
                 steps.pop(backend, None)
+        # Wall time: the backends take turns, --wall-repeats rounds (the host drifts in a run).
+        walls = {b: [] for b in steps}
+        for _ in range(args.wall_repeats):
+            for backend in list(walls):
+                try:
+                    walls[backend].append(wall_ms(steps[backend]) / chain)
+                except Exception as e:  # noqa: BLE001 (recorded; the other backends go on)
+                    op_rows[backend]["error"] = f"wall timing: {type(e).__name__}: {e}".splitlines()[0]
+                    del walls[backend], steps[backend]
+        for backend, ws in walls.items():
+            row = op_rows[backend]
+            row.update(wall_ms=statistics.median(ws), wall_ms_rounds=ws)
+            row["wall_over_gpu"] = row["wall_ms"] / row["gpu_ms"]
         # A step of several ms (FLCE) would outlast the sleep ahead of it: fewer calls per block.
         long_step = any(r.get("gpu_ms", 0.0) > 1.0 for r in op_rows.values())
         try:

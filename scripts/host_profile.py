@@ -19,6 +19,13 @@ torch.cuda._sleep so nothing waits), microseconds per call of:
   launcher_bwd, launcher_bwd_launches_direct   the same for the norms' backward launcher
   *_ab_cache_on / *_ab_cache_off   launcher_fwd, launcher_bwd, public_fwd and public_fwd_bwd
                         again, with the launch cache (backends/triton/_launch.py) and without
+  *_1thread             public_fwd_bwd, torch_mul_fwd_bwd and bare_function_fwd_bwd with the
+                        backward on the calling thread (torch.autograd.set_multithreading_enabled
+                        (False)) instead of the autograd engine's device thread
+  backward_body, backward_body_1thread   host time inside the op's own Python backward (the
+                        Function's backward, timed from its first line to its return) per
+                        public_fwd_bwd call, on the device thread and on the calling thread: the
+                        part of the threading cost that is our code's, not the engine's handoff
 and the top functions of a cProfile of public_fwd_bwd by own time. Writes host_profile.json and
 host_profile.md (device, versions, command) to --out.
 """
@@ -39,7 +46,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_overhead import DESIGN, BareNorm, make_step, without_launch_cache  # noqa: E402
+from host_overhead import DESIGN, BareNorm, make_step, on_calling_thread, without_launch_cache  # noqa: E402
 
 import lmkernels as lk  # noqa: E402
 from lmkernels.registry import get_op  # noqa: E402
@@ -190,8 +197,53 @@ def profile_op(op: str) -> dict:
         if fn is not None:
             on, off = per_call_us(fn), per_call_us(without_launch_cache(fn))
             result[name + "_ab_cache_on"], result[name + "_ab_cache_off"] = on, off
+    # The autograd engine's device thread against the calling thread.
+    result["public_fwd_bwd_1thread"] = per_call_us(on_calling_thread(step))
+    result["torch_mul_fwd_bwd_1thread"] = per_call_us(
+        on_calling_thread(lambda: torch.autograd.grad([x * w], [x, w], [g]))
+    )
+    result["bare_function_fwd_bwd_1thread"] = per_call_us(on_calling_thread(bare))
+    result["backward_body"] = backward_body_us(op, step)
+    result["backward_body_1thread"] = backward_body_us(op, on_calling_thread(step))
     result["cprofile_top"] = profile_top(step, blocks=10, lines=22)
     return result
+
+
+def backward_body_us(op: str, step) -> float:
+    """Host time per step() spent inside the op's eager Function's backward (perf_counter at its
+    entry and return), best of 20 blocks of CALLS steps with the GPU kept busy."""
+    from lmkernels.backends.triton import layer_norm, rms_norm, rope
+
+    function = {"rms_norm": rms_norm._RMSNormFunction, "layer_norm": layer_norm._LayerNormFunction,
+                "rope": rope._RopeFunction}.get(op)  # fmt: skip
+    if function is None:
+        return float("nan")
+    original = function.__dict__["backward"]
+    inner = original.__func__
+    spent = [0.0]
+
+    def timed(ctx, *grads):
+        t0 = time.perf_counter()
+        try:
+            return inner(ctx, *grads)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    function.backward = staticmethod(timed)
+    try:
+        step()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(20):
+            torch.cuda._sleep(100_000_000)
+            spent[0] = 0.0
+            for _ in range(CALLS):
+                step()
+            best = min(best, spent[0] / CALLS * 1e6)
+            torch.cuda.synchronize()
+        return best
+    finally:
+        function.backward = original
 
 
 def profile_top(step, blocks: int, lines: int) -> str:
