@@ -8,7 +8,9 @@ forward + backward in bf16, per backend:
 - host_ms: host time to issue one step with the GPU never waiting (perf_counter around a block
   of calls while a torch.cuda._sleep keeps the queue full); the best of --host-blocks blocks,
   the backends of an op taking turns block by block, so that the host's drift during the run
-  (the same code measured 0.27 and 0.47 ms in one earlier run) falls on all of them alike.
+  (the same code measured 0.27 and 0.47 ms in one earlier run) falls on all of them alike;
+  host_ms_median: the median of those blocks (the best flatters a noisy host);
+- with --wall-repeats R: wall_ms is the median of R do_bench runs, the backends taking turns.
 Ours runs through the public function (`lk.rms_norm(..., backend="triton")`, dispatch included,
 what a user pays); the peers through their own functions (the registered adapters, no dispatch).
 Targets: wall <= 1.1x gpu at the design shapes; host time per op <= Liger's.
@@ -16,6 +18,8 @@ Backend "triton-no-cache": ours with the launch cache off (backends/triton/_laun
 launch through Triton's own binding), an A/B within the run. A backend name ending in "-1thread"
 (e.g. triton-1thread, liger-1thread): the same with the backward on the calling thread
 (torch.autograd.set_multithreading_enabled(False)); its host ratio is against liger-1thread.
+Backend "torch-native" (norms only): torch.nn.functional.rms_norm / layer_norm, torch's fused
+CUDA kernels with a C++ backward: the host cost of an op with no Python in it, for scale.
 LMKERNELS_CHECK_VALUES=0 (the production setting): FLCE's target range check syncs with the
 host on every call, which would stall the launch queue this script measures.
 
@@ -226,20 +230,21 @@ def wall_ms(step) -> float:
 
 def host_ms(steps: dict, blocks: int, calls: int = 20) -> dict:
     """Host time to issue one step of each backend while the GPU is kept busy (so launches never
-    wait): the best of `blocks` blocks of `calls` steps, the backends taking turns."""
+    wait): (the best, the median) of `blocks` blocks of `calls` steps, the backends taking
+    turns. The best is what the code costs on a quiet host; the median what a run sees."""
     for step in steps.values():
         step()
     torch.cuda.synchronize()
-    best = dict.fromkeys(steps, float("inf"))
+    times = {name: [] for name in steps}
     for _ in range(blocks):
         for name, step in steps.items():
             torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles ahead of the launches
             t0 = time.perf_counter()
             for _ in range(calls):
                 step()
-            best[name] = min(best[name], (time.perf_counter() - t0) / calls * 1e3)
+            times[name].append((time.perf_counter() - t0) / calls * 1e3)
             torch.cuda.synchronize()
-    return best
+    return {name: (min(ts), statistics.median(ts)) for name, ts in times.items()}
 
 
 def environment() -> dict:
@@ -265,18 +270,23 @@ def environment() -> dict:
 def to_markdown(rows: list[dict], env: dict) -> str:
     lines = ["# Host overhead per op (fwd + bwd, bf16)", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
-    lines += ["", "| op | shape | backend | gpu ms | wall ms | wall/gpu | host ms | host / liger host |"]
-    lines += ["|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| op | shape | backend | gpu ms | wall ms | wall/gpu | host ms | host median | host / liger host |",
+    ]
+    lines += ["|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['op']} | {r['shape']} | {r['backend']} | error: {r['error'][:80]} | | | | |")
+            lines.append(
+                f"| {r['op']} | {r['shape']} | {r['backend']} | error: {r['error'][:80]} | | | | | |"
+            )
             continue
         ratio = f"{r['host_vs_liger']:.2f}" if r.get("host_vs_liger") is not None else "-"
         ws = r.get("wall_ms_rounds", [])
         wall = f"{r['wall_ms']:.3f}" + (f" [{min(ws):.3f}-{max(ws):.3f}]" if len(ws) > 1 else "")
         lines.append(
             f"| {r['op']} | {r['shape']} | {r['backend']} | {r['gpu_ms']:.3f} | {wall} | "
-            f"{r['wall_over_gpu']:.2f} | {r['host_ms']:.3f} | {ratio} |"
+            f"{r['wall_over_gpu']:.2f} | {r['host_ms']:.3f} | {r.get('host_ms_median', float('nan')):.3f} | {ratio} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -344,8 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         # A step of several ms (FLCE) would outlast the sleep ahead of it: fewer calls per block.
         long_step = any(r.get("gpu_ms", 0.0) > 1.0 for r in op_rows.values())
         try:
-            for backend, ms in host_ms(steps, args.host_blocks, calls=3 if long_step else 20).items():
-                op_rows[backend]["host_ms"] = ms / chain
+            for backend, (best, median) in host_ms(
+                steps, args.host_blocks, calls=3 if long_step else 20
+            ).items():
+                op_rows[backend].update(host_ms=best / chain, host_ms_median=median / chain)
         except Exception as e:  # noqa: BLE001 (recorded; the other ops go on)
             for backend in steps:
                 op_rows[backend]["error"] = f"host timing: {type(e).__name__}: {e}".splitlines()[0]
