@@ -22,10 +22,10 @@ torch.cuda._sleep so nothing waits), microseconds per call of:
   *_1thread             public_fwd_bwd, torch_mul_fwd_bwd and bare_function_fwd_bwd with the
                         backward on the calling thread (torch.autograd.set_multithreading_enabled
                         (False)) instead of the autograd engine's device thread
-  backward_body, backward_body_1thread   host time inside the op's own Python backward (the
-                        Function's backward, timed from its first line to its return) per
-                        public_fwd_bwd call, on the device thread and on the calling thread: the
-                        part of the threading cost that is our code's, not the engine's handoff
+  timeline_*, timeline_*_1thread   one public_fwd_bwd call split at our Python backward's
+                        entry and return (medians): fwd, to_backward (the engine and its hand-off
+                        to the device thread), body (our backward), from_backward (the way back),
+                        on the device thread and on the calling thread
 and the top functions of a cProfile of public_fwd_bwd by own time. Writes host_profile.json and
 host_profile.md (device, versions, command) to --out.
 """
@@ -37,6 +37,7 @@ import cProfile
 import io
 import json
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -203,47 +204,71 @@ def profile_op(op: str) -> dict:
         on_calling_thread(lambda: torch.autograd.grad([x * w], [x, w], [g]))
     )
     result["bare_function_fwd_bwd_1thread"] = per_call_us(on_calling_thread(bare))
-    result["backward_body"] = backward_body_us(op, step)
-    result["backward_body_1thread"] = backward_body_us(op, on_calling_thread(step))
+    for one_thread, suffix in ((False, ""), (True, "_1thread")):
+        for phase, us in backward_timeline(op, inputs, one_thread).items():
+            result[f"timeline_{phase}{suffix}"] = us
     result["cprofile_top"] = profile_top(step, blocks=10, lines=22)
     return result
 
 
-def backward_body_us(op: str, step) -> float:
-    """Host time per step() spent inside the op's eager Function's backward (perf_counter at its
-    entry and return), best of 20 blocks of CALLS steps with the GPU kept busy."""
+def backward_timeline(op: str, inputs: dict, one_thread: bool) -> dict:
+    """Where one forward + torch.autograd.grad of the op spends its host time, medians over
+    10 blocks of CALLS calls with the GPU kept busy (microseconds):
+    fwd (the public call), to_backward (autograd.grad called -> the op's Python backward
+    entered: the engine, and on CUDA its hand-off to the device thread), body (inside our
+    backward), from_backward (our backward returned -> autograd.grad returned)."""
     from lmkernels.backends.triton import layer_norm, rms_norm, rope
 
     function = {"rms_norm": rms_norm._RMSNormFunction, "layer_norm": layer_norm._LayerNormFunction,
                 "rope": rope._RopeFunction}.get(op)  # fmt: skip
     if function is None:
-        return float("nan")
+        return {}
+    spec, public = get_op(op), getattr(lk, op)
+    names = [n for n in spec.grad_inputs if isinstance(inputs.get(n), torch.Tensor)]
+    leaves = {
+        k: (v.detach().requires_grad_(k in names) if isinstance(v, torch.Tensor) else v)
+        for k, v in inputs.items()
+    }
+    wrt = [leaves[n] for n in names]
+    out = public(**leaves, backend="triton")
+    outs = out if isinstance(out, tuple) else (out,)
+    pairs = [(i, torch.randn_like(o)) for i, o in enumerate(outs) if o.requires_grad]
     original = function.__dict__["backward"]
     inner = original.__func__
-    spent = [0.0]
+    marks = {}
 
     def timed(ctx, *grads):
-        t0 = time.perf_counter()
+        marks["entry"] = time.perf_counter()
         try:
             return inner(ctx, *grads)
         finally:
-            spent[0] += time.perf_counter() - t0
+            marks["exit"] = time.perf_counter()
+
+    phases = {"fwd": [], "to_backward": [], "body": [], "from_backward": []}
+
+    def call():
+        t0 = time.perf_counter()
+        res = public(**leaves, backend="triton")
+        res = res if isinstance(res, tuple) else (res,)
+        t1 = time.perf_counter()
+        torch.autograd.grad([res[i] for i, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        t2 = time.perf_counter()
+        return t1 - t0, marks["entry"] - t1, marks["exit"] - marks["entry"], t2 - marks["exit"]
 
     function.backward = staticmethod(timed)
     try:
-        step()
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(20):
-            torch.cuda._sleep(100_000_000)
-            spent[0] = 0.0
-            for _ in range(CALLS):
-                step()
-            best = min(best, spent[0] / CALLS * 1e6)
+        with torch.autograd.set_multithreading_enabled(not one_thread):
+            call()
             torch.cuda.synchronize()
-        return best
+            for _ in range(10):
+                torch.cuda._sleep(100_000_000)
+                for _ in range(CALLS):
+                    for name, dt in zip(phases, call()):
+                        phases[name].append(dt * 1e6)
+                torch.cuda.synchronize()
     finally:
         function.backward = original
+    return {name: statistics.median(ts) for name, ts in phases.items()}
 
 
 def profile_top(step, blocks: int, lines: int) -> str:
