@@ -163,6 +163,13 @@ def runs_here(op: str, backend: str) -> bool:
     return any(i.backend == base_backend(backend) for i in impls(op))
 
 
+def unavailable_reason(op: str, backend: str) -> str | None:
+    """Why `backend` (a variant name) cannot run `op` here; None where it can."""
+    if base_backend(backend) == NATIVE:
+        return None  # torch itself
+    return get_impl(op, base_backend(backend)).unavailable_reason()
+
+
 def on_calling_thread(step):
     """step with the backward run on the calling thread: on CUDA the autograd engine otherwise
     hands it to a device thread (torch.autograd.set_multithreading_enabled)."""
@@ -181,6 +188,14 @@ def make_step(op: str, backend: str, shape: dict, dtype: torch.dtype, chain: int
         return without_launch_cache(make_step(op, "triton", shape, dtype, chain))
     if backend.endswith(ONE_THREAD):
         return on_calling_thread(make_step(op, backend.removesuffix(ONE_THREAD), shape, dtype, chain))
+    forward, backward = step_halves(op, backend, shape, dtype, chain)
+    return lambda: backward(forward())
+
+
+def step_halves(op: str, backend: str, shape: dict, dtype: torch.dtype, chain: int = 1):
+    """make_step's step as (forward, backward): forward() calls the op and returns its outputs
+    as a tuple, backward(outputs) takes torch.autograd.grad of them (host_profile.py times the
+    two apart). backend: a registered one or torch-native, no variant suffix."""
     spec = get_op(op)
     inputs = spec.make_inputs(shape, dtype, "cuda", 0)
     names = [n for n in spec.grad_inputs if isinstance(inputs.get(n), torch.Tensor)]
@@ -198,13 +213,16 @@ def make_step(op: str, backend: str, shape: dict, dtype: torch.dtype, chain: int
     outs = out if isinstance(out, tuple) else (out,)
     upstream = [torch.randn_like(o) if o.requires_grad else None for o in outs]
     pairs = [(i, g) for i, g in enumerate(upstream) if g is not None]
+    grads = [g for _, g in pairs]
 
-    def step():
+    def forward():
         res = fn(**inputs)
-        res = res if isinstance(res, tuple) else (res,)
-        torch.autograd.grad([res[i] for i, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        return res if isinstance(res, tuple) else (res,)
 
-    return step
+    def backward(res):
+        torch.autograd.grad([res[i] for i, _ in pairs], wrt, grads, allow_unused=True)
+
+    return forward, backward
 
 
 def gpu_ms(step, iters: int = 10) -> float:
@@ -327,8 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         for backend in [b for b in wanted if runs_here(op, b)]:
             row = op_rows[backend] = {"op": op, "shape_set": set_name, "shape": label, "backend": backend}
             row["chain"] = chain
-            native = base_backend(backend) == NATIVE
-            reason = None if native else get_impl(op, base_backend(backend)).unavailable_reason()
+            reason = unavailable_reason(op, backend)
             if reason:
                 row["error"] = f"not available: {reason}"
                 continue

@@ -15,11 +15,9 @@ from pathlib import Path
 
 
 def plot(folder: Path) -> Path:
-    import matplotlib
+    from lmkernels.harness.plots import _pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     data = json.loads((folder / "host_overhead.json").read_text())
     rows = [r for r in data["rows"] if "wall_over_gpu" in r]
     sets = list(dict.fromkeys(r["shape_set"] for r in rows))
@@ -46,11 +44,7 @@ def plot(folder: Path) -> Path:
     meta = data.get("meta", {})
     chain = f", {meta['chain']}" if "chain" in meta else ""
     fig.suptitle(f"{meta.get('device', '')}, torch {meta.get('torch', '')}{chain}", fontsize=9)
-    fig.tight_layout()
-    out = folder / "host_overhead.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, folder / "host_overhead.png", dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

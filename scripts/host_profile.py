@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_overhead import DESIGN, BareNorm, make_step, on_calling_thread, without_launch_cache  # noqa: E402
+from host_overhead import DESIGN, BareNorm, make_step, on_calling_thread, step_halves, without_launch_cache  # noqa: E402
 
 import lmkernels as lk  # noqa: E402
 from lmkernels.registry import get_op  # noqa: E402
@@ -205,15 +205,15 @@ def profile_op(op: str) -> dict:
     )
     result["bare_function_fwd_bwd_1thread"] = per_call_us(on_calling_thread(bare))
     for one_thread, suffix in ((False, ""), (True, "_1thread")):
-        for phase, us in backward_timeline(op, inputs, one_thread).items():
+        for phase, us in backward_timeline(op, one_thread).items():
             result[f"timeline_{phase}{suffix}"] = us
     result["cprofile_top"] = profile_top(step, blocks=10, lines=22)
     return result
 
 
-def backward_timeline(op: str, inputs: dict, one_thread: bool) -> dict:
-    """Where one forward + torch.autograd.grad of the op spends its host time, medians over
-    10 blocks of CALLS calls with the GPU kept busy (microseconds):
+def backward_timeline(op: str, one_thread: bool) -> dict:
+    """Where one forward + torch.autograd.grad of the op (public function, SHAPES) spends its
+    host time, medians over 10 blocks of CALLS calls with the GPU kept busy (microseconds):
     fwd (the public call), to_backward (autograd.grad called -> the op's Python backward
     entered: the engine, and on CUDA its hand-off to the device thread), body (inside our
     backward), from_backward (our backward returned -> autograd.grad returned)."""
@@ -223,16 +223,7 @@ def backward_timeline(op: str, inputs: dict, one_thread: bool) -> dict:
                 "rope": rope._RopeFunction}.get(op)  # fmt: skip
     if function is None:
         return {}
-    spec, public = get_op(op), getattr(lk, op)
-    names = [n for n in spec.grad_inputs if isinstance(inputs.get(n), torch.Tensor)]
-    leaves = {
-        k: (v.detach().requires_grad_(k in names) if isinstance(v, torch.Tensor) else v)
-        for k, v in inputs.items()
-    }
-    wrt = [leaves[n] for n in names]
-    out = public(**leaves, backend="triton")
-    outs = out if isinstance(out, tuple) else (out,)
-    pairs = [(i, torch.randn_like(o)) for i, o in enumerate(outs) if o.requires_grad]
+    forward, backward = step_halves(op, "triton", SHAPES[op], torch.bfloat16)
     original = function.__dict__["backward"]
     inner = original.__func__
     marks = {}
@@ -248,10 +239,9 @@ def backward_timeline(op: str, inputs: dict, one_thread: bool) -> dict:
 
     def call():
         t0 = time.perf_counter()
-        res = public(**leaves, backend="triton")
-        res = res if isinstance(res, tuple) else (res,)
+        res = forward()
         t1 = time.perf_counter()
-        torch.autograd.grad([res[i] for i, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        backward(res)
         t2 = time.perf_counter()
         return t1 - t0, marks["entry"] - t1, marks["exit"] - marks["entry"], t2 - marks["exit"]
 
