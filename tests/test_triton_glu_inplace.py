@@ -169,12 +169,13 @@ def test_gradient_sharing_memory_with_gate_is_not_written_over(writes):
     assert torch.equal(d_gate, expected)
 
 
-def test_create_graph_is_functional(writes):
+def test_create_graph_is_refused_before_anything_is_written(writes):
     gate, up = _gate_up()
     before = gate.detach().clone()
     out = lmkernels.swiglu(gate, up, consume_inputs=True, backend="triton")
-    torch.autograd.grad(out.sum(), gate, create_graph=True)
-    assert writes == [(False, False)] and torch.equal(gate.detach(), before)
+    with pytest.raises(lmkernels.HigherOrderGradientError, match="swiglu: backend 'triton'"):
+        torch.autograd.grad(out.sum(), gate, create_graph=True)
+    assert writes == [] and torch.equal(gate.detach(), before)
 
 
 @pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd:UserWarning")

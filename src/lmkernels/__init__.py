@@ -16,6 +16,8 @@ from lmkernels.ops import (
 )
 from lmkernels.registry import (
     BackendNotSupportedError,
+    ConsumedInputsError,
+    HigherOrderGradientError,
     LMKernelsError,
     UnknownBackendError,
     UnknownOpError,
@@ -50,6 +52,8 @@ add_loader(_load_backends)
 
 __all__ = [
     "BackendNotSupportedError",
+    "ConsumedInputsError",
+    "HigherOrderGradientError",
     "LMKernelsError",
     "UnknownBackendError",
     "UnknownOpError",

@@ -96,6 +96,26 @@ def check_same_dtype(**tensors: torch.Tensor | None) -> None:
             fail(f"{name}: expected dtype {first.dtype} (same as {first_name}), got {t.dtype}")
 
 
+def check_number(
+    name: str, value: object, *, low: float | None = None, high: float | None = None, what: str = "a number"
+) -> None:
+    """value is a real number (int, float or bool is not; nan never is) within [low, high]."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    ok = ok and (low is None or value >= low) and (high is None or value <= high)
+    if not ok:
+        fail(f"{name}: expected {what}, got {value!r}")
+
+
+def check_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        fail(f"{name}: expected an int, got {value!r}")
+
+
+def check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        fail(f"{name}: expected a bool, got {value!r}")
+
+
 def check_choice(name: str, value: object, choices: Sequence[object]) -> None:
     if value not in choices:
         fail(f"{name}: expected one of {tuple(choices)}, got {value!r}")

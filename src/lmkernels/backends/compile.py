@@ -24,7 +24,8 @@ import math
 
 import torch
 
-from lmkernels.registry.core import _OPS, register
+from lmkernels.ops.rope import rope_apply, rope_tables_at
+from lmkernels.registry.core import _OPS, higher_order_error, register
 
 # Compiled functions are built on first use: torch.compile imports dynamo and inductor (seconds),
 # which `import lmkernels` and the other backends must not pay for.
@@ -51,17 +52,63 @@ def _compiled(fn):
     return compiled
 
 
+def _refusing_double_backward(op: str):
+    """A pre-hook for the backward node of a compiled function: AOTAutograd's compiled backward
+    is not differentiable, so a backward with create_graph=True (grad mode on inside it) gets
+    lmkernels' error, naming the backends that can, before any gradient is computed."""
+
+    def prehook(grad_outputs):
+        if torch.is_grad_enabled():
+            raise higher_order_error(op, "compile")
+
+    return prehook
+
+
+def _guard_outputs(out, prehook):
+    """Register prehook on the backward node of each output that has one (eager calls only)."""
+    for o in out if isinstance(out, tuple) else (out,):
+        if o.grad_fn is not None:
+            o.grad_fn.register_prehook(prehook)
+    return out
+
+
 def _make_generic(name: str):
     reference = _OPS[name].reference
+    prehook = _refusing_double_backward(name)
 
     def run(*args, **kwargs):
-        return _compiled(reference)(*args, **kwargs)
+        out = _compiled(reference)(*args, **kwargs)
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            _guard_outputs(out, prehook)
+        return out
 
     # The reference's signature, so that the dispatcher passes the inputs positionally: a
     # compiled function called by keyword costs ~1.5 us more per call (guards read kwargs).
     run.__signature__ = inspect.signature(reference)
     run.__name__ = f"{name}_compile"
     return run
+
+
+# --- RoPE: q and k as two compiled calls ------------------------------------------------------------
+
+
+def _rope_one(x, cos, sin, position_ids, layout, rotary_dim):
+    cos, sin = rope_tables_at(cos, sin, position_ids)
+    return rope_apply(x, cos, sin, layout, rotary_dim)
+
+
+_ROPE_PREHOOK = _refusing_double_backward("rope")
+
+
+def rope_compile(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None):
+    """q and k each through its own compiled graph: one backward node per output, so q_out and
+    k_out can be backpropagated separately (two backward calls), as with eager."""
+    rdim = q.shape[-1] if rotary_dim is None else rotary_dim
+    fn = _compiled(_rope_one)
+    out = fn(q, cos, sin, position_ids, layout, rdim), fn(k, cos, sin, position_ids, layout, rdim)
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        _guard_outputs(out, _ROPE_PREHOOK)
+    return out
 
 
 # --- chunked FLCE ------------------------------------------------------------------------------
@@ -91,18 +138,29 @@ def _chunk_logits(h, weight, bias, softcap):
     return logits, capped
 
 
+def _target_weights(target, class_weight, valid, V):
+    """(target with ignored and out-of-range entries replaced by 0, weight of each token's target
+    class): 1 or its class weight, nan for a target outside [0, V) (never read: a nan loss)."""
+    in_range = (target >= 0) & (target < V)
+    safe_t = torch.where(valid & in_range, target, 0).long()
+    w_t = (
+        class_weight.float()[safe_t]
+        if class_weight is not None
+        else torch.ones_like(safe_t, dtype=torch.float32)
+    )
+    return safe_t, torch.where(in_range | ~valid, w_t, float("nan"))
+
+
 def _loss_from_logits(logits, target, class_weight, ignore_index, label_smoothing, z_loss_scale):
     """Per-token loss (0 on ignored tokens) and logsumexp of one chunk."""
     V = logits.shape[1]
     lse = torch.logsumexp(logits, dim=-1)
     valid = target != ignore_index
-    safe_t = torch.where(valid, target, 0).long()
+    safe_t, w_t = _target_weights(target, class_weight, valid, V)
     nll = lse - logits.gather(1, safe_t[:, None])[:, 0]
     if class_weight is None:
-        w_t = torch.ones_like(nll)
         smooth = V * lse - logits.sum(-1)
     else:
-        w_t = class_weight.float()[safe_t]
         smooth = class_weight.float().sum() * lse - logits @ class_weight.float()
     loss = (1.0 - label_smoothing) * w_t * nll
     if label_smoothing:
@@ -134,15 +192,9 @@ def _grads_from_logits(
     """
     V = logits.shape[1]
     valid = target != ignore_index
-    safe_t = torch.where(valid, target, 0).long()
+    safe_t, w_t = _target_weights(target, class_weight, valid, V)
     probs = torch.exp(logits - lse[:, None])
-    if class_weight is None:
-        w_t = torch.ones_like(lse)
-        w_sum = float(V)
-    else:
-        cw = class_weight.float()
-        w_t = cw[safe_t]
-        w_sum = cw.sum()
+    w_sum = float(V) if class_weight is None else class_weight.float().sum()
     coef = (1.0 - label_smoothing) * w_t + (label_smoothing / V) * w_sum + 2.0 * z_loss_scale * lse
     g = torch.where(valid, grad_tok.float(), 0.0)
     dlogits = probs * (coef * g)[:, None]
@@ -220,11 +272,7 @@ class _ChunkedFLCE(torch.autograd.Function):
         chunk = flce_chunk_size(BT, H, weight.shape[0])
         valid = t != ignore_index
         if reduction == "mean":
-            w_t = (
-                class_weight.float()[torch.where(valid, t, 0).long()]
-                if class_weight is not None
-                else torch.ones(BT, device=t.device)
-            )
+            _, w_t = _target_weights(t, class_weight, valid, weight.shape[0])
             denom = torch.where(valid, w_t, 0.0).sum()
             scale = 1.0 / torch.where(denom == 0, 1.0, denom)
         else:
@@ -274,6 +322,8 @@ class _ChunkedFLCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
+        if torch.is_grad_enabled():  # create_graph=True: these gradients are not differentiable
+            raise higher_order_error("fused_linear_cross_entropy", "compile")
         ignore_index, reduction, label_smoothing, softcap, z_loss_scale = ctx.opts
         if ctx.grads_now:
             grad_h, grad_w, grad_b = ctx.saved_tensors
@@ -329,6 +379,14 @@ def flce_compile(
 for _name in list(_OPS):
     if _name == "fused_linear_cross_entropy":
         register(_name, "compile", flce_compile, priority=50, description="chunked FLCE, compiled chunks")
+    elif _name == "rope":
+        register(
+            _name,
+            "compile",
+            rope_compile,
+            priority=50,
+            description="torch.compile of the reference, q and k apart",
+        )
     else:
         register(
             _name, "compile", _make_generic(_name), priority=50, description="torch.compile of the reference"

@@ -8,5 +8,6 @@ for _spec in list(_OPS.values()):
         "eager",
         _spec.reference,
         priority=0,
+        double_backward=True,  # plain PyTorch ops: differentiable to any order
         description="the op's eager PyTorch reference (fp32 inside)",
     )

@@ -7,7 +7,22 @@ import torch
 
 from lmkernels.registry.fastpath import dispatch, op_function
 
-__all__ = ["dispatch", "generator", "op_function", "randn"]
+__all__ = ["NORM_WIDTHS", "ROW_COUNTS", "WIDTHS", "dispatch", "generator", "op_function", "randn", "upcast"]
+
+# Sizes the property-based tests draw from (OpSpec.sample): empty, one, primes, powers of two
+# and others. WIDTHS, for a last dim, adds wide rows up to past 2^16 (drawn with few rows).
+ROW_COUNTS = (0, 1, 2, 3, 5, 7, 8, 13, 16, 31, 37, 64, 97, 128, 257)
+WIDTHS = (1, 2, 3, 5, 7, 8, 13, 16, 31, 64, 96, 97, 128, 257, 1000, 1024, 4099, 8192, 65537)
+# A norm's row of 1 or 2 elements normalizes to about +-1 whatever its values: its gradient is
+# rounding noise, which no error bound can judge. The norms draw their widths from these.
+NORM_WIDTHS = WIDTHS[2:]
+WIDE = 4096  # past this width a sample takes at most 3 rows
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """t in the references' compute dtype: fp32, or fp64 for fp64 inputs (the harness's ground
+    truth and its double-backward checks run the references in fp64)."""
+    return t if t.dtype == torch.float64 else t.float()
 
 
 def randn(shape, dtype: torch.dtype, device, generator: torch.Generator, scale: float = 1.0):

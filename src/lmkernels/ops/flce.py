@@ -31,10 +31,13 @@ from __future__ import annotations
 
 import torch
 
-from lmkernels.ops._common import dispatch, generator, randn
-from lmkernels.registry.core import OpSpec, Tolerance, register_op
+from lmkernels.ops._common import ROW_COUNTS, dispatch, generator, randn, upcast
+from lmkernels.registry.core import ErrorInput, OpSpec, Tolerance, register_op
 from lmkernels.utils import (
+    check_bool,
     check_choice,
+    check_int,
+    check_number,
     check_same_device,
     check_tensor,
     data_checks_enabled,
@@ -59,24 +62,27 @@ def fused_linear_cross_entropy_reference(
     grad_accum_dtype=None,
 ):
     V, H = weight.shape
-    h = hidden.reshape(-1, H).float()
+    h = upcast(hidden.reshape(-1, H))
     t = target.reshape(-1)
-    logits = h @ weight.float().T
+    logits = h @ upcast(weight).T
     if bias is not None:
-        logits = logits + bias.float()
+        logits = logits + upcast(bias)
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     lse = torch.logsumexp(logits, dim=-1)
     valid = t != ignore_index
-    safe_t = torch.where(valid, t, 0).long()
+    # A target outside [0, V) (only possible with value checks off) is never read: nan loss.
+    in_range = (t >= 0) & (t < V)
+    safe_t = torch.where(valid & in_range, t, 0).long()
     nll = lse - logits.gather(1, safe_t[:, None])[:, 0]
     if class_weight is None:
         w_t = torch.ones_like(nll)
         smooth = V * lse - logits.sum(-1)
     else:
-        w = class_weight.float()
+        w = upcast(class_weight)
         w_t = w[safe_t]
         smooth = w.sum() * lse - logits @ w
+    w_t = torch.where(in_range | ~valid, w_t, float("nan"))
     loss = (1.0 - label_smoothing) * w_t * nll
     if label_smoothing:
         loss = loss + (label_smoothing / V) * smooth
@@ -128,12 +134,14 @@ def check_inputs(
                 fail(f"{name}: expected shape ({V},) to match weight's V, got {tuple(t.shape)}")
     check_same_device(hidden=hidden, weight=weight, target=target, bias=bias, class_weight=class_weight)
     check_choice("reduction", reduction, REDUCTIONS)
-    if not 0.0 <= label_smoothing <= 1.0:
-        fail(f"label_smoothing: expected a number in [0, 1], got {label_smoothing}")
-    if softcap is not None and not softcap > 0:
-        fail(f"softcap: expected None or a positive number, got {softcap}")
-    if not z_loss_scale >= 0:
-        fail(f"z_loss_scale: expected a non-negative number, got {z_loss_scale}")
+    check_int("ignore_index", ignore_index)
+    check_number("label_smoothing", label_smoothing, low=0.0, high=1.0, what="a number in [0, 1]")
+    if softcap is not None:
+        check_number("softcap", softcap, low=0.0, what="None or a positive number")
+        if softcap == 0:
+            fail("softcap: expected None or a positive number, got 0")
+    check_number("z_loss_scale", z_loss_scale, low=0.0, what="a non-negative number")
+    check_bool("return_lse", return_lse)
     if grad_accum_dtype not in (None, torch.float32, weight.dtype):
         fail(
             f"grad_accum_dtype: expected None, torch.float32 or weight's dtype {weight.dtype}, got {grad_accum_dtype}"
@@ -145,8 +153,8 @@ def check_values(hidden, weight, target, ignore_index=-100, **_):
     once per input signature)."""
     V = weight.shape[0]
     if data_checks_enabled() and target.numel():
-        # One host sync; LMKERNELS_CHECK_VALUES=0 skips it (backends then give nan losses for
-        # out-of-range targets rather than reading out of bounds).
+        # One host sync; LMKERNELS_CHECK_VALUES=0 skips it (every backend then gives a nan loss
+        # for an out-of-range target, never an out-of-bounds read).
         bad = (target != ignore_index) & ((target < 0) | (target >= V))
         if bool(bad.any()):
             first = target[bad][0].item()
@@ -197,7 +205,9 @@ def _softmax_pass(hidden, weight, bias=None, softcap=None, uniforms=None):
             u = uniforms[i : i + chunk].to(cdf)[:, None] * cdf[:, -1:]
             samples.append(torch.searchsorted(cdf, u)[:, 0].clamp_(max=V - 1))
     mean = entropy.item() / max(1, hidden.shape[0])
-    return mean, (torch.cat(samples) if uniforms is not None else None)
+    if uniforms is None:
+        return mean, None
+    return mean, torch.cat(samples) if samples else torch.zeros(0, dtype=torch.long, device=hidden.device)
 
 
 def make_inputs(
@@ -265,6 +275,65 @@ def make_inputs(
     return out
 
 
+def sample(draw):
+    wide = draw.booleans()  # a vocabulary past 2^16, with few tokens
+    V = draw.sampled_from((65537, 70001) if wide else (1, 2, 3, 7, 11, 64, 97, 128, 257, 1000))
+    BT = draw.integers(0, 3) if wide else draw.sampled_from(ROW_COUNTS)
+    H = draw.sampled_from((1, 2, 3, 8, 16, 17, 64, 96))
+    options = {
+        "reduction": draw.sampled_from(REDUCTIONS),
+        "label_smoothing": draw.sampled_from((0.0, 0.0, 0.1, 1.0)),
+        "softcap": draw.sampled_from((None, None, 30.0, 1.5)),
+        "z_loss_scale": draw.sampled_from((0.0, 0.0, 1e-4)),
+        "ignore_index": draw.sampled_from((-100, 0, 3)),
+        "ignore_fraction": draw.sampled_from((0.0, 0.1, 0.5, 1.0)),
+        "with_bias": draw.booleans(),
+        "with_class_weight": draw.booleans(),
+        "return_lse": draw.booleans(),
+        "lean": draw.booleans(),
+        "regime": draw.sampled_from(("gaussian", "uniform", "zipf") if H >= 2 else ("gaussian", "uniform")),
+    }
+    return {"BT": BT, "H": H, "V": V}, options
+
+
+def error_inputs(device):
+    def args(**over):
+        base = {
+            "hidden": torch.randn(5, 8, device=device),
+            "weight": torch.randn(11, 8, device=device),
+            "target": torch.randint(0, 11, (5,), device=device),
+        }
+        return {**base, **over}
+
+    return [
+        ErrorInput(args(hidden=torch.randn(5, 9, device=device)), r"hidden: expected shape \(..., 8\)"),
+        ErrorInput(args(weight=torch.randn(11, 8, 1, device=device)), "weight: expected 2 dims"),
+        ErrorInput(args(target=torch.randint(0, 11, (6,), device=device)), r"target: expected shape \(5,\)"),
+        ErrorInput(args(target=torch.randn(5, device=device)), "target: expected dtype in"),
+        ErrorInput(
+            args(weight=torch.randn(11, 8, device=device).bfloat16()), "weight: expected dtype torch.float32"
+        ),
+        ErrorInput(
+            args(target=torch.tensor([0, 1, 11, 2, -100], device=device)),
+            r"target: expected class indices in \[0, 11\) or ignore_index=-100, found 11",
+        ),
+        ErrorInput(args(target=torch.tensor([0, 1, -3, 2, 3], device=device)), "target: .* found -3"),
+        ErrorInput(args(reduction="avg"), "reduction: expected one of"),
+        ErrorInput(args(label_smoothing=1.5), r"label_smoothing: expected a number in \[0, 1\]"),
+        ErrorInput(args(softcap=0.0), "softcap: expected None or a positive number"),
+        ErrorInput(args(softcap=-2.0), "softcap: expected None or a positive number"),
+        ErrorInput(args(z_loss_scale=-1.0), "z_loss_scale: expected a non-negative number"),
+        ErrorInput(args(ignore_index=-1.5), "ignore_index: expected an int"),
+        ErrorInput(args(return_lse="yes"), "return_lse: expected a bool"),
+        ErrorInput(args(bias=torch.randn(10, device=device)), r"bias: expected shape \(11,\)"),
+        ErrorInput(args(class_weight=torch.randn(3, device=device)), r"class_weight: expected shape \(11,\)"),
+        ErrorInput(args(grad_accum_dtype=torch.float16), "grad_accum_dtype: expected None, torch.float32"),
+        ErrorInput(
+            args(target=torch.randint(0, 11, (5,), device="meta")), f"target: expected device {device}"
+        ),
+    ]
+
+
 SPEC = register_op(
     OpSpec(
         name="fused_linear_cross_entropy",
@@ -274,6 +343,7 @@ SPEC = register_op(
         check_values=check_values,
         grad_inputs=("hidden", "weight", "bias"),
         shapes={
+            "tiny": [{"BT": 4, "H": 3, "V": 5}],
             "quick": [{"BT": 37, "H": 64, "V": 131}, {"BT": 10, "H": 40, "V": 500}],
             "full": [
                 {"BT": 37, "H": 64, "V": 131},
@@ -310,6 +380,11 @@ SPEC = register_op(
             torch.float16: Tolerance(factor=3.0, floor=2e-4, bound=2e-2),
         },
         flops=lambda s: 6 * s["BT"] * s["H"] * s["V"],
+        error_inputs=error_inputs,
+        sample=sample,
+        # A weight expanded over V makes every class the same: the gradients are 0 in fp64 and
+        # rounding noise in any other dtype.
+        sample_layouts={"weight": ("contiguous", "fresh", "transposed", "sliced")},
         description="lm_head matmul + cross entropy without materializing the logits",
     )
 )

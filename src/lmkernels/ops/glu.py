@@ -8,8 +8,13 @@ Gradients: gate and up.
 consume_inputs is not part of the math: it is who owns gate and up. True means the caller
 hands them over for good (an MLP's forward that has just created them), so a backward may
 write d_gate and d_up over their memory instead of allocating; the caller must not read gate
-or up afterwards, nor backward through them twice. False (the default) promises the caller's
-tensors are never written. References and backends that have no use for it ignore it.
+or up afterwards. False (the default) promises the caller's tensors are never written.
+References and backends that have no use for it ignore it. What cannot be handed over is kept
+even with True: leaves (parameters: their .grad would alias them), views (their memory is their
+base's) and tensors that get no gradient. A backend that wrote over gate or up bumps their
+version counters, so a second backward through the op, or another autograd node that saved
+them, raises (ConsumedInputsError, or autograd's in-place modification error) instead of
+reading gradients as values.
 """
 
 from __future__ import annotations
@@ -17,19 +22,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lmkernels.ops._common import generator, op_function, randn
-from lmkernels.registry.core import OpSpec, register_op
+from lmkernels.ops._common import ROW_COUNTS, WIDE, WIDTHS, generator, op_function, randn, upcast
+from lmkernels.registry.core import ErrorInput, OpSpec, register_op
 from lmkernels.utils import check_choice, check_same_device, check_same_dtype, check_tensor, fail
 
 GELU_APPROXIMATIONS = ("tanh", "none")
 
 
 def swiglu_reference(gate, up, consume_inputs=False):
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+    return (F.silu(upcast(gate)) * upcast(up)).to(gate.dtype)
 
 
 def geglu_reference(gate, up, approximate="tanh", consume_inputs=False):
-    return (F.gelu(gate.float(), approximate=approximate) * up.float()).to(gate.dtype)
+    return (F.gelu(upcast(gate), approximate=approximate) * upcast(up)).to(gate.dtype)
 
 
 def _check_pair(gate, up, consume_inputs):
@@ -58,7 +63,41 @@ def make_inputs(shape, dtype, device, seed=0, **options):
     return {"gate": randn(size, dtype, device, g, 2.0), "up": randn(size, dtype, device, g), **options}
 
 
+def sample_swiglu(draw):
+    N = draw.sampled_from((0, *WIDTHS))
+    M = draw.integers(0, 3) if N > WIDE else draw.sampled_from(ROW_COUNTS)
+    return {"M": M, "N": N}, {"consume_inputs": draw.booleans()}
+
+
+def sample_geglu(draw):
+    shape, options = sample_swiglu(draw)
+    return shape, {**options, "approximate": draw.sampled_from(GELU_APPROXIMATIONS)}
+
+
+def _error_inputs(device):
+    g = torch.randn(4, 8, device=device)
+    return [
+        ErrorInput({"gate": g, "up": None}, "up: expected a torch.Tensor, got NoneType"),
+        ErrorInput(
+            {"gate": g, "up": torch.randn(4, 9, device=device)}, "up: expected the same shape as gate"
+        ),
+        ErrorInput({"gate": g, "up": g.bfloat16()}, "up: expected dtype torch.float32"),
+        ErrorInput({"gate": g.long(), "up": g.long()}, "gate: expected a float32, bfloat16 or float16"),
+        ErrorInput({"gate": g, "up": torch.randn(4, 8, device="meta")}, f"up: expected device {device}"),
+        ErrorInput({"gate": g, "up": g, "consume_inputs": 1}, "consume_inputs: expected a bool"),
+    ]
+
+
+def error_inputs_geglu(device):
+    g = torch.randn(4, 8, device=device)
+    return [
+        *_error_inputs(device),
+        ErrorInput({"gate": g, "up": g, "approximate": "erf"}, "approximate: expected one of"),
+    ]
+
+
 GLU_SHAPES = {
+    "tiny": [{"M": 2, "N": 3}],
     "quick": [{"M": 37, "N": 96}, {"M": 3, "N": 1001}],
     "full": [
         {"M": 37, "N": 96},
@@ -86,6 +125,8 @@ SWIGLU = register_op(
         # inputs to change (their memory may hold the gradients).
         cases=[{}, {"consume_inputs": True}],
         bytes_moved=_glu_bytes,
+        error_inputs=_error_inputs,
+        sample=sample_swiglu,
         description="silu(gate) * up",
     )
 )
@@ -100,6 +141,8 @@ GEGLU = register_op(
         shapes=GLU_SHAPES,
         cases=[{}, {"approximate": "none"}, {"consume_inputs": True}],
         bytes_moved=_glu_bytes,
+        error_inputs=error_inputs_geglu,
+        sample=sample_geglu,
         description="gelu(gate) * up, tanh or exact gelu",
     )
 )

@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import torch
 
-from lmkernels.ops._common import generator, op_function, randn
-from lmkernels.registry.core import OpSpec, register_op
-from lmkernels.utils import check_same_device, check_tensor, fail
+from lmkernels.ops._common import NORM_WIDTHS, ROW_COUNTS, WIDE, generator, op_function, randn, upcast
+from lmkernels.registry.core import ErrorInput, OpSpec, register_op
+from lmkernels.utils import check_number, check_same_device, check_tensor, fail
 
 
 def layer_norm_reference(x, weight=None, bias=None, eps=1e-5):
-    x32 = x.float()
+    x32 = upcast(x)
     mean = x32.mean(-1, keepdim=True)
     var = (x32 - mean).pow(2).mean(-1, keepdim=True)
     y = (x32 - mean) * torch.rsqrt(var + eps)
     if weight is not None:
-        y = y * weight.float()
+        y = y * upcast(weight)
     if bias is not None:
-        y = y + bias.float()
+        y = y + upcast(bias)
     return y.to(x.dtype)
 
 
@@ -35,8 +35,7 @@ def check_inputs(x, weight=None, bias=None, eps=1e-5):
             if t.shape[0] != x.shape[-1]:
                 fail(f"{name}: expected shape ({x.shape[-1]},) to match x's last dim, got {tuple(t.shape)}")
     check_same_device(x=x, weight=weight, bias=bias)
-    if not eps >= 0:
-        fail(f"eps: expected a non-negative number, got {eps}")
+    check_number("eps", eps, low=0, what="a non-negative number")
 
 
 def make_inputs(shape, dtype, device, seed=0, **options):
@@ -47,6 +46,30 @@ def make_inputs(shape, dtype, device, seed=0, **options):
     return {"x": x, "weight": weight, "bias": bias, **options}
 
 
+def sample(draw):
+    N = draw.sampled_from(NORM_WIDTHS)
+    M = draw.integers(0, 3) if N > WIDE else draw.sampled_from(ROW_COUNTS)
+    options = {"eps": draw.sampled_from((1e-5, 1e-6, 0.1))}
+    if draw.booleans():
+        options["weight"] = None
+    if draw.booleans():
+        options["bias"] = None
+    return {"M": M, "N": N}, options
+
+
+def error_inputs(device):
+    x = torch.randn(4, 8, device=device)
+    return [
+        ErrorInput({"x": 3.0}, "x: expected a torch.Tensor, got float"),
+        ErrorInput({"x": x.int()}, "x: expected a float32, bfloat16 or float16 tensor"),
+        ErrorInput({"x": x[:, :0]}, "x: expected at least 1 dim with a non-empty last dim"),
+        ErrorInput({"x": x, "weight": torch.randn(9, device=device)}, r"weight: expected shape \(8,\)"),
+        ErrorInput({"x": x, "bias": torch.randn(9, device=device)}, r"bias: expected shape \(8,\)"),
+        ErrorInput({"x": x, "bias": torch.randn(8, device="meta")}, f"bias: expected device {device}"),
+        ErrorInput({"x": x, "eps": float("nan")}, "eps: expected a non-negative number"),
+    ]
+
+
 SPEC = register_op(
     OpSpec(
         name="layer_norm",
@@ -55,6 +78,7 @@ SPEC = register_op(
         check_inputs=check_inputs,
         grad_inputs=("x", "weight", "bias"),
         shapes={
+            "tiny": [{"M": 3, "N": 5}],
             "quick": [{"M": 37, "N": 96}, {"M": 5, "N": 1000}],
             "full": [
                 {"M": 37, "N": 96},
@@ -67,6 +91,8 @@ SPEC = register_op(
         },
         cases=[{}, {"bias": None}, {"weight": None, "bias": None}],
         bytes_moved=lambda s, dtype: 5 * s["M"] * s["N"] * dtype.itemsize,
+        error_inputs=error_inputs,
+        sample=sample,
         description="LayerNorm over the last dim, optional weight and bias",
     )
 )

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from lmkernels.ops._common import generator, op_function, randn
-from lmkernels.registry.core import OpSpec, register_op
-from lmkernels.utils import check_choice, check_same_device, check_tensor, fail
+from lmkernels.ops._common import NORM_WIDTHS, ROW_COUNTS, WIDE, generator, op_function, randn, upcast
+from lmkernels.registry.core import ErrorInput, OpSpec, register_op
+from lmkernels.utils import check_choice, check_number, check_same_device, check_tensor, fail
 
 CASTING_MODES = ("llama", "gemma", "none")
 
@@ -22,12 +22,12 @@ def rms_norm_reference(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama
     if casting_mode == "none":
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         return y if weight is None else y * (weight.to(x.dtype) + offset)
-    x32 = x.float()
+    x32 = upcast(x)
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if casting_mode == "llama":
-        y = y.to(x.dtype).float()
+        y = upcast(y.to(x.dtype))
     if weight is not None:
-        y = y * (weight.float() + offset)
+        y = y * (upcast(weight) + offset)
     return y.to(x.dtype)
 
 
@@ -41,8 +41,8 @@ def check_inputs(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
             fail(f"weight: expected shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
         check_same_device(x=x, weight=weight)
     check_choice("casting_mode", casting_mode, CASTING_MODES)
-    if not eps >= 0:
-        fail(f"eps: expected a non-negative number, got {eps}")
+    check_number("eps", eps, low=0, what="a non-negative number")
+    check_number("offset", offset)
 
 
 def make_inputs(shape, dtype, device, seed=0, **options):
@@ -50,6 +50,36 @@ def make_inputs(shape, dtype, device, seed=0, **options):
     x = randn((shape["M"], shape["N"]), dtype, device, g)
     weight = randn((shape["N"],), dtype, device, g, scale=0.5) + 1.0
     return {"x": x, "weight": weight, **options}
+
+
+def sample(draw):
+    N = draw.sampled_from(NORM_WIDTHS)
+    M = draw.integers(0, 3) if N > WIDE else draw.sampled_from(ROW_COUNTS)
+    options = {
+        "casting_mode": draw.sampled_from(CASTING_MODES),
+        "offset": draw.sampled_from((0.0, 1.0)),
+        "eps": draw.sampled_from((1e-6, 1e-5, 0.1)),
+    }
+    if draw.booleans():
+        options["weight"] = None
+    return {"M": M, "N": N}, options
+
+
+def error_inputs(device):
+    x = torch.randn(4, 8, device=device)
+    return [
+        ErrorInput({"x": [[1.0] * 8] * 4}, "x: expected a torch.Tensor, got list"),
+        ErrorInput({"x": x.long()}, "x: expected a float32, bfloat16 or float16 tensor"),
+        ErrorInput({"x": x.double()}, "x: expected a float32, bfloat16 or float16 tensor"),
+        ErrorInput({"x": x[:, :0]}, "x: expected at least 1 dim with a non-empty last dim"),
+        ErrorInput({"x": x, "weight": torch.randn(7, device=device)}, r"weight: expected shape \(8,\)"),
+        ErrorInput({"x": x, "weight": torch.randn(1, 8, device=device)}, "weight: expected 1 dims"),
+        ErrorInput({"x": x, "weight": torch.randn(8, device="meta")}, f"weight: expected device {device}"),
+        ErrorInput({"x": x, "casting_mode": "mistral"}, "casting_mode: expected one of"),
+        ErrorInput({"x": x, "eps": -1e-6}, "eps: expected a non-negative number"),
+        ErrorInput({"x": x, "eps": "1e-6"}, "eps: expected a non-negative number"),
+        ErrorInput({"x": x, "offset": float("nan")}, "offset: expected a number"),
+    ]
 
 
 SPEC = register_op(
@@ -60,6 +90,7 @@ SPEC = register_op(
         check_inputs=check_inputs,
         grad_inputs=("x", "weight"),
         shapes={
+            "tiny": [{"M": 3, "N": 5}],
             "quick": [{"M": 37, "N": 96}, {"M": 5, "N": 1000}],
             "full": [
                 {"M": 37, "N": 96},
@@ -78,6 +109,8 @@ SPEC = register_op(
             {"weight": None},
         ],
         bytes_moved=lambda s, dtype: 5 * s["M"] * s["N"] * dtype.itemsize,
+        error_inputs=error_inputs,
+        sample=sample,
         description="RMSNorm over the last dim (Llama, Gemma offset/casting modes)",
     )
 )

@@ -3,8 +3,9 @@
 q: (B, Hq, T, D), k: (B, Hkv, T, D), Hq a multiple of Hkv (GQA) or not; both rotated in one call.
 cos, sin: (T, R) or (B, T, R) with R = rotary_dim (default D), the full-width tables that
 transformers builds (neox: [f, f] halves; interleaved: each frequency repeated twice). With
-position_ids (B, T), cos and sin are tables (P, R) looked up at those positions.
-Only the first R dims of each head rotate; dims R..D pass through unchanged.
+position_ids (B, T), cos and sin are tables (P, R) looked up at those positions, which must be
+in [0, P): checked unless LMKERNELS_CHECK_VALUES=0, and read as nan rows (never out of bounds)
+when unchecked. Only the first R dims of each head rotate; dims R..D pass through unchanged.
 
 out[..., :R] = x[..., :R] * cos + rotate(x[..., :R]) * sin, where rotate pairs dim j with
 j + R/2 (layout "neox": rotate_half) or 2i with 2i+1 (layout "interleaved", GPT-J style):
@@ -14,12 +15,13 @@ rotate(x) = [-x2, x1]. Computed in fp32, rounded once to q's dtype. Gradients: q
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
-from lmkernels.ops._common import generator, op_function, randn
-from lmkernels.registry.core import OpSpec, register_op
-from lmkernels.utils import check_choice, check_same_device, check_tensor, fail
+from lmkernels.ops._common import generator, op_function, randn, upcast
+from lmkernels.registry.core import ErrorInput, OpSpec, register_op
+from lmkernels.utils import check_choice, check_same_device, check_tensor, data_checks_enabled, fail
 
 LAYOUTS = ("neox", "interleaved")
 
@@ -31,20 +33,32 @@ def rotate(x: torch.Tensor, layout: str) -> torch.Tensor:
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
-def rope_reference(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None):
-    rdim = q.shape[-1] if rotary_dim is None else rotary_dim
+def rope_tables_at(cos, sin, position_ids=None):
+    """The cos/sin rows the rotation uses, in the compute dtype: looked up at position_ids in a
+    (P, R) table, or the (T, R) / (B, T, R) tables as given. A position outside [0, P) (only
+    possible with value checks off) is never read: its rows are nan."""
     if position_ids is not None:
-        cos, sin = cos[position_ids], sin[position_ids]
-    cos, sin = cos.float(), sin.float()
+        in_range = ((position_ids >= 0) & (position_ids < cos.shape[0]))[..., None]
+        safe = torch.where(in_range[..., 0], position_ids, 0)
+        cos = torch.where(in_range, upcast(cos[safe]), float("nan"))
+        sin = torch.where(in_range, upcast(sin[safe]), float("nan"))
+    cos, sin = upcast(cos), upcast(sin)
     if cos.dim() == 3:  # (B, T, R) -> (B, 1, T, R), broadcast over heads
         cos, sin = cos[:, None], sin[:, None]
+    return cos, sin
 
-    def apply(x):
-        x32 = x.float()
-        xr, rest = x32[..., :rdim], x32[..., rdim:]
-        return torch.cat((xr * cos + rotate(xr, layout) * sin, rest), dim=-1).to(x.dtype)
 
-    return apply(q), apply(k)
+def rope_apply(x, cos, sin, layout, rotary_dim):
+    """x rotated by the tables of rope_tables_at, rounded once to x's dtype."""
+    x32 = upcast(x)
+    xr, rest = x32[..., :rotary_dim], x32[..., rotary_dim:]
+    return torch.cat((xr * cos + rotate(xr, layout) * sin, rest), dim=-1).to(x.dtype)
+
+
+def rope_reference(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None):
+    rdim = q.shape[-1] if rotary_dim is None else rotary_dim
+    cos, sin = rope_tables_at(cos, sin, position_ids)
+    return rope_apply(q, cos, sin, layout, rdim), rope_apply(k, cos, sin, layout, rdim)
 
 
 def check_inputs(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None):
@@ -76,6 +90,31 @@ def check_inputs(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=No
     elif cos.dim() == 3 and tuple(cos.shape[:2]) != (B, T):
         fail(f"cos: expected shape ({B}, {T}, {rdim}), got {tuple(cos.shape)}")
     check_same_device(q=q, k=k, cos=cos, sin=sin, position_ids=position_ids)
+
+
+# The position_ids last checked: (weak reference, version, table rows). The same tensor reaches
+# the op once per layer; while it is unchanged its values need no second host sync.
+_CHECKED: list = [None, -1, -1]
+
+
+def check_values(q, k, cos, sin, position_ids=None, **_):
+    """position_ids inside the table: reads values (a host sync on CUDA), so the dispatcher runs
+    it on every call; LMKERNELS_CHECK_VALUES=0 skips it (out-of-range positions then give nan
+    rows, never an out-of-bounds read)."""
+    if position_ids is None or not position_ids.numel() or not data_checks_enabled():
+        return
+    P = cos.shape[0]
+    ref, version, rows = _CHECKED
+    if ref is not None and ref() is position_ids and version == position_ids._version and rows <= P:
+        return
+    bad = (position_ids < 0) | (position_ids >= P)
+    if bool(bad.any()):
+        where = [int(i) for i in bad.nonzero()[0]]
+        fail(
+            f"position_ids: expected positions in [0, {P}) (the rows of cos/sin), found "
+            f"{int(position_ids[tuple(where)])} at {where} ({int(bad.sum())} out of range)"
+        )
+    _CHECKED[:] = [weakref.ref(position_ids), position_ids._version, P]
 
 
 def rope_tables(positions: torch.Tensor, rdim: int, layout: str, base: float = 10000.0):
@@ -112,14 +151,74 @@ def make_inputs(shape, dtype, device, seed=0, layout="neox", partial=False, posi
     return out
 
 
+def sample(draw):
+    partial = draw.booleans()
+    D = draw.sampled_from((2, 4, 6, 16, 24, 64, 96, 128, 256) + ((3, 5, 80) if partial else ()))
+    long = draw.booleans()  # many positions, few heads
+    T = draw.sampled_from((0, 1, 5, 31, 257, 1031) if long else (0, 1, 2, 3, 7, 8, 13, 16))
+    Hkv = draw.sampled_from((1, 2) if long else (0, 1, 2, 3, 8))
+    Hq = Hkv * draw.sampled_from((1, 2, 3)) if Hkv and draw.booleans() else draw.sampled_from((1, 2, 5))
+    shape = {"B": draw.integers(0, 1 if long else 3), "Hq": Hq, "Hkv": Hkv, "T": T, "D": D}
+    options = {
+        "layout": draw.sampled_from(LAYOUTS),
+        "partial": partial,
+        "positions": draw.sampled_from((None, "batched", "ids")),
+    }
+    return shape, options
+
+
+def error_inputs(device):
+    def args(**over):
+        base = {
+            "q": torch.randn(1, 2, 3, 8, device=device),
+            "k": torch.randn(1, 1, 3, 8, device=device),
+            "cos": torch.randn(3, 8, device=device),
+            "sin": torch.randn(3, 8, device=device),
+        }
+        return {**base, **over}
+
+    table = torch.randn(6, 8, device=device)
+    ids = torch.tensor([[0, 1, 2]], device=device)
+    return [
+        ErrorInput(args(q=torch.randn(2, 3, 8, device=device)), "q: expected 4 dims"),
+        ErrorInput(args(k=torch.randn(1, 2, 4, 8, device=device)), "k: expected shape"),
+        ErrorInput(args(k=torch.randn(1, 1, 3, 8, device=device).half()), "k: expected dtype torch.float32"),
+        ErrorInput(
+            args(cos=torch.randn(3, 6, device=device), sin=torch.randn(3, 6, device=device)),
+            "cos: expected last dim 8",
+        ),
+        ErrorInput(args(sin=torch.randn(4, 8, device=device)), "sin: expected the shape of cos"),
+        ErrorInput(
+            args(cos=torch.randn(4, 8, device=device), sin=torch.randn(4, 8, device=device)),
+            "cos: expected shape",
+        ),
+        ErrorInput(args(rotary_dim=5), "rotary_dim: expected an even int"),
+        ErrorInput(args(rotary_dim=10), "rotary_dim: expected an even int"),
+        ErrorInput(args(layout="gptj"), "layout: expected one of"),
+        ErrorInput(
+            args(cos=table, sin=table, position_ids=ids[:, :2]), r"position_ids: expected shape \(1, 3\)"
+        ),
+        ErrorInput(args(cos=table, sin=table, position_ids=ids.float()), "position_ids: expected dtype in"),
+        ErrorInput(
+            args(cos=table, sin=table, position_ids=ids + 4), r"position_ids: expected positions in \[0, 6\)"
+        ),
+        ErrorInput(
+            args(cos=table, sin=table, position_ids=ids - 1), r"position_ids: .* found -1 at \[0, 0\]"
+        ),
+        ErrorInput(args(sin=torch.randn(3, 8, device="meta")), f"sin: expected device {device}"),
+    ]
+
+
 SPEC = register_op(
     OpSpec(
         name="rope",
         reference=rope_reference,
         make_inputs=make_inputs,
         check_inputs=check_inputs,
+        check_values=check_values,
         grad_inputs=("q", "k"),
         shapes={
+            "tiny": [{"B": 1, "Hq": 2, "Hkv": 1, "T": 3, "D": 4}],
             "quick": [
                 {"B": 2, "Hq": 4, "Hkv": 2, "T": 7, "D": 16},
                 {"B": 1, "Hq": 3, "Hkv": 3, "T": 5, "D": 24},
@@ -140,6 +239,8 @@ SPEC = register_op(
             {"positions": "batched", "layout": "interleaved"},
         ],
         bytes_moved=lambda s, dtype: 4 * s["B"] * s["T"] * s["D"] * (s["Hq"] + s["Hkv"]) * dtype.itemsize,
+        error_inputs=error_inputs,
+        sample=sample,
         description="rotary embedding of q and k (neox/interleaved, partial, GQA, position_ids)",
     )
 )

@@ -3,6 +3,9 @@
 from lmkernels.registry.core import (
     DEFAULT_TOLERANCES,
     BackendNotSupportedError,
+    ConsumedInputsError,
+    ErrorInput,
+    HigherOrderGradientError,
     Impl,
     LMKernelsError,
     OpSpec,
@@ -12,6 +15,7 @@ from lmkernels.registry.core import (
     backend_names,
     get_impl,
     get_op,
+    higher_order_error,
     impls,
     ops,
     register,
@@ -32,8 +36,11 @@ from lmkernels.registry.dispatch import (
 
 __all__ = [
     "DEFAULT_TOLERANCES",
-    "ENV_VAR",
     "BackendNotSupportedError",
+    "ConsumedInputsError",
+    "ENV_VAR",
+    "ErrorInput",
+    "HigherOrderGradientError",
     "Impl",
     "LMKernelsError",
     "OpSpec",
@@ -45,6 +52,7 @@ __all__ = [
     "explain",
     "get_impl",
     "get_op",
+    "higher_order_error",
     "impls",
     "ops",
     "parse_backend_spec",

@@ -25,6 +25,16 @@ class BackendNotSupportedError(LMKernelsError):
     """An explicitly requested backend cannot take these inputs; the message lists why."""
 
 
+class HigherOrderGradientError(LMKernelsError, RuntimeError):
+    """A backward with create_graph=True through an impl that has no double backward: raised
+    instead of returning gradients that silently miss the second-order term."""
+
+
+class ConsumedInputsError(LMKernelsError, RuntimeError):
+    """A second backward through an op whose first backward used buffers it owned (handed over
+    with consume_inputs=True, or gradients computed in the forward) and wrote over them."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
     """Pass when err(impl) <= factor * err(eager in the same dtype) + floor, and err(impl) <= bound.
@@ -51,6 +61,15 @@ DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class ErrorInput:
+    """A call every backend must refuse with an LMKernelsError whose message matches `match` (a
+    regex naming the bad argument and what was expected)."""
+
+    kwargs: dict[str, Any]
+    match: str
+
+
 @dataclasses.dataclass
 class OpSpec:
     """Everything the harness, tests and benchmarks need to know about one op.
@@ -65,6 +84,12 @@ class OpSpec:
       dispatcher runs it once per input signature.
     check_values(**kwargs): the checks that read values (a host sync on CUDA), run on every call.
     bytes_moved(shape, dtype) / flops(shape): minimum traffic / work of fwd+bwd for rooflines.
+    error_inputs(device): the bad calls every backend must refuse (OpInfo's error_inputs).
+    sample(draw): a random valid case for the property-based tests, as (shape, options) for
+      make_inputs. `draw` chooses: draw.integers(lo, hi) (inclusive), draw.sampled_from(seq),
+      draw.booleans() (hypothesis in the tests, a seeded random.Random elsewhere).
+    sample_layouts: input name -> the memory layouts the property tests may give it (default:
+      every layout its rank allows; see harness/properties.py).
     """
 
     name: str
@@ -82,6 +107,9 @@ class OpSpec:
     flops: Callable[[dict[str, int]], int] | None = None
     description: str = ""
     check_values: Callable[..., None] | None = None
+    error_inputs: Callable[[str], list[ErrorInput]] | None = None
+    sample: Callable[[Any], tuple[dict[str, int], dict[str, Any]]] | None = None
+    sample_layouts: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def shape_id(self, shape: dict[str, int]) -> str:
         return "x".join(str(v) for v in shape.values())
@@ -110,6 +138,9 @@ class Impl:
     auto_devices: tuple[str, ...] | None = None
     min_capability: tuple[int, int] | None = None  # CUDA compute capability
     has_backward: bool = True
+    # Whether a backward with create_graph=True gives gradients that are themselves
+    # differentiable (double backward). Impls without it raise HigherOrderGradientError there.
+    double_backward: bool = False
     compile_safe: bool = True
     # Returns why the backend cannot run at all here (package missing, no GPU), or None.
     available: Callable[[], str | None] = _always_available
@@ -138,16 +169,20 @@ class Impl:
         if reason:
             return [reason]
         reasons = []
-        tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor)]
-        for t in tensors:
+        named = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        tensors = list(named.values())
+        for name, t in named.items():
             if t.device.type not in self.devices:
-                reasons.append(f"device {t.device.type!r} not supported (supports {self.devices})")
+                reasons.append(f"{name}: device {t.device.type!r} not supported (supports {self.devices})")
                 break
         if self.dtypes is not None:
-            float_dtypes = {t.dtype for t in tensors if t.is_floating_point()}
-            bad = sorted(str(d) for d in float_dtypes if d not in self.dtypes)
+            bad = [
+                f"{k} ({t.dtype})"
+                for k, t in named.items()
+                if t.is_floating_point() and t.dtype not in self.dtypes
+            ]
             if bad:
-                reasons.append(f"dtype {', '.join(bad)} not supported (supports {self.dtypes})")
+                reasons.append(f"dtype of {', '.join(bad)} not supported (supports {self.dtypes})")
         if self.min_capability is not None and any(t.is_cuda for t in tensors):
             dev = next(t.device for t in tensors if t.is_cuda)
             cap = torch.cuda.get_device_capability(dev)
@@ -188,8 +223,8 @@ def register(op: str, backend: str, fn: Callable[..., Any], **capabilities: Any)
 
     This is all a new backend needs: the dispatcher, the harness, `lmkernels validate`, the
     test suite and the benchmarks enumerate the registry and pick it up. `capabilities` are the
-    fields of Impl (priority, dtypes, devices, min_capability, has_backward, compile_safe,
-    available, supports, description).
+    fields of Impl (priority, dtypes, devices, min_capability, has_backward, double_backward,
+    compile_safe, available, supports, description).
     """
     if op not in _OPS:
         raise UnknownOpError(f"register: unknown op {op!r}; known ops: {sorted(_OPS)}")
@@ -197,6 +232,16 @@ def register(op: str, backend: str, fn: Callable[..., Any], **capabilities: Any)
     _IMPLS[op][backend] = impl
     _changed()
     return impl
+
+
+def higher_order_error(op: str, backend: str) -> HigherOrderGradientError:
+    """The error an impl without double backward raises when its backward runs with
+    create_graph=True: it names the op, the backend and the backends that can."""
+    able = [i.backend for i in impls(op) if i.double_backward and not i.unavailable_reason()]
+    return HigherOrderGradientError(
+        f"{op}: backend {backend!r} has no double backward (a backward with create_graph=True "
+        f"would miss the second-order term); backends that have one: {able or 'none'}"
+    )
 
 
 def unregister(op: str, backend: str) -> None:

@@ -95,6 +95,11 @@ def parse_backend_spec(spec: str, where: str = ENV_VAR) -> dict[str, str]:
             except UnknownOpError as e:
                 raise UnknownOpError(f"{where}: {e}") from None
             _check_backend_name(backend, where)
+            if op in table:
+                raise LMKernelsError(
+                    f"{where}: op {op!r} is given more than one backend in {spec!r} "
+                    f"({table[op]!r} and {backend!r})"
+                )
             table[op] = backend
         else:
             if "*" in table:

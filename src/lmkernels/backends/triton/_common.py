@@ -12,7 +12,7 @@ An op file therefore reads: kernels; raw launchers (plain Python functions, type
 `op = torch.library.custom_op("lmkernels::name", raw_launcher, mutates_args=...)` with
 register_fake; setup_context and backward, registered on the op with register_autograd and
 turned into the eager Function with `eager_function`; the impl, `call(op, Function, *args)`.
-Inside a backward, launchers run through `op_or_raw(op, raw)(*args)`. Launchers launch their
+Inside a backward, launchers run through `op_or_raw(op, raw, name)(*args)`. Launchers launch their
 kernels with `_launch.launch(kernel, grid, *args, **constexprs)`, which skips Triton's per-call
 argument binding once a launch's specialization has been compiled.
 """
@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import interpreting
+from lmkernels.registry.core import higher_order_error
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -131,19 +132,20 @@ def call(op: Callable[..., Any], function: Any, *args: Any) -> Any:
     return function.raw_forward(*args)
 
 
-def op_or_raw(op: Callable[..., Any], raw: Callable[..., Any]) -> Callable[..., Any]:
-    """For a launcher with no autograd formula of its own (a backward kernel): a function that
-    runs the custom op or the raw launcher, as the arguments it gets call for.
+def op_or_raw(op: Callable[..., Any], raw: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """For a launcher with no autograd formula of its own (a backward kernel of lmkernels op
+    `name`): a function that runs the custom op when traced (AOTAutograd traces the registered
+    backward, so the compiled graph calls the op), and the raw launcher otherwise.
 
-    The custom op when traced (AOTAutograd traces the registered backward, so the compiled graph
-    calls the op), and also when grad mode is on (backward(create_graph=True)): the op then
-    refuses to be differentiated with a clear error, where the raw launcher would hand back
-    gradients silently cut from the graph. The raw launcher otherwise.
+    With grad mode on (a backward with create_graph=True) it raises HigherOrderGradientError:
+    the raw launcher's gradients would be silently cut from the graph.
     """
 
     def run(*args: Any) -> Any:
-        if _grad_enabled() or traced(args):
+        if traced(args):
             return op(*args)
+        if _grad_enabled():
+            raise higher_order_error(name, "triton")
         return raw(*args)
 
     return run
@@ -175,8 +177,24 @@ def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 def soft_bf16(t: torch.Tensor) -> bool:
-    """Round fp32 -> bf16 in software (see _norms.to_dtype): the CPU interpreter truncates."""
+    """Whether kernels on t's device round fp32 -> bf16 in software (to_dtype's SOFT_BF16)."""
     return not t.is_cuda
+
+
+@triton.jit
+def to_dtype(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """fp32 `v` rounded to nearest-even in `dtype`: every kernel's stores of 16-bit results.
+
+    The GPU converts with round-to-nearest-even. The CPU interpreter truncates fp32 -> bf16, so
+    there (SOFT_BF16, from soft_bf16()) the rounding is done on the bits: add half an ulp (ties
+    to even), clear the low 16 bits; the conversion that follows is then exact. nan stays nan.
+    Only the interpreter takes this path: on the GPU it compiles to the plain conversion.
+    """
+    if SOFT_BF16 and dtype == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        v = tl.where(v != v, v, ((bits >> 16) << 16).to(tl.float32, bitcast=True))
+    return v.to(dtype)
 
 
 # --- programmatic dependent launch ---------------------------------------------------------------

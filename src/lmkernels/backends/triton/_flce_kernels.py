@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
-from lmkernels.backends.triton._common import cdiv, next_power_of_2, pdl, pdl_enter
+from lmkernels.backends.triton._common import cdiv, next_power_of_2, pdl, pdl_enter, soft_bf16, to_dtype
 from lmkernels.backends.triton._launch import launch
 from lmkernels.utils import empty
 
@@ -67,17 +67,6 @@ def _tanh(x):
 
 
 @triton.jit
-def _to_output_dtype(x, dtype: tl.constexpr):
-    if dtype == tl.bfloat16:
-        # Round to nearest even by hand: the CPU interpreter truncates fp32 -> bf16 casts, which
-        # doubles the error of the dlogits (the GPU rounds; for it the final cast is then exact).
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # keep nans nan
-    return x.to(dtype)
-
-
-@triton.jit
 def _flce_rows_kernel(
     logits_ptr,  # (rows, V) fp32, row stride stride_logits
     dlogits_ptr,  # the same memory seen in the gradient dtype, row stride stride_dlogits
@@ -106,6 +95,7 @@ def _flce_rows_kernel(
     LSE_GIVEN: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -155,9 +145,12 @@ def _flce_rows_kernel(
                     zw += tl.sum(tl.where(mask, z, 0.0), 0)
             z = tl.where(mask, z, float("-inf"))
             m_new = tl.maximum(m, tl.max(z, 0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+            # While every logit so far is -inf, shift by 0 (not -inf - -inf = nan): s stays 0.
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), 0)
             m = m_new
-        lse = m + tl.log(s)
+        # A +inf logit makes the logsumexp +inf, as torch.logsumexp has it (s is nan then).
+        lse = tl.where(m == float("inf"), m, m + tl.log(s))
 
         z_t = tl.load(z_row + t, mask=t_ok, other=0.0)
         if HAS_BIAS:
@@ -210,11 +203,13 @@ def _flce_rows_kernel(
                     d -= smooth_v * g
             if HAS_SOFTCAP:
                 d = d * (1.0 - th * th)
-            tl.store(d_row + local, _to_output_dtype(d, dlogits_ptr.dtype.element_ty), mask=mask)
+            tl.store(d_row + local, to_dtype(d, dlogits_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
 
 
 @triton.jit
-def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _scale_kernel(
+    x_ptr, scale_ptr, n, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr, PDL: tl.constexpr = False
+):
     pdl_enter(PDL)
     scale = tl.load(scale_ptr).to(tl.float32)
     # An upstream gradient of exactly 1 (loss.backward() of the loss itself) leaves every value
@@ -223,7 +218,7 @@ def _scale_kernel(x_ptr, scale_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = 
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         x = tl.load(x_ptr + offs, mask=mask).to(tl.float32) * scale
-        tl.store(x_ptr + offs, _to_output_dtype(x, x_ptr.dtype.element_ty), mask=mask)
+        tl.store(x_ptr + offs, to_dtype(x, x_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
 
 
 def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -237,7 +232,10 @@ def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     no host sync) the kernel touches nothing, and the version counter is still bumped."""
     n = x.numel()
     if n:
-        launch(_scale_kernel, (cdiv(n, SCALE_BLOCK),), x, scale, n, BLOCK=SCALE_BLOCK, num_warps=8, **pdl(x))
+        launch(
+            _scale_kernel, (cdiv(n, SCALE_BLOCK),), x, scale, n,
+            BLOCK=SCALE_BLOCK, SOFT_BF16=soft_bf16(x), num_warps=8, **pdl(x),
+        )  # fmt: skip
     increment_version(x)  # as an in-place torch op would: autograd's saved-tensor check sees it
     return x
 
@@ -399,6 +397,8 @@ def mean_scale(target, class_weight, ignore_index, V):
 def _fp16_grad_factor(grad, headroom):
     """(grad * K, 1 / K) with K = headroom / 2^e, max |grad| = m * 2^e (m in [0.5, 1)): powers of
     two, so the unscaling is exact. A zero or non-finite max gives e = 0."""
+    if grad.numel() == 0:  # no tokens ("none" over an empty batch): nothing to scale
+        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
     _, e = torch.frexp(grad.abs().max())
     e = e.clamp(-100, 100)  # K and 1 / K stay finite in fp32
     one = torch.ones((), dtype=torch.float32, device=grad.device)
@@ -456,6 +456,7 @@ class Rows:
             LSE_GIVEN=lse_given,
             WRITE_GRAD=grad is not None,
             BLOCK_V=block_v,
+            SOFT_BF16=soft_bf16(logits),
             num_warps=8 if block_v >= 2048 else 4,
             **pdl(logits),
         )

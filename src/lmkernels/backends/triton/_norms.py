@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmkernels.backends.triton._common import cdiv, pdl, pdl_enter, sm90_ptx, soft_bf16
+from lmkernels.backends.triton._common import cdiv, pdl, pdl_enter, sm90_ptx, soft_bf16, to_dtype
 from lmkernels.backends.triton._launch import launch
 from lmkernels.backends.triton._norms_config import APART_ALL as APART_ALL
 from lmkernels.backends.triton._norms_config import APART_DB as APART_DB
@@ -74,21 +74,6 @@ INTERPRETER_PROGRAMS = 3
 
 
 # --- jit helpers -------------------------------------------------------------------------------
-
-
-@triton.jit
-def to_dtype(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """fp32 `v` rounded to nearest-even in `dtype`.
-
-    The GPU converts with round-to-nearest-even. The CPU interpreter truncates fp32 -> bf16, so
-    there (SOFT_BF16) the rounding is done on the bits: add half an ulp (ties to even), clear the
-    low 16 bits; the conversion that follows is then exact. Only the interpreter takes this path.
-    """
-    if SOFT_BF16 and dtype == tl.bfloat16:
-        bits = v.to(tl.int32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        v = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-    return v.to(dtype)
 
 
 @triton.jit

@@ -44,7 +44,8 @@ accumulated in fp16 in fast mode (grad_accum_dtype=fp16): there the scale is 1, 
 |grad_W| up to 65504 / tokens. bf16 has fp32's exponent range and fp32 needs neither.
 
 Backward twice (retain_graph=True) after a fast "mean"/"sum" forward: the first backward scaled
-the stored gradients in place, so autograd's saved-tensor version check raises on the second.
+the stored gradients in place, so the second raises ConsumedInputsError naming the backends that
+recompute. A backward with create_graph=True raises HigherOrderGradientError (no double backward).
 Eager calls run the launchers through a plain autograd.Function (_common.call); only code that
 torch.compile traces calls the torch.library custom ops, which share its context and backward.
 Out-of-range targets (possible only when LMKERNELS_CHECK_VALUES=0 skipped the input check) are
@@ -56,7 +57,7 @@ import torch
 from lmkernels.backends.triton import _flce_kernels as kernels
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import call, eager_function, op_or_raw, traced
-from lmkernels.registry.core import register
+from lmkernels.registry.core import ConsumedInputsError, higher_order_error, register
 
 # --- torch.library registration ------------------------------------------------------------------
 
@@ -246,7 +247,7 @@ def _backward_fake(
 
 
 # The recomputing backward: the custom op when traced, else the launcher.
-_recompute = op_or_raw(_backward_op, _backward_raw)
+_recompute = op_or_raw(_backward_op, _backward_raw, "fused_linear_cross_entropy")
 
 
 def _setup_context(ctx, inputs, output):
@@ -259,7 +260,9 @@ def _setup_context(ctx, inputs, output):
     # ones are alive (on the H200 that doubled grad_W + grad_hidden: the lean mode's peak).
     ctx.set_materialize_grads(False)
     ctx.flags = (grad_h, grad_w, grad_b and bias is not None)
+    ctx.backend = "triton_lean" if lean else "triton"
     ctx.precomputed = _grads_in_forward(reduction, grad_h, grad_w, grad_b, lean)
+    ctx.scaled = False  # whether a backward scaled the precomputed gradients in place
     if ctx.precomputed:
         ctx.save_for_backward(gh, gw, gb)
     else:
@@ -267,8 +270,20 @@ def _setup_context(ctx, inputs, output):
         ctx.options = (ignore_index, reduction, label_smoothing, softcap, z_loss_scale, accum_fp32, lean)
 
 
+_SECOND_BACKWARD = (
+    "fused_linear_cross_entropy: backend 'triton' computed the gradients in the forward and the "
+    "first backward handed them to autograd (scaled in place), so there is nothing left for a "
+    "second backward through this graph (retain_graph=True). Backends that recompute instead: "
+    "'triton_lean', 'compile', 'eager'."
+)
+
+
 def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb):
+    if torch.is_grad_enabled() and not traced((grad_loss,)):  # create_graph=True
+        raise higher_order_error("fused_linear_cross_entropy", ctx.backend)
     if ctx.precomputed:
+        if ctx.scaled:
+            raise ConsumedInputsError(_SECOND_BACKWARD)
         # The forward computed the gradients of the reduced loss; only the upstream scalar is
         # missing. Eagerly they are scaled in place: the buffers are ours (the impl drops the
         # forward's outputs) and the unpacked saved tensors are their only references, so
@@ -280,6 +295,7 @@ def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb):
             grads = [(g.float() * grad_loss).to(g.dtype) for g in (gh, gw, gb)]
         else:
             grads = [kernels.scale_(g, grad_loss) for g in (gh, gw, gb)]
+            ctx.scaled = True
     else:
         hidden, weight, target, bias, class_weight, lse = ctx.saved_tensors
         ignore_index, reduction, label_smoothing, softcap, z_loss_scale, accum_fp32, lean = ctx.options

@@ -31,9 +31,18 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import cdiv, device_guard, op_or_raw, pdl, pdl_enter, traced
+from lmkernels.backends.triton._common import (
+    cdiv,
+    device_guard,
+    op_or_raw,
+    pdl,
+    pdl_enter,
+    soft_bf16,
+    to_dtype,
+    traced,
+)
 from lmkernels.backends.triton._launch import launch
-from lmkernels.registry.core import register
+from lmkernels.registry.core import ConsumedInputsError, register
 from lmkernels.utils import empty
 
 # Activation names in the custom op schemas -> the constexpr the kernels branch on.
@@ -73,8 +82,9 @@ def _activation(a, ACT: tl.constexpr):
 
 @triton.jit
 def _glu_fwd_kernel(
-    gate_ptr, up_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False
-):
+    gate_ptr, up_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
     pdl_enter(PDL)
     # 64-bit offsets: n may pass 2^31 elements.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -82,7 +92,7 @@ def _glu_fwd_kernel(
     a = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     act, _ = _activation(a, ACT)
-    tl.store(out_ptr + offs, (act * b).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, to_dtype(act * b, out_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
 
 
 @triton.jit
@@ -95,6 +105,7 @@ def _glu_bwd_kernel(
     n,
     ACT: tl.constexpr,
     BLOCK: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -106,8 +117,8 @@ def _glu_bwd_kernel(
     act, d_act = _activation(a, ACT)
     # d_gate_ptr / d_up_ptr may equal gate_ptr, up_ptr or grad_ptr (in-place backward): this
     # program has loaded every element it overwrites.
-    tl.store(d_gate_ptr + offs, (g * b * d_act).to(d_gate_ptr.dtype.element_ty), mask=mask)
-    tl.store(d_up_ptr + offs, (g * act).to(d_up_ptr.dtype.element_ty), mask=mask)
+    tl.store(d_gate_ptr + offs, to_dtype(g * b * d_act, d_gate_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
+    tl.store(d_up_ptr + offs, to_dtype(g * act, d_up_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
 
 
 def _grid(n: int):
@@ -128,7 +139,7 @@ def _glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch
         with device_guard(gate):
             launch(
                 _glu_fwd_kernel, _grid(n), gate, up, out, n,
-                ACT=act, BLOCK=BLOCK, num_warps=NUM_WARPS, **pdl(gate),
+                ACT=act, BLOCK=BLOCK, SOFT_BF16=soft_bf16(gate), num_warps=NUM_WARPS, **pdl(gate),
             )  # fmt: skip
     return out
 
@@ -141,7 +152,7 @@ def _glu_backward_into(grad, gate, up, activation, d_gate, d_up) -> None:
         with device_guard(gate):
             launch(
                 _glu_bwd_kernel, _grid(n), grad, gate, up, d_gate, d_up, n,
-                ACT=act, BLOCK=BLOCK, num_warps=NUM_WARPS, **pdl(gate),
+                ACT=act, BLOCK=BLOCK, SOFT_BF16=soft_bf16(gate), num_warps=NUM_WARPS, **pdl(gate),
             )  # fmt: skip
 
 
@@ -204,10 +215,15 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad):
     """The custom op's backward (compiled code): functional, gate and up are never written."""
     gate, up = ctx.saved_tensors
-    d_gate, d_up = op_or_raw(glu_backward, _glu_backward)(grad, gate, up, ctx.activation)
+    d_gate, d_up = _RUN_BWD[ctx.activation](grad, gate, up, ctx.activation)
     return d_gate, d_up, None
 
 
+# The backward launcher per activation, named by the op it belongs to (for its errors).
+_RUN_BWD = {
+    act: op_or_raw(glu_backward, _glu_backward, "swiglu" if act == "silu" else "geglu")
+    for act in _ACTIVATIONS
+}
 glu_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
@@ -225,13 +241,23 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _consumed_targets(grad, gate, up):
+def _handed_over(t: torch.Tensor) -> bool:
+    """Whether consume_inputs=True may give t's memory to its gradient: only a tensor the caller
+    can hand over. Never a leaf (a parameter's .grad would alias the parameter, overwritten by
+    its own gradient), a view (its memory belongs to its base, e.g. a leaf it was sliced from)
+    or a tensor that gets no gradient (it would be overwritten for nothing): those are kept."""
+    return t.requires_grad and not t.is_leaf and t._base is None
+
+
+def _consumed_targets(grad, gate, up, handed_over):
     """Which of gate and up the consuming backward may write its results over (None: not that
-    one): contiguous (the kernel's flat indexing is their own elements, nothing else of the
-    storage), up not sharing memory with gate (both results would land on the same elements),
-    and neither sharing memory with the incoming gradient (not handed over)."""
-    d_gate = gate if gate.is_contiguous() and not _shares_memory(gate, grad) else None
-    d_up = up if up.is_contiguous() and not _shares_memory(up, grad) else None
+    one): handed over (_handed_over, judged in the forward on the caller's tensors), contiguous
+    (the kernel's flat indexing is their own elements, nothing else of the storage), up not
+    sharing memory with gate (both results would land on the same elements), and neither
+    sharing memory with the incoming gradient."""
+    gate_ok, up_ok = handed_over
+    d_gate = gate if gate_ok and gate.is_contiguous() and not _shares_memory(gate, grad) else None
+    d_up = up if up_ok and up.is_contiguous() and not _shares_memory(up, grad) else None
     if d_up is not None and _shares_memory(up, gate):
         d_up = None
     return d_gate, d_up
@@ -246,6 +272,7 @@ class _GLUFunction(torch.autograd.Function):
         out = _glu_forward(gate, up, activation)
         _setup_context(ctx, (gate, up, activation), out)
         ctx.consume_inputs = consume_inputs
+        ctx.handed_over = (consume_inputs and _handed_over(gate), consume_inputs and _handed_over(up))
         ctx.overwritten = {}  # data_ptr -> version of each saved tensor a backward wrote over
         return out
 
@@ -258,13 +285,13 @@ class _GLUFunction(torch.autograd.Function):
         # back from the CPU: version 0) runs as usual.
         gate, up = ctx.saved_tensors
         if any(ctx.overwritten.get(t.data_ptr(), float("inf")) <= t._version for t in (gate, up)):
-            raise RuntimeError(_CONSUMED)
+            raise ConsumedInputsError(_CONSUMED)
         args = (grad, gate, up, ctx.activation)
         # create_graph=True or tracing: the functional op (whose missing derivative is an error).
         if not ctx.consume_inputs or torch.is_grad_enabled() or traced(args[:3]):
-            d_gate, d_up = op_or_raw(glu_backward, _glu_backward)(*args)
+            d_gate, d_up = _RUN_BWD[ctx.activation](*args)
             return d_gate, d_up, None, None
-        d_gate, d_up = _consumed_targets(grad, gate, up)
+        d_gate, d_up = _consumed_targets(grad, gate, up, ctx.handed_over)
         written = [t for t in (d_gate, d_up) if t is not None]
         d_gate, d_up = _glu_backward_to(*args, d_gate, d_up)
         # The kernel wrote through pointers: tell autograd, so that anything that saved gate or

@@ -578,7 +578,7 @@ def _backward(ctx, dy, dmean, drstd):
     if dy is None:  # y got no gradient
         return None, None, None, None
     x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = op_or_raw(layer_norm_bwd, _layer_norm_bwd)(dy, x, weight, mean, rstd, ctx.bias_dtype)
+    dx, dw, db = _run_bwd(dy, x, weight, mean, rstd, ctx.bias_dtype)
     return (
         dx if ctx.needs_input_grad[0] else None,
         dw if weight is not None and ctx.needs_input_grad[1] else None,
@@ -587,6 +587,7 @@ def _backward(ctx, dy, dmean, drstd):
     )
 
 
+_run_bwd = op_or_raw(layer_norm_bwd, _layer_norm_bwd, "layer_norm")
 layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 _LayerNormFunction = eager_function("_LayerNormFunction", _layer_norm_fwd, _setup_context, _backward)
 

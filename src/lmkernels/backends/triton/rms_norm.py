@@ -539,12 +539,13 @@ def _backward(ctx, dy, drstd):
         return None, None, None, None, None
     x, weight, rstd = ctx.saved_tensors
     args = (x, weight, rstd, ctx.offset, ctx.casting_mode)
-    dx, dw = op_or_raw(rms_norm_bwd, _rms_norm_bwd)(dy, *args)
+    dx, dw = _run_bwd(dy, *args)
     dx = dx if ctx.needs_input_grad[0] else None
     dw = dw if weight is not None and ctx.needs_input_grad[1] else None
     return dx, dw, None, None, None
 
 
+_run_bwd = op_or_raw(rms_norm_bwd, _rms_norm_bwd, "rms_norm")
 rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 _RMSNormFunction = eager_function("_RMSNormFunction", _rms_norm_fwd, _setup_context, _backward)
 

@@ -41,6 +41,8 @@ from lmkernels.backends.triton._common import (
     next_power_of_2,
     pdl,
     pdl_enter,
+    soft_bf16,
+    to_dtype,
 )
 from lmkernels.backends.triton._launch import launch
 from lmkernels.registry.core import register
@@ -100,6 +102,7 @@ def _rotate_rows(
     BLOCK_REST: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     HAS_REST: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
 ):
     """Rotate BLOCK_R rows of head dims, the row starts x_rows (masked by row_mask), into the
     rows o_rows: the heads of one position (_rope_kernel) or the positions of one head
@@ -115,7 +118,7 @@ def _rotate_rows(
         o_a = x_a * cos_a - x_b * sin_a
         o_b = x_b * cos_b + x_a * sin_b
         out = tl.reshape(tl.join(o_a, o_b), (BLOCK_R, 2 * BLOCK_HALF))
-        tl.store(o_rows[:, None] + d[None, :], out.to(o_rows.dtype.element_ty), mask=mask)
+        tl.store(o_rows[:, None] + d[None, :], to_dtype(out, o_rows.dtype.element_ty, SOFT_BF16), mask=mask)
     else:
         i = tl.arange(0, BLOCK_HALF)
         mask = row_mask[:, None] & (i < half)[None, :]
@@ -123,8 +126,12 @@ def _rotate_rows(
         x_b = tl.load(x_rows[:, None] + (i + half)[None, :], mask=mask, other=0.0).to(tl.float32)
         o_a = x_a * cos_a - x_b * sin_a
         o_b = x_b * cos_b + x_a * sin_b
-        tl.store(o_rows[:, None] + i[None, :], o_a.to(o_rows.dtype.element_ty), mask=mask)
-        tl.store(o_rows[:, None] + (i + half)[None, :], o_b.to(o_rows.dtype.element_ty), mask=mask)
+        tl.store(o_rows[:, None] + i[None, :], to_dtype(o_a, o_rows.dtype.element_ty, SOFT_BF16), mask=mask)
+        tl.store(
+            o_rows[:, None] + (i + half)[None, :],
+            to_dtype(o_b, o_rows.dtype.element_ty, SOFT_BF16),
+            mask=mask,
+        )
     if HAS_REST:
         # Dims rot_dim .. head_dim are not rotated: copied as they are.
         r = rot_dim + tl.arange(0, BLOCK_REST)
@@ -143,6 +150,7 @@ def _rope_kernel(
     sin_ptr,
     pos_ptr,
     T,
+    n_table,
     n_q_heads,
     n_k_heads,
     head_dim: tl.constexpr,
@@ -173,6 +181,7 @@ def _rope_kernel(
     HAS_POS: tl.constexpr,
     HAS_REST: tl.constexpr,
     BACKWARD: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -182,7 +191,10 @@ def _rope_kernel(
     # Row of the cos/sin tables for this position: position_ids[b, t] into a (P, R) table, or
     # (b, t) into (B, T, R), or t into (T, R) (stride_cb == 0).
     if HAS_POS:
+        # A position outside the table's n_table rows is never read: row 0 instead, then nan.
         row = tl.load(pos_ptr + b * stride_pb + t * stride_pt).to(tl.int64)
+        row_ok = (row >= 0) & (row < n_table)
+        row = tl.where(row_ok, row, 0)
         cos_row = cos_ptr + row * stride_ct
         sin_row = sin_ptr + row * stride_st
     else:
@@ -202,6 +214,11 @@ def _rope_kernel(
         cos_b = tl.load(cos_row + half + i, mask=m, other=0.0).to(tl.float32)
         sin_a = tl.load(sin_row + i, mask=m, other=0.0).to(tl.float32)
         sin_b = tl.load(sin_row + half + i, mask=m, other=0.0).to(tl.float32)
+    if HAS_POS:
+        cos_a = tl.where(row_ok, cos_a, float("nan"))
+        cos_b = tl.where(row_ok, cos_b, float("nan"))
+        sin_a = tl.where(row_ok, sin_a, float("nan"))
+        sin_b = tl.where(row_ok, sin_b, float("nan"))
     if BACKWARD:
         # The transpose of the rotation (see the module docstring).
         sin_a, sin_b = -sin_b, -sin_a
@@ -226,14 +243,16 @@ def _rope_kernel(
         o_rows = tl.where(is_q, q_out + head * stride_oqh, k_out + head * stride_okh)
         _rotate_rows(
             x_rows, o_rows, r < n_rows, cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
-            BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
+            BLOCK_H, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST, SOFT_BF16,
         )  # fmt: skip
 
 
 @triton.jit
-def _load_tables(cos_rows, sin_rows, row_mask, half: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                 INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr):  # fmt: skip
-    """(c_a, c_b, s_a, s_b) in fp32, (BLOCK_R, BLOCK_HALF), for BLOCK_R table row pointers."""
+def _load_tables(cos_rows, sin_rows, row_mask, row_ok, half: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+                 HAS_POS: tl.constexpr):  # fmt: skip
+    """(c_a, c_b, s_a, s_b) in fp32, (BLOCK_R, BLOCK_HALF), for BLOCK_R table row pointers; nan in
+    the rows where row_ok is False (HAS_POS: a position outside the table, not read)."""
     if INTERLEAVED:
         d = tl.arange(0, 2 * BLOCK_HALF)
         m = row_mask[:, None] & (d < 2 * half)[None, :]
@@ -248,6 +267,12 @@ def _load_tables(cos_rows, sin_rows, row_mask, half: tl.constexpr, BLOCK_R: tl.c
         cos_b = tl.load(cos_rows[:, None] + (half + i)[None, :], mask=m, other=0.0).to(tl.float32)
         sin_a = tl.load(sin_rows[:, None] + i[None, :], mask=m, other=0.0).to(tl.float32)
         sin_b = tl.load(sin_rows[:, None] + (half + i)[None, :], mask=m, other=0.0).to(tl.float32)
+    if HAS_POS:
+        ok = row_ok[:, None]
+        cos_a = tl.where(ok, cos_a, float("nan"))
+        cos_b = tl.where(ok, cos_b, float("nan"))
+        sin_a = tl.where(ok, sin_a, float("nan"))
+        sin_b = tl.where(ok, sin_b, float("nan"))
     if BACKWARD:
         sin_a, sin_b = -sin_b, -sin_a
     return cos_a, cos_b, sin_a, sin_b
@@ -263,6 +288,7 @@ def _rope_tile_kernel(
     sin_ptr,
     pos_ptr,
     T,
+    n_table,
     n_t_blocks,
     n_q_heads,
     n_k_heads,
@@ -295,6 +321,7 @@ def _rope_tile_kernel(
     HAS_REST: tl.constexpr,
     BACKWARD: tl.constexpr,
     TABLES_ONCE: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
     HEAD_STAGES: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
@@ -312,14 +339,17 @@ def _rope_tile_kernel(
     t = t.to(tl.int64)
     if HAS_POS:
         row = tl.load(pos_ptr + b * stride_pb + t * stride_pt, mask=t_mask, other=0).to(tl.int64)
+        row_ok = (row >= 0) & (row < n_table)
+        row = tl.where(row_ok, row, 0)
         cos_rows = cos_ptr + row * stride_ct
         sin_rows = sin_ptr + row * stride_st
     else:
+        row_ok = t_mask
         cos_rows = cos_ptr + b * stride_cb + t * stride_ct
         sin_rows = sin_ptr + b * stride_sb + t * stride_st
     if TABLES_ONCE:
         cos_a, cos_b, sin_a, sin_b = _load_tables(
-            cos_rows, sin_rows, t_mask, half, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD
+            cos_rows, sin_rows, t_mask, row_ok, half, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD, HAS_POS
         )
     rot_dim = 2 * half
     # q's heads, then k's: the tensor is selected, not branched on, so that the loop body is
@@ -328,7 +358,7 @@ def _rope_tile_kernel(
     for h in tl.range(tl.program_id(1), n_q_heads + n_k_heads, splits, num_stages=HEAD_STAGES):
         if not TABLES_ONCE:
             cos_a, cos_b, sin_a, sin_b = _load_tables(
-                cos_rows, sin_rows, t_mask, half, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD
+                cos_rows, sin_rows, t_mask, row_ok, half, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD, HAS_POS
             )
         is_q = h < n_q_heads
         head = tl.where(is_q, h, h - n_q_heads).to(tl.int64)
@@ -338,7 +368,7 @@ def _rope_tile_kernel(
         o_rows = tl.where(is_q, q_out_ptr, k_out_ptr) + out_base + t * tl.where(is_q, stride_oqt, stride_okt)
         _rotate_rows(
             x_rows, o_rows, t_mask, cos_a, cos_b, sin_a, sin_b, half, rot_dim, head_dim,
-            BLOCK_T, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST,
+            BLOCK_T, BLOCK_HALF, BLOCK_REST, INTERLEAVED, HAS_REST, SOFT_BF16,
         )  # fmt: skip
 
 
@@ -452,6 +482,7 @@ def _rope_rotate(
         stride_cb, stride_ct, stride_sb, stride_st = 0, cos.stride(0), 0, sin.stride(0)
     has_pos = position_ids is not None
     stride_pb, stride_pt = position_ids.stride() if has_pos else (0, 0)
+    n_table = cos.shape[0] if has_pos else 0
     block_half = next_power_of_2(rotary_dim // 2)
     block_rest = next_power_of_2(D - rotary_dim) if rotary_dim < D else 1
     # One stride() call per tensor (each call is host time on every launch).
@@ -467,20 +498,20 @@ def _rope_rotate(
     )  # fmt: skip
     flags = dict(
         BLOCK_HALF=block_half, BLOCK_REST=block_rest, INTERLEAVED=interleaved, HAS_POS=has_pos,
-        HAS_REST=rotary_dim < D, BACKWARD=inverse, **pdl(q),
+        HAS_REST=rotary_dim < D, BACKWARD=inverse, SOFT_BF16=soft_bf16(q), **pdl(q),
     )  # fmt: skip
     with device_guard(q):
         if tile is not None:
             block_t, n_t_blocks, splits, num_warps, tables_once, head_stages = tile
             launch(_rope_tile_kernel, (B * n_t_blocks, splits),
-                *common, T, n_t_blocks, Hq, Hkv, D, rotary_dim // 2, *strides, splits,
+                *common, T, n_table, n_t_blocks, Hq, Hkv, D, rotary_dim // 2, *strides, splits,
                 BLOCK_T=block_t, TABLES_ONCE=tables_once, HEAD_STAGES=head_stages, num_warps=num_warps,
                 **flags,
             )  # fmt: skip
         else:
             block_h, _, _, splits, num_warps = _launch_config(n_pos, Hq, Hkv, rotary_dim, D)
             launch(_rope_kernel, (n_pos, splits),
-                *common, T, Hq, Hkv, D, rotary_dim // 2, *strides, splits,
+                *common, T, n_table, Hq, Hkv, D, rotary_dim // 2, *strides, splits,
                 BLOCK_H=block_h, num_warps=num_warps, **flags,
             )  # fmt: skip
     return q_out, k_out
@@ -502,10 +533,20 @@ def _setup_context(ctx, inputs, output):
     ctx.options = (interleaved, rotary_dim, inverse, q_bthd, k_bthd)
 
 
+def _setup_context_eager(ctx, inputs, output):
+    """The eager Function's: the tables are kept as plain attributes, not saved tensors, which
+    autograd frees after the node's first backward. q_out and k_out share this node, so a
+    backward through q_out alone must leave k_out's for later (two backward calls work, as
+    with eager PyTorch). Nothing is lost: the tables are inputs, never written."""
+    q, k, cos, sin, position_ids, interleaved, rotary_dim, inverse, q_bthd, k_bthd = inputs
+    ctx.tables = (cos, sin, position_ids)
+    ctx.options = (interleaved, rotary_dim, inverse, q_bthd, k_bthd)
+
+
 def _backward(ctx, grad_q, grad_k):
     if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
         raise RuntimeError("lmkernels::rope_rotate: gradients for cos/sin are not implemented")
-    cos, sin, position_ids = ctx.saved_tensors
+    cos, sin, position_ids = ctx.tables if hasattr(ctx, "tables") else ctx.saved_tensors
     interleaved, rotary_dim, inverse, q_bthd, k_bthd = ctx.options
     # dq, dk in the layouts of q and k (see _rope_rotate).
     args = (grad_q, grad_k, cos, sin, position_ids, interleaved, rotary_dim, not inverse, q_bthd, k_bthd)
@@ -515,7 +556,7 @@ def _backward(ctx, grad_q, grad_k):
 
 
 rope_rotate.register_autograd(_backward, setup_context=_setup_context)
-_RopeFunction = eager_function("_RopeFunction", _rope_rotate, _setup_context, _backward)
+_RopeFunction = eager_function("_RopeFunction", _rope_rotate, _setup_context_eager, _backward)
 
 
 # --- lmkernels impl --------------------------------------------------------------------------------
@@ -549,5 +590,6 @@ def _supports(q=None, k=None, cos=None, sin=None, **options) -> list[str]:
 register(
     "rope", "triton", rope_triton, priority=100, devices=triton_devices(), auto_devices=("cuda",),
     available=triton_unavailable_reason, supports=_supports,
+    double_backward=True,  # the backward is the inverse rotation, itself differentiable
     description="Triton, q and k in one launch, programs per position or per tile of positions",
 )  # fmt: skip

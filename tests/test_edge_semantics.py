@@ -1,0 +1,162 @@
+"""What every backend does at the edges where a fused kernel is most tempted to differ from plain
+PyTorch: who owns the inputs (consume_inputs on leaves and views), several backward calls
+through one graph, non-finite values. Each test runs every backend of ours that is available
+here, against eager."""
+
+import pytest
+import torch
+
+import lmkernels
+from lmkernels import ConsumedInputsError
+from lmkernels.ops.rope import rope_tables
+from lmkernels.registry.core import impls
+
+
+def _backends(op):
+    return [i.backend for i in impls(op) if not i.external and not i.unavailable_reason()]
+
+
+def _device(backend, triton_device):
+    return triton_device if backend.startswith("triton") else "cpu"
+
+
+def _randn(*shape, seed=0, device="cpu"):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+# --- consume_inputs: leaves, views of leaves and tensors without gradient are never written ------
+
+
+@pytest.mark.parametrize("backend", _backends("swiglu"))
+@pytest.mark.parametrize("kind", ["parameters", "views_of_a_leaf", "no_grad_up"])
+def test_consume_inputs_never_writes_what_cannot_be_handed_over(backend, kind, triton_device):
+    device = _device(backend, triton_device)
+    if kind == "parameters":
+        gate = torch.nn.Parameter(_randn(4, 8, seed=1, device=device))
+        up = torch.nn.Parameter(_randn(4, 8, seed=2, device=device))
+        leaves = (gate, up)
+    elif kind == "views_of_a_leaf":
+        base = _randn(4, 16, seed=3, device=device).requires_grad_()
+        gate, up = base[:, :8], base[:, 8:]  # a fused gate_up projection's halves
+        leaves = (base,)
+    else:
+        gate = _randn(4, 8, seed=1, device=device).requires_grad_()
+        up = _randn(4, 8, seed=2, device=device)  # no gradient: must not be overwritten for nothing
+        leaves = (gate,)
+    before = [t.detach().clone() for t in (gate, up)]
+    y = lmkernels.swiglu(gate, up, consume_inputs=True, backend=backend)
+    y.backward(torch.ones_like(y))
+    for t, b in zip((gate, up), before):
+        assert torch.equal(t.detach(), b), "an input the caller owns was written"
+    ref_leaves = [leaf.detach().clone().requires_grad_(leaf.requires_grad) for leaf in leaves]
+    if kind == "views_of_a_leaf":
+        rg, ru = ref_leaves[0][:, :8], ref_leaves[0][:, 8:]
+    elif kind == "parameters":
+        rg, ru = ref_leaves
+    else:
+        rg, ru = ref_leaves[0], up.detach()
+    ref = lmkernels.swiglu(rg, ru, backend="eager")
+    ref.backward(torch.ones_like(ref))
+    for leaf, ref_leaf in zip(leaves, ref_leaves):
+        torch.testing.assert_close(leaf.grad, ref_leaf.grad)
+        assert leaf.grad.data_ptr() != leaf.data_ptr(), ".grad aliases the parameter"
+
+
+def test_consume_inputs_still_reuses_the_memory_it_was_handed(triton_device):
+    if "triton" not in _backends("swiglu"):
+        pytest.skip("triton unavailable here")
+    from lmkernels.backends.triton import glu as glu_mod
+
+    a = _randn(5, 8, device=triton_device).requires_grad_()
+    gate, up = a * 2, a * 3  # created by the caller's forward: handed over
+    seen = []
+    original = glu_mod._glu_backward_to
+
+    def spy(grad, g, u, *args):
+        d_gate, d_up = original(grad, g, u, *args)
+        seen.append((d_gate.data_ptr() == g.data_ptr(), d_up.data_ptr() == u.data_ptr()))
+        return d_gate, d_up
+
+    glu_mod._glu_backward_to = spy
+    try:
+        lmkernels.swiglu(gate, up, consume_inputs=True, backend="triton").sum().backward()
+    finally:
+        glu_mod._glu_backward_to = original
+    assert seen == [(True, True)]
+
+
+@pytest.mark.parametrize("backend", _backends("swiglu"))
+def test_a_consumed_input_another_node_saved_is_never_read_as_values(backend, triton_device):
+    """`gate * v` saves gate for v's gradient. Whichever backward runs first, v.grad is right or
+    autograd refuses (the consuming backward bumped gate's version): never a gradient read as
+    the value of gate."""
+    device = _device(backend, triton_device)
+    a = _randn(4, 8, seed=1, device=device).requires_grad_()
+    v = _randn(4, 8, seed=2, device=device).requires_grad_()
+    gate, up = a * 2, a * 3
+    loss = lmkernels.swiglu(gate, up, consume_inputs=True, backend=backend).sum() + (gate * v).sum()
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+        return
+    torch.testing.assert_close(v.grad, (a * 2).detach())
+
+
+# --- several backward calls through one graph ----------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", _backends("rope"))
+def test_rope_outputs_backpropagate_separately(backend, triton_device):
+    device = _device(backend, triton_device)
+    cos, sin = (t.to(device) for t in rope_tables(torch.arange(5), 8, "neox"))
+    grads = {}
+    for b in ("eager", backend):
+        q = _randn(1, 2, 5, 8, seed=1, device=device).requires_grad_()
+        k = _randn(1, 1, 5, 8, seed=2, device=device).requires_grad_()
+        q_out, k_out = lmkernels.rope(q, k, cos, sin, backend=b)
+        (q_out * 2).sum().backward()  # two separate backward calls, no retain_graph
+        (k_out * 3).sum().backward()
+        grads[b] = (q.grad, k.grad)
+    torch.testing.assert_close(grads[backend], grads["eager"])
+
+
+@pytest.mark.parametrize("backend", _backends("fused_linear_cross_entropy"))
+def test_flce_second_backward_is_right_or_a_clear_error(backend, triton_device):
+    device = _device(backend, triton_device)
+    h = _randn(6, 8, seed=1, device=device).requires_grad_()
+    w = _randn(11, 8, seed=2, device=device).requires_grad_()
+    t = torch.tensor([0, 1, 2, 3, 4, -100], device=device)
+    loss = lmkernels.fused_linear_cross_entropy(h, w, t, backend=backend)
+    loss.backward(retain_graph=True)
+    once = h.grad.clone()
+    try:
+        loss.backward()
+    except ConsumedInputsError as e:
+        assert backend == "triton" and "triton_lean" in str(e)  # names the backends that can
+        return
+    torch.testing.assert_close(h.grad, 2 * once)
+
+
+# --- non-finite values: the same pattern as eager -------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", _backends("fused_linear_cross_entropy"))
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_flce_non_finite_weights_give_eagers_pattern(backend, value, triton_device):
+    device = _device(backend, triton_device)
+    for seed in range(4):
+        h = _randn(6, 8, seed=seed, device=device)
+        w = _randn(11, 8, seed=seed + 10, device=device)
+        w[3, 2] = value
+        t = torch.tensor([0, 1, 2, 3, 4, 5], device=device)
+        got, lse = lmkernels.fused_linear_cross_entropy(
+            h, w, t, reduction="none", return_lse=True, backend=backend
+        )
+        want, want_lse = lmkernels.fused_linear_cross_entropy(
+            h, w, t, reduction="none", return_lse=True, backend="eager"
+        )
+        for a, b in ((got, want), (lse, want_lse)):
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf()), (a, b)
+            finite = b.isfinite()
+            torch.testing.assert_close(a[finite], b[finite], rtol=1e-4, atol=1e-5)
