@@ -16,9 +16,6 @@ from torch import nn
 
 from lmkernels.registry import LMKernelsError
 
-MIN_VERSION = (5, 0)
-MAX_VERSION = (6, 0)  # exclusive: a new major version may rename the internals patched here
-
 # The families the tests train (tests/test_integration_families.py), in the table's order.
 TESTED = (
     "llama",
@@ -98,28 +95,17 @@ class Family:
         return getattr(self.module(), f"{self.prefix}{suffix}")
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
-
-
 def check_transformers_version(version: str | None = None) -> None:
-    """Raise LMKernelsError unless `version` (default: the installed one) is supported."""
+    """Raise LMKernelsError unless `version` (default: the installed one) is in the range
+    lmkernels supports (pyproject.toml's hf extra; lmkernels/_versions.py reads it): the model
+    internals patched here differ in other versions."""
+    from lmkernels import _versions
+
     if version is None:
         import transformers
 
         version = transformers.__version__
-    v = _version_tuple(version)
-    if not MIN_VERSION <= v < MAX_VERSION:
-        lo = ".".join(map(str, MIN_VERSION))
-        hi = ".".join(map(str, MAX_VERSION))
-        raise LMKernelsError(
-            f"lmkernels.integrations.transformers: transformers {version} is not supported "
-            f"(supported: >= {lo}, < {hi}); the model internals it patches differ in other versions"
-        )
+    _versions.check("transformers", version)
 
 
 def causal_lm_types() -> dict[str, str]:
