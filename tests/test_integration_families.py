@@ -15,6 +15,7 @@ training step (loss and every gradient) of the families whose op variants those 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -246,9 +247,13 @@ def test_patch_report_of_gptj_is_fast():
     assert sum(p.numel() for p in model.parameters()) < TINY_BOUND
 
 
-def test_verification_models_over_the_size_bound_are_refused():
-    """tiny_model (which patch_report and apply build for a model type) refuses, before
-    allocating it, a model over MAX_VERIFY_PARAMS, naming its config and its parameter count."""
+def test_verification_models_over_the_size_bound_are_refused(tmp_path, monkeypatch, capsys):
+    """tiny_model (which patch_report and apply build for a model type) and `lmkernels
+    patch-report --config` refuse, before allocating it, a model over MAX_VERIFY_PARAMS, naming
+    its config and its parameter count."""
+    from transformers import AutoConfig
+
+    from lmkernels.cli import main
     from lmkernels.integrations.transformers.families import MAX_VERIFY_PARAMS, parameter_count
 
     big = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 4, "vocab_size": 32000}
@@ -261,3 +266,13 @@ def test_verification_models_over_the_size_bound_are_refused():
         lk_hf.patch_report("llama", **big)
     with pytest.raises(LMKernelsError, match=r"would have 0\.\d+M parameters, over the 0\.01M limit"):
         lk_hf.families.check_verification_size(lk_hf.tiny_config("llama"), limit=10_000)
+    # A checkpoint's config is shrunk to the tiny sizes (by its stored names too)...
+    AutoConfig.for_model("gptj").save_pretrained(tmp_path / "gptj")
+    assert main(["patch-report", "--config", str(tmp_path / "gptj"), "--backend", "eager"]) in (0, 1)
+    # ... and one whose sizes sit where shrinking does not reach is refused.
+    AutoConfig.for_model("llama", **big).save_pretrained(tmp_path / "big")
+    monkeypatch.setattr(lk_hf.families, "TINY", {})  # as if the tiny fields named none of its sizes
+    capsys.readouterr()
+    assert main(["patch-report", "--config", str(tmp_path / "big")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert re.search(r"LlamaConfig \(llama\) would have \d+M parameters, over the 50M limit", err), err
