@@ -376,3 +376,45 @@ def test_bench_tables_fit_80_columns():
     wide = io.StringIO()
     print_tables(rows, Console(file=wide, width=80), wide=True)
     assert max(len(line) for line in wide.getvalue().splitlines()) > 80  # --wide: every column
+
+
+def test_bench_command_wiring_within_80_columns(tmp_path, monkeypatch, capsys):
+    """`lmkernels bench` past its CUDA check (faked here: the CPU cannot time kernels): the
+    backends not run are named, run_bench gets the parsed arguments, the narrow tables print."""
+    from lmkernels.harness.bench import cli as bench_cli
+
+    seen = {}
+
+    def fake_run_bench(ops, backends, dtype, modes, grid, quick, options, **kw):
+        seen.update(ops=ops, backends=backends, dtype=dtype, modes=modes, options=options)
+        row = {"op": ops[0], "shape": "M=16384,N=4096", "dims": {"M": 16384, "N": 4096}, "size": None}
+        row |= {"options": "default", "dtype": "bf16", "sweep": "design", "mode": "full", "note": ""}
+        rows = [
+            row
+            | {
+                "backend": b,
+                "status": "ok",
+                "ms": ms,
+                "ms_p20": ms,
+                "ms_p80": ms,
+                "gpu_ms": ms,
+                "peak_mib": 64.0,
+            }
+            for b, ms in (("compile", 0.2), ("eager", 0.5))
+        ]
+        from lmkernels.harness import bench
+
+        bench.add_rooflines(rows, torch.bfloat16, copy_gbps=3000.0, mm_tflops=None)
+        bench.add_ratios(rows)
+        return rows, {"device": "fake"}
+
+    monkeypatch.setattr(bench_cli.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench_cli, "run_bench", fake_run_bench)
+    argv = ["bench", "--op", "rmsnorm", "--backend", "compile,eager", "--backend", "liger", "--no-plots"]
+    code, text = _cli([*argv, "--set", "eps=1e-5", "--out", str(tmp_path)], monkeypatch, capsys)
+    print(text)
+    assert code == 0 and not _too_wide(text)
+    assert seen["ops"] == ["rms_norm"] and seen["backends"] == ["compile", "eager", "liger"]
+    assert seen["options"] == {"eps": 1e-5} and seen["modes"] == ["full"]
+    assert "not run here: liger (not installed)" in text or "liger" not in backend_names()
+    assert "0.4x compile" in text and (tmp_path / "results.json").exists()

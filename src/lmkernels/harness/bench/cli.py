@@ -141,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
         skipped.update(backends_for(op, args.backend, "cuda")[1])
     if skipped:
         console.print(f"not run here: {escape(cliargs.summarize_skipped(skipped))}")
+        hint = cliargs.triton_hint(skipped.values())
+        if hint:
+            console.print(hint)
     modes = list(MODES) if args.mode == "all" else [args.mode]
     out = Path(args.out or f"lmkernels-results/bench-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     command = " ".join(sys.argv)
