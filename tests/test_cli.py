@@ -418,3 +418,16 @@ def test_bench_command_wiring_within_80_columns(tmp_path, monkeypatch, capsys):
     assert seen["options"] == {"eps": 1e-5} and seen["modes"] == ["full"]
     assert "not run here: liger (not installed)" in text or "liger" not in backend_names()
     assert "0.4x compile" in text and (tmp_path / "results.json").exists()
+
+
+def test_list_warns_about_a_dependency_outside_its_supported_range(monkeypatch, capsys):
+    from lmkernels import _versions
+
+    monkeypatch.setattr(
+        _versions, "installed_version", lambda dist: "9.0.0" if dist == "transformers" else None
+    )
+    code, text = _cli(["list"], monkeypatch, capsys)
+    assert code == 0 and not _too_wide(text)
+    assert "warning: transformers 9.0.0 is not supported: lmkernels supports transformers>=" in " ".join(
+        text.split()
+    )
