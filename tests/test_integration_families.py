@@ -15,6 +15,7 @@ training step (loss and every gradient) of the families whose op variants those 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -191,3 +192,87 @@ def test_patch_report_cli(capsys):
     out = capsys.readouterr().out
     assert "GPTNeoXMLP x2: not a gated MLP" in out and "rotary dim 4 of 16" in out
     assert max(len(line) for line in out.splitlines()) <= 80
+
+
+# --- tiny configs are tiny, whatever the config's attribute names -----------------------------
+
+# Families whose configs store the sizes under other names (attribute_map: gpt2's n_embd,
+# n_layer; bloom's n_layer) or have size fields of their own (gptj's rotary_dim, falcon's
+# ffn_hidden_size, opt's ffn_dim), beside the tested ones.
+OTHER_TYPES = (
+    "gptj",
+    "gpt2",
+    "gpt_neox",
+    "bloom",
+    "falcon",
+    "opt",
+    "codegen",
+    "gpt_bigcode",
+    "mpt",
+    "gpt_neo",
+)
+TINY_BOUND = 2_000_000  # parameters: hidden 64, 2 layers, vocab 128 and MoE experts stay far below
+
+
+@pytest.mark.parametrize("model_type", sorted(set(lk_hf.TESTED) | set(OTHER_TYPES)))
+def test_tiny_config_is_tiny(model_type):
+    from lmkernels.integrations.transformers.families import TINY, causal_lm_types, parameter_count
+
+    if model_type not in causal_lm_types():
+        pytest.skip(f"transformers has no {model_type}")
+    config = lk_hf.tiny_config(model_type)
+    assert config.hidden_size == TINY["hidden_size"]
+    assert config.num_hidden_layers == TINY["num_hidden_layers"]
+    assert config.num_attention_heads == TINY["num_attention_heads"]
+    assert parameter_count(config) < TINY_BOUND
+
+
+def test_tiny_config_overrides_take_either_name():
+    """An override by its canonical name (hidden_size) or its stored name (n_embd) replaces the
+    tiny value, not the other way round."""
+    assert lk_hf.tiny_config("gpt2", hidden_size=32).n_embd == 32
+    assert lk_hf.tiny_config("gpt2", n_layer=3).num_hidden_layers == 3
+    assert lk_hf.tiny_config("llama", num_hidden_layers=3).num_hidden_layers == 3
+
+
+def test_patch_report_of_gptj_is_fast():
+    """gptj's default config is 6B parameters (hidden 4096 x 28 layers as n_embd, n_layer)."""
+    import time
+
+    start = time.perf_counter()
+    report = lk_hf.patch_report("gptj", backend="eager")
+    assert time.perf_counter() - start < 30
+    assert "layer_norm" in report.patched_ops()
+    model = lk_hf.tiny_model("gptj")
+    assert sum(p.numel() for p in model.parameters()) < TINY_BOUND
+
+
+def test_verification_models_over_the_size_bound_are_refused(tmp_path, monkeypatch, capsys):
+    """tiny_model (which patch_report and apply build for a model type) and `lmkernels
+    patch-report --config` refuse, before allocating it, a model over MAX_VERIFY_PARAMS, naming
+    its config and its parameter count."""
+    from transformers import AutoConfig
+
+    from lmkernels.cli import main
+    from lmkernels.integrations.transformers.families import MAX_VERIFY_PARAMS, parameter_count
+
+    big = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 4, "vocab_size": 32000}
+    n = parameter_count(lk_hf.tiny_config("llama", **big))
+    assert n > MAX_VERIFY_PARAMS
+    message = rf"config: a verification model of LlamaConfig \(llama\) would have {n / 1e6:,.0f}M parameters"
+    with pytest.raises(LMKernelsError, match=message):
+        lk_hf.tiny_model("llama", **big)
+    with pytest.raises(LMKernelsError, match=message):
+        lk_hf.patch_report("llama", **big)
+    with pytest.raises(LMKernelsError, match=r"would have 0\.\d+M parameters, over the 0\.01M limit"):
+        lk_hf.families.check_verification_size(lk_hf.tiny_config("llama"), limit=10_000)
+    # A checkpoint's config is shrunk to the tiny sizes (by its stored names too)...
+    AutoConfig.for_model("gptj").save_pretrained(tmp_path / "gptj")
+    assert main(["patch-report", "--config", str(tmp_path / "gptj"), "--backend", "eager"]) in (0, 1)
+    # ... and one whose sizes sit where shrinking does not reach is refused.
+    AutoConfig.for_model("llama", **big).save_pretrained(tmp_path / "big")
+    monkeypatch.setattr(lk_hf.families, "TINY", {})  # as if the tiny fields named none of its sizes
+    capsys.readouterr()
+    assert main(["patch-report", "--config", str(tmp_path / "big")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert re.search(r"LlamaConfig \(llama\) would have \d+M parameters, over the 50M limit", err), err

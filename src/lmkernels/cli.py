@@ -1,9 +1,8 @@
-"""The `lmkernels` command: list, explain, validate, converge, bench."""
+"""The `lmkernels` command: list, explain, validate, converge, bench, patch-report."""
 
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime
 import importlib
 import os
@@ -15,72 +14,76 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from lmkernels import cliargs
+from lmkernels.cliargs import parse_shape, summarize_skipped  # noqa: F401  (used by tests and tools)
 from lmkernels.harness.checks import DTYPE_NAMES, DTYPES_BY_NAME
 from lmkernels.registry.core import LMKernelsError, get_op
-from lmkernels.registry.dispatch import canonical_op, explain
+from lmkernels.registry.dispatch import explain
 
 console = Console()
+VALIDATE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 # --- list ---------------------------------------------------------------------------------------
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    from lmkernels import _versions
     from lmkernels.harness.listing import render_list
 
-    print(render_list(width=80, reasons=args.reasons))
+    print(render_list(width=cliargs.width(), reasons=args.reasons))
+    for problem in _versions.problems():
+        print(cliargs.wrap(f"warning: {problem}", subsequent="  "))
     return 0
 
 
 # --- explain ------------------------------------------------------------------------------------
 
 
-def parse_shape(spec_name: str, text: str) -> dict[str, int]:
-    """ "M=4096,N=8192" or "4096x8192" (dims in the order of the op's shape grid)."""
-    spec = get_op(spec_name)
-    dims = list(spec.shapes["quick"][0])
-    if "=" in text:
-        shape = {}
-        for part in text.split(","):
-            k, _, v = part.partition("=")
-            shape[k.strip()] = int(v)
-        missing = [d for d in dims if d not in shape]
-        if missing:
-            raise LMKernelsError(f"--shape: {spec_name} needs dims {dims}, missing {missing}")
-        return {d: shape[d] for d in dims}
-    values = [int(v) for v in text.lower().split("x")]
-    if len(values) != len(dims):
-        raise LMKernelsError(f"--shape: {spec_name} takes {len(dims)} dims {'x'.join(dims)}, got {text!r}")
-    return dict(zip(dims, values))
-
-
-def parse_options(items: list[str] | None) -> dict[str, Any]:
-    """--set key=value pairs; values are Python literals when they parse as such."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        k, sep, v = item.partition("=")
-        if not sep:
-            raise LMKernelsError(f"--set: expected key=value, got {item!r}")
-        try:
-            out[k] = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            out[k] = v
-    return out
+def parse_options(items: list[tuple[str, Any]] | None) -> dict[str, Any]:
+    """--set key=value pairs (parsed by cliargs.key_value)."""
+    return dict(items or [])
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    op = canonical_op(args.op)
+    op = args.op
     spec = get_op(op)
-    shape = parse_shape(op, args.shape) if args.shape else spec.shapes["quick"][0]
+    shape = parse_shape(spec, args.shape) if args.shape else spec.shapes["quick"][0]
+    options = parse_options(args.set)
+    cliargs.check_options([spec], options)
     dtype = DTYPES_BY_NAME[args.dtype]
-    inputs = spec.make_inputs(shape, dtype, args.device, 0, **parse_options(args.set))
+    inputs = spec.make_inputs(shape, dtype, args.device, 0, **options)
+    spec.check_inputs(**inputs)  # a bad option value: an error naming the option
     if args.grad:
         for name in spec.grad_inputs:
             if isinstance(inputs.get(name), torch.Tensor):
                 inputs[name].requires_grad_(True)
-    print(f"shape {shape}, dtype {args.dtype}, device {args.device}")
-    print(explain(op, inputs, args.backend))
+    dims = ",".join(f"{k}={v}" for k, v in shape.items())
+    opts = "".join(f", {k}={v!r}" for k, v in options.items())
+    print(cliargs.wrap(f"{op} {dims}, {args.dtype}, {args.device}{opts}{', grad' if args.grad else ''}"))
+    print(render_explanation(explain(op, inputs, args.backend)))
     return 0
+
+
+def render_explanation(e, columns: int | None = None) -> str:
+    """An Explanation as lines that fit the terminal: long reasons go on continuation lines."""
+    cols = columns or cliargs.width()
+    asked = (
+        "auto (no backend asked for)"
+        if e.requested.source == "auto"
+        else (f"requested {e.requested.backend!r} by {e.requested.source}")
+    )
+    head = f"{asked}: " + (f"runs {e.chosen!r}" if e.chosen else f"ERROR: {e.error}")
+    lines = [cliargs.wrap(head, subsequent="  ", columns=cols)]
+    name_w = max(len("backend"), *(len(name) for name, _, _ in e.rows))
+    indent = " " * (5 + name_w + 2 + 4 + 2)
+    lines.append(f"     {'backend':<{name_w}}  {'prio':>4}  ok, or why not")
+    for name, prio, reasons in e.rows:
+        mark = "  -> " if name == e.chosen else "     "
+        first = f"{mark}{name:<{name_w}}  {prio:>4}  "
+        for i, reason in enumerate(reasons or ["ok"]):
+            lines.append(cliargs.wrap(reason, first if i == 0 else indent, indent, columns=cols))
+    return "\n".join(lines)
 
 
 # --- validate -----------------------------------------------------------------------------------
@@ -89,9 +92,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     from lmkernels.harness import runner
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        console.print("[red]--device cuda: no CUDA device is available[/]")
-        return 2
+    check_filters(args.op, args.backend)
     grid = "full" if args.full else "quick"
     compile_backend = None if args.compile == "none" else args.compile
     # Workers start first: they import torch and the compiler while this process plans.
@@ -125,9 +126,12 @@ def _validate(args, grid: str, compile_backend: str | None, jobs: int, workers) 
         f"{jobs} process{'es' if jobs > 1 else ''})"
     )
     if skipped:
-        console.print(f"not run here: {summarize_skipped(skipped)}", soft_wrap=False)
+        console.print(f"not run here: {summarize_skipped(skipped)}")
+        hint = cliargs.triton_hint(skipped.values())
+        if hint:
+            console.print(hint)
     if not plans:
-        console.print("[red]nothing to validate for these filters[/]")
+        console.print("[red]nothing to validate: every backend selected is unavailable here[/]")
         return 2
     if grid == "quick":
         console.print(
@@ -173,25 +177,26 @@ def default_jobs(device: str, op_filter, backend_filter) -> int:
     return min(2, os.cpu_count() or 1)
 
 
-def summarize_skipped(skipped: dict[str, str]) -> str:
-    """One line for the backends a run leaves out: "liger, cce (not installed); torch_native
-    (cuda only)", reasons cut to their gist (the report's meta keeps them whole)."""
-    by_reason: dict[str, list[str]] = {}
-    for backend, reason in skipped.items():
-        short = reason.split(" (")[0]
-        if short.endswith(" is not installed"):
-            short = "not installed"
-        elif short.startswith("runs on ") and short.endswith(" only"):
-            short = short.removeprefix("runs on ")
-        by_reason.setdefault(short, []).append(backend)
-    return "; ".join(f"{', '.join(bs)} ({why})" for why, bs in by_reason.items())
+def check_filters(op_filter: list[str] | None, backend_filter: list[str] | None) -> None:
+    """Raise LMKernelsError when no selected backend implements a selected op (`validate --op
+    rope --backend cce`): the run would check nothing."""
+    from lmkernels.registry.core import impls, ops
+
+    if not backend_filter:
+        return
+    op_names = op_filter or [s.name for s in ops()]
+    if not any(i.backend in backend_filter for op in op_names for i in impls(op)):
+        raise LMKernelsError(
+            f"--backend: no impl of {', '.join(op_names)} by {', '.join(backend_filter)} "
+            "(lmkernels list shows which backend implements which op)"
+        )
 
 
 # --- main ---------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmkernels", description=__doc__)
+    p = cliargs.Parser(prog="lmkernels", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     lst = sub.add_parser("list", help="which backend can run each op here")
@@ -199,20 +204,43 @@ def build_parser() -> argparse.ArgumentParser:
     lst.set_defaults(func=cmd_list)
 
     e = sub.add_parser("explain", help="which impl would run for given inputs, and why not the others")
-    e.add_argument("op")
+    e.add_argument("op", type=cliargs.op_name, help="op name, e.g. rms_norm or flce")
     e.add_argument("--shape", help='"M=4096,N=8192" or "4096x8192" (dims as in the op\'s grid)')
     e.add_argument("--dtype", default="bf16", choices=list(DTYPES_BY_NAME))
-    e.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    e.add_argument("--backend", help="as if backend= were passed")
-    e.add_argument("--set", action="append", help="op option key=value, e.g. casting_mode=gemma")
+    e.add_argument(
+        "--device",
+        type=cliargs.device,
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or cuda (default: cuda if available)",
+    )
+    e.add_argument("--backend", type=cliargs.backend_name, help="as if backend= were passed")
+    e.add_argument(
+        "--set",
+        action="append",
+        type=cliargs.key_value,
+        metavar="KEY=VALUE",
+        help="op option (repeatable), e.g. casting_mode=gemma",
+    )
     e.add_argument("--grad", action="store_true", help="inputs require grad")
     e.set_defaults(func=cmd_explain)
 
     v = sub.add_parser("validate", help="check every impl's values and gradients against fp64")
-    v.add_argument("--op", action="append", help="op name (repeatable); default all")
-    v.add_argument("--backend", action="append", help="backend (repeatable); default all")
-    v.add_argument("--dtype", action="append", help="fp32, bf16, fp16 (repeatable); default all")
-    v.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    v.add_argument(
+        "--op", action="extend", type=cliargs.op_names, help="op (repeatable or comma-separated); default all"
+    )
+    v.add_argument(
+        "--backend",
+        action="extend",
+        type=cliargs.backend_names_type(),
+        help="backend (repeatable or comma-separated); default all",
+    )
+    v.add_argument(
+        "--dtype",
+        action="extend",
+        type=cliargs.choice_list(VALIDATE_DTYPES, "dtype"),
+        help="fp32, bf16, fp16 (repeatable or comma-separated); default all",
+    )
+    v.add_argument("--device", default="cpu", type=cliargs.device, help="cpu (default) or cuda")
     g = v.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="small shapes (default)")
     g.add_argument("--full", action="store_true", help="the full grid, up to the benchmark sizes")
@@ -225,8 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--compile-all", action="store_true", help="compile-check every case, not one per impl/dtype"
     )
-    v.add_argument("--jobs", type=int, help="worker processes (default: 2 on a CPU with 2+ cores, else 1)")
-    v.add_argument("--out", help="report directory")
+    v.add_argument(
+        "--jobs",
+        type=cliargs.positive_int,
+        help="worker processes (default: 2 on a CPU with 2+ cores, else 1)",
+    )
+    v.add_argument("--out", help="report directory (default lmkernels-results/validate-<date>)")
     v.add_argument("--no-progress", action="store_true")
     v.set_defaults(func=cmd_validate)
 
@@ -246,12 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except LMKernelsError as e:
-        console.print(f"[red]error:[/] {e}")
-        return 2
+    return cliargs.invoke(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ tolerances (`compare`, which documents them), shown as a table, JSON and PNG (`r
     report = run_convergence("compile", families=("llama",), steps=30)
     assert report.passed
 
-Needs the `hf` extra (transformers, datasets, tokenizers, matplotlib).
+Needs the `hf` extra (transformers, tokenizers, matplotlib).
 """
 
 from lmkernels.convergence.compare import TOLERANCES_FP32, Report, run_convergence

@@ -1,7 +1,8 @@
 """Training data for the convergence runs, with no network access.
 
-The corpus is tiny Shakespeare (public domain), shipped in `lmkernels/convergence/data/`, loaded
-with `datasets`' local "text" builder. The tokenizer is a byte-level BPE trained on the corpus
+The corpus is tiny Shakespeare (public domain), shipped in `lmkernels/convergence/data/` and read
+as one UTF-8 string (the same text `datasets`' "text" builder with sample_by="document" gives,
+without its cache in the user's home or its progress output). The tokenizer is a byte-level BPE trained on the corpus
 at run time with the `tokenizers` package (about a second), so nothing comes from a hub; it and
 the token ids are cached in memory for the process. Training is deterministic (same merges on
 every run), but another `tokenizers` version may merge differently: each comparison tokenizes
@@ -29,15 +30,11 @@ def corpus_path() -> Path:
 
 @functools.lru_cache(maxsize=4)
 def load_text(path: str | None = None) -> str:
-    """The corpus as one string, read through `datasets` (local file, no hub access)."""
-    import datasets
-
+    """The corpus as one string, newlines included (local file, no hub access, no cache)."""
     path = str(path or corpus_path())
     if not Path(path).is_file():
         raise LMKernelsError(f"path: corpus file {path!r} does not exist")
-    # sample_by="document" keeps the file as one example, newlines included.
-    ds = datasets.load_dataset("text", data_files={"train": path}, sample_by="document", split="train")
-    return "".join(ds["text"])
+    return Path(path).read_text(encoding="utf-8")
 
 
 @functools.lru_cache(maxsize=4)

@@ -8,10 +8,15 @@ from pathlib import Path
 
 from lmkernels.convergence.compare import METRICS, Report
 
+SHORT_METRICS = {"loss curve": "curve", "eval loss": "eval", "top-k log-probs": "logp", "params": "params"}
+WIDE_COLUMNS = 140  # the console width --wide prints at, whatever the terminal's
 
-def table(report: Report):
-    """One row per run; each metric cell is the error, under a header with its fp32 limit (bf16
-    limits depend on the bf16 baseline's own error, so bf16 cells show "error / limit")."""
+
+def table(report: Report, wide: bool = True):
+    """One row per run. wide: each metric cell is the error, under a header with its fp32
+    limit (bf16 limits depend on the bf16 baseline's own error, so bf16 cells show "error /
+    limit"), and the ops each run patched. Narrow (fits 80 columns): each cell is error / limit,
+    a pass when <= 1."""
     from rich.table import Table
 
     from lmkernels.convergence.compare import TOLERANCES_FP32
@@ -20,42 +25,65 @@ def table(report: Report):
     fp32 = cfg.dtype == "fp32"
     t = Table(
         title=f"convergence: {report.backend} vs transformers, {cfg.dtype}, {cfg.steps} steps, "
-        f"batch {cfg.batch_size}x{cfg.seq_len}, {cfg.device}"
+        f"batch {cfg.batch_size}x{cfg.seq_len}, {cfg.device}",
+        caption=None if wide else "metrics: error / limit, pass <= 1 (--wide: the errors and limits)",
     )
     t.add_column("family")
     t.add_column("variant")
-    t.add_column("ops", overflow="fold")
-    t.add_column("final loss", justify="right")
+    if wide:
+        t.add_column("ops", overflow="fold")
+    t.add_column("final loss" if wide else "loss", justify="right")
     for metric in METRICS:
-        t.add_column(f"{metric}\n<= {TOLERANCES_FP32[metric]:.0e}" if fp32 else metric, justify="right")
+        if wide:
+            t.add_column(f"{metric}\n<= {TOLERANCES_FP32[metric]:.0e}" if fp32 else metric, justify="right")
+        else:
+            t.add_column(SHORT_METRICS[metric], justify="right")
     t.add_column("verdict")
     short = {"rms_norm": "norm", "rope": "rope", "mlp": "mlp", "flce": "flce"}
     for fam in report.families:
-        t.add_row(fam.family, "baseline", "none", f"{fam.baseline.losses[-1]:.4f}", *[""] * len(METRICS), "")
+        base = [fam.family, "baseline", *(["none"] if wide else []), f"{fam.baseline.losses[-1]:.4f}"]
+        t.add_row(*base, *[""] * len(METRICS), "")
         for case in fam.cases:
             cells = []
             for check in case.checks:
-                text = f"{check.value:.1e}" if fp32 else f"{check.value:.1e}/{check.limit:.1e}"
+                if wide:
+                    text = f"{check.value:.1e}" if fp32 else f"{check.value:.1e}/{check.limit:.1e}"
+                else:
+                    text = _ratio(check.value, check.limit)
                 cells.append(text if check.passed else f"[bold red]{text}[/]")
             verdict = "[green]PASS[/]" if case.passed else "[bold red]FAIL[/]"
-            ops = ",".join(short[o] for o in case.ops) or "-"
-            t.add_row("", case.variant, ops, f"{case.losses[-1]:.4f}", *cells, verdict)
+            ops = [",".join(short[o] for o in case.ops) or "-"] if wide else []
+            t.add_row("", case.variant, *ops, f"{case.losses[-1]:.4f}", *cells, verdict)
     return t
 
 
-def print_report(report: Report, console=None) -> None:
+def _ratio(value: float, limit: float) -> str:
+    r = value / limit if limit > 0 else float("inf")
+    return f"{r:.2f}" if r < 100 else f"{r:.0e}"
+
+
+def print_report(report: Report, console=None, wide: bool = False) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
     console = console or Console()
-    console.print(table(report))
+    if wide:  # past the terminal's width: rich would otherwise squeeze the columns and cut numbers
+        Console(
+            file=console.file,
+            width=max(console.width, WIDE_COLUMNS),
+            force_terminal=console.is_terminal,
+            color_system=console.color_system,
+        ).print(table(report, wide))
+    else:
+        console.print(table(report, wide))
     for case in report.cases:
         if case.notes:
-            console.print(f"{case.family} {case.variant}: {case.notes}")
+            console.print(f"{case.family} {case.variant}: {escape(case.notes)}")
         for check in case.checks:
             if not check.passed:
                 console.print(
                     f"[red]{case.family} {case.variant}: {check.metric} {check.value:.3g} > limit "
-                    f"{check.limit:.3g} ({check.detail})[/]"
+                    f"{check.limit:.3g} ({escape(check.detail)})[/]"
                 )
     verdict = "[green]PASS[/]" if report.passed else "[bold red]FAIL[/]"
     console.print(f"convergence verdict: {verdict}")

@@ -132,7 +132,9 @@ def _train(model, batches, cfg, device, label, progress):
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(batches.train), desc=label or "train", leave=False, unit="step")
+        from lmkernels.cliargs import width
+
+        bar = tqdm(total=len(batches.train), desc=label or "train", leave=False, unit="step", ncols=width())
     start = time.perf_counter()
     model.train()
     for ids in batches.train:

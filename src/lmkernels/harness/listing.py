@@ -7,6 +7,7 @@ import textwrap
 
 import torch
 
+from lmkernels.cliargs import TRITON_HINT
 from lmkernels.registry.core import Impl, impls, ops
 
 SHORT_NAMES = {"fused_linear_cross_entropy": "flce"}
@@ -77,6 +78,9 @@ def render_list(width: int = 80, reasons: bool = False) -> str:
     if not reasons:
         text = f"Not here: {', '.join(noes)} (lmkernels list --reasons says why)."
         lines += ["", *textwrap.wrap(text, width, break_on_hyphens=False)]
+        why = [w for groups in noes.values() for w in groups]
+        if any("TRITON_INTERPRET=1" in w for w in why):
+            lines += textwrap.wrap(TRITON_HINT + ".", width, break_on_hyphens=False)
     else:
         lines += ["", "Why not:"]
         for backend, groups in noes.items():

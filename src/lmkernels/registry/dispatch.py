@@ -209,15 +209,20 @@ def resolve(op: str, inputs: dict[str, Any], backend: str | None = None) -> Impl
             )
         return impl
     rejected = []
-    devices = {v.device.type for v in inputs.values() if isinstance(v, torch.Tensor)}
     for impl in impls(op):
-        reasons = impl.not_supported_reasons(**inputs)
-        if not reasons and impl.auto_devices is not None and not devices <= set(impl.auto_devices):
-            reasons = [f"not chosen automatically on {sorted(devices)} (request it explicitly)"]
+        reasons = impl.not_supported_reasons(**inputs) or _not_auto(impl, inputs)
         if not reasons:
             return impl
         rejected.append(f"{impl.backend}: {'; '.join(reasons)}")
     raise BackendNotSupportedError(f"{op}: no backend can run these inputs: " + " | ".join(rejected))
+
+
+def _not_auto(impl: Impl, inputs: dict[str, Any]) -> list[str]:
+    """Why `auto` passes over an impl that could run these inputs (its auto_devices), or []."""
+    devices = {v.device.type for v in inputs.values() if isinstance(v, torch.Tensor)}
+    if impl.auto_devices is None or devices <= set(impl.auto_devices):
+        return []
+    return [f"not chosen automatically on {', '.join(sorted(devices))} (request it explicitly)"]
 
 
 on_change(_invalidate)
@@ -246,12 +251,17 @@ class Explanation:
 def explain(op: str, inputs: dict[str, Any], backend: str | None = None) -> Explanation:
     """Every impl of `op` for these inputs, whether it could run, and which one would."""
     op = canonical_op(op)
-    rows = [(i.backend, i.priority, i.not_supported_reasons(**inputs)) for i in impls(op)]
+    requested = requested_backend(op, backend)
+    auto = requested.backend == AUTO
+    rows = [
+        (i.backend, i.priority, i.not_supported_reasons(**inputs) or (_not_auto(i, inputs) if auto else []))
+        for i in impls(op)
+    ]
     try:
         chosen, error = resolve(op, inputs, backend).backend, None
     except LMKernelsError as e:
         chosen, error = None, str(e)
-    return Explanation(op, requested_backend(op, backend), chosen, error, rows)
+    return Explanation(op, requested, chosen, error, rows)
 
 
 def all_op_names() -> list[str]:

@@ -1,4 +1,5 @@
-"""The bench: time and peak memory of every backend, DESIGN.md's performance protocol.
+"""The bench: time and peak memory of every backend (GPU time with the launch queue filled ahead,
+wall time, peak memory above the inputs, rates against the copy bandwidth and matmul rate).
 
 One job per module:
 

@@ -38,7 +38,7 @@ def naive_flce(hidden, weight, target, ignore_index=-100, reduction="mean", soft
 
 
 def compile_naive_fn(inputs: dict[str, Any]) -> Callable[..., Any]:
-    """torch.compile of naive_flce (DESIGN.md's torch.compile FLCE baseline)."""
+    """torch.compile of naive_flce (the torch.compile FLCE baseline: logits materialized)."""
     global _naive_compiled
     extra = [k for k, v in inputs.items() if k not in _NAIVE_OK and not _is_default(v)]
     if extra:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime
 import sys
 from collections.abc import Sequence
@@ -12,16 +11,18 @@ from typing import Any
 
 import torch
 
-from lmkernels.harness.bench.backends import PSEUDO_BACKENDS
+from lmkernels import cliargs
+from lmkernels.harness.bench.backends import PSEUDO_BACKENDS, backends_for
 from lmkernels.harness.bench.measure import MIN_TIMED_RUNS
 from lmkernels.harness.bench.plan import DESIGN_SHAPES, DTYPES, MODES
-from lmkernels.harness.bench.report import rich_table, write_reports
+from lmkernels.harness.bench.report import failure_notes, narrow_tables, rich_table, write_reports
 from lmkernels.harness.bench.run import run_bench
-from lmkernels.registry.core import LMKernelsError, backend_names
-from lmkernels.registry.dispatch import canonical_op
+from lmkernels.registry.core import LMKernelsError, get_op
+
+WIDE_COLUMNS = 200  # the console width of --wide, whatever the terminal's
 
 DESCRIPTION = """\
-Time and peak memory of every backend on DESIGN.md's shapes or sweeps (CUDA).
+Time and peak memory of every backend on reference shapes or sweeps (CUDA).
 
 Backends: every registered one available here (the peer adapters liger, cce,
 cce_exact, torch_native included) plus, for FLCE, compile_naive: torch.compile
@@ -31,14 +32,8 @@ Per case: GPU time (queue filled ahead), wall time (do_bench median, p20-p80),
 profiler kernel time, peak memory above the inputs; for fwd+bwd, % of the copy
 bandwidth or of the bf16 matmul rate measured in the same run, and ratios to
 compile, compile_naive, liger and cce. Writes results.csv, results.json,
-summary.md and PNG plots. benchmarks/flce_frontier.py: the FLCE frontier grid.
+summary.md and PNG plots.
 """
-
-
-def _split(values: Sequence[str] | None) -> list[str] | None:
-    if not values:
-        return None
-    return [v.strip() for item in values for v in item.split(",") if v.strip()]
 
 
 def parse_options(items: Sequence[str] | None) -> dict[str, Any] | None:
@@ -50,14 +45,13 @@ def parse_options(items: Sequence[str] | None) -> dict[str, Any] | None:
         k, sep, v = item.partition("=")
         if not sep:
             raise LMKernelsError(f"--set: expected key=value, got {item!r}")
-        if v in DTYPES:
-            out[k] = DTYPES[v]
-            continue
-        try:
-            out[k] = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            out[k] = v
+        out[k.strip()] = DTYPES[v] if v in DTYPES else cliargs.key_value(item)[1]
     return out
+
+
+def _set_item(text: str) -> str:
+    cliargs.key_value(text)  # an argparse error unless it is key=value
+    return text
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -67,10 +61,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--op", action="append", help="op (repeatable or comma-separated); default all")
+    p.add_argument(
+        "--op", action="extend", type=cliargs.op_names, help="op (repeatable or comma-separated); default all"
+    )
     p.add_argument(
         "--backend",
-        action="append",
+        action="extend",
+        type=cliargs.backend_names_type(extra=list(PSEUDO_BACKENDS)),
         help="backend (repeatable or comma-separated); default every available one, "
         "adapters and compile_naive included",
     )
@@ -85,52 +82,70 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--grid",
         default="design",
         choices=["design", "sweep"],
-        help="design: DESIGN.md's shapes (default); sweep: sizes 1k..16k (FLCE: tokens and vocab)",
+        help="design: one reference shape per op, Llama-3-8B-like (default); "
+        "sweep: sizes 1k..16k (FLCE: tokens and vocab)",
     )
     p.add_argument(
         "--set",
         action="append",
+        type=_set_item,
         metavar="KEY=VALUE",
         help="op options for every point instead of the default cases, e.g. grad_accum_dtype=bf16 "
         "or regime=zipf (FLCE's logit regime: uniform, gaussian, zipf)",
     )
-    p.add_argument("--out", help="report directory (default benchmarks/results/<date>)")
+    p.add_argument("--out", help="report directory (default lmkernels-results/bench-<date>)")
     p.add_argument(
         "--quick", action="store_true", help="short timings, 3 sizes per sweep, default options only"
     )
-    p.add_argument("--warmup", type=float, help="do_bench warmup in ms (default 25, quick 5)")
     p.add_argument(
-        "--rep", type=float, help=f"do_bench rep in ms (default 100, quick 25; >= {MIN_TIMED_RUNS} runs)"
+        "--warmup", type=cliargs.positive_float, help="do_bench warmup in ms (default 25, quick 5)"
+    )
+    p.add_argument(
+        "--rep",
+        type=cliargs.positive_float,
+        help=f"do_bench rep in ms (default 100, quick 25; >= {MIN_TIMED_RUNS} runs)",
     )
     p.add_argument(
         "--budget",
-        type=float,
+        type=cliargs.positive_float,
         default=540,
         help="seconds: points not started by then are recorded as skipped (default 540)",
     )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--wide", action="store_true", help="one table with every column (wall and kernel time; > 80 columns)"
+    )
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
-    console = Console(width=200) if not sys.stdout.isatty() else Console()
+    console = Console()
+    ops = args.op or list(DESIGN_SHAPES)
+    options = parse_options(args.set)
+    if options:
+        cliargs.check_options([get_op(op) for op in ops], options)
     if not torch.cuda.is_available():
         console.print(
-            "[red]lmkernels bench needs a CUDA device; none is available here.[/] "
-            "On the CPU, `pytest benchmarks/test_bench_cpu.py` runs the small benchmark suite."
+            "[red]lmkernels bench times the kernels on a CUDA device; none is available here.[/] "
+            "On the CPU, `lmkernels validate` checks them (the Triton kernels under "
+            "TRITON_INTERPRET=1, the CPU interpreter, which is too slow to time)."
         )
         return 2
-    ops = [canonical_op(o) for o in (_split(args.op) or list(DESIGN_SHAPES))]
-    known = [*backend_names(), *PSEUDO_BACKENDS]
-    unknown = [b for b in _split(args.backend) or [] if b not in known]
-    if unknown:
-        raise LMKernelsError(f"--backend: unknown {unknown}; known backends: {known}")
+    skipped: dict[str, str] = {}
+    for op in ops:
+        skipped.update(backends_for(op, args.backend, "cuda")[1])
+    if skipped:
+        console.print(f"not run here: {escape(cliargs.summarize_skipped(skipped))}")
+        hint = cliargs.triton_hint(skipped.values())
+        if hint:
+            console.print(hint)
     modes = list(MODES) if args.mode == "all" else [args.mode]
-    out = Path(args.out or f"benchmarks/results/{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    out = Path(args.out or f"lmkernels-results/bench-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     command = " ".join(sys.argv)
 
     def save_partial(rows, meta):  # after each point: a run stopped from outside keeps its results
@@ -138,12 +153,12 @@ def run(args: argparse.Namespace) -> int:
 
     rows, meta = run_bench(
         ops,
-        _split(args.backend),
+        args.backend,
         DTYPES[args.dtype],
         modes,
         args.grid,
         args.quick,
-        parse_options(args.set),
+        options,
         warmup=args.warmup,
         rep=args.rep,
         console=console,
@@ -152,14 +167,35 @@ def run(args: argparse.Namespace) -> int:
         on_point=save_partial,
     )
     meta["command"] = command
-    console.print(rich_table(rows))
+    print_tables(rows, console, args.wide)
     paths = write_reports(rows, meta, out, plots=not args.no_plots)
     console.print(f"wrote {len(paths)} files to {out}")
     return 0
 
 
+def print_tables(rows: list[dict[str, Any]], console, wide: bool = False) -> None:
+    """The results: narrow tables (80 columns) and the failures' notes, or with `wide` one
+    table with every column, printed past the terminal's width."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    if wide:
+        Console(
+            file=console.file,
+            width=max(console.width, WIDE_COLUMNS),
+            force_terminal=console.is_terminal,
+            color_system=console.color_system,
+        ).print(rich_table(rows))
+        return
+    for table in narrow_tables(rows):
+        console.print(table)
+    for line in failure_notes(rows):
+        console.print(escape(line))
+    console.print("--wide: wall and kernel times, memory ratios and notes in one table")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lmkernels.harness.bench")
+    parser = cliargs.Parser(prog="python -m lmkernels.harness.bench")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
-    return int(args.func(args) or 0)
+    return cliargs.invoke(args)

@@ -1,4 +1,4 @@
-"""Timing and peak memory of one backend on prepared inputs (DESIGN.md's performance protocol).
+"""Timing and peak memory of one backend on prepared inputs (GPU time, wall time, peak memory).
 
 - wall time: triton.testing.do_bench median and 20%/80% quantiles (L2 flushed, gradients set
   to None before each run), host launch gaps included; a perf_counter loop on the CPU;

@@ -1,4 +1,4 @@
-"""What to measure: the shape grids (DESIGN.md's design shapes, sweeps), the option sets per op,
+"""What to measure: the shape grids (the reference "design" shapes, sweeps), the option sets per op,
 and the points (op, shape, options) a run goes through."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MODES = ("fwd", "bwd", "full")
 FLCE = "fused_linear_cross_entropy"
 
-# DESIGN.md's reference shapes ("Performance protocol and the bar to beat").
+# The reference ("design") shapes: Llama-3-8B-like sizes, one per op.
 DESIGN_SHAPES: dict[str, dict[str, int]] = {
     "rms_norm": {"M": 16384, "N": 4096},
     "layer_norm": {"M": 4096, "N": 16384},

@@ -108,6 +108,68 @@ def rich_table(rows: list[dict[str, Any]]):
     return table
 
 
+def narrow_tables(rows: list[dict[str, Any]]) -> list[Any]:
+    """The rows as tables that fit 80 columns: one per case (op, shape, options, mode), one row
+    per backend with its GPU time (wall time where there is none), peak memory, rate and
+    speedups; rich_table (--wide) has every column. Failed rows say only their status here:
+    failure_notes() gives their notes."""
+    from rich import box
+    from rich.table import Table
+
+    cases: dict[tuple, list[dict[str, Any]]] = {}
+    for r in unique(rows):
+        cases.setdefault((r["op"], r["shape"], r["options"], r["mode"]), []).append(r)
+    tables = []
+    for (op, shape, options, mode), group in cases.items():
+        title = f"{op} {shape}" + ("" if options == "default" else f" {options}") + f" {mode}"
+        t = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left")
+        t.add_column("backend")
+        t.add_column("GPU ms", justify="right")
+        t.add_column("peak MiB", justify="right")
+        t.add_column("rate", justify="right")
+        t.add_column("speedup", overflow="fold")
+        t.add_column("status")
+        for r in group:
+            gpu = r.get("gpu_ms") is not None
+            ms = (
+                fmt(r.get("gpu_ms"), 4)
+                if gpu
+                else (fmt(r["ms"], 4) + (" wall" if r["ms"] is not None else ""))
+            )
+            t.add_row(
+                r["backend"],
+                ms,
+                fmt(r["peak_mib"], 4),
+                _short_rate(r, "_gpu" if gpu else ""),
+                _ratios(r, "gpu_" if gpu else "").replace(", ", "\n"),
+                "ok" if r["status"] == "ok" else r["status"],
+            )
+        tables.append(t)
+    return tables
+
+
+def _short_rate(row: dict[str, Any], suffix: str = "") -> str:
+    """% of the matmul rate or of the copy bandwidth (else TFLOP/s or GB/s)."""
+    for pct, value, unit, what in (
+        ("pct_matmul", "tflops", "TF/s", "mm"),
+        ("pct_copy_bw", "gbps", "GB/s", "bw"),
+    ):
+        if row.get(f"{pct}{suffix}") is not None:
+            return f"{row[f'{pct}{suffix}']:.0f}% {what}"
+        if row.get(f"{value}{suffix}") is not None:
+            return f"{row[f'{value}{suffix}']:.0f} {unit}"
+    return "-"
+
+
+def failure_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per row that did not run ok: case, backend, status and note."""
+    return [
+        f"{r['op']} {r['shape']} {r['options']} {r['mode']} {r['backend']}: {status_text(r)}"
+        for r in unique(rows)
+        if r["status"] != "ok"
+    ]
+
+
 def summary_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = ["# lmkernels bench", ""]
     lines += [f"- {k}: {meta[k]}" for k in META_KEYS if k in meta]

@@ -56,7 +56,8 @@ has x's dtype even when the weight has another dtype; rope and GLU compute in fp
 once where transformers rounds after each elementwise op; a batch whose labels are all
 ignore_index gives loss 0 instead of nan.
 
-Supported: transformers >= 5.0 and < 6 (tested with 5.17 and 5.23).
+Supported: the transformers range of lmkernels' hf extra (pyproject.toml), checked when a
+model is patched (check_transformers_version).
 """
 
 from __future__ import annotations

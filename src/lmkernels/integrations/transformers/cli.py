@@ -5,47 +5,69 @@
     lmkernels patch-report --all            # every family the tests train
 
 The model is built from the config with its sizes shrunk to a tiny model (the structure, not the
-size, decides what is patched), with random weights, on the CPU; nothing is downloaded.
+size, decides what is patched), with random weights, on the CPU; nothing is downloaded unless
+--config names a hub model. A config that stays large after shrinking is refused.
 """
 
 from __future__ import annotations
 
 import argparse
 
+from lmkernels import cliargs
 
-def _shrunk(config):
-    from lmkernels.integrations.transformers.families import TINY
 
-    for key, value in TINY.items():
-        if key in ("attn_implementation", "vocab_size", "pad_token_id", "bos_token_id", "eos_token_id"):
-            continue
-        if getattr(config, key, None) is not None:
-            setattr(config, key, value)
-    if hasattr(config, "layer_types") and config.layer_types is not None:
-        config.layer_types = list(config.layer_types)[: config.num_hidden_layers]
+def _model_type(text: str) -> str:
+    from lmkernels.integrations.transformers.families import causal_lm_types
+
+    known = sorted(causal_lm_types())
+    if text not in known:
+        raise argparse.ArgumentTypeError(
+            cliargs.unknown("model type", text, known, list_known=False)
+            + f"; transformers knows {len(known)} causal-LM types, e.g. llama, qwen3, gemma3_text, gpt_neox"
+        )
+    return text
+
+
+def _ops(text: str) -> tuple[str, ...]:
+    from lmkernels.integrations.transformers import SUPPORTED_OPS
+
+    return tuple(cliargs.choice_list(SUPPORTED_OPS, "op")(text))
+
+
+def _load_config(path: str):
+    from transformers import AutoConfig
+
+    from lmkernels.integrations.transformers.families import check_verification_size, shrink_config
+    from lmkernels.registry import LMKernelsError
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LMKernelsError(f"--config: cannot load a transformers config from {path!r}: {first}") from None
+    config = shrink_config(config)
+    check_verification_size(config)
     return config
 
 
 def cmd_patch_report(args: argparse.Namespace) -> int:
     from lmkernels.integrations import transformers as lk_hf
-    from lmkernels.registry import LMKernelsError
 
-    ops = tuple(args.ops.split(",")) if args.ops else lk_hf.SUPPORTED_OPS
+    ops = args.ops or lk_hf.SUPPORTED_OPS
     if args.config:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        config = _shrunk(AutoConfig.from_pretrained(args.config))
-        targets = [AutoModelForCausalLM.from_config(config)]
+        with cliargs.quiet_transformers():
+            targets = [AutoModelForCausalLM.from_config(_load_config(args.config))]
     elif args.all:
         targets = list(lk_hf.TESTED)
-    elif args.model_type:
-        targets = [args.model_type]
     else:
-        raise LMKernelsError("patch-report: give --model-type TYPE, --config PATH or --all")
+        targets = [args.model_type]
     failed = False
     for target in targets:
-        report = lk_hf.patch_report(target, backend=args.backend, ops=ops)
-        print(report.format())
+        with cliargs.quiet_transformers():
+            report = lk_hf.patch_report(target, backend=args.backend, ops=ops)
+        print(report.format(width=cliargs.width()))
         failed |= bool(report.failed)
     return 1 if failed else 0
 
@@ -54,9 +76,25 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "patch-report", help="what the transformers integration patches on a model, and why not the rest"
     )
-    p.add_argument("--model-type", help="a transformers model type, e.g. qwen3, gemma3_text, gpt_neox")
-    p.add_argument("--config", help="a config.json file or a directory / hub name holding one")
-    p.add_argument("--all", action="store_true", help="every family the tests train")
-    p.add_argument("--backend", help="backend spec the checks run with (default: dispatch decides)")
-    p.add_argument("--ops", help="comma-separated subset of rms_norm,layer_norm,rope,mlp,flce,causal_mask")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument(
+        "--model-type",
+        type=_model_type,
+        metavar="TYPE",
+        help="a transformers model type, e.g. qwen3, gemma3_text, gpt_neox",
+    )
+    what.add_argument(
+        "--config", metavar="PATH", help="a config.json file or a directory / hub name holding one"
+    )
+    what.add_argument("--all", action="store_true", help="every family the tests train")
+    p.add_argument(
+        "--backend",
+        type=cliargs.backend_spec,
+        help="backend spec the checks run with (default: dispatch decides)",
+    )
+    p.add_argument(
+        "--ops",
+        type=_ops,
+        help="comma-separated subset of rms_norm,layer_norm,rope,mlp,flce,causal_mask",
+    )
     p.set_defaults(func=cmd_patch_report)

@@ -16,9 +16,6 @@ from torch import nn
 
 from lmkernels.registry import LMKernelsError
 
-MIN_VERSION = (5, 0)
-MAX_VERSION = (6, 0)  # exclusive: a new major version may rename the internals patched here
-
 # The families the tests train (tests/test_integration_families.py), in the table's order.
 TESTED = (
     "llama",
@@ -81,6 +78,18 @@ FAMILY_TINY = {
     # of each kind (gated delta net, then gated attention).
     "qwen3_next": {"layer_types": ["linear_attention", "full_attention"]},
 }
+# Size fields of one family that TINY does not name (shrink_config applies these too): partial
+# rotary dims the default of which exceeds the tiny head (16), an MLP width by another name.
+FAMILY_SIZES = {
+    "gptj": {"rotary_dim": 8},
+    "codegen": {"rotary_dim": 8},
+    "opt": {"ffn_dim": 96},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},  # one pair: 2 layers
+}
+# A verification model (tiny_model, the models patch_report / apply / `lmkernels patch-report`
+# build) bigger than this is refused: it means the config kept sizes the tiny fields missed,
+# and building it would take minutes and gigabytes for a check meant to take milliseconds.
+MAX_VERIFY_PARAMS = 50_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,28 +107,17 @@ class Family:
         return getattr(self.module(), f"{self.prefix}{suffix}")
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for piece in version.split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
-
-
 def check_transformers_version(version: str | None = None) -> None:
-    """Raise LMKernelsError unless `version` (default: the installed one) is supported."""
+    """Raise LMKernelsError unless `version` (default: the installed one) is in the range
+    lmkernels supports (pyproject.toml's hf extra; lmkernels/_versions.py reads it): the model
+    internals patched here differ in other versions."""
+    from lmkernels import _versions
+
     if version is None:
         import transformers
 
         version = transformers.__version__
-    v = _version_tuple(version)
-    if not MIN_VERSION <= v < MAX_VERSION:
-        lo = ".".join(map(str, MIN_VERSION))
-        hi = ".".join(map(str, MAX_VERSION))
-        raise LMKernelsError(
-            f"lmkernels.integrations.transformers: transformers {version} is not supported "
-            f"(supported: >= {lo}, < {hi}); the model internals it patches differ in other versions"
-        )
+    _versions.check("transformers", version)
 
 
 def causal_lm_types() -> dict[str, str]:
@@ -179,23 +177,98 @@ def model_type_of(target: Any) -> str:
     )
 
 
+def _field_names(config_class, defaults: dict) -> dict[str, str]:
+    """name -> the name `defaults` (a config's to_dict(), which holds the stored names) uses for
+    it, through the class's attribute_map in both directions: gpt2 stores hidden_size as n_embd
+    (attribute_map {"hidden_size": "n_embd"}), so TINY's hidden_size must be passed as n_embd."""
+    amap = dict(getattr(config_class, "attribute_map", None) or {})
+    names = {}
+    for canonical, stored in amap.items():
+        for a, b in ((canonical, stored), (stored, canonical)):
+            if a not in defaults and b in defaults:
+                names[a] = b
+    return names
+
+
+def tiny_fields(config_class, defaults: dict, *extra: dict[str, Any]) -> dict[str, Any]:
+    """The TINY fields a config of `config_class` has, then every field of each `extra` dict,
+    keyed by the names its to_dict() `defaults` use: a later field replaces an earlier one
+    whatever name (canonical or stored) each gives."""
+    names = _field_names(config_class, defaults)
+    fields: dict[str, Any] = {}
+    for key, value in TINY.items():
+        name = names.get(key, key)
+        if name in defaults or key == "attn_implementation":
+            fields[name] = value
+    for more in extra:
+        for key, value in more.items():
+            fields[names.get(key, key)] = value
+    return fields
+
+
 def tiny_config(model_type: str, **overrides):
     """A tiny transformers config of `model_type`; `overrides` replace any field."""
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     defaults = AutoConfig.for_model(model_type).to_dict()
-    fields = {k: v for k, v in TINY.items() if k in defaults or k == "attn_implementation"}
-    fields.update(FAMILY_TINY.get(model_type, {}))
-    fields.update(overrides)
+    family_fields = FAMILY_SIZES.get(model_type, {}) | FAMILY_TINY.get(model_type, {})
+    if not getattr(causal_lm_class(model_type), "_supports_sdpa", True):
+        family_fields = {"attn_implementation": "eager"} | family_fields  # bloom, mpt, gpt_neo...
+    fields = tiny_fields(CONFIG_MAPPING[model_type], defaults, family_fields, overrides)
     return AutoConfig.for_model(model_type, **fields)
 
 
+def shrink_config(config):
+    """`config` (of any size, e.g. a checkpoint's) with the TINY sizes it has, in place; the
+    vocabulary, special tokens and attention implementation are kept, and so are the feature
+    values FAMILY_TINY sets for the tests. For a verification model of the same structure."""
+    keep = ("attn_implementation", "vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")
+    defaults = config.to_dict()
+    sizes = FAMILY_SIZES.get(getattr(config, "model_type", None), {})
+    for name, value in tiny_fields(type(config), defaults, sizes).items():
+        if name not in keep and defaults.get(name) is not None:
+            setattr(config, name, value)
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = list(config.layer_types)[: config.num_hidden_layers]
+    return config
+
+
+def parameter_count(config) -> int:
+    """The parameters a causal LM of `config` has, counted on the meta device (nothing is
+    allocated)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_verification_size(config, limit: int = MAX_VERIFY_PARAMS) -> None:
+    """Raise LMKernelsError if a model of `config` has more than `limit` parameters."""
+    n = parameter_count(config)
+    if n > limit:
+        name = type(config).__name__
+        raise LMKernelsError(
+            f"config: a verification model of {name} ({getattr(config, 'model_type', '?')}) would have "
+            f"{_millions(n)} parameters, over the {_millions(limit)} limit for one: sizes the tiny "
+            "fields do not name (a nested text_config, say) were not shrunk; patch a model instance"
+        )
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:,.0f}M" if n >= 10e6 else f"{n / 1e6:.3g}M"
+
+
 def tiny_model(model_type: str, seed: int = 0, **overrides) -> nn.Module:
-    """A freshly initialized fp32 causal LM on the CPU; the same seed gives the same weights."""
+    """A freshly initialized fp32 causal LM on the CPU; the same seed gives the same weights.
+    Refuses (LMKernelsError) a config over MAX_VERIFY_PARAMS parameters."""
     import torch
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(model_type, **overrides)
+    check_verification_size(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(config)
