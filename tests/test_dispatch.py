@@ -82,7 +82,8 @@ def test_use_backend_per_op_and_nesting(toys):
 def test_explicit_backend_that_cannot_run_raises_with_reasons(toys):
     xb = X.to(torch.bfloat16)
     with pytest.raises(
-        BackendNotSupportedError, match=r"toy_b.*requested by argument.*dtype of x \(torch.bfloat16\) not supported"
+        BackendNotSupportedError,
+        match=r"toy_b.*requested by argument.*dtype of x \(torch.bfloat16\) not supported",
     ):
         lmkernels.rms_norm(xb, backend="toy_b")
     with (

@@ -115,7 +115,7 @@ def run(fn, inputs, grad_seed=1, up_cast=None, live=GRAD_NAMES):
             leaves[name] = call[name].requires_grad_(True)
     before = {k: v.detach().clone() for k, v in call.items() if isinstance(v, torch.Tensor)}
     out = fn(call)
-    loss, lse = out if isinstance(out, tuple) else (out, None)
+    loss, lse = (out[0], out[1]) if isinstance(out, tuple) else (out, None)  # stats: checked elsewhere
     g = torch.Generator().manual_seed(grad_seed)
     # Not 1, also for a scalar loss, so the backward's scaling by the upstream is exercised.
     upstream = (torch.rand(loss.shape, generator=g) + 0.5).to(loss.device, loss.dtype)
@@ -486,7 +486,7 @@ def test_second_backward_lean_recomputes():
     assert torch.equal(first, second)
 
 
-def _forward_args(inputs, reduction, grads, lean):
+def _forward_args(inputs, reduction, grads, lean, stats=True):
     H = inputs["weight"].shape[1]
     return (
         inputs["hidden"].reshape(-1, H),
@@ -504,6 +504,7 @@ def _forward_args(inputs, reduction, grads, lean):
         grads and inputs.get("bias") is not None,
         True,
         lean,
+        stats,
     )
 
 

@@ -201,6 +201,7 @@ def liger_flce(
     class_weight=None,
     return_lse=False,
     grad_accum_dtype=None,
+    return_stats=False,
 ):
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as flce
 
@@ -227,12 +228,20 @@ def liger_flce(
 
 
 def _liger_flce_supports(
-    hidden, weight, bias=None, reduction="mean", z_loss_scale=0.0, class_weight=None, return_lse=False, **_
+    hidden,
+    weight,
+    bias=None,
+    reduction="mean",
+    z_loss_scale=0.0,
+    class_weight=None,
+    return_lse=False,
+    return_stats=False,
+    **_,
 ):
     # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
-    if return_lse:
-        reasons.append("return_lse=True: Liger's FLCE does not return the logsumexp")
+    if return_lse or return_stats:
+        reasons.append("return_lse/return_stats=True: Liger's FLCE does not return the logsumexp")
     if reduction == "mean" and class_weight is not None and z_loss_scale:
         reasons.append(
             "z_loss_scale with class_weight and reduction='mean': Liger divides the z-loss by the "
@@ -260,6 +269,7 @@ def _make_cce(exact: bool):
         class_weight=None,
         return_lse=False,
         grad_accum_dtype=None,
+        return_stats=False,
     ):
         from cut_cross_entropy import linear_cross_entropy
 
@@ -293,6 +303,7 @@ def _cce_supports(
     class_weight=None,
     return_lse=False,
     grad_accum_dtype=None,
+    return_stats=False,
     **_,
 ):
     # Only the options this library lacks are named; supports() is called with every input.
@@ -305,8 +316,8 @@ def _cce_supports(
         reasons.append("z_loss_scale: CCE has no z-loss")
     if class_weight is not None:
         reasons.append("class_weight: CCE has no class weights")
-    if return_lse:
-        reasons.append("return_lse=True: CCE does not return the logsumexp")
+    if return_lse or return_stats:
+        reasons.append("return_lse/return_stats=True: CCE does not return the logsumexp")
     if _grad_needed(weight) and grad_accum_dtype != weight.dtype:
         reasons.append(
             f"grad_accum_dtype={grad_accum_dtype} (fp32): CCE accumulates the weight gradient in the "
@@ -331,6 +342,7 @@ def torch_native_flce(
     class_weight=None,
     return_lse=False,
     grad_accum_dtype=None,
+    return_stats=False,
 ):
     import torch.nn.functional as F
 
@@ -362,15 +374,19 @@ def torch_native_flce(
     return loss
 
 
-def _torch_native_supports(softcap=None, z_loss_scale=0.0, return_lse=False, label_smoothing=0.0, **_):
+def _torch_native_supports(
+    softcap=None, z_loss_scale=0.0, return_lse=False, label_smoothing=0.0, return_stats=False, **_
+):
     # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
     if softcap is not None:
         reasons.append("softcap: torch's linear_cross_entropy has no logit softcapping")
     if z_loss_scale:
         reasons.append("z_loss_scale: torch's linear_cross_entropy has no z-loss")
-    if return_lse:
-        reasons.append("return_lse=True: torch's linear_cross_entropy does not return the logsumexp")
+    if return_lse or return_stats:
+        reasons.append(
+            "return_lse/return_stats=True: torch's linear_cross_entropy does not return the logsumexp"
+        )
     if label_smoothing:
         reasons.append("label_smoothing: torch's chunked path falls back to materializing the logits")
     return reasons

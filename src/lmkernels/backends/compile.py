@@ -210,17 +210,44 @@ def _grads_from_logits(
     return grad_h, grad_w, grad_b
 
 
-def _chunk_loss(h, weight, bias, target, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale):
+def _stats_from_logits(logits, lse, target, ignore_index, stats):
+    """(entropy, is_top1) per token of one chunk (see the op's docstring), or (None, None)."""
+    if not stats:
+        return None, None
+    V = logits.shape[1]
+    valid = (target != ignore_index) & (target >= 0) & (target < V)
+    safe_t = torch.where(valid, target, 0).long()
+    probs = torch.exp(logits - lse[:, None])
+    entropy = lse - (probs * logits).nan_to_num(nan=0.0).sum(-1)
+    top = logits.gather(1, safe_t[:, None])[:, 0] >= logits.amax(-1)
+    return entropy, valid & top
+
+
+def _chunk_loss(
+    h, weight, bias, target, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, stats
+):
     logits, _ = _chunk_logits(h, weight, bias, softcap)
-    return _loss_from_logits(logits, target, class_weight, ignore_index, label_smoothing, z_loss_scale)
+    loss, lse = _loss_from_logits(logits, target, class_weight, ignore_index, label_smoothing, z_loss_scale)
+    return loss, lse, *_stats_from_logits(logits, lse, target, ignore_index, stats)
 
 
 def _chunk_loss_and_grads(
-    h, weight, bias, target, class_weight, grad_tok, ignore_index, label_smoothing, softcap, z_loss_scale
+    h,
+    weight,
+    bias,
+    target,
+    class_weight,
+    grad_tok,
+    ignore_index,
+    label_smoothing,
+    softcap,
+    z_loss_scale,
+    stats,
 ):
-    """Loss, logsumexp and gradients of one chunk from a single logits matmul."""
+    """Loss, logsumexp (and stats) and gradients of one chunk from a single logits matmul."""
     logits, capped = _chunk_logits(h, weight, bias, softcap)
     loss, lse = _loss_from_logits(logits, target, class_weight, ignore_index, label_smoothing, z_loss_scale)
+    entropy, top = _stats_from_logits(logits, lse, target, ignore_index, stats)
     grads = _grads_from_logits(
         h,
         weight,
@@ -236,7 +263,7 @@ def _chunk_loss_and_grads(
         softcap,
         z_loss_scale,
     )
-    return loss, lse, *grads
+    return loss, lse, entropy, top, *grads
 
 
 def _chunk_grads(
@@ -263,7 +290,7 @@ def _chunk_grads(
 
 class _ChunkedFLCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, class_weight, opts, grad_accum_dtype):
+    def forward(ctx, hidden, weight, bias, target, class_weight, opts, grad_accum_dtype, stats):
         ignore_index, reduction, label_smoothing, softcap, z_loss_scale = opts
         H = weight.shape[1]
         h2 = hidden.reshape(-1, H)
@@ -282,6 +309,8 @@ class _ChunkedFLCE(torch.autograd.Function):
         grads_now = needs_grad and reduction != "none"
         loss = torch.empty(BT, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(BT, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(BT if stats else 0, dtype=torch.float32, device=hidden.device)
+        top1 = torch.empty(BT if stats else 0, dtype=torch.bool, device=hidden.device)
         if grads_now:
             acc_dtype = grad_accum_dtype or torch.float32
             grad_h = torch.empty_like(h2)
@@ -294,16 +323,20 @@ class _ChunkedFLCE(torch.autograd.Function):
         for start in range(0, BT, chunk):
             sl = slice(start, min(start + chunk, BT))
             if not grads_now:
-                loss[sl], lse[sl] = _compiled(_chunk_loss)(h2[sl], weight, bias, t[sl], class_weight, *args)
+                loss[sl], lse[sl], ent, top = _compiled(_chunk_loss)(
+                    h2[sl], weight, bias, t[sl], class_weight, *args, stats
+                )
             else:
                 g = scale.expand(sl.stop - sl.start)
-                loss[sl], lse[sl], gh, gw, gb = _compiled(_chunk_loss_and_grads)(
-                    h2[sl], weight, bias, t[sl], class_weight, g, *args
+                loss[sl], lse[sl], ent, top, gh, gw, gb = _compiled(_chunk_loss_and_grads)(
+                    h2[sl], weight, bias, t[sl], class_weight, g, *args, stats
                 )
                 grad_h[sl] = gh
                 grad_w += gw.to(acc_dtype)
                 if gb is not None:
                     grad_b += gb
+            if stats:
+                entropy[sl], top1[sl] = ent, top
         ctx.opts, ctx.chunk, ctx.grads_now = opts, chunk, grads_now
         ctx.grad_accum_dtype = grad_accum_dtype
         if grads_now:
@@ -317,11 +350,11 @@ class _ChunkedFLCE(torch.autograd.Function):
             out = loss.sum()
         else:
             out = loss.sum() * scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse.view(target.shape)
+        ctx.mark_non_differentiable(lse, entropy, top1)
+        return out, lse.view(target.shape), entropy, top1
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
+    def backward(ctx, grad_out, _grad_lse, _grad_entropy, _grad_top1):
         if torch.is_grad_enabled():  # create_graph=True: these gradients are not differentiable
             raise higher_order_error("fused_linear_cross_entropy", "compile")
         ignore_index, reduction, label_smoothing, softcap, z_loss_scale = ctx.opts
@@ -330,7 +363,7 @@ class _ChunkedFLCE(torch.autograd.Function):
             gh = (grad_h * grad_out).view(ctx.hidden_shape) if ctx.needs_input_grad[0] else None
             gw = (grad_w * grad_out) if ctx.needs_input_grad[1] else None
             gb = (grad_b * grad_out) if grad_b is not None and ctx.needs_input_grad[2] else None
-            return gh, gw, gb, None, None, None, None
+            return gh, gw, gb, None, None, None, None, None
         hidden, weight, bias, target, class_weight, lse, scale = ctx.saved_tensors
         H = weight.shape[1]
         h2, t = hidden.reshape(-1, H), target.reshape(-1)
@@ -354,7 +387,7 @@ class _ChunkedFLCE(torch.autograd.Function):
             grad_w += gw.to(acc_dtype)
             if gb is not None:
                 grad_b += gb
-        return grad_h.view(hidden.shape), grad_w, grad_b, None, None, None, None
+        return grad_h.view(hidden.shape), grad_w, grad_b, None, None, None, None, None
 
 
 def flce_compile(
@@ -370,9 +403,14 @@ def flce_compile(
     class_weight=None,
     return_lse=False,
     grad_accum_dtype=None,
+    return_stats=False,
 ):
     opts = (ignore_index, reduction, label_smoothing, softcap, z_loss_scale)
-    loss, lse = _ChunkedFLCE.apply(hidden, weight, bias, target, class_weight, opts, grad_accum_dtype)
+    loss, lse, entropy, top1 = _ChunkedFLCE.apply(
+        hidden, weight, bias, target, class_weight, opts, grad_accum_dtype, return_stats
+    )
+    if return_stats:
+        return loss, lse, entropy.view(target.shape), top1.view(target.shape)
     return (loss, lse) if return_lse else loss
 
 

@@ -21,6 +21,10 @@ deliberate difference from torch: when every token is ignored, "mean" returns 0 
 nan), so a fully padded micro-batch does not poison a training run.
 
 return_lse=True returns (loss, lse) with lse (shape of target, fp32, not differentiable).
+return_stats=True returns (loss, lse, entropy, is_top1), per token (shape of target), not
+differentiable: entropy = lse - sum_c p_c z_c of the softmax p of the logits z (fp32), and
+is_top1 = no logit is larger than the target's (False for ignored tokens): what a trainer logs as
+the entropy and the token accuracy, without a pass of its own over the logits.
 grad_accum_dtype: the dtype backends may accumulate the weight gradient in across chunks of
 tokens. torch.float32: rounded once; weight.dtype: the leanest (one rounding per chunk); None:
 the backend's documented default, always within the correctness policy. The eager reference
@@ -60,6 +64,7 @@ def fused_linear_cross_entropy_reference(
     class_weight=None,
     return_lse=False,
     grad_accum_dtype=None,
+    return_stats=False,
 ):
     V, H = weight.shape
     h = upcast(hidden.reshape(-1, H))
@@ -96,6 +101,11 @@ def fused_linear_cross_entropy_reference(
     else:
         denom = torch.where(valid, w_t, 0.0).sum()
         out = loss.sum() / torch.where(denom == 0, 1.0, denom)
+    if return_stats:
+        entropy = lse - (torch.softmax(logits, dim=-1) * logits).nan_to_num(nan=0.0).sum(-1)
+        top = logits.gather(1, safe_t[:, None])[:, 0] >= logits.amax(-1)
+        stats = (entropy.detach(), valid & in_range & top)
+        return out, lse.detach().view(target.shape), *(x.view(target.shape) for x in stats)
     if return_lse:
         return out, lse.detach().view(target.shape)
     return out
@@ -114,6 +124,7 @@ def check_inputs(
     class_weight=None,
     return_lse=False,
     grad_accum_dtype=None,
+    return_stats=False,
 ):
     check_tensor("hidden", hidden)
     check_tensor("weight", weight, ndim=2)
@@ -142,6 +153,7 @@ def check_inputs(
             fail("softcap: expected None or a positive number, got 0")
     check_number("z_loss_scale", z_loss_scale, low=0.0, what="a non-negative number")
     check_bool("return_lse", return_lse)
+    check_bool("return_stats", return_stats)
     if grad_accum_dtype not in (None, torch.float32, weight.dtype):
         fail(
             f"grad_accum_dtype: expected None, torch.float32 or weight's dtype {weight.dtype}, got {grad_accum_dtype}"
@@ -290,6 +302,7 @@ def sample(draw):
         "with_bias": draw.booleans(),
         "with_class_weight": draw.booleans(),
         "return_lse": draw.booleans(),
+        "return_stats": draw.booleans(),
         "lean": draw.booleans(),
         "regime": draw.sampled_from(("gaussian", "uniform", "zipf") if H >= 2 else ("gaussian", "uniform")),
     }
@@ -325,6 +338,7 @@ def error_inputs(device):
         ErrorInput(args(z_loss_scale=-1.0), "z_loss_scale: expected a non-negative number"),
         ErrorInput(args(ignore_index=-1.5), "ignore_index: expected an int"),
         ErrorInput(args(return_lse="yes"), "return_lse: expected a bool"),
+        ErrorInput(args(return_stats=1), "return_stats: expected a bool"),
         ErrorInput(args(bias=torch.randn(10, device=device)), r"bias: expected shape \(11,\)"),
         ErrorInput(args(class_weight=torch.randn(3, device=device)), r"class_weight: expected shape \(11,\)"),
         ErrorInput(args(grad_accum_dtype=torch.float16), "grad_accum_dtype: expected None, torch.float32"),
@@ -360,6 +374,7 @@ SPEC = register_op(
             {"label_smoothing": 0.1, "with_class_weight": True},
             {"softcap": 30.0, "z_loss_scale": 1e-4, "ignore_index": 3},
             {"return_lse": True, "ignore_fraction": 1.0},
+            {"return_stats": True, "softcap": 30.0, "with_bias": True},
             {"lean": True},
         ],
         # fp32: the logits matmul sums H products, so a different blocking of that sum moves
@@ -403,6 +418,7 @@ def fused_linear_cross_entropy(
     class_weight=None,
     return_lse=False,
     grad_accum_dtype=None,
+    return_stats=False,
     *,
     backend=None,
 ):
@@ -423,4 +439,5 @@ def fused_linear_cross_entropy(
         class_weight=class_weight,
         return_lse=return_lse,
         grad_accum_dtype=grad_accum_dtype,
+        return_stats=return_stats,
     )

@@ -77,6 +77,8 @@ def _flce_rows_kernel(
     grad_ptr,  # upstream gradient per token; grad_stride 0 broadcasts one scalar
     lse_ptr,  # written (LSE_GIVEN False) or read (True)
     loss_ptr,  # per-token loss, written when LSE_GIVEN is False
+    entropy_ptr,  # per-token entropy of the softmax, written with STATS
+    top1_ptr,  # per token: the target's logit is the largest (int8), written with STATS
     V,
     col_start,  # the window's first column in the full vocabulary
     n_cols,  # the window's width (V for a full row; pass 1 needs full rows)
@@ -94,6 +96,7 @@ def _flce_rows_kernel(
     HAS_Z_LOSS: tl.constexpr,
     LSE_GIVEN: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
+    STATS: tl.constexpr,
     BLOCK_V: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -127,6 +130,7 @@ def _flce_rows_kernel(
         m = tl.full((), float("-inf"), tl.float32)
         s = tl.zeros((), tl.float32)
         zw = tl.zeros((), tl.float32)  # sum_c w_c z_c for label smoothing
+        pz = tl.zeros((), tl.float32)  # STATS: sum_c exp(z_c - shift) z_c, for the entropy
         n_blocks = tl.cdiv(n_cols, BLOCK_V)
         for i in range(0, n_blocks):
             start = (n_blocks - 1 - i) * BLOCK_V
@@ -147,7 +151,11 @@ def _flce_rows_kernel(
             m_new = tl.maximum(m, tl.max(z, 0))
             # While every logit so far is -inf, shift by 0 (not -inf - -inf = nan): s stays 0.
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), 0)
+            rescale = tl.exp(m - shift)
+            e = tl.exp(z - shift)
+            s = s * rescale + tl.sum(e, 0)
+            if STATS:
+                pz = pz * rescale + tl.sum(tl.where(e > 0, e * z, 0.0), 0)
             m = m_new
         # A +inf logit makes the logsumexp +inf, as torch.logsumexp has it (s is nan then).
         lse = tl.where(m == float("inf"), m, m + tl.log(s))
@@ -164,6 +172,9 @@ def _flce_rows_kernel(
             loss += z_loss_scale * lse * lse
         tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
         tl.store(lse_ptr + row, lse)
+        if STATS:
+            tl.store(entropy_ptr + row, lse - pz / s)
+            tl.store(top1_ptr + row, (t_ok & (z_t >= m)).to(tl.int8))
 
     if WRITE_GRAD:
         # Pass 2: d loss / d z_c = g * (p_c * coef - (1-e) w_t [c == t] - (e/V) w_c), with
@@ -419,8 +430,9 @@ class Rows:
         self.options = (int(ignore_index), float(label_smoothing), softcap, float(z_loss_scale))
         self.V = V
 
-    def launch(self, logits, dlogits, rows, lse, loss, grad, col_start, lse_given):
-        """One program per row of `logits` (rows = slice of the tokens, columns from col_start)."""
+    def launch(self, logits, dlogits, rows, lse, loss, grad, col_start, lse_given, stats=None):
+        """One program per row of `logits` (rows = slice of the tokens, columns from col_start).
+        stats: (entropy, top1) buffers of all tokens to write, or None."""
         ignore_index, label_smoothing, softcap, z_loss_scale = self.options
         n_rows, n_cols = logits.shape
         dummy = lse  # stands in for absent optional pointers (never read: constexpr flags)
@@ -438,6 +450,8 @@ class Rows:
             g if g is not None else dummy,
             lse[rows],
             loss[rows] if loss is not None else dummy,
+            stats[0][rows] if stats is not None else dummy,
+            stats[1][rows] if stats is not None else dummy,
             self.V,
             col_start,
             n_cols,
@@ -455,6 +469,7 @@ class Rows:
             HAS_Z_LOSS=z_loss_scale != 0.0,
             LSE_GIVEN=lse_given,
             WRITE_GRAD=grad is not None,
+            STATS=stats is not None,
             BLOCK_V=block_v,
             SOFT_BF16=soft_bf16(logits),
             num_warps=8 if block_v >= 2048 else 4,
@@ -495,13 +510,15 @@ def _finish(grad_h, grad_w, grad_b, unscale, weight_dtype):
     return grad_h, grad_w, grad_b
 
 
-def run_chunks(hidden, weight, rows, grad, need_hidden, need_weight, need_bias, accum_fp32, max_bytes=None):
+def run_chunks(
+    hidden, weight, rows, grad, need_hidden, need_weight, need_bias, accum_fp32, max_bytes=None, stats=False
+):
     """Token chunks over the whole vocabulary (the forward; "fast" mode computes gradients).
 
     rows: a Rows. grad: upstream gradient per token ((BT,) or 0-dim), or None for loss and
     logsumexp only. Returns loss (BT,), lse (BT,), grad hidden / weight / bias (None where not
-    asked). Peak beyond the results: one chunk of fp32 logits (at most max_bytes), plus the fp32
-    grad_W accumulator with accum_fp32.
+    asked), and with `stats` the per-token entropy and top1 (else None). Peak beyond the results:
+    one chunk of fp32 logits (at most max_bytes), plus the fp32 grad_W accumulator with accum_fp32.
     """
     BT, H = hidden.shape
     V = weight.shape[0]
@@ -510,6 +527,7 @@ def run_chunks(hidden, weight, rows, grad, need_hidden, need_weight, need_bias, 
     grad = grad if write_grad else None
     loss = empty((BT,), torch.float32, device)
     lse = empty((BT,), torch.float32, device)
+    stat_buffers = (empty((BT,), torch.float32, device), empty((BT,), torch.int8, device)) if stats else None
     grad_h = empty((BT, H), dtype, device) if write_grad and need_hidden else None
     grad_w = None
     if write_grad and need_weight:
@@ -528,7 +546,7 @@ def run_chunks(hidden, weight, rows, grad, need_hidden, need_weight, need_bias, 
             logits = buffer[: stop - start]
             _mm_fp32(h, w_fp32.T, out=logits)
             dlogits = _dlogits_view(logits, dtype)
-            rows.launch(logits, dlogits, slice(start, stop), lse, loss, grad, 0, lse_given=False)
+            rows.launch(logits, dlogits, slice(start, stop), lse, loss, grad, 0, False, stat_buffers)
             if not write_grad:
                 continue
             dlogits = _gemm_ready(dlogits)
@@ -549,7 +567,8 @@ def run_chunks(hidden, weight, rows, grad, need_hidden, need_weight, need_bias, 
     buffer = logits = dlogits = None  # free the chunk before grad_W's conversion
     if grad_w is not None and BT == 0:
         grad_w.zero_()
-    return (loss, lse, *_finish(grad_h, grad_w, grad_b, unscale, weight.dtype))
+    entropy, top1 = stat_buffers if stats else (None, None)
+    return (loss, lse, *_finish(grad_h, grad_w, grad_b, unscale, weight.dtype), entropy, top1)
 
 
 def run_blocks(hidden, weight, rows, lse, grad, need_hidden, need_weight, need_bias, accum_fp32, budget):

@@ -87,12 +87,14 @@ def _forward_raw(
     grad_bias: bool,
     accum_fp32: bool,
     lean: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, lse, grad_hidden, grad_weight, grad_bias) for hidden (BT, H), target (BT,).
+    stats: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lse, grad_hidden, grad_weight, grad_bias, entropy, top1) for hidden (BT, H), target (BT,).
 
     loss is (BT,) for reduction "none", else 0-dim. The gradients (of the reduced loss, for an
     upstream gradient of 1) are computed only in fast mode for "mean"/"sum" and only where
-    asked; the others are empty (0,) tensors.
+    asked; the others are empty (0,) tensors, as are entropy (fp32) and top1 (int8) without
+    `stats`.
     """
     BT, H = hidden.shape
     V = weight.shape[0]
@@ -112,7 +114,7 @@ def _forward_raw(
         # grad_W summed in its own dtype: at most MAX_SUPER_CHUNKS chunks where they fit.
         tokens = kernels.fast_weight_dtype_chunk(BT, V)
         max_bytes = tokens * V * 4 if tokens is not None else None
-    loss, lse, gh, gw, gb = kernels.run_chunks(
+    loss, lse, gh, gw, gb, entropy, top1 = kernels.run_chunks(
         hidden,
         weight,
         rows,
@@ -122,12 +124,15 @@ def _forward_raw(
         grad_bias and bias is not None,
         accum_fp32,
         max_bytes,
+        stats,
     )
     if reduction == "sum":
         loss = loss.sum()
     elif reduction == "mean":
         loss = loss.sum() * scale
-    return (loss, lse, *_or_empty(hidden, bias, gh, gw, gb))
+    if not stats:
+        entropy, top1 = hidden.new_empty(0, dtype=torch.float32), hidden.new_empty(0, dtype=torch.int8)
+    return (loss, lse, *_or_empty(hidden, bias, gh, gw, gb), entropy, top1)
 
 
 def _or_empty(hidden, bias, gh, gw, gb):
@@ -159,6 +164,7 @@ def _forward_fake(
     grad_bias,
     accum_fp32,
     lean,
+    stats,
 ):
     BT = hidden.shape[0]
     grads_now = _grads_in_forward(reduction, grad_hidden, grad_weight, grad_bias, lean)
@@ -168,7 +174,9 @@ def _forward_fake(
     gw = torch.empty_like(weight) if grads_now and grad_weight else hidden.new_empty(0)
     has_gb = grads_now and grad_bias and bias is not None
     gb = torch.empty_like(bias) if has_gb else hidden.new_empty(0)
-    return loss, lse, gh, gw, gb
+    entropy = hidden.new_empty((BT,) if stats else (0,), dtype=torch.float32)
+    top1 = hidden.new_empty((BT,) if stats else (0,), dtype=torch.int8)
+    return loss, lse, gh, gw, gb, entropy, top1
 
 
 def _backward_raw(
@@ -252,9 +260,9 @@ _recompute = op_or_raw(_backward_op, _backward_raw, "fused_linear_cross_entropy"
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, target, bias, class_weight, ignore_index, reduction = inputs[:7]
-    label_smoothing, softcap, z_loss_scale, grad_h, grad_w, grad_b, accum_fp32, lean = inputs[7:]
-    loss, lse, gh, gw, gb = output
-    ctx.mark_non_differentiable(lse, gh, gw, gb)
+    label_smoothing, softcap, z_loss_scale, grad_h, grad_w, grad_b, accum_fp32, lean, _ = inputs[7:]
+    loss, lse, gh, gw, gb, entropy, top1 = output
+    ctx.mark_non_differentiable(lse, gh, gw, gb, entropy, top1)
     # Autograd would otherwise hand the backward zero-filled gradients for the four outputs
     # nothing differentiates: zeros the size of grad_W and grad_hidden, allocated while the real
     # ones are alive (on the H200 that doubled grad_W + grad_hidden: the lean mode's peak).
@@ -278,7 +286,7 @@ _SECOND_BACKWARD = (
 )
 
 
-def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb):
+def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb, _entropy, _top1):
     if torch.is_grad_enabled() and not traced((grad_loss,)):  # create_graph=True
         raise higher_order_error("fused_linear_cross_entropy", ctx.backend)
     if ctx.precomputed:
@@ -317,7 +325,7 @@ def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb):
             lean,
         )
     gh, gw, gb = (g if flag else None for g, flag in zip(grads, ctx.flags))
-    return gh, gw, None, gb, None, None, None, None, None, None, None, None, None, None, None
+    return gh, gw, None, gb, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -342,11 +350,12 @@ def _flce(
     class_weight=None,
     return_lse=False,
     grad_accum_dtype=None,
+    return_stats=False,
 ):
     H = weight.shape[1]
     grad_on = torch.is_grad_enabled()
     # The gradient outputs are dropped here: the backward's saved tensors are their only owners.
-    loss, lse, _, _, _ = call(
+    loss, lse, _, _, _, entropy, top1 = call(
         _forward_op,
         _FlceFunction,
         hidden.reshape(-1, H),
@@ -364,9 +373,13 @@ def _flce(
         grad_on and bias is not None and bias.requires_grad,
         _accum_fp32(grad_accum_dtype, lean, hidden.numel() // H, weight),
         lean,
+        return_stats,
     )
     if reduction == "none":
         loss = loss.view(target.shape)
+    if return_stats:
+        shape = target.shape
+        return loss, lse.view(shape), entropy.view(shape), top1.view(shape).bool()
     if return_lse:
         return loss, lse.view(target.shape)
     return loss
