@@ -67,11 +67,12 @@ def fused_linear_cross_entropy_reference(
     return_stats=False,
 ):
     V, H = weight.shape
-    h = upcast(hidden.reshape(-1, H))
     t = target.reshape(-1)
-    logits = h @ upcast(weight).T
-    if bias is not None:
-        logits = logits + upcast(bias)
+    # The lm_head matmul as a model computes it (in the inputs' dtype, fp32-accumulated, rounded
+    # to that dtype), the loss in fp32: so the eager run in a low dtype is what plain PyTorch
+    # gets, the baseline of the correctness policy (its backward rounds d loss / d logits to
+    # that dtype before the two gradient matmuls, as every fused kernel must). In fp64: exact.
+    logits = upcast(torch.nn.functional.linear(hidden.reshape(-1, H), weight, bias))
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     lse = torch.logsumexp(logits, dim=-1)
