@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lmkernels
+from lmkernels.integrations.peft import head_parts
 from lmkernels.registry import LMKernelsError
 
 
@@ -36,6 +37,14 @@ def keep_hidden(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> tor
         index = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         return hidden[:, index, :]
     return slice_logits_to_keep(hidden, logits_to_keep)
+
+
+def _flce_dtype(weight: torch.Tensor, device_type: str) -> torch.dtype:
+    # Under autocast transformers' lm_head would run in the autocast dtype; do the same (the caller
+    # then turns autocast off so the backends' own fp32 upcasts inside FLCE are not cast back down).
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
 
 
 def causal_lm_loss(
@@ -74,12 +83,7 @@ def causal_lm_loss(
             f"{tuple(hidden.shape)}); with logits_to_keep the labels must match the kept positions"
         )
     device_type = h.device.type
-    # Under autocast transformers' lm_head would run in the autocast dtype; do the same, then turn
-    # autocast off so the backends' own fp32 upcasts inside FLCE are not cast back down.
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-    else:
-        dtype = weight.dtype
+    dtype = _flce_dtype(weight, device_type)
     with torch.autocast(device_type, enabled=False):
         reduction = "mean" if num_items_in_batch is None else "sum"
         flce = lmkernels.fused_linear_cross_entropy
@@ -102,6 +106,63 @@ def causal_lm_loss(
     return loss
 
 
+def token_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    fp32: bool = False,
+    ignore_index: int = -100,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token of `targets` (any shape, hidden is (*targets.shape, H)): the loss -log p_target
+    (differentiable), the entropy of the next-token distribution and whether the target is its
+    most likely token (neither differentiable), of the logits
+
+        softcap(scale * (hidden @ weight.T + bias))      (softcap c: c * tanh(z / c))
+
+    from one `lmkernels.fused_linear_cross_entropy(..., reduction="none", return_stats=True)`
+    call: no logits are built. `scale` multiplies hidden and bias, so a temperature T after the
+    softcap is `scale=1/T, softcap=c/T`. Ignored tokens: loss 0, entropy 0, is_top1 False.
+    fp32: hidden and weight in fp32 (TRL's cast_lm_head_to_fp32), else as causal_lm_loss (the
+    autocast dtype under autocast).
+    """
+    H = weight.shape[-1]
+    h = hidden.reshape(-1, H)
+    if scale != 1.0:
+        h = h * scale
+        bias = None if bias is None else bias * scale
+    target = targets.reshape(-1).to(h.device)
+    if _any_dtensor(hidden):
+        raise LMKernelsError(
+            "hidden: a DTensor (sequence parallel?); the per-token fused head takes a plain tensor"
+        )
+    if _any_dtensor(weight, bias):  # FSDP2 / TP parameters outside an unshard: gathered, as TRL does
+        weight = weight.full_tensor()
+        bias = None if bias is None else bias.full_tensor()
+    device_type = h.device.type
+    dtype = torch.float32 if fp32 else _flce_dtype(weight, device_type)
+    with torch.autocast(device_type, enabled=False):
+        loss, _, entropy, is_top1 = lmkernels.fused_linear_cross_entropy(
+            h.to(dtype),
+            weight.to(dtype),
+            target,
+            bias=None if bias is None else bias.to(dtype),
+            ignore_index=ignore_index,
+            reduction="none",
+            softcap=softcap,
+            return_stats=True,
+            backend=backend,
+        )
+    valid = target != ignore_index
+    entropy = torch.where(valid, entropy, 0.0)
+    shape = targets.shape
+    return loss.view(shape), entropy.view(shape), (is_top1 & valid).view(shape)
+
+
 def _any_dtensor(*tensors) -> bool:
     # DTensor subclasses torch.Tensor; checking the type name avoids importing torch.distributed
     # for every single-device loss.
@@ -109,29 +170,34 @@ def _any_dtensor(*tensors) -> bool:
 
 
 def _params_loss(lm_head: nn.Module, hidden, labels, **kwargs) -> torch.Tensor:
-    if not isinstance(lm_head, nn.Linear):
-        raise LMKernelsError(
-            f"lm_head: expected an nn.Linear (its weight is the loss's), got {type(lm_head).__name__}"
-        )
-    return causal_lm_loss(hidden, lm_head.weight, labels, bias=lm_head.bias, **kwargs)
+    hidden, weight, bias = head_parts(lm_head, hidden)
+    return causal_lm_loss(hidden, weight, labels, bias=bias, **kwargs)
 
 
-_FSDP_METHOD = "_lmkernels_fsdp_loss"
+def _params_stats(lm_head: nn.Module, hidden, targets, **kwargs):
+    hidden, weight, bias = head_parts(lm_head, hidden)
+    return token_stats(hidden, weight, targets, bias=bias, **kwargs)
 
 
-def _fsdp_loss_method(lm_head: nn.Module):
-    """lm_head's loss method wrapped in FSDP2's pre/post-forward, or None if lm_head is not an
-    FSDP2 module itself. Registered once per module."""
-    if "FSDP" not in type(lm_head).__name__:  # fully_shard swaps the class to FSDP<cls>
-        return None
-    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+_FSDP_METHOD = "_lmkernels_fsdp_call"
 
-    if not isinstance(lm_head, FSDPModule):
-        return None
-    if _FSDP_METHOD not in vars(lm_head):
-        setattr(lm_head, _FSDP_METHOD, types.MethodType(_params_loss, lm_head))
-        register_fsdp_forward_method(lm_head, _FSDP_METHOD)
-    return getattr(lm_head, _FSDP_METHOD)
+
+def _fsdp_call(lm_head: nn.Module, fn, *args, **kwargs):
+    """fn(lm_head, *args, **kwargs), inside FSDP2's pre/post-forward of lm_head when lm_head is an
+    FSDP2 module itself (registered once per module), else a plain call."""
+    if "FSDP" in type(lm_head).__name__:  # fully_shard swaps the class to FSDP<cls>
+        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+        if isinstance(lm_head, FSDPModule):
+            if _FSDP_METHOD not in vars(lm_head):
+                setattr(lm_head, _FSDP_METHOD, types.MethodType(_call_on, lm_head))
+                register_fsdp_forward_method(lm_head, _FSDP_METHOD)
+            return getattr(lm_head, _FSDP_METHOD)(fn, *args, **kwargs)
+    return fn(lm_head, *args, **kwargs)
+
+
+def _call_on(lm_head: nn.Module, fn, *args, **kwargs):
+    return fn(lm_head, *args, **kwargs)
 
 
 def lm_head_loss(
@@ -146,8 +212,9 @@ def lm_head_loss(
     shift_labels: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """causal_lm_loss of `lm_head` (an nn.Linear) applied to `hidden`, through lm_head's FSDP2
-    forward hooks when lm_head is sharded on its own (see the module docstring)."""
+    """causal_lm_loss of `lm_head` (an nn.Linear, or PEFT's wrapper of one: see
+    integrations/peft.py) applied to `hidden`, through lm_head's FSDP2 forward hooks when lm_head
+    is sharded on its own (see the module docstring)."""
     kwargs = dict(
         softcap=softcap,
         logit_scale=logit_scale,
@@ -156,7 +223,20 @@ def lm_head_loss(
         shift_labels=shift_labels,
         backend=backend,
     )
-    fsdp_method = _fsdp_loss_method(lm_head)
-    if fsdp_method is not None:
-        return fsdp_method(hidden, labels, **kwargs)
-    return _params_loss(lm_head, hidden, labels, **kwargs)
+    return _fsdp_call(lm_head, _params_loss, hidden, labels, **kwargs)
+
+
+def lm_head_token_stats(
+    lm_head: nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    fp32: bool = False,
+    ignore_index: int = -100,
+    backend: str | None = None,
+):
+    """token_stats of `lm_head` (as lm_head_loss takes it) applied to `hidden`."""
+    kwargs = dict(scale=scale, softcap=softcap, fp32=fp32, ignore_index=ignore_index, backend=backend)
+    return _fsdp_call(lm_head, _params_stats, hidden, targets, **kwargs)

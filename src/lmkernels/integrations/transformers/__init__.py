@@ -67,6 +67,7 @@ from typing import Any
 
 from torch import nn
 
+from lmkernels.integrations import peft as lk_peft
 from lmkernels.integrations.lm_head_loss import causal_lm_loss, keep_hidden, lm_head_loss  # noqa: F401
 from lmkernels.integrations.transformers import patching
 from lmkernels.integrations.transformers.families import (  # noqa: F401
@@ -111,11 +112,18 @@ def _op_backend(table: dict[str, str], op: str) -> str | None:
     return table.get(canonical_op(op), table.get("*"))
 
 
-def _analyze(model: nn.Module, table, ops, backend) -> PatchReport:
+def _analyze(model: nn.Module, table, ops, backend, wrapper: str | None = None) -> PatchReport:
     rope = _op_backend(table, "rope")
     findings = analyze(model, table, ops, lambda name: lambda: rope)
     label = f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')})"
+    if wrapper:
+        label += f" in {wrapper}"
     return PatchReport(label, backend, findings)
+
+
+def _target(model_or_class: Any) -> Any:
+    """The transformers model itself: PEFT's wrappers are seen through (peft.py)."""
+    return lk_peft.inner_model(model_or_class) if isinstance(model_or_class, nn.Module) else model_or_class
 
 
 def _raise_if_failed(report: PatchReport, ops: tuple[str, ...]) -> None:
@@ -136,10 +144,10 @@ def patch_report(
     check_transformers_version()
     ops, table = _check_ops(ops), _backend_table(backend)
     if isinstance(target, nn.Module):
-        model = target
+        model = _target(target)
     else:
         model = tiny_model(model_type_of(target), **config_overrides)
-    return _analyze(model, table, ops, backend)
+    return _analyze(model, table, ops, backend, lk_peft.wrapper_name(target))
 
 
 def apply(
@@ -148,21 +156,23 @@ def apply(
     """Patch a model instance, a model class or a model type ("llama") to run lmkernels ops.
 
     Returns its argument. Applying again first reverts the previous patch of the same target.
+    A PEFT model is seen through: the transformers model it wraps is patched (peft.py).
     See the module docstring for what each op replaces, `strict`, and the semantics kept.
     """
     check_transformers_version()
     ops, table = _check_ops(ops), _backend_table(backend)
-    model_type = model_type_of(model_or_class)
-    revert(model_or_class)
-    model = model_or_class if isinstance(model_or_class, nn.Module) else tiny_model(model_type)
-    report = _analyze(model, table, ops, backend)
+    target = _target(model_or_class)
+    model_type = model_type_of(target)
+    revert(target)
+    model = target if isinstance(target, nn.Module) else tiny_model(model_type)
+    report = _analyze(model, table, ops, backend, lk_peft.wrapper_name(model_or_class))
     if strict:
         _raise_if_failed(report, ops)
 
     def table_backend(op):
         return _op_backend(table, op)
 
-    if isinstance(model_or_class, nn.Module):
+    if isinstance(target, nn.Module):
         patching.install_instance(model, model_type, report, table_backend)
     else:
         patching.install_class(model_type, report, table_backend)
@@ -171,24 +181,27 @@ def apply(
 
 def revert(model_or_class: Any) -> Any:
     """Undo apply() on the same target; a target that is not patched is left as it is."""
-    patching.uninstall(model_or_class, model_type_of(model_or_class))
+    target = _target(model_or_class)
+    patching.uninstall(target, model_type_of(target))
     return model_or_class
 
 
 def report(model_or_class: Any) -> PatchReport | None:
     """The report of the patch apply() installed on this target (None if not patched)."""
-    if isinstance(model_or_class, nn.Module):
-        patch = vars(model_or_class).get(patching.RECORD)
+    target = _target(model_or_class)
+    if isinstance(target, nn.Module):
+        patch = vars(target).get(patching.RECORD)
     else:
-        patch = patching.CLASS_PATCHES.get(model_type_of(model_or_class))
+        patch = patching.CLASS_PATCHES.get(model_type_of(target))
     return None if patch is None else patch.report
 
 
 def is_patched(model_or_class: Any) -> bool:
-    if isinstance(model_or_class, nn.Module):
-        model_type_of(model_or_class)
-        return patching.RECORD in vars(model_or_class)
-    return model_type_of(model_or_class) in patching.CLASS_PATCHES
+    target = _target(model_or_class)
+    if isinstance(target, nn.Module):
+        model_type_of(target)
+        return patching.RECORD in vars(target)
+    return model_type_of(target) in patching.CLASS_PATCHES
 
 
 def family_patches(model_or_class: Any) -> list[str]:

@@ -41,12 +41,25 @@ class PatchReport:
             out[f.status].append(f"{f.op}: {f.what}" + (f" x{f.count}" if f.count > 1 else ""))
         return out
 
+    def brief(self) -> str:
+        """One line: what is patched, what is kept and why (for a log)."""
+
+        def count(f):
+            return f" x{f.count}" if f.count > 1 else ""
+
+        patched = ", ".join(f"{f.op}{count(f)}" for f in self.patched) or "nothing"
+        line = f"{self.model}, backend {self.backend or 'auto'}: patched {patched}"
+        kept = self.kept + self.failed
+        if kept:
+            line += "; kept " + ", ".join(f"{f.op} {f.what}{count(f)} ({f.detail})" for f in kept)
+        return line
+
     def format(self, width: int = WIDTH) -> str:
         lines = [f"lmkernels patch report: {self.model}, backend {self.backend or 'auto'}"]
         for status, title in (
             (PATCHED, "patched"),
             (KEPT, "kept (no lmkernels op)"),
-            (FAILED, "NOT patched"),
+            (FAILED, "kept (could not be patched; strict=True raises)"),
         ):
             group = self.by_status(status)
             if not group:

@@ -30,10 +30,11 @@ from collections.abc import Callable
 
 from torch import nn
 
+from lmkernels.integrations import peft as lk_peft
 from lmkernels.integrations.transformers import masks
 from lmkernels.integrations.transformers import replacements as rp
 from lmkernels.integrations.transformers import verify as vf
-from lmkernels.registry import canonical_op
+from lmkernels.registry import LMKernelsError, canonical_op
 
 PATCHED, KEPT, FAILED = "patched", "kept", "failed"
 
@@ -94,8 +95,8 @@ def _act_attr(module: nn.Module) -> str | None:
 
 
 def _mlp_layout(module: nn.Module) -> str | None:
-    def lin(name):
-        return isinstance(getattr(module, name, None), nn.Linear)
+    def lin(name):  # (a PEFT layer over an nn.Linear too: the patched forward calls it as a module)
+        return lk_peft.linear_like(getattr(module, name, None))
 
     if lin("gate_proj") and lin("up_proj") and lin("down_proj"):
         return "separate"
@@ -106,6 +107,10 @@ def _mlp_layout(module: nn.Module) -> str | None:
     if gu is not None and down is not None and gu.dim() == 3 and down.dim() == 3:
         return "experts"
     return None
+
+
+def _peft_layer(module: nn.Module, name: str) -> bool:
+    return lk_peft.base_linear(getattr(module, name, None)) is not None
 
 
 def _is_mlp_like(module: nn.Module) -> bool:
@@ -177,10 +182,9 @@ def _module_findings(model, table, ops, device) -> list[Finding]:
             if _is_mlp_like(first) and "mlp" in ops:
                 projections = [n for n in ("gate_proj", "up_proj", "gate_up_proj") if hasattr(first, n)]
                 why = "not a gated MLP (no lmkernels op)"
-                if projections:  # gated, but its projections were wrapped (PEFT, quantization)
-                    wrapper = type(getattr(first, projections[0]))
-                    kind = f"{wrapper.__module__.split('.')[0]}.{wrapper.__name__}"
-                    why = f"{projections[0]} is a {kind}, not nn.Linear (apply lmkernels before PEFT)"
+                if projections:  # gated, but its projections were wrapped (quantization, ...)
+                    kind = lk_peft.describe(getattr(first, projections[0]))
+                    why = f"{projections[0]} is a {kind}, not nn.Linear (nor a PEFT layer over one)"
                 findings.append(Finding("mlp", status=KEPT, detail=why, **base))
             continue
         if "mlp" not in ops:
@@ -206,6 +210,11 @@ def _module_findings(model, table, ops, device) -> list[Finding]:
             findings.append(Finding("mlp", status=FAILED, detail=why, **base))
         else:
             desc = {"separate": "gate/up", "fused": "fused gate_up", "experts": "MoE experts"}[layout]
+            wrapped = [
+                n for n in ("gate_proj", "up_proj", "gate_up_proj", "down_proj") if _peft_layer(first, n)
+            ]
+            if wrapped:
+                desc += f" (PEFT layers: {', '.join(wrapped)})"
             findings.append(
                 Finding("mlp", status=PATCHED, detail=f"{desc}, {glu_name}", forward=forward, **base)
             )
@@ -284,16 +293,13 @@ def head_spec(model: nn.Module) -> tuple[rp.HeadSpec | None, str | None]:
     head_attr = next((n for n, m in model.named_children() if m is head), None)
     if head is None or head_attr is None:
         return None, "no output embedding (lm_head)"
-    if not isinstance(head, nn.Linear):
-        return (
-            None,
-            f"{head_attr} is a {type(head).__name__}, not nn.Linear (apply lmkernels before PEFT on lm_head)",
-        )
     # The fused loss reads the weight and bias, so a subclass's own forward would be skipped:
     # e.g. transformers' DoryLMHead scales each vocabulary entry's logit by a learned parameter
-    # that is exactly 1 at initialization (the apply-time value check cannot see it).
-    if type(head).forward is not nn.Linear.forward:
-        return None, f"{head_attr} is a {type(head).__name__}, whose forward is not nn.Linear's"
+    # that is exactly 1 at initialization (the apply-time value check cannot see it). PEFT's
+    # wrappers of an nn.Linear (LoRA, modules_to_save) are computed as PEFT does (peft.py).
+    problem = lk_peft.head_problem(head, head_attr)
+    if problem:
+        return None, problem
     # Likewise a parameter of the causal LM outside those two would get no gradient.
     outside = [
         n
@@ -333,9 +339,15 @@ def _head_findings(model, table, device) -> list[Finding]:
         return [Finding("flce", status=FAILED, detail=why, **base)]
     backend = _backend(table, "flce")
     _, why = _attempt(vf.check_head, model, spec, backend, device=device)
+    if why is None:
+        try:
+            lk_peft.check_head_parts(getattr(model, spec.head_attr))
+        except LMKernelsError as e:
+            why = str(e)
     if why:
         return [Finding("flce", status=FAILED, detail=why, **base)]
-    return [Finding("flce", status=PATCHED, detail=spec.describe(), spec=spec, **base)]
+    detail = ", ".join(filter(None, [spec.describe(), lk_peft.head_describe(getattr(model, spec.head_attr))]))
+    return [Finding("flce", status=PATCHED, detail=detail, spec=spec, **base)]
 
 
 def _mask_findings(model: nn.Module) -> list[Finding]:

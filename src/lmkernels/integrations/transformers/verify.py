@@ -20,6 +20,7 @@ import math
 import torch
 from torch import nn
 
+from lmkernels.integrations import peft as lk_peft
 from lmkernels.integrations.transformers import replacements as rp
 from lmkernels.ops.rms_norm import rms_norm_reference
 
@@ -177,14 +178,19 @@ def _small_linear(linear: nn.Linear, g, device, n_in: int, n_out: int) -> nn.Lin
 def check_mlp(module: nn.Module, layout: str, forward, *, device) -> float:
     g = torch.Generator().manual_seed(0)
     H, I = H_SMALL, I_SMALL
+
+    def linear(name):  # a PEFT layer's nn.Linear: the replacement calls the projections as modules
+        module_ = getattr(module, name)
+        return lk_peft.base_linear(module_) or module_
+
     if layout == "fused":
-        children = {"gate_up_proj": _small_linear(module.gate_up_proj, g, device, H, 2 * I)}
+        children = {"gate_up_proj": _small_linear(linear("gate_up_proj"), g, device, H, 2 * I)}
     else:
         children = {
-            "gate_proj": _small_linear(module.gate_proj, g, device, H, I),
-            "up_proj": _small_linear(module.up_proj, g, device, H, I),
+            "gate_proj": _small_linear(linear("gate_proj"), g, device, H, I),
+            "up_proj": _small_linear(linear("up_proj"), g, device, H, I),
         }
-    children["down_proj"] = _small_linear(module.down_proj, g, device, I, H)
+    children["down_proj"] = _small_linear(linear("down_proj"), g, device, I, H)
     clone = _shallow(module, {}, children)
     x = _randn(g, 3, 5, H, device=device)
     err = rel_err(forward(clone, x), clone(x))
@@ -292,6 +298,9 @@ def check_head(model: nn.Module, spec: rp.HeadSpec, backend, *, device) -> float
 
     g = torch.Generator().manual_seed(0)
     head = getattr(model, spec.head_attr)
+    head = (
+        lk_peft.base_linear(head) or head
+    )  # sizes and bias of the nn.Linear (PEFT: peft.py checks the rest)
     V, B, T, H = head.out_features, 2, 6, H_SMALL
     hidden = _randn(g, B, T, H, device=device, scale=4.0)  # logits of O(10): softcapping matters
     labels = torch.randint(0, V, (B, T), generator=g).to(device)
