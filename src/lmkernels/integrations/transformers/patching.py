@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import nn
 
+from lmkernels.integrations import trl as lk_trl
 from lmkernels.integrations.transformers import masks
 from lmkernels.integrations.transformers import replacements as rp
 from lmkernels.integrations.transformers.report import PatchReport
@@ -54,11 +55,24 @@ class Patch:
     holds: tuple[tuple[str, str], ...]  # (kind, modeling module) of the module-level functions held
     report: PatchReport | None = None
     finalizer: weakref.finalize | None = None
+    flce_backend: str | None = None  # the backend the fused loss runs with (None: dispatch decides)
+    hooks: list = dataclasses.field(default_factory=list)  # removable handles of forward hooks
+    # What a trainer told the patch (LmkernelsCallback): trl_head preference, whether the
+    # entropy needs a gradient; and TRL's fused head's routing, once decided (trl.py).
+    hints: dict = dataclasses.field(default_factory=dict)
+    trl_decision: Any = None
 
     def __deepcopy__(self, memo):
         # copy.deepcopy(patched_model): the copy's bound forwards follow the copy, but the rope
-        # hold and its finalizer stay with the original.
-        return Patch(self.model_type, copy.deepcopy(self.saved, memo), (), self.report)
+        # hold and its finalizer stay with the original (the copy's hooks are in its own dicts).
+        return Patch(
+            self.model_type,
+            copy.deepcopy(self.saved, memo),
+            (),
+            self.report,
+            flce_backend=self.flce_backend,
+            hints=dict(self.hints),
+        )
 
 
 CLASS_PATCHES: dict[str, Patch] = {}
@@ -126,7 +140,10 @@ def _class_forward(self, *args, **kwargs):
 
 
 def install_instance(model: nn.Module, model_type: str, report: PatchReport, table_backend) -> None:
-    saved, holds = [], []
+    saved, holds, hooks = [], [], []
+    trl_forward = vars(model).get("forward")
+    if lk_trl.trl_head(model) is None:  # else TRL wrapped the model before apply(): re-wrapped below
+        trl_forward = None
     for f in report.patched:
         if f.op == "rope":
             _ROPE_BACKEND[f.module_name] = table_backend("rope")
@@ -143,15 +160,20 @@ def install_instance(model: nn.Module, model_type: str, report: PatchReport, tab
                 unwrapped(type(model).forward), f.spec, table_backend("flce"), _class_forward
             )
             saved.append(Saved.replace(model, "forward", types.MethodType(forward, model)))
+            # TRL's fused head, added after apply(), is routed at its first call (trl.py).
+            hooks.append(model.register_forward_pre_hook(lk_trl._pre_hook, with_kwargs=True))
         else:
             for module in f.modules:
                 saved.append(Saved.replace(module, "forward", types.MethodType(f.forward, module)))
     finalizer = None
     if holds:
         finalizer = weakref.finalize(model, release, tuple(holds), None)
-    patch = Patch(model_type, saved, tuple(holds), report, finalizer)
+    patch = Patch(model_type, saved, tuple(holds), report, finalizer, table_backend("flce"), hooks)
     object.__setattr__(model, RECORD, patch)
     PATCHED_MODELS.add(model)
+    if trl_forward is not None:
+        plain = vars(model).get("forward")  # the patched forward, or TRL's if flce is not patched
+        lk_trl.route(model, trl_forward=trl_forward, plain=plain)
 
 
 def install_class(model_type: str, report: PatchReport, table_backend) -> None:
@@ -185,6 +207,8 @@ def uninstall(target: Any, model_type: str) -> bool:
         holder = f"class:{model_type}"
     if patch is None:
         return False
+    for handle in patch.hooks:
+        handle.remove()
     for saved in reversed(patch.saved):
         saved.restore()
     if patch.finalizer is not None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lmkernels
+from lmkernels.integrations import trl as lk_trl
 from lmkernels.integrations.lm_head_loss import keep_hidden, lm_head_loss
 from lmkernels.nn.recompute import glu_down
 from lmkernels.registry import LMKernelsError
@@ -294,6 +295,9 @@ def causal_lm_forward(original, spec: HeadSpec, backend: str | None, call_origin
                 if name in kwargs:
                     raise TypeError(f"forward() got multiple values for argument {name!r}")
                 kwargs[name] = value
+        done, out = lk_trl.redirected(self, kwargs)  # TRL's head, routed at this call (trl.py)
+        if done:
+            return out
         if kwargs.get("labels") is None or not self.training:
             return call_original(self, **kwargs)
         return fused_forward(self, spec, backend, **kwargs)
