@@ -174,6 +174,8 @@ def apply(
 
     if isinstance(target, nn.Module):
         patching.install_instance(model, model_type, report, table_backend)
+        # (what LmkernelsCallback re-applies with, should PEFT wrap the head after this)
+        vars(model)[patching.RECORD].hints["apply"] = {"backend": backend, "ops": ops}
     else:
         patching.install_class(model_type, report, table_backend)
     return model_or_class
@@ -217,6 +219,15 @@ def family_patches(model_or_class: Any) -> list[str]:
             what = "apply_rotary_pos_emb" if kind == "rope" else "mask functions"
             found.append(f"{name} {what} (held by a patched model)")
     return found
+
+
+def __getattr__(name: str):
+    # The Trainer callback imports transformers' trainer stack (seconds): loaded when first used.
+    if name == "LmkernelsCallback":
+        from lmkernels.integrations.transformers.callback import LmkernelsCallback
+
+        return LmkernelsCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def patched_models() -> list[nn.Module]:

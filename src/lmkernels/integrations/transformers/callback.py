@@ -1,0 +1,147 @@
+"""One switch for the transformers Trainer and TRL's trainers:
+
+    trainer = Trainer(..., callbacks=[lk_hf.LmkernelsCallback()])      # or SFTTrainer, GRPOTrainer, ...
+
+- on_init_end (end of Trainer.__init__: the model is built and PEFT-wrapped, no optimizer yet):
+  patches the model with apply() (PEFT seen through) unless it is patched already; a model
+  patched before PEFT wrapped its lm_head is checked again (strict: raise naming the layer and
+  the fix; non-strict: patched again without the head, which the report then lists as kept).
+  Records what the trainer's config says about TRL's head (trl.py: does a loss differentiate
+  the entropy).
+- on_train_begin (TRL's fused head, if any, is on the model by then): routes TRL's head
+  (trl.route) and logs, once, on the main process: what is patched and kept, and which loss
+  runs. Logger "lmkernels": INFO when lmkernels' fused loss runs, WARNING when it does not (a
+  kept head, TRL's head kept, the Trainer's label smoothing computing its loss from the logits).
+- A model the Trainer builds itself later (model_init, hyperparameter search) is patched at
+  on_train_begin: patching adds no parameters, so the optimizer is unaffected.
+
+Refused: `use_liger_kernel=True` in the same run (Liger replaces the same forwards when
+train() starts).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from transformers import TrainerCallback
+
+from lmkernels.integrations import peft as lk_peft
+from lmkernels.integrations import trl as lk_trl
+from lmkernels.registry import LMKernelsError
+
+logger = logging.getLogger("lmkernels")
+
+
+class LmkernelsCallback(TrainerCallback):
+    """Patch the Trainer's model with lmkernels before the optimizer exists and run its loss
+    through lmkernels' fused loss, TRL's trainers included. See the module docstring.
+
+    backend, ops, strict: as lk_hf.apply() (used when the model is not patched yet).
+    trl_head: "auto" (lmkernels' fused head wherever it gives the trainer what it reads, else
+    TRL's), "lmkernels" (the same: TRL's head is still kept where lmkernels cannot serve the
+    trainer, with the reason logged), or "trl" (always TRL's head).
+    `summary`: the message logged at on_train_begin (None before)."""
+
+    def __init__(
+        self,
+        backend: str | None = None,
+        ops: Iterable[str] | None = None,
+        strict: bool = True,
+        trl_head: str = "auto",
+    ):
+        from lmkernels.integrations import transformers as lk_hf
+
+        if trl_head not in lk_trl.PREFER:
+            raise LMKernelsError(f"trl_head: expected one of {lk_trl.PREFER}, got {trl_head!r}")
+        if not isinstance(strict, bool):
+            raise LMKernelsError(f"strict: expected a bool, got {type(strict).__name__}")
+        self.ops = lk_hf._check_ops(lk_hf.SUPPORTED_OPS if ops is None else ops)
+        lk_hf._backend_table(backend)  # checked now, not at the first step
+        self.backend, self.strict, self.trl_head = backend, strict, trl_head
+        self.summary: str | None = None
+
+    # --- events ----------------------------------------------------------------------------------
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        if getattr(args, "use_liger_kernel", False):
+            raise LMKernelsError(
+                "use_liger_kernel: Liger patches the same modules when train() starts; with "
+                "LmkernelsCallback set use_liger_kernel=False"
+            )
+        self._patch(model, args)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        inner = self._patch(model, args)
+        decision = lk_trl.route(inner, log=False)
+        if self.summary is None:
+            self.summary, level = self._summary(inner, args, decision)
+            if state is None or state.is_world_process_zero:
+                logger.log(level, self.summary)
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def _patch(self, model, args):
+        from lmkernels.integrations import transformers as lk_hf
+        from lmkernels.integrations.transformers import patching
+
+        if model is None:
+            raise LMKernelsError("model: the Trainer passed no model to LmkernelsCallback")
+        inner = lk_peft.inner_model(model)
+        patch = vars(inner).get(patching.RECORD)
+        if patch is None:
+            lk_hf.apply(model, backend=self.backend, ops=self.ops, strict=self.strict)
+        elif "flce" in patch.report.patched_ops():  # patched before PEFT wrapped lm_head?
+            head = inner.get_output_embeddings()
+            problem = lk_peft.head_problem(head)
+            if problem is None:
+                try:
+                    lk_peft.check_head_parts(head)
+                except LMKernelsError as e:
+                    problem = str(e)
+            if problem and self.strict:
+                raise LMKernelsError(f"{type(inner).__name__}: the fused loss cannot run: {problem}")
+            if problem:
+                applied = patch.hints.get("apply", {})
+                lk_hf.apply(
+                    model,
+                    backend=applied.get("backend", patch.report.backend),
+                    ops=applied.get("ops", lk_hf.SUPPORTED_OPS),
+                    strict=False,
+                )
+        patch = vars(inner)[patching.RECORD]
+        patch.hints["prefer"] = self.trl_head
+        patch.hints["entropy_grad"] = lk_trl.entropy_grad(args)
+        return inner
+
+    def _summary(self, inner, args, decision) -> tuple[str, int]:
+        from lmkernels.integrations.transformers import patching
+
+        patch = vars(inner)[patching.RECORD]
+        report = patch.report
+        level = logging.INFO
+        if decision is None:
+            decision = patch.trl_decision  # routed at apply() or by the pre-hook already
+        if decision is not None:
+            loss = decision.message.split(": ", 2)[-1]
+            if not decision.ours and self.trl_head != "trl":
+                level = logging.WARNING
+        elif "flce" in report.patched_ops():
+            head = next(f.detail for f in report.patched if f.op == "flce")
+            loss = (
+                f"the model's forward runs lmkernels.fused_linear_cross_entropy "
+                f"(backend {patch.flce_backend or 'auto'}; {head}) in training mode with labels"
+            )
+            if getattr(args, "label_smoothing_factor", 0):
+                loss = (
+                    f"label_smoothing_factor={args.label_smoothing_factor}: the Trainer computes its "
+                    f"loss from the logits, not through lmkernels' fused loss"
+                )
+                level = logging.WARNING
+        else:
+            why = [f.detail for f in report.findings if f.op == "flce"]
+            loss = "the model's own (lm_head logits + cross entropy)" + (f": {why[0]}" if why else "")
+            level = logging.WARNING if why else logging.INFO
+        if report.failed:
+            level = logging.WARNING
+        return f"lmkernels: {report.brief()}\nlmkernels: loss: {loss}", level
