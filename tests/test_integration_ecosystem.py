@@ -16,13 +16,11 @@ pytest.importorskip("transformers", reason="the transformers integration needs t
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+import trainer_common as tc  # noqa: E402
 from lmkernels.integrations import transformers as lk_hf  # noqa: E402
+from trainer_common import LOGGED_ATOL, T, V, tiny  # noqa: E402
 
-V, T = 128, 16
 RTOL = 1e-5
-# The Trainer logs losses rounded to 4 decimals: compared to that resolution; the final weights
-# (compared to 1e-4 relative per tensor after two AdamW steps) are the sharp check.
-LOGGED_ATOL = 1e-4
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -35,64 +33,12 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def tiny(model_type="llama", seed=0):
-    return lk_hf.tiny_model(model_type, seed=seed)
-
-
-def _rows(n=8, seed=0):
-    """Token rows of uneven lengths (the collator pads them: uneven ignored-token counts)."""
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(3, V, (int(torch.randint(6, T + 1, (1,), generator=g)),), generator=g).tolist()
-        for _ in range(n)
-    ]
-
-
-def _params(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _assert_params_close(a, b, rtol=1e-4):
-    for name, p in a.items():
-        err = ((b[name] - p).norm() / p.norm().clamp_min(1e-30)).item()
-        assert err <= rtol, f"{name}: {err:.2e}"
-
-
-def _collate(rows):
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        labels[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
-
-
-def _run_args(tmp_path) -> dict:
-    """The training arguments the Trainer and SFTTrainer runs share: 2 optimizer steps of 2
-    accumulated batches of 2 rows on the CPU, a loss logged per step, nothing saved or reported."""
-    return dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        seed=0,
-    )
-
-
 def _trainer_run(model, tmp_path, **extra):
     from transformers import Trainer, TrainingArguments
 
-    rows = _rows()
+    rows = tc.rows()
     args = TrainingArguments(
-        **_run_args(tmp_path),
+        **tc.run_args(tmp_path),
         data_seed=0,
         dataloader_num_workers=0,
         remove_unused_columns=False,  # the collator reads the raw "row" field
@@ -102,10 +48,10 @@ def _trainer_run(model, tmp_path, **extra):
         model=model,
         args=args,
         train_dataset=[{"row": r} for r in rows],
-        data_collator=lambda b: _collate([x["row"] for x in b]),
+        data_collator=lambda b: tc.collate([x["row"] for x in b]),
     )
     trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h], _params(model)
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], tc.params(model)
 
 
 def test_trainer_gradient_accumulation_and_checkpointing(tmp_path):
@@ -116,30 +62,20 @@ def test_trainer_gradient_accumulation_and_checkpointing(tmp_path):
     patched = lk_hf.apply(copy.deepcopy(plain), backend="eager")
     p_losses, p_params = _trainer_run(patched, tmp_path / "patched")
     torch.testing.assert_close(torch.tensor(p_losses), torch.tensor(losses), rtol=0, atol=LOGGED_ATOL)
-    _assert_params_close(params, p_params)
+    tc.assert_params_close(params, p_params)
     patched_ckpt = lk_hf.apply(copy.deepcopy(plain), backend="eager")
     c_losses, c_params = _trainer_run(patched_ckpt, tmp_path / "ckpt", gradient_checkpointing=True)
     torch.testing.assert_close(torch.tensor(c_losses), torch.tensor(losses), rtol=0, atol=LOGGED_ATOL)
-    _assert_params_close(params, c_params)
-
-
-def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, V)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    tc.assert_params_close(params, c_params)
 
 
 def _sft_run(model, tmp_path):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    texts = [" ".join(f"w{t}" for t in row) for row in _rows()]
+    texts = [" ".join(f"w{t}" for t in row) for row in tc.rows()]
     args = SFTConfig(
-        **_run_args(tmp_path),
+        **tc.run_args(tmp_path),
         bf16=False,  # fp32: under bf16 autocast the fused GLU / rope round once, transformers per op
         max_length=T,
     )
@@ -147,23 +83,23 @@ def _sft_run(model, tmp_path):
         model=model,
         args=args,
         train_dataset=Dataset.from_dict({"text": texts}),
-        processing_class=_tokenizer(),
+        processing_class=tc.tokenizer(),
     )
     trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h], _params(model)
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], tc.params(model)
 
 
 def test_trl_sft_trainer(tmp_path):
-    """SFTTrainer trains a patched model like a plain one. (TRL >= 1.x computes the SFT loss with
-    its own fused LM head, wrapped around the model's forward: lmkernels' norms, rope and MLP run
-    inside it, the loss is TRL's.)"""
+    """SFTTrainer trains a patched model like a plain one. (TRL 1.x computes the SFT loss with its
+    own fused LM head, wrapped around the model's forward; a patched model runs it on lmkernels'
+    fused loss: test_integration_trainers.py.)"""
     pytest.importorskip("trl", reason="TRL is in the hf extra")
     plain = tiny()
     losses, params = _sft_run(copy.deepcopy(plain), tmp_path / "plain")
     p_losses, p_params = _sft_run(lk_hf.apply(copy.deepcopy(plain), backend="eager"), tmp_path / "patched")
     assert len(losses) == 2
     torch.testing.assert_close(torch.tensor(p_losses), torch.tensor(losses), rtol=0, atol=LOGGED_ATOL)
-    _assert_params_close(params, p_params)
+    tc.assert_params_close(params, p_params)
 
 
 class _WeightShapedOps(TorchDispatchMode):

@@ -1,0 +1,491 @@
+"""Trainers and PEFT around a patched model: TRL's fused LM head run on lmkernels' fused loss (or
+kept, logged with the reason), LmkernelsCallback (the one switch for the Trainer and TRL's
+trainers), PEFT wrapping before or after the patch, LoRA on lm_head.
+
+Tiny Llama-family models, fp32 on the CPU, eager backend; a few steps each. Per-token outputs and
+gradients: 1e-5 relative (the fused loss sums in another order); trainer runs: the logged losses
+to their 4-decimal resolution and the final weights to 1e-4 relative (trainer_common).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the transformers integration needs the hf extra")
+
+import trainer_common as tc  # noqa: E402
+from lmkernels.integrations import transformers as lk_hf  # noqa: E402
+from lmkernels.integrations.transformers import patching  # noqa: E402
+from lmkernels.registry import LMKernelsError  # noqa: E402
+
+RTOL = 1e-5
+SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: torch's intra-op threads only add synchronization; restored after this module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _decision(model):
+    return vars(model)[patching.RECORD].trl_decision
+
+
+def _lmk_messages(caplog):
+    return [r for r in caplog.records if r.name == "lmkernels"]
+
+
+# --- TRL's fused head: the outputs, against TRL's own ---------------------------------------------
+
+
+def _trl_batch(model, seed=0):
+    """Input ids, and labels that are the model's own top-1 next token at every other position
+    (so is_top1 has both values), with ignored tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, tc.V, (2, 12), generator=g)
+    with torch.no_grad():
+        top = model.eval()(input_ids=ids).logits.argmax(-1)
+    model.train()
+    labels = ids.clone()
+    labels[:, 2::2] = top[:, 1:-1:2]
+    labels[0, :3] = labels[1, -2:] = -100
+    return ids, labels
+
+
+def _with_trl_head(model, **kwargs):
+    from trl.trainer.utils import add_fused_lm_head
+
+    add_fused_lm_head(model, **kwargs)
+    return model
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    "model_type, head_kwargs, call, backend",
+    [
+        ("llama", {}, "num_items", "eager"),
+        ("llama", {}, "num_items", "triton"),  # (the Triton interpreter on the CPU)
+        ("llama", {}, "shift_labels", "eager"),
+        ("gemma2", {"temperature": 0.7}, "", "eager"),  # final softcap, then the temperature
+        ("cohere", {"temperature": 1.3, "cast_lm_head_to_fp32": True}, "", "eager"),  # logit_scale
+    ],
+)
+def test_trl_head_outputs_equal_trl(model_type, head_kwargs, call, backend, caplog):
+    """model(..., fused_lm_head=True) on a patched model runs lmkernels' fused loss (routed at its
+    first call, logged once) and returns what TRL's head returns: log-probs with their gradient,
+    entropy, top-1, label mask, loss; over calls after the first too."""
+    pytest.importorskip("trl", reason="TRL is in the hf extra")
+    plain = tc.tiny(model_type)
+    ids, labels = _trl_batch(plain)
+    kwargs = dict(input_ids=ids, labels=labels, fused_lm_head=True)
+    if call == "num_items":
+        kwargs["num_items_in_batch"] = torch.tensor(13)
+    if call == "shift_labels":
+        kwargs["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    ref_model = _with_trl_head(copy.deepcopy(plain), outputs=SFT_OUTPUTS, **head_kwargs)
+    model = _with_trl_head(
+        lk_hf.apply(copy.deepcopy(plain), backend=backend), outputs=SFT_OUTPUTS, **head_kwargs
+    )
+    ref = ref_model(**kwargs)
+    (ref.loss + ref.log_probs[0].sum()).backward()
+    with caplog.at_level(logging.INFO, logger="lmkernels"), tc.flce_calls() as calls:
+        outs = [model(**kwargs) for _ in range(2)]
+    assert calls == ["none", "none"]
+    assert _decision(model).ours
+    [record] = _lmk_messages(caplog)
+    assert record.levelno == logging.INFO and "runs on lmkernels.fused_linear_cross_entropy" in record.message
+    (outs[0].loss + outs[0].log_probs[0].sum()).backward()
+    for out in outs:
+        assert out.log_probs.shape == ref.log_probs.shape
+        assert _rel(out.log_probs, ref.log_probs) <= RTOL
+        assert _rel(out.entropy, ref.entropy) <= RTOL
+        assert (
+            torch.equal(out.is_top1.bool(), ref.is_top1.bool())
+            and out.is_top1.any()
+            and not out.is_top1.all()
+        )
+        assert torch.equal(out.label_mask, ref.label_mask)
+        assert _rel(out.loss, ref.loss) <= RTOL
+        assert out.log_sum_sq_probs is None and out.mean_logits is None
+    ref_grads, grads = _grads(ref_model), _grads(model)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, g in ref_grads.items():
+        assert _rel(grads[name], g) <= 1e-4, name
+
+
+def test_trl_head_wrapped_before_apply():
+    """TRL's head added before apply() (a trainer built first): apply() keeps it routable, the plain
+    path (labels, no fused_lm_head) runs lmkernels' loss, and revert() restores TRL's forward."""
+    pytest.importorskip("trl", reason="TRL is in the hf extra")
+    plain = tc.tiny()
+    ids, labels = _trl_batch(plain)
+    ref = _with_trl_head(copy.deepcopy(plain), outputs=SFT_OUTPUTS)(
+        input_ids=ids, labels=labels, fused_lm_head=True
+    )
+    model = _with_trl_head(copy.deepcopy(plain), outputs=SFT_OUTPUTS)
+    trl_forward = vars(model)["forward"]
+    lk_hf.apply(model, backend="eager")
+    assert _decision(model).ours
+    with tc.flce_calls() as calls:
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        plain_out = model(input_ids=ids, labels=labels)
+    assert calls == ["none", "mean"] and plain_out.logits is None
+    assert _rel(out.log_probs, ref.log_probs) <= RTOL
+    torch.testing.assert_close(
+        plain_out.loss, plain.train()(input_ids=ids, labels=labels).loss, rtol=RTOL, atol=0
+    )
+    lk_hf.revert(model)
+    assert vars(model)["forward"] == trl_forward
+
+
+@pytest.mark.parametrize(
+    "outputs, hints, expect",
+    [
+        # DPO / KTO read mean_logits (and WPO log_sum_sq_probs): TRL's head stays.
+        (("log_probs", "entropy", "mean_logits", "is_top1"), {}, "mean_logits"),
+        # GRPO / RLOO without the trainer's config: the entropy may need a gradient.
+        (("log_probs", "entropy"), {}, "LmkernelsCallback"),
+        (("log_probs", "entropy"), {"entropy_grad": True}, "entropy_coef"),
+        (("log_probs", "entropy"), {"entropy_grad": False}, None),
+        (SFT_OUTPUTS, {"prefer": "trl"}, "trl_head='trl'"),
+    ],
+)
+def test_trl_head_kept_with_reason(outputs, hints, expect, caplog):
+    """Where lmkernels' fused loss cannot give the trainer what it reads, TRL's head is kept, logged
+    once with the reason (WARNING; INFO for trl_head='trl'), and TRL's outputs come back unchanged."""
+    pytest.importorskip("trl", reason="TRL is in the hf extra")
+    plain = tc.tiny()
+    ids, labels = _trl_batch(plain)
+    ref = _with_trl_head(copy.deepcopy(plain), outputs=outputs)(
+        input_ids=ids, labels=labels, fused_lm_head=True
+    )
+    model = lk_hf.apply(copy.deepcopy(plain), backend="eager")
+    vars(model)[patching.RECORD].hints.update(hints)
+    _with_trl_head(model, outputs=outputs)
+    with caplog.at_level(logging.INFO, logger="lmkernels"), tc.flce_calls() as calls:
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        model(input_ids=ids, labels=labels, fused_lm_head=True)
+    [record] = _lmk_messages(caplog)
+    if expect is None:
+        assert _decision(model).ours and calls == ["none", "none"]
+    else:
+        assert not _decision(model).ours and calls == []
+        assert "TRL's fused LM head kept" in record.message and expect in record.message
+        assert record.levelno == (logging.INFO if hints.get("prefer") == "trl" else logging.WARNING)
+        for name in outputs:  # TRL's own head ran: its values (the patched body differs by rounding)
+            assert _rel(getattr(out, name), getattr(ref, name)) <= RTOL
+
+
+def test_trl_head_kept_without_flce():
+    """ops without "flce": TRL's head is not routed (no pre-hook), and the callback says so."""
+    pytest.importorskip("trl", reason="TRL is in the hf extra")
+    model = _with_trl_head(lk_hf.apply(tc.tiny(), backend="eager", ops=("rms_norm", "mlp")))
+    ids, labels = _trl_batch(model)
+    with tc.flce_calls() as calls:
+        model(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert calls == [] and _decision(model) is None
+    cb = lk_hf.LmkernelsCallback()
+    cb.on_train_begin(types.SimpleNamespace(), None, None, model=model)
+    assert not _decision(model).ours and "flce is not patched" in cb.summary
+
+
+def test_entropy_gradient_refused():
+    """lmkernels' entropy has no gradient: a loss that differentiates it raises (never a silently
+    missing term); detached, as TRL's SFT metrics use it, it is fine."""
+    pytest.importorskip("trl", reason="TRL is in the hf extra")
+    model = _with_trl_head(lk_hf.apply(tc.tiny(), backend="eager"), outputs=SFT_OUTPUTS)
+    ids, labels = _trl_batch(model)
+    out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert _decision(model).ours
+    (out.loss + 0 * out.entropy.detach().sum()).backward(retain_graph=True)
+    with pytest.raises(LMKernelsError, match="entropy.*no gradient.*LmkernelsCallback"):
+        (out.loss - 0.01 * out.entropy.sum()).backward()
+
+
+# --- TRL's trainers --------------------------------------------------------------------------------
+
+
+def _sft_run(model, tmp_path, callbacks=None):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(**tc.run_args(tmp_path), bf16=False, max_length=tc.T)
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_dict({"text": tc.texts()}),
+        processing_class=tc.tokenizer(),
+        callbacks=callbacks,
+    )
+    with tc.flce_calls() as calls:
+        trainer.train()
+    return tc.logged(trainer, "loss", "entropy", "mean_token_accuracy"), tc.params(model), calls
+
+
+@pytest.mark.parametrize("how", ["apply", "callback"])
+def test_sft_trainer_trains_through_lmkernels(how, tmp_path, caplog):
+    """SFTTrainer (gradient accumulation over padded rows) on a model patched with apply(), or on a
+    plain model with LmkernelsCallback: every micro-batch's loss is lmkernels' fused loss (4 calls,
+    was 0), the logged loss, entropy and token accuracy and the final weights equal TRL's run
+    without lmkernels, and the choice is logged once."""
+    pytest.importorskip("trl", reason="TRL is in the hf extra")
+    plain = tc.tiny()
+    ref, ref_params, _ = _sft_run(copy.deepcopy(plain), tmp_path / "plain")
+    if how == "apply":
+        model, callbacks = lk_hf.apply(copy.deepcopy(plain), backend="eager"), None
+    else:
+        model, callbacks = copy.deepcopy(plain), [lk_hf.LmkernelsCallback(backend="eager")]
+    with caplog.at_level(logging.INFO, logger="lmkernels"):
+        logs, model_params, calls = _sft_run(model, tmp_path / how, callbacks)
+    assert calls == ["none"] * 4
+    assert len(logs) == 2
+    torch.testing.assert_close(torch.tensor(logs), torch.tensor(ref), rtol=0, atol=tc.LOGGED_ATOL)
+    tc.assert_params_close(ref_params, model_params)
+    [record] = _lmk_messages(caplog)
+    assert "TRL's fused LM head runs on lmkernels.fused_linear_cross_entropy" in record.message
+    if how == "callback":
+        assert record.message == callbacks[0].summary and "patched mlp x2, rms_norm x5" in record.message
+
+
+def _grpo_run(model, tmp_path, callbacks=None, **config):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reward(completions, **kwargs):  # varied rewards: nonzero advantages
+        return [float(sum(int(w[1:]) for w in c.split() if w[1:].isdigit()) % 7) for c in completions]
+
+    args = GRPOConfig(
+        **{**tc.run_args(tmp_path), "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1},
+        num_generations=2,
+        max_completion_length=4,
+        temperature=0.7,
+        bf16=False,
+        **config,
+    )
+    tok = tc.tokenizer()
+    tok.padding_side = "left"
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": [f"w{i} w{i + 1} w{i + 2}" for i in range(3, 11)]}),
+        processing_class=tok,
+        callbacks=callbacks,
+    )
+    with tc.flce_calls() as calls:
+        trainer.train()
+    return tc.logged(trainer, "loss", "entropy"), tc.params(model), calls
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_grpo_trainer_callback(entropy_coef, tmp_path):
+    """GRPOTrainer with LmkernelsCallback: without an entropy bonus the policy's log-probs run on
+    lmkernels (temperature 0.7); with entropy_coef, which differentiates the entropy, TRL's head is
+    kept and the summary says why. Losses, entropy and weights equal GRPO without lmkernels."""
+    pytest.importorskip("trl", reason="TRL is in the hf extra")
+    plain = tc.tiny()
+    ref, ref_params, _ = _grpo_run(copy.deepcopy(plain), tmp_path / "plain", entropy_coef=entropy_coef)
+    cb = lk_hf.LmkernelsCallback(backend="eager")
+    logs, model_params, calls = _grpo_run(
+        copy.deepcopy(plain), tmp_path / "lmk", [cb], entropy_coef=entropy_coef
+    )
+    torch.testing.assert_close(torch.tensor(logs), torch.tensor(ref), rtol=0, atol=tc.LOGGED_ATOL)
+    tc.assert_params_close(ref_params, model_params)
+    assert any(_rel(p, plain.state_dict()[n]) > 1e-4 for n, p in model_params.items())  # it trained
+    if entropy_coef:
+        assert calls == [] and "TRL's fused LM head kept (the entropy bonus" in cb.summary
+    else:
+        assert calls and set(calls) == {"none"} and "temperature 0.7" in cb.summary
+
+
+# --- the transformers Trainer -----------------------------------------------------------------------
+
+
+def _trainer_run(model, tmp_path, callbacks=None, **extra):
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(**tc.run_args(tmp_path), remove_unused_columns=False, **extra)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=[{"row": r} for r in tc.rows()],
+        data_collator=lambda b: tc.collate([x["row"] for x in b]),
+        callbacks=callbacks,
+    )
+    with tc.flce_calls() as calls:
+        trainer.train()
+    return tc.logged(trainer, "loss"), tc.params(model), calls
+
+
+def test_trainer_callback_gradient_accumulation(tmp_path, caplog):
+    """Trainer(..., callbacks=[LmkernelsCallback()]) on a plain model: patched before the optimizer
+    exists, every micro-batch through lmkernels' fused loss (sum / num_items_in_batch), losses and
+    weights equal to the same Trainer without lmkernels; one summary logged."""
+    plain = tc.tiny("qwen3")
+    ref, ref_params, _ = _trainer_run(copy.deepcopy(plain), tmp_path / "plain")
+    model = copy.deepcopy(plain)
+    cb = lk_hf.LmkernelsCallback(backend="eager")
+    with caplog.at_level(logging.INFO, logger="lmkernels"):
+        logs, model_params, calls = _trainer_run(model, tmp_path / "lmk", [cb])
+    assert lk_hf.is_patched(model) and calls == ["sum"] * 4
+    torch.testing.assert_close(torch.tensor(logs), torch.tensor(ref), rtol=0, atol=tc.LOGGED_ATOL)
+    tc.assert_params_close(ref_params, model_params)
+    [record] = _lmk_messages(caplog)
+    assert record.message == cb.summary and record.levelno == logging.INFO
+    assert "patched " in cb.summary and "flce" in cb.summary and "fused_linear_cross_entropy" in cb.summary
+
+
+def test_callback_arguments_checked():
+    with pytest.raises(LMKernelsError, match="trl_head"):
+        lk_hf.LmkernelsCallback(trl_head="fast")
+    with pytest.raises(LMKernelsError, match="ops"):
+        lk_hf.LmkernelsCallback(ops=("flce", "attention"))
+    cb = lk_hf.LmkernelsCallback()
+    with pytest.raises(LMKernelsError, match="use_liger_kernel=False"):
+        cb.on_init_end(types.SimpleNamespace(use_liger_kernel=True), None, None, model=tc.tiny())
+
+
+# --- PEFT -------------------------------------------------------------------------------------------
+
+
+def _peft(model, **config):
+    peft = pytest.importorskip("peft", reason="PEFT is in the hf extra")
+    return peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, **config))
+
+
+def _peft_step(model, ids, seed=1):
+    model.train()
+    torch.manual_seed(seed)  # the same dropout masks in every run
+    with tc.flce_calls() as calls:
+        out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out, _grads(model), calls
+
+
+def _orders(plain, **config):
+    """Plain PEFT, patch-then-wrap and wrap-then-patch, the same LoRA weights in each."""
+    torch.manual_seed(0)
+    ref = _peft(copy.deepcopy(plain), **config)
+    torch.manual_seed(0)
+    patch_first = _peft(lk_hf.apply(copy.deepcopy(plain), backend="eager"), **config)
+    torch.manual_seed(0)
+    wrap_first = lk_hf.apply(_peft(copy.deepcopy(plain), **config), backend="eager")
+    return ref, {"patch then wrap": patch_first, "wrap then patch": wrap_first}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"], lora_dropout=0.1),
+        dict(target_modules=["q_proj", "lm_head"], lora_dropout=0.1, init_lora_weights=False),
+        dict(target_modules=["q_proj", "lm_head"], lora_dropout=0.0, init_lora_weights=False),
+        dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),
+    ],
+    ids=["lora-mlp", "lora-lm_head-dropout", "lora-lm_head", "modules_to_save-lm_head"],
+)
+def test_peft_either_order(config):
+    """PEFT wrapping before or after apply(): the same modules are patched (the MLPs through PEFT's
+    layers, the fused loss on lm_head as PEFT computes it: LoRA with dropout, modules_to_save), the
+    loss runs fused (logits None), and loss and gradients equal plain PEFT's."""
+    plain = tc.tiny()
+    ids = torch.randint(3, tc.V, (2, tc.T), generator=torch.Generator().manual_seed(0))
+    ref, models = _orders(plain, **config)
+    ref_out, ref_grads, _ = _peft_step(ref, ids)
+    for order, model in models.items():
+        report = lk_hf.report(model)
+        assert {"rms_norm", "rope", "mlp", "flce"} <= set(report.patched_ops()), (order, report.format())
+        assert not report.failed and not report.kept, (order, report.format())
+        out, grads, calls = _peft_step(model, ids)
+        assert out.logits is None and calls == ["mean"], order
+        torch.testing.assert_close(out.loss, ref_out.loss, rtol=RTOL, atol=0)
+        assert grads.keys() == ref_grads.keys() and grads, order
+        for name, g in ref_grads.items():
+            assert _rel(grads[name], g) <= 1e-4, (order, name)
+    if "lm_head" in config.get("target_modules", []):
+        assert "PEFT LoRA" in str(lk_hf.report(models["wrap then patch"]))
+        assert any("lm_head.lora_B" in n for n in ref_grads)
+
+
+def test_peft_modules_to_save_disabled_adapter():
+    """modules_to_save lm_head under disable_adapter() (DPO's reference model): the original head."""
+    plain = tc.tiny()
+    ids = torch.randint(3, tc.V, (2, tc.T), generator=torch.Generator().manual_seed(0))
+    ref, models = _orders(plain, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    for module in (ref, *models.values()):  # a trained copy: differs from the original head
+        with torch.no_grad():
+            module.get_output_embeddings().modules_to_save["default"].weight.mul_(1.5)
+    with ref.disable_adapter():
+        expected = ref.train()(input_ids=ids, labels=ids).loss
+    assert _rel(expected, ref(input_ids=ids, labels=ids).loss) > 1e-3
+    for model in models.values():
+        with model.disable_adapter():
+            loss = model.train()(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(loss, expected, rtol=RTOL, atol=0)
+
+
+def test_peft_unsupported_head_never_dropped_silently(tmp_path):
+    """DoRA on lm_head (a LoRA variant the fused loss does not compute): wrap then patch raises under
+    strict naming lm_head, DoRA and the fix, and under strict=False keeps the head, listed with the
+    reason; patch then wrap raises at the forward with the same fix, and LmkernelsCallback raises
+    at on_init_end (strict) or patches again without the head (strict=False)."""
+    config = dict(target_modules=["q_proj", "lm_head"], use_dora=True, init_lora_weights=False)
+    plain = tc.tiny()
+    ids = torch.randint(3, tc.V, (2, tc.T), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    ref = _peft(copy.deepcopy(plain), **config)
+    fix = "remove 'lm_head' from the PEFT config's target_modules"
+    torch.manual_seed(0)
+    wrapped = _peft(copy.deepcopy(plain), **config)
+    with pytest.raises(LMKernelsError, match=r"lm_head.*LoRA variant.*DoRA.*target_modules") as info:
+        lk_hf.apply(wrapped, backend="eager")
+    assert fix in str(info.value) and not lk_hf.is_patched(wrapped)
+    lk_hf.apply(wrapped, backend="eager", strict=False)
+    report = lk_hf.report(wrapped)
+    assert [f.op for f in report.failed] == ["flce"] and "DoRA" in report.failed[0].detail
+    assert "kept (could not be patched" in report.format() and "kept flce" in report.brief()
+    out, ref_out = _peft_step(wrapped, ids)[0], _peft_step(ref, ids)[0]
+    assert out.logits is not None
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=RTOL, atol=0)
+
+    torch.manual_seed(0)
+    late = _peft(lk_hf.apply(copy.deepcopy(plain), backend="eager"), **config)
+    with pytest.raises(LMKernelsError, match="DoRA") as info:
+        late.train()(input_ids=ids, labels=ids)
+    assert fix in str(info.value)
+    args = types.SimpleNamespace()
+    with pytest.raises(LMKernelsError, match="the fused loss cannot run.*DoRA"):
+        lk_hf.LmkernelsCallback().on_init_end(args, None, None, model=late)
+    lk_hf.LmkernelsCallback(strict=False).on_init_end(args, None, None, model=late)
+    assert [f.op for f in lk_hf.report(late).failed] == ["flce"]
+    assert late(input_ids=ids, labels=ids).logits is not None
+
+
+def test_peft_callback_lora_lm_head_trainer(tmp_path):
+    """Trainer + LmkernelsCallback on a PEFT model with LoRA on lm_head (wrapped before the
+    callback patches): the fused loss includes the adapter; losses and weights equal plain PEFT."""
+    plain = tc.tiny()
+    config = dict(target_modules=["q_proj", "lm_head"], lora_dropout=0.0, init_lora_weights=False)
+    torch.manual_seed(0)
+    ref, ref_params, _ = _trainer_run(_peft(copy.deepcopy(plain), **config), tmp_path / "plain")
+    torch.manual_seed(0)
+    cb = lk_hf.LmkernelsCallback(backend="eager")
+    logs, model_params, calls = _trainer_run(_peft(copy.deepcopy(plain), **config), tmp_path / "lmk", [cb])
+    assert calls == ["sum"] * 4 and "PEFT LoRA" in cb.summary
+    torch.testing.assert_close(torch.tensor(logs), torch.tensor(ref), rtol=0, atol=tc.LOGGED_ATOL)
+    tc.assert_params_close(ref_params, model_params)
