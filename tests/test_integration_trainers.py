@@ -221,11 +221,11 @@ def test_entropy_gradient_refused():
 # --- TRL's trainers --------------------------------------------------------------------------------
 
 
-def _sft_run(model, tmp_path, callbacks=None):
+def _sft_run(model, tmp_path, callbacks=None, bf16=False):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    args = SFTConfig(**tc.run_args(tmp_path), bf16=False, max_length=tc.T)
+    args = SFTConfig(**tc.run_args(tmp_path), bf16=bf16, max_length=tc.T)
     trainer = SFTTrainer(
         model=model,
         args=args,
@@ -261,6 +261,28 @@ def test_sft_trainer_trains_through_lmkernels(how, tmp_path, caplog):
     assert "TRL's fused LM head runs on lmkernels.fused_linear_cross_entropy" in record.message
     if how == "callback":
         assert record.message == callbacks[0].summary and "patched mlp x2, rms_norm x5" in record.message
+
+
+def test_sft_trainer_bf16_autocast(tmp_path):
+    """Under bf16 autocast, accelerate wraps TRL's forward in its own (autocast, fp32 outputs):
+    lmkernels' head still computes every micro-batch's loss (inside that wrapper), and the run is
+    as close to the fp32 run as SFT without lmkernels in bf16 is (the correctness policy's rule:
+    within 2x its error; losses to their logged resolution)."""
+    pytest.importorskip("trl", reason="TRL is in the hf extra")
+    plain = tc.tiny()
+    ref, ref_params, _ = _sft_run(copy.deepcopy(plain), tmp_path / "fp32")
+    bf16_logs, bf16_params, _ = _sft_run(copy.deepcopy(plain), tmp_path / "bf16", bf16=True)
+    cb = lk_hf.LmkernelsCallback(backend="eager")
+    logs, model_params, calls = _sft_run(copy.deepcopy(plain), tmp_path / "lmk", [cb], bf16=True)
+    assert calls == ["none"] * 4 and "runs on lmkernels" in cb.summary
+
+    def err(p):
+        return max(_rel(p[n], v) for n, v in ref_params.items())
+
+    assert err(model_params) <= 2 * err(bf16_params), (err(model_params), err(bf16_params))
+    for got, bf16, fp32 in zip(logs, bf16_logs, ref):
+        for a, b, r in zip(got, bf16, fp32):
+            assert abs(a - r) <= 2 * abs(b - r) + tc.LOGGED_ATOL, (got, bf16, fp32)
 
 
 def _grpo_run(model, tmp_path, callbacks=None, **config):
@@ -359,6 +381,8 @@ def test_callback_arguments_checked():
     cb = lk_hf.LmkernelsCallback()
     with pytest.raises(LMKernelsError, match="use_liger_kernel=False"):
         cb.on_init_end(types.SimpleNamespace(use_liger_kernel=True), None, None, model=tc.tiny())
+    with pytest.raises(LMKernelsError, match="model_init"):  # a model built after __init__
+        cb.on_train_begin(types.SimpleNamespace(), None, None, model=tc.tiny())
 
 
 # --- PEFT -------------------------------------------------------------------------------------------

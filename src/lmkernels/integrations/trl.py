@@ -56,23 +56,27 @@ PREFER = ("auto", "lmkernels", "trl")
 # "auto": lmkernels wherever it can give the trainer what it reads. benchmarks/trl_head.py
 # measures one SFT step both ways on a GPU; if TRL's head wins somewhere, that goes here.
 AUTO = "lmkernels"
-# Set by a call the pre-hook redirected (see _pre_hook): the forward TRL wrapped receives it and
-# hands the call to the model's new forward.
+# Set by a call the pre-hook redirected (see _pre_hook): the patched forward TRL wraps receives
+# it and computes TRL's output with lmkernels (redirected()).
 REDIRECT = "_lmkernels_trl_redirect"
+_CHAIN = 8  # how many wrappers deep TRL's forward is looked for
 
 
 @dataclasses.dataclass
 class TrlHead:
     """What `add_fused_lm_head` bound into the forward it set on a model."""
 
-    forward: types.MethodType  # TRL's forward, as set on the model
-    wrapped: object  # the forward TRL wraps (called for every call without fused_lm_head)
-    outputs: tuple[str, ...]
-    temperature: float
-    fp32: bool  # cast_lm_head_to_fp32
-    softcap: float | None
-    logit_scale: float
-    backbone_attr: str
+    fn: types.FunctionType  # TRL's `_fused_forward` (the one this head was read from)
+    forward: types.MethodType  # the same, bound to the model
+    top: bool  # TRL's forward is the model's forward itself (else inside another wrapper)
+    problem: str = ""  # why it cannot be read (a TRL whose head binds other names)
+    wrapped: object = None  # the forward TRL wraps (called for every call without fused_lm_head)
+    outputs: tuple[str, ...] = ()
+    temperature: float = 1.0
+    fp32: bool = False  # cast_lm_head_to_fp32
+    softcap: float | None = None
+    logit_scale: float = 1.0
+    backbone_attr: str = "base_model"
 
 
 @dataclasses.dataclass
@@ -80,6 +84,8 @@ class Decision:
     ours: bool
     why: str  # why TRL's head is kept ("" when lmkernels runs it)
     message: str  # the line logged
+    head: object = None  # TRL's `_fused_forward` this decision is about
+    trl: TrlHead | None = None  # what lmkernels computes, when it runs the head
 
 
 _FIELDS = (
@@ -105,20 +111,45 @@ def _fused_code():
     )
 
 
-def trl_head(model: nn.Module, forward=None) -> TrlHead | str | None:
-    """TRL's fused head on `model` (an instance forward set by add_fused_lm_head; or `forward`,
-    such a forward); a string saying why it cannot be read (another TRL's form); None if none."""
+def _chain(forward):
+    """The functions `forward` wraps, outermost first, through functools.wraps' __wrapped__
+    (accelerate's mixed-precision wrappers set it: convert_outputs_to_fp32, torch.autocast)."""
+    fn, found = forward, []
+    while fn is not None and len(found) < _CHAIN:
+        fn = getattr(fn, "__func__", fn)
+        found.append(fn)
+        fn = getattr(fn, "__wrapped__", None)
+    return found
+
+
+def _ours(forward) -> bool:
+    return getattr(getattr(forward, "__func__", forward), "_lmkernels_patch", False)
+
+
+def trl_head(model: nn.Module, forward=None) -> TrlHead | None:
+    """TRL's fused head in `model`'s forward (set by add_fused_lm_head, possibly inside
+    accelerate's mixed-precision wrappers; or in `forward`, a forward TRL set); None if there is
+    none above lmkernels' own. `problem` says why a head could not be read."""
     forward = vars(model).get("forward") if forward is None else forward
-    fn = getattr(forward, "__func__", None)
     code = _fused_code()
-    if fn is None or code is None or fn.__code__ is not code:
+    if forward is None or code is None:
         return None
+    chain = _chain(forward)
+    # (lmkernels' own wrapper before any TRL head: routed already)
+    ours = next((i for i, f in enumerate(chain) if getattr(f, "_lmkernels_patch", False)), len(chain))
+    depth = next((i for i, f in enumerate(chain[:ours]) if getattr(f, "__code__", None) is code), None)
+    if depth is None:
+        return None
+    fn = chain[depth]
+    found = dict(fn=fn, forward=types.MethodType(fn, model), top=depth == 0)
     cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
     missing = [f for f in _FIELDS if f not in cells]
     if missing:
-        return f"TRL's fused head binds no {missing} (a TRL version lmkernels does not know)"
+        return TrlHead(
+            **found, problem=f"TRL's fused head binds no {missing} (a TRL lmkernels does not know)"
+        )
     return TrlHead(
-        forward=forward,
+        **found,
         wrapped=cells["original_forward"],
         outputs=tuple(cells["outputs"]),
         temperature=float(cells["temperature"]),
@@ -149,7 +180,7 @@ def _zero3() -> bool:
     return bool(is_deepspeed_zero3_enabled())
 
 
-def _keep_reason(model: nn.Module, head: TrlHead, patch) -> str:
+def _keep_reason(model: nn.Module, head: TrlHead, patch, plain) -> str:
     """Why TRL's head must stay on `model` ("" if lmkernels can run it)."""
     hints = patch.hints
     prefer = hints.get("prefer", "auto")
@@ -178,6 +209,8 @@ def _keep_reason(model: nn.Module, head: TrlHead, patch) -> str:
     problem = lk_peft.head_problem(model.get_output_embeddings())
     if problem:
         return problem
+    if plain is None and not _ours(head.wrapped):  # a call is handed over through it (REDIRECT)
+        return "TRL's head wraps a forward lmkernels did not set (something replaced the patched one)"
     return ""
 
 
@@ -195,29 +228,36 @@ def route(model: nn.Module, log: bool = True, trl_forward=None, plain=None) -> D
     """Run TRL's fused head on `model` through lmkernels, or keep it (see the module docstring).
 
     `model`: the transformers model TRL wrapped (PEFT wrappers are seen through), patched by
-    lk_hf.apply(). Returns None when the model carries no TRL head (none added, or already
-    routed); otherwise the decision, logged once unless log=False (the callback logs its own).
-    Either way the model's forward becomes lmkernels' wrapper of TRL's (patch.saved: revert()
-    restores TRL's), so the decision is made once. `trl_forward` / `plain`: apply() on a model
-    TRL had already wrapped passes TRL's forward (no longer on the model) and the patched forward
-    that now stands for the one TRL wraps.
+    lk_hf.apply(). Returns None when it carries no TRL head lmkernels has not seen; otherwise
+    the decision, logged once unless log=False (the callback logs its own). The decision is
+    made once per TRL head; how lmkernels then takes the calls:
+
+    - TRL's forward is the model's forward: replaced by lmkernels' wrapper of it (revert()
+      restores TRL's), which answers `fused_lm_head=True` itself;
+    - TRL's forward inside another wrapper (accelerate's mixed precision: its autocast must stay
+      around the head): left in place; the patched model's forward pre-hook hands each
+      `fused_lm_head=True` call to lmkernels through TRL's plain path (REDIRECT).
+
+    `trl_forward` / `plain`: apply() on a model TRL had already wrapped passes TRL's forward (no
+    longer on the model) and the patched forward that now stands for the one TRL wraps.
     """
     from lmkernels.integrations.transformers import patching
 
     model = lk_peft.inner_model(model)
     patch = vars(model).get(patching.RECORD)
-    trl_forward = vars(model).get("forward") if trl_forward is None else trl_forward
     head = trl_head(model, trl_forward)
     if patch is None or head is None:
         return None
+    decided = patch.trl_decision
+    if decided is not None and decided.head is head.fn:
+        return decided  # seen before (TRL's forward left inside another wrapper)
+    why = head.problem or _keep_reason(model, head, patch, plain)
+    decision = Decision(not why, why, "", head=head.fn, trl=None if why else head)
+    if head.top:
+        trl_forward = head.forward if trl_forward is None else trl_forward
+        forward = _wrapper(model, decision.trl, trl_forward, plain, patch.flce_backend)
+        patch.saved.append(patching.Saved.replace(model, "forward", types.MethodType(forward, model)))
     label = type(model).__name__
-    if isinstance(head, str):
-        decision = Decision(False, head, "")
-    else:
-        why = _keep_reason(model, head, patch)
-        decision = Decision(not why, why, "")
-    forward = _wrapper(model, head if decision.ours else None, trl_forward, plain, patch.flce_backend)
-    patch.saved.append(patching.Saved.replace(model, "forward", types.MethodType(forward, model)))
     if decision.ours:
         backend = patch.flce_backend or "auto"
         decision.message = (
@@ -234,9 +274,10 @@ def route(model: nn.Module, log: bool = True, trl_forward=None, plain=None) -> D
 
 
 def _pre_hook(module: nn.Module, args, kwargs):
-    """A patched model's forward pre-hook: its first `fused_lm_head=True` call decides (route).
-    When lmkernels takes over, this call (already bound to TRL's forward) is sent through TRL's
-    plain path to the forward TRL wraps, the patched one, which hands it to the new forward
+    """A patched model's forward pre-hook. A `fused_lm_head=True` call of a TRL head lmkernels
+    runs (route decides at the first one) and that the forward has not replaced (the first call
+    goes to the forward it was bound to; TRL's forward inside accelerate's wrapper, every call)
+    is sent through TRL's plain path to the patched forward TRL wraps, which computes the head
     (REDIRECT, see redirected())."""
     if not kwargs.get("fused_lm_head") or _fused_code() is None:
         return None
@@ -247,10 +288,16 @@ def _pre_hook(module: nn.Module, args, kwargs):
 
 
 def redirected(self: nn.Module, kwargs: dict):
-    """(True, output) if the pre-hook redirected this call to `self.forward(fused_lm_head=True)`."""
-    if kwargs.pop(REDIRECT, False):
-        return True, self.forward(fused_lm_head=True, **kwargs)
-    return False, None
+    """(True, TRL's output computed by lmkernels) if the pre-hook redirected this call."""
+    if not kwargs.pop(REDIRECT, False):
+        return False, None
+    from lmkernels.integrations.transformers import patching
+
+    patch = vars(self)[patching.RECORD]
+    labels, shift = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    head = patch.trl_decision.trl
+    return True, fused_output(self, head, patch.flce_backend, (), kwargs, labels, shift, num_items)
 
 
 def _wrapper(model: nn.Module, head: TrlHead | None, trl_forward, plain, backend: str | None):

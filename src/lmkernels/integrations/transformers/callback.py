@@ -12,8 +12,9 @@
   (trl.route) and logs, once, on the main process: what is patched and kept, and which loss
   runs. Logger "lmkernels": INFO when lmkernels' fused loss runs, WARNING when it does not (a
   kept head, TRL's head kept, the Trainer's label smoothing computing its loss from the logits).
-- A model the Trainer builds itself later (model_init, hyperparameter search) is patched at
-  on_train_begin: patching adds no parameters, so the optimizer is unaffected.
+- A model the Trainer builds after its __init__ (model_init, hyperparameter search) cannot be
+  patched by the callback (accelerate has wrapped its forward by on_train_begin): strict raises
+  saying to call lk_hf.apply() inside model_init; non-strict logs a WARNING.
 
 Refused: `use_liger_kernel=True` in the same run (Liger replaces the same forwards when
 train() starts).
@@ -72,7 +73,22 @@ class LmkernelsCallback(TrainerCallback):
         self._patch(model, args)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        inner = self._patch(model, args)
+        from lmkernels.integrations.transformers import patching
+
+        if model is None:
+            raise LMKernelsError("model: the Trainer passed no model to LmkernelsCallback")
+        inner = lk_peft.inner_model(model)
+        if patching.RECORD not in vars(inner):
+            # A model built after on_init_end (model_init): the Trainer has prepared it already
+            # (accelerate's mixed-precision wrapper is on its forward), too late to patch here.
+            why = (
+                f"model: {type(inner).__name__} was built after the Trainer's __init__ (model_init?) "
+                f"and is not patched; call lk_hf.apply(model) inside model_init"
+            )
+            if self.strict:
+                raise LMKernelsError(why)
+            logger.warning(f"lmkernels: {why}")
+            return
         decision = lk_trl.route(inner, log=False)
         if self.summary is None:
             self.summary, level = self._summary(inner, args, decision)

@@ -25,6 +25,7 @@ from lmkernels.integrations.transformers import masks
 from lmkernels.integrations.transformers import replacements as rp
 from lmkernels.integrations.transformers.report import PatchReport
 from lmkernels.integrations.transformers.structure import PATCHED, Finding, unwrapped
+from lmkernels.registry import LMKernelsError
 
 
 @dataclasses.dataclass
@@ -141,9 +142,15 @@ def _class_forward(self, *args, **kwargs):
 
 def install_instance(model: nn.Module, model_type: str, report: PatchReport, table_backend) -> None:
     saved, holds, hooks = [], [], []
-    trl_forward = vars(model).get("forward")
-    if lk_trl.trl_head(model) is None:  # else TRL wrapped the model before apply(): re-wrapped below
+    trl_forward, head = vars(model).get("forward"), lk_trl.trl_head(model)
+    if head is None:  # else TRL wrapped the model before apply(): re-wrapped below
         trl_forward = None
+    elif not head.top and any(f.op == "flce" for f in report.patched):
+        raise LMKernelsError(
+            f"{type(model).__name__}: its forward wraps TRL's fused head in another wrapper (accelerate's "
+            f"mixed precision?), which the patched forward would replace; apply lmkernels before the "
+            f"trainer prepares the model (LmkernelsCallback does), or with ops excluding 'flce'"
+        )
     for f in report.patched:
         if f.op == "rope":
             _ROPE_BACKEND[f.module_name] = table_backend("rope")
