@@ -1,15 +1,18 @@
-"""HF Trainer with gradient accumulation on a patched causal LM.
+"""HF Trainer with gradient accumulation, lmkernels switched on by one callback.
 
     python examples/trainer_grad_accum.py                       # tiny random Llama, CPU, 2 steps
     python examples/trainer_grad_accum.py --model Qwen/Qwen3-0.6B --steps 50 --bf16
 
-Padded rows of uneven length: the Trainer passes num_items_in_batch and the fused loss divides
-by it as transformers does, so the losses equal plain transformers' (tests/test_integration_ecosystem.py).
+LmkernelsCallback patches the plain model when the Trainer is built (before the optimizer) and
+logs what it patched and which loss runs. Padded rows of uneven length: the Trainer passes
+num_items_in_batch and the fused loss divides by it as transformers does, so the losses equal
+plain transformers' (tests/test_integration_trainers.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 from transformers import Trainer, TrainingArguments
@@ -35,11 +38,14 @@ def main(argv=None):
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--out", default="/tmp/lmkernels-example-trainer")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # shows the callback's summary
     if args.model:
-        model = lk_hf.from_pretrained(args.model, backend=args.backend)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model)
+        backend = args.backend
     else:
-        model = lk_hf.apply(lk_hf.tiny_model("llama"), backend=args.backend or "eager")
-    print(lk_hf.report(model))
+        model, backend = lk_hf.tiny_model("llama"), args.backend or "eager"
     g = torch.Generator().manual_seed(0)
     rows = [
         torch.randint(0, 10**6, (int(n),), generator=g).tolist()
@@ -63,6 +69,7 @@ def main(argv=None):
         args=training,
         train_dataset=[{"row": r} for r in rows],
         data_collator=lambda batch: collate([x["row"] for x in batch], vocab),
+        callbacks=[lk_hf.LmkernelsCallback(backend=backend)],
     )
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -1,14 +1,18 @@
-"""TRL's SFTTrainer on a patched causal LM.
+"""TRL's SFTTrainer with lmkernels: the body patched, TRL's fused LM head run on lmkernels' loss.
 
     python examples/trl_sft.py                                  # tiny random Llama, CPU, 2 steps
     python examples/trl_sft.py --model Qwen/Qwen3-0.6B --steps 50
+    python examples/trl_sft.py --trl-head trl                   # keep TRL's own fused head
 
-The tiny run uses a word-level tokenizer built in memory ("w3 w17 ..."), so nothing is downloaded.
+LmkernelsCallback logs once which head computes the loss (TRL's token accuracy and entropy are
+logged either way). The tiny run uses a word-level tokenizer built in memory ("w3 w17 ..."), so
+nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 
 import torch
 from datasets import Dataset
@@ -33,16 +37,18 @@ def main(argv=None):
     p.add_argument("--backend", default=None)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default="/tmp/lmkernels-example-sft")
+    p.add_argument("--trl-head", default="auto", choices=("auto", "lmkernels", "trl"))
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # shows the callback's summary
     g = torch.Generator().manual_seed(0)
     if args.model:
-        from transformers import AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = lk_hf.from_pretrained(args.model, backend=args.backend)
+        model = AutoModelForCausalLM.from_pretrained(args.model)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         texts = ["The quick brown fox jumps over the lazy dog."] * 32
     else:
-        model = lk_hf.apply(lk_hf.tiny_model("llama"), backend=args.backend or "eager")
+        model = lk_hf.tiny_model("llama")
         tokenizer = word_tokenizer(model.config.vocab_size)
         texts = [
             " ".join(f"w{t}" for t in torch.randint(3, 128, (12,), generator=g).tolist()) for _ in range(16)
@@ -57,8 +63,13 @@ def main(argv=None):
         save_strategy="no",
         use_cpu=not torch.cuda.is_available(),
     )
+    backend = args.backend or (None if args.model else "eager")
     trainer = SFTTrainer(
-        model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}), processing_class=tokenizer
+        model=model,
+        args=config,
+        train_dataset=Dataset.from_dict({"text": texts}),
+        processing_class=tokenizer,
+        callbacks=[lk_hf.LmkernelsCallback(backend=backend, trl_head=args.trl_head)],
     )
     trainer.train()
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]

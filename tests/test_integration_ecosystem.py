@@ -178,8 +178,16 @@ def test_generate_and_save_load(tmp_path):
     assert lk_hf.is_patched(from_cfg)
 
 
-@pytest.mark.parametrize("name", ["trainer_grad_accum", "trl_sft", "peft_lora"])
-def test_examples_run(name, tmp_path):
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        ("trainer_grad_accum", []),
+        ("trl_sft", []),
+        ("peft_lora", []),
+        ("peft_lora", ["--order", "wrap-first", "--lora-lm-head"]),
+    ],
+)
+def test_examples_run(name, extra, tmp_path):
     """The examples in examples/ run as shipped (tiny default model, one step)."""
     import importlib.util
     from pathlib import Path
@@ -189,6 +197,6 @@ def test_examples_run(name, tmp_path):
     spec = importlib.util.spec_from_file_location(f"_example_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    argv = ["--steps", "1"] + ([] if name == "peft_lora" else ["--out", str(tmp_path)])
+    argv = ["--steps", "1", *extra] + ([] if name == "peft_lora" else ["--out", str(tmp_path)])
     losses = module.main(argv)
     assert len(losses) == 1 and all(torch.isfinite(torch.tensor(losses)))

@@ -1,7 +1,10 @@
 """The loss path of a patched causal LM: lm_head + transformers' ForCausalLMLoss, fused.
 
-`lm_head_loss(lm_head, hidden, labels, ...)` is the one place a patched model computes its loss;
-it takes the lm_head module (not its weight) so that the code owning the weight is honoured:
+`lm_head_loss(lm_head, hidden, labels, ...)` is the one place a patched model computes its loss
+(`lm_head_token_stats`: per-token log-prob, entropy and top-1, for TRL's fused head, trl.py);
+both take the lm_head module (not its weight) so that the code owning the weight is honoured:
+
+- PEFT: lm_head wrapped by LoRA or modules_to_save is computed as PEFT does (peft.head_parts).
 
 - FSDP2 (`fully_shard(model.lm_head)`): the patched forward never calls lm_head, so FSDP2's
   pre-forward unshard would not run and the kernel would meet the sharded DTensor weight. The loss
@@ -128,7 +131,7 @@ def token_stats(
     call: no logits are built. `scale` multiplies hidden and bias, so a temperature T after the
     softcap is `scale=1/T, softcap=c/T`. Ignored tokens: loss 0, entropy 0, is_top1 False.
     fp32: hidden and weight in fp32 (TRL's cast_lm_head_to_fp32), else as causal_lm_loss (the
-    autocast dtype under autocast).
+    autocast dtype under autocast, as TRL's head computes too).
     """
     H = weight.shape[-1]
     h = hidden.reshape(-1, H)

@@ -6,6 +6,7 @@
     lk_hf.apply("qwen3")                          # or a class / model type: every model of it
     print(lk_hf.patch_report("qwen3"))            # what would be patched, and why not the rest
     lk_hf.revert(model)                           # restores the original functions exactly
+    Trainer(..., callbacks=[lk_hf.LmkernelsCallback()])   # the Trainer / TRL switch (callback.py)
 
 Modules are recognized by what they are, not by the model type (structure.py): RMSNorm variants
 (epsilon attribute, Gemma's (1 + w) offset, casting mode, per-head q/k norms), LayerNorm with or
@@ -34,6 +35,11 @@ What is replaced (`ops` chooses a subset of SUPPORTED_OPS):
   kernel on repeated K/V. Every other call gets the mask transformers builds. Applied only where the base
   forward's source shows attention_mask reaching nothing but transformers' mask functions
   (masks.py); elsewhere kept with the reason.
+
+PEFT: a PeftModel is seen through (the transformers model inside is patched; LoRA layers on MLP
+projections run as PEFT defines them; lm_head as LoRA or modules_to_save is computed by the fused
+loss: integrations/peft.py), so PEFT may wrap before or after apply(). TRL: the fused LM head TRL
+1.x wraps around the forward runs on lmkernels' fused loss where it can (integrations/trl.py).
 
 `strict=True` (default): apply() raises, before changing anything, if a module that looks like
 one of these kinds cannot be patched correctly (a failed check, an activation with no GLU op, a
@@ -247,8 +253,8 @@ def from_pretrained(
 ):
     """`AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)`, patched by apply().
 
-    Patch before wrapping the model (PEFT, FSDP, torch.compile): apply() recognizes the plain
-    transformers modules. `strict=False` patches what passes its checks and keeps the rest
+    Patch before wrapping the model in FSDP or torch.compile (PEFT may wrap before or after).
+    `strict=False` patches what passes its checks and keeps the rest
     (see `report(model)`)."""
     from transformers import AutoModelForCausalLM
 
