@@ -500,6 +500,27 @@ def test_peft_unsupported_head_never_dropped_silently(tmp_path):
     assert late(input_ids=ids, labels=ids).logits is not None
 
 
+class _Int8Linear(torch.nn.Linear):
+    """Stands in for a quantized projection: an nn.Linear subclass with a forward of its own."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+def test_foreign_mlp_projection_never_dropped_silently():
+    """A gated MLP whose projection is neither nn.Linear nor a PEFT layer over one (a quantized
+    layer): strict raises naming the projection and the fix; strict=False keeps it, reported."""
+    model = tc.tiny()
+    for layer in model.model.layers:
+        old = layer.mlp.gate_proj
+        layer.mlp.gate_proj = _Int8Linear(old.in_features, old.out_features, bias=False)
+    with pytest.raises(LMKernelsError, match="gate_proj is a .*_Int8Linear.*ops excluding 'mlp'"):
+        lk_hf.apply(model, backend="eager")
+    lk_hf.apply(model, backend="eager", strict=False)
+    report = lk_hf.report(model)
+    assert [f.op for f in report.failed] == ["mlp"] and "flce" in report.patched_ops()
+
+
 def test_peft_callback_lora_lm_head_trainer(tmp_path):
     """Trainer + LmkernelsCallback on a PEFT model with LoRA on lm_head (wrapped before the
     callback patches): the fused loss includes the adapter; losses and weights equal plain PEFT."""

@@ -7,22 +7,22 @@ log-prob kernel on lm_head's weight, returning per-token log-probs (and entropy,
 ... as the trainer asks) in a `FusedCausalLMOutput`. A model patched by lmkernels would train
 through TRL's head, not lmkernels', without a word.
 
-`route(model)` finds TRL's head on a patched model (by its code object, reading what TRL bound
-into it: the outputs asked for, temperature, fp32 cast, softcap, logit scale) and, where
-lmkernels' fused loss can give the trainer everything it reads, sets the model's forward to one
-that answers `fused_lm_head=True` with one `lmkernels.fused_linear_cross_entropy(...,
-reduction="none", return_stats=True)` call (log-probs with their gradient, entropy and top-1
-without: TRL's metrics). Every other call goes to the forward TRL wrapped. The choice is made
-once per model and logged once (logger "lmkernels": INFO when lmkernels runs the loss, WARNING
-when TRL's head is kept, with the reason). TRL's head is kept where lmkernels cannot give what
-the trainer needs:
+`route(model)` finds TRL's head on a patched model (by its code object, also inside accelerate's
+mixed-precision wrapper, reading what TRL bound into it: the outputs asked for, temperature,
+fp32 cast, softcap, logit scale) and, where lmkernels' fused loss can give the trainer
+everything it reads, answers `fused_lm_head=True` with one `lmkernels.fused_linear_cross_entropy(
+..., reduction="none", return_stats=True)` call (log-probs with their gradient, entropy and
+top-1 without: TRL's metrics); every other call goes to the forward TRL wrapped. The choice is
+made once per TRL head and logged once (logger "lmkernels": INFO when lmkernels runs the loss,
+WARNING when TRL's head is kept, with the reason). TRL's head is kept where lmkernels cannot
+give what the trainer needs:
 
 - outputs other than log-probs, entropy and top-1 (DPO and KTO read mean_logits, WPO
   log_sum_sq_probs);
-- an entropy that needs a gradient (GRPO / RLOO with entropy_coef != 0 or adaptive entropy), or
+- an entropy that needs a gradient (GRPO with entropy_coef != 0 or adaptive entropy), or
   may (a trainer whose config lmkernels was not shown: see LmkernelsCallback);
 - DeepSpeed ZeRO-3 (TRL gathers the partitioned head itself), a lm_head the fused loss cannot
-  compute (peft.py), "flce" not patched on the model, or `prefer="trl"`.
+  compute (peft.py), "flce" not patched on the model, or trl_head="trl" (LmkernelsCallback).
 
 The entropy lmkernels returns has no gradient; should a loss differentiate it anyway, the
 backward raises (never a silently missing term).
@@ -102,10 +102,12 @@ _FIELDS = (
 def _fused_code():
     """The code object of TRL's `_fused_forward` (None without TRL, or a TRL without it)."""
     utils = sys.modules.get("trl.trainer.utils")  # only a loaded TRL can have wrapped a model
-    add = getattr(utils, "add_fused_lm_head", None)
-    code = getattr(add, "__code__", None)
-    if code is None:
-        return None
+    code = getattr(getattr(utils, "add_fused_lm_head", None), "__code__", None)
+    return None if code is None else _inner_code(code)
+
+
+@functools.lru_cache(maxsize=4)
+def _inner_code(code: types.CodeType):
     return next(
         (c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == "_fused_forward"), None
     )
@@ -162,7 +164,7 @@ def trl_head(model: nn.Module, forward=None) -> TrlHead | None:
 
 def entropy_grad(args) -> bool | None:
     """Whether a trainer with these training arguments differentiates the entropy TRL's head
-    returns: GRPO / RLOO's entropy bonus (entropy_coef != 0, or adaptive). None: cannot tell."""
+    returns: GRPO's entropy bonus (entropy_coef != 0, or adaptive). None: cannot tell."""
     if args is None:
         return None
     if hasattr(args, "entropy_coef") or hasattr(args, "use_adaptive_entropy"):
@@ -199,7 +201,7 @@ def _keep_reason(model: nn.Module, head: TrlHead, patch, plain) -> str:
         grad = hints.get("entropy_grad")
         if grad is None and "is_top1" not in head.outputs:  # not the SFT head: GRPO, RLOO, ...
             return (
-                "the trainer may differentiate the entropy (GRPO / RLOO entropy_coef) and its config was "
+                "the trainer may differentiate the entropy (GRPO's entropy_coef) and its config was "
                 "not shown to lmkernels: pass callbacks=[lk_hf.LmkernelsCallback()] to the trainer"
             )
         if grad:
@@ -330,7 +332,7 @@ class _EntropyWithoutGradient(torch.autograd.Function):
     def backward(ctx, grad):
         raise LMKernelsError(
             "entropy: a loss differentiates the per-token entropy of lmkernels' fused LM head, which has "
-            "no gradient (GRPO / RLOO entropy_coef?); pass callbacks=[lk_hf.LmkernelsCallback()] so that "
+            "no gradient (GRPO entropy_coef?); pass callbacks=[lk_hf.LmkernelsCallback()] so that "
             "TRL's head is kept for that trainer, or LmkernelsCallback(trl_head='trl')"
         )
 

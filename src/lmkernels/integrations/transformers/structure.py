@@ -181,11 +181,17 @@ def _module_findings(model, table, ops, device) -> list[Finding]:
         if layout is None:
             if _is_mlp_like(first) and "mlp" in ops:
                 projections = [n for n in ("gate_proj", "up_proj", "gate_up_proj") if hasattr(first, n)]
-                why = "not a gated MLP (no lmkernels op)"
-                if projections:  # gated, but its projections were wrapped (quantization, ...)
+                if projections:  # gated, but its projections are something else (quantized, ...)
                     kind = lk_peft.describe(getattr(first, projections[0]))
-                    why = f"{projections[0]} is a {kind}, not nn.Linear (nor a PEFT layer over one)"
-                findings.append(Finding("mlp", status=KEPT, detail=why, **base))
+                    why = (
+                        f"{projections[0]} is a {kind}, neither nn.Linear nor a PEFT layer over one; "
+                        f"apply with ops excluding 'mlp'"
+                    )
+                    findings.append(Finding("mlp", status=FAILED, detail=why, **base))
+                else:
+                    findings.append(
+                        Finding("mlp", status=KEPT, detail="not a gated MLP (no lmkernels op)", **base)
+                    )
             continue
         if "mlp" not in ops:
             continue
