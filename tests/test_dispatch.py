@@ -317,9 +317,10 @@ def test_fast_path_key_edge_cases(toys, monkeypatch):
         lmkernels.rms_norm(X, W, eps=-1.0, backend="toy_a")
     checks.clear()
     eps = torch.tensor(1e-6)
-    for _ in range(2):
-        lmkernels.rms_norm(X, W, eps=eps, backend="toy_a")
-    assert len(checks) == 2  # a tensor option: resolved on every call
+    for _ in range(2):  # an option passed as a tensor: checked (and refused) on every call
+        with pytest.raises(lmkernels.LMKernelsError, match="eps: expected a non-negative number"):
+            lmkernels.rms_norm(X, W, eps=eps, backend="toy_a")
+    assert len(checks) == 2
     ref = weakref.ref(eps)
     del eps
     assert ref() is None  # no cache entry keeps it alive

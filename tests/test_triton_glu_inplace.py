@@ -340,8 +340,24 @@ def test_harness_flags_writing_inputs_unless_they_are_handed_over():
     """A backend that always consumes (as Liger's GLU does) fails the default case, where the
     inputs are the caller's, and passes the consume_inputs=True case; ours passes both."""
 
+    class WritesGradientsOverInputs(torch.autograd.Function):
+        """Liger-style: the backward writes d_gate and d_up over gate and up, whoever owns them."""
+
+        @staticmethod
+        def forward(ctx, gate, up):
+            ctx.save_for_backward(gate, up)
+            return glu_mod.swiglu_triton(gate, up)
+
+        @staticmethod
+        def backward(ctx, grad):
+            gate, up = ctx.saved_tensors
+            d_gate, d_up = glu_mod._glu_backward(grad, gate, up, "silu")
+            gate.data.copy_(d_gate)
+            up.data.copy_(d_up)
+            return gate.data, up.data
+
     def always_consumes(gate, up, consume_inputs=False):
-        return glu_mod.swiglu_triton(gate, up, consume_inputs=True)
+        return WritesGradientsOverInputs.apply(gate, up)
 
     spec, shape = get_op("swiglu"), {"M": 37, "N": 96}
     impl = register("swiglu", "toy_always_consumes", always_consumes, priority=-100)

@@ -295,7 +295,9 @@ def sample(draw):
     H = draw.sampled_from((1, 2, 3, 8, 16, 17, 64, 96))
     options = {
         "reduction": draw.sampled_from(REDUCTIONS),
-        "label_smoothing": draw.sampled_from((0.0, 0.0, 0.1, 1.0)),
+        # Full smoothing over a few classes makes each gradient a difference of nearly equal
+        # probabilities: relative errors of such sums measure rounding noise, not the kernel.
+        "label_smoothing": draw.sampled_from((0.0, 0.0, 0.1, 1.0) if V >= 64 else (0.0, 0.0, 0.1)),
         "softcap": draw.sampled_from((None, None, 30.0, 1.5)),
         "z_loss_scale": draw.sampled_from((0.0, 0.0, 1e-4)),
         "ignore_index": draw.sampled_from((-100, 0, 3)),
@@ -381,12 +383,12 @@ SPEC = register_op(
         # fp32: the logits matmul sums H products, so a different blocking of that sum moves
         # the result by more ulps than an elementwise op; 4x eager's error still catches any
         # real bug (those are O(1) relative).
-        # bf16/fp16: a fused kernel feeds the tensor cores dlogits rounded to the input dtype
-        # (every fused CE must: Liger and CCE do the same), one more rounding of every term of
-        # the V-long sums behind grad_hidden and grad_weight on top of the final rounding that
-        # is eager's whole error: sqrt(2)-sqrt(3)x eager by itself, more where class weights
-        # make terms uneven. Measured: 1.4-1.8x on the CPU, up to 2.6x on the H200 full grid
-        # (class-weighted label smoothing at V=128k). A wrong gradient formula is O(1) off.
+        # bf16/fp16: eager (what a model gets) rounds the logits and d loss / d logits to the
+        # input dtype; a fused kernel keeps the logits in fp32 but must round d loss / d logits
+        # too before the tensor-core GEMMs (Liger and CCE do the same): the same roundings in
+        # other places, whose errors differ by a factor that class weights and label smoothing
+        # (terms of uneven size, sums that nearly cancel) can push past 2x. A wrong gradient
+        # formula is O(1) off.
         # fp16 bound: a mean loss over 8192 tokens has gradients ~1e-4, at the edge of fp16's
         # normal range, so eager fp16 itself lands at 5e-3 there (fp16 training needs a loss
         # scale); the bound only has to exclude garbage.

@@ -204,7 +204,7 @@ def to_dtype(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
 # instructions overlap the previous kernel's last programs, and `gdc_wait` then holds it until
 # that kernel has completed and its writes are visible. That shortens the gap between two
 # dependent kernels: 1-3 us per norm forward + backward (three kernels) on an H200, a few
-# percent at common sizes (benchmarks/results/2026-11-24-h200-pdl/).
+# percent at common sizes (docs/performance.md, "What we tried").
 #
 # The rule that keeps it correct: a kernel launched with PDL calls `pdl_enter(PDL)` before it
 # touches global memory at all (reads and writes: a buffer it writes may have been freed by a

@@ -5,7 +5,7 @@ compiled kernel to that kernel's launcher.
 type, a pointer's 16-byte alignment, an integer's divisibility by 16, ...), builds a cache key
 from those and every constexpr and option value, and looks the compiled kernel up, on every
 call: 8-14 us of host time per launch on the H200 machine, on top of the 5-8 us that the
-compiled kernel's launcher takes (benchmarks/results/2026-11-24-h200-launch/). So `launch`
+compiled kernel's launcher takes (measured; docs/performance.md). So `launch`
 keeps its own key, per kernel, of exactly what Triton specializes on, and calls the launcher
 directly once Triton has compiled the kernel for that key.
 
