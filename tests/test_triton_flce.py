@@ -289,13 +289,52 @@ def test_fast_mode_default_accumulation(monkeypatch):
     monkeypatch.setattr(kernels, "CHUNK_TOKENS", 16)
     assert kernels.fast_weight_dtype_chunk(37, 131) == 16  # 3 chunks
     assert kernels.fast_weight_dtype_chunk(16 * 9, 131) is None  # 9 chunks
-    from lmkernels.backends.triton.flce import _accum_fp32
 
-    bf16 = torch.empty(131, 64, dtype=torch.bfloat16)
-    assert not _accum_fp32(None, False, 37, bf16)
-    assert _accum_fp32(None, False, 37, bf16.half())
-    assert _accum_fp32(None, False, 16 * 9, bf16)
-    assert not _accum_fp32(None, True, 16 * 9, bf16)  # lean: its own super-chunk rule
+    def accum(BT, dtype=torch.bfloat16, lean=False):
+        return kernels.plan(BT, 64, 131, 2, dtype, None, lean, None, True, True).accum_fp32
+
+    assert not accum(37)
+    assert accum(37, torch.float16)
+    assert accum(16 * 9)
+    assert not accum(16 * 9, lean=True)  # lean: its own super-chunk rule
+
+
+def test_memory_budget_plans(monkeypatch):
+    """memory_budget: the fast mode where one of its configurations fits f x the gradients'
+    bytes beside them, the largest chunks that do; else the lean mode within the budget."""
+    monkeypatch.setattr(kernels, "CHUNK_TOKENS", None)
+    monkeypatch.delenv(kernels.CHUNK_ENV, raising=False)
+    BT, H, V = 16384, 2560, 151936
+    grads = (BT + V) * H * 2
+
+    def plan(budget, accum=None, dtype=torch.bfloat16, grads_now=True, weight=True):
+        return kernels.plan(BT, H, V, 2, dtype, accum, False, budget, grads_now, weight)
+
+    for f in (0.0, 0.05, 0.5, 1.0):  # 8 chunks of 2048 tokens need 1.2 GiB: lean within the budget
+        p = plan(f)
+        assert p.lean and p.block_bytes == int(f * grads) and p.chunk_bytes == grads + p.block_bytes
+    p = plan(2.0)  # 6 chunks of 2816 tokens fit, summed in bf16
+    assert not p.lean and not p.accum_fp32 and p.chunk_bytes <= int(2.0 * grads)
+    assert 8 * p.chunk_bytes >= BT * V * 4
+    p = plan(2.0, accum=torch.float32)  # an fp32 accumulator asked for: it and 256-token chunks fit
+    assert not p.lean and p.accum_fp32 and 0 < p.chunk_bytes <= int(2.0 * grads) - V * H * 4
+    p = plan(1.0, accum=torch.bfloat16)  # summing in bf16 asked for: 8 chunks cannot fit: lean
+    assert p.lean and not p.accum_fp32
+    p = plan(0.2, weight=False)  # a frozen lm_head: any chunk that fits (here 256 tokens)
+    assert not p.lean and 0 < p.chunk_bytes <= int(0.2 * grads)
+    p = plan(10.0)  # chunks of 2048+ tokens (1.2 GiB, past the default's 1 GiB), summed in bf16
+    assert not p.lean and not p.accum_fp32 and 8 * p.chunk_bytes >= BT * V * 4
+    assert plan(0.1, grads_now=False).lean  # "none" or no gradients: the recomputing backward
+    # The lean backend without a budget: LEAN_EXTRA_FRACTION of the gradients.
+    lean = kernels.plan(BT, H, V, 2, torch.bfloat16, None, True, None, True, True)
+    assert lean.lean and lean.block_bytes == int(kernels.LEAN_EXTRA_FRACTION * grads)
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.01, 0.3, 5.0])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_memory_budget_matches_fp64(budget, reduction, mode):
+    inputs = make(SHAPES["37x64x131"], torch.bfloat16, {"reduction": reduction, "memory_budget": budget})
+    compare(inputs, torch.bfloat16)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])  # grads in the forward / recomputed

@@ -202,6 +202,7 @@ def liger_flce(
     return_lse=False,
     grad_accum_dtype=None,
     return_stats=False,
+    memory_budget=None,
 ):
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as flce
 
@@ -236,12 +237,15 @@ def _liger_flce_supports(
     class_weight=None,
     return_lse=False,
     return_stats=False,
+    memory_budget=None,
     **_,
 ):
     # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
     if return_lse or return_stats:
         reasons.append("return_lse/return_stats=True: Liger's FLCE does not return the logsumexp")
+    if memory_budget is not None:
+        reasons.append("memory_budget: Liger sizes its chunks itself")
     if reduction == "mean" and class_weight is not None and z_loss_scale:
         reasons.append(
             "z_loss_scale with class_weight and reduction='mean': Liger divides the z-loss by the "
@@ -270,6 +274,7 @@ def _make_cce(exact: bool):
         return_lse=False,
         grad_accum_dtype=None,
         return_stats=False,
+        memory_budget=None,
     ):
         from cut_cross_entropy import linear_cross_entropy
 
@@ -304,10 +309,13 @@ def _cce_supports(
     return_lse=False,
     grad_accum_dtype=None,
     return_stats=False,
+    memory_budget=None,
     **_,
 ):
     # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
+    if memory_budget is not None:
+        reasons.append("memory_budget: CCE sizes its blocks itself")
     if bias is not None:
         reasons.append("bias: CCE has no bias")
     if label_smoothing:
@@ -343,6 +351,7 @@ def torch_native_flce(
     return_lse=False,
     grad_accum_dtype=None,
     return_stats=False,
+    memory_budget=None,
 ):
     import torch.nn.functional as F
 
@@ -375,10 +384,18 @@ def torch_native_flce(
 
 
 def _torch_native_supports(
-    softcap=None, z_loss_scale=0.0, return_lse=False, label_smoothing=0.0, return_stats=False, **_
+    softcap=None,
+    z_loss_scale=0.0,
+    return_lse=False,
+    label_smoothing=0.0,
+    return_stats=False,
+    memory_budget=None,
+    **_,
 ):
     # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
+    if memory_budget is not None:
+        reasons.append("memory_budget: torch's linear_cross_entropy chunks by its own options")
     if softcap is not None:
         reasons.append("softcap: torch's linear_cross_entropy has no logit softcapping")
     if z_loss_scale:

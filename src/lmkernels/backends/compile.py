@@ -404,6 +404,7 @@ def flce_compile(
     return_lse=False,
     grad_accum_dtype=None,
     return_stats=False,
+    memory_budget=None,  # the chunks follow flce_chunk_size, not a budget (see the op's docstring)
 ):
     opts = (ignore_index, reduction, label_smoothing, softcap, z_loss_scale)
     loss, lse, entropy, top1 = _ChunkedFLCE.apply(

@@ -199,6 +199,7 @@ class LinearCrossEntropyLoss(nn.Module):
         class_weight: torch.Tensor | None = None,
         return_lse: bool = False,
         grad_accum_dtype: torch.dtype | None = None,
+        memory_budget: float | None = None,
         backend: str | None = None,
     ):
         super().__init__()
@@ -218,6 +219,7 @@ class LinearCrossEntropyLoss(nn.Module):
         self.z_loss_scale = float(z_loss_scale)
         self.return_lse = return_lse
         self.grad_accum_dtype = grad_accum_dtype
+        self.memory_budget = memory_budget
         self.backend = backend
         self.register_buffer("class_weight", class_weight)
 
@@ -241,6 +243,7 @@ class LinearCrossEntropyLoss(nn.Module):
             class_weight=self.class_weight,
             return_lse=self.return_lse,
             grad_accum_dtype=self.grad_accum_dtype,
+            memory_budget=self.memory_budget,
             backend=self.backend,
         )
 

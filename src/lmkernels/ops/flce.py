@@ -29,6 +29,11 @@ grad_accum_dtype: the dtype backends may accumulate the weight gradient in acros
 tokens. torch.float32: rounded once; weight.dtype: the leanest (one rounding per chunk); None:
 the backend's documented default, always within the correctness policy. The eager reference
 ignores it (it has no chunks).
+memory_budget: how much memory the loss may hold beyond its gradients, as a fraction of their
+bytes (grad_hidden + grad_weight): None for the backend's default, 0 for the least it can do.
+Not part of the math: the Triton backends choose their chunks, and whether to recompute the
+logits in the backward, from it; eager (which holds the logits) and compile (its own chunks)
+ignore it; the peers' adapters refuse it.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ def fused_linear_cross_entropy_reference(
     return_lse=False,
     grad_accum_dtype=None,
     return_stats=False,
+    memory_budget=None,
 ):
     V, H = weight.shape
     t = target.reshape(-1)
@@ -126,6 +132,7 @@ def check_inputs(
     return_lse=False,
     grad_accum_dtype=None,
     return_stats=False,
+    memory_budget=None,
 ):
     check_tensor("hidden", hidden)
     check_tensor("weight", weight, ndim=2)
@@ -155,6 +162,8 @@ def check_inputs(
     check_number("z_loss_scale", z_loss_scale, low=0.0, what="a non-negative number")
     check_bool("return_lse", return_lse)
     check_bool("return_stats", return_stats)
+    if memory_budget is not None:
+        check_number("memory_budget", memory_budget, low=0.0, what="None or a non-negative number")
     if grad_accum_dtype not in (None, torch.float32, weight.dtype):
         fail(
             f"grad_accum_dtype: expected None, torch.float32 or weight's dtype {weight.dtype}, got {grad_accum_dtype}"
@@ -306,6 +315,7 @@ def sample(draw):
         "with_class_weight": draw.booleans(),
         "return_lse": draw.booleans(),
         "return_stats": draw.booleans(),
+        "memory_budget": draw.sampled_from((None, None, 0.0, 0.01, 0.08, 0.5, 4.0)),
         "lean": draw.booleans(),
         "regime": draw.sampled_from(("gaussian", "uniform", "zipf") if H >= 2 else ("gaussian", "uniform")),
     }
@@ -342,6 +352,7 @@ def error_inputs(device):
         ErrorInput(args(ignore_index=-1.5), "ignore_index: expected an int"),
         ErrorInput(args(return_lse="yes"), "return_lse: expected a bool"),
         ErrorInput(args(return_stats=1), "return_stats: expected a bool"),
+        ErrorInput(args(memory_budget=-0.1), "memory_budget: expected None or a non-negative number"),
         ErrorInput(args(bias=torch.randn(10, device=device)), r"bias: expected shape \(11,\)"),
         ErrorInput(args(class_weight=torch.randn(3, device=device)), r"class_weight: expected shape \(11,\)"),
         ErrorInput(args(grad_accum_dtype=torch.float16), "grad_accum_dtype: expected None, torch.float32"),
@@ -378,6 +389,7 @@ SPEC = register_op(
             {"softcap": 30.0, "z_loss_scale": 1e-4, "ignore_index": 3},
             {"return_lse": True, "ignore_fraction": 1.0},
             {"return_stats": True, "softcap": 30.0, "with_bias": True},
+            {"memory_budget": 0.0, "reduction": "sum", "with_class_weight": True},
             {"lean": True},
         ],
         # fp32: the logits matmul sums H products, so a different blocking of that sum moves
@@ -422,6 +434,7 @@ def fused_linear_cross_entropy(
     return_lse=False,
     grad_accum_dtype=None,
     return_stats=False,
+    memory_budget=None,
     *,
     backend=None,
 ):
@@ -443,4 +456,5 @@ def fused_linear_cross_entropy(
         return_lse=return_lse,
         grad_accum_dtype=grad_accum_dtype,
         return_stats=return_stats,
+        memory_budget=memory_budget,
     )

@@ -17,6 +17,7 @@ No host synchronization: denominators, scales and the logsumexp stay on the devi
 """
 
 import contextlib
+import dataclasses
 import os
 
 import torch
@@ -296,6 +297,70 @@ def fast_weight_dtype_chunk(BT: int, V: int) -> int | None:
         return override if cdiv(BT, override) <= MAX_SUPER_CHUNKS else None
     tokens = max(cdiv(cdiv(BT, MAX_SUPER_CHUNKS), 128) * 128, MIN_FAST_CHUNK_TOKENS)
     return tokens if tokens * V * 4 <= CHUNK_BYTES else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one FLCE call runs. lean: the forward keeps only the logsumexp and the backward
+    recomputes the logits (else the forward computes every gradient: the fast mode). accum_fp32:
+    grad_W summed in fp32 (rounded once), else in its own dtype over at most MAX_SUPER_CHUNKS
+    chunks. chunk_bytes: the forward's fp32 logits chunk, at most (0: CHUNK_BYTES). block_bytes:
+    what the recomputing backward may hold beyond the gradients (logits block + fp32 grad_hidden
+    accumulator)."""
+
+    lean: bool
+    accum_fp32: bool
+    chunk_bytes: int
+    block_bytes: int
+
+
+def plan(
+    BT: int,
+    H: int,
+    V: int,
+    itemsize: int,
+    weight_dtype: torch.dtype,
+    grad_accum_dtype: torch.dtype | None,
+    lean_default: bool,
+    memory_budget: float | None,
+    grads_now: bool,
+    need_weight: bool,
+) -> Plan:
+    """The mode and sizes of one call (flce.py's docstring). grads_now: a reduced loss whose
+    gradients are wanted (the fast mode can compute them in the forward).
+
+    memory_budget None: the backend's own default (triton: the fast mode with chunks of up to
+    CHUNK_BYTES; triton_lean: LEAN_EXTRA_FRACTION of the gradients). A number f: at most about
+    f x the gradients' bytes (grad_hidden + grad_W) beyond them: the fast mode where one of its
+    configurations fits (the largest chunks that do, past CHUNK_BYTES if the budget allows),
+    else the lean mode within it. The block
+    floors of flce_blocks (accuracy and GEMM efficiency) win over a budget below them.
+    """
+    grad_bytes = (BT + V) * H * itemsize
+    fp32_ok = grad_accum_dtype in (None, torch.float32)
+    own_ok = grad_accum_dtype in (None, weight_dtype) and not (
+        grad_accum_dtype is None and weight_dtype == torch.float16
+    )
+    if memory_budget is None and not lean_default:
+        tokens = fast_weight_dtype_chunk(BT, V) if need_weight else None
+        accum = grad_accum_dtype == torch.float32 or (
+            grad_accum_dtype is None and (not own_ok or tokens is None)
+        )
+        chunk = tokens * V * 4 if grads_now and need_weight and not accum and tokens is not None else 0
+        return Plan(False, accum, chunk, CHUNK_BYTES)
+    extra = int((LEAN_EXTRA_FRACTION if memory_budget is None else memory_budget) * grad_bytes)
+    if memory_budget is not None and grads_now:
+        # The fast mode: a chunk of fp32 logits, and grad_W summed in its own dtype over at most
+        # MAX_SUPER_CHUNKS chunks, or else in an fp32 accumulator that the budget pays for too.
+        # A budget may pass CHUNK_BYTES (the default's cap), not 2^31 logits per chunk.
+        rows = _round_down(min(extra // (4 * V), 2**31 // V), 128)
+        summed = own_ok and (rows >= BT or cdiv(BT, max(rows, 1)) <= MAX_SUPER_CHUNKS)
+        if rows > 0 and (not need_weight or summed):
+            return Plan(False, False, rows * V * 4, extra)
+        rows = _round_down(min((extra - V * H * 4) // (4 * V), 2**31 // V), 128)
+        if rows > 0 and need_weight and fp32_ok:
+            return Plan(False, True, rows * V * 4, extra)
+    return Plan(True, grad_accum_dtype == torch.float32, grad_bytes + extra, extra)
 
 
 def flce_blocks(

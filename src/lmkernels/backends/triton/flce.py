@@ -6,8 +6,8 @@ shift every probability by up to |z| * 2^-8, far outside the correctness policy)
 Triton kernel turns each row of a piece into logsumexp, loss and d loss / d logits (written in
 the input dtype over the logits). Two impls trade memory for time:
 
-- backend "triton_lean", the lean mode: the forward computes only the logsumexp and the loss (token chunks of
-  fp32 logits no larger than the backward's own peak). The backward recomputes the logits in
+- backend "triton_lean", the lean mode: the forward computes only the logsumexp and the loss
+  (token chunks of fp32 logits no larger than the backward's own peak). The backward recomputes the logits in
   blocks of (token super-chunk x vocabulary columns) sized by a budget of LEAN_EXTRA_FRACTION
   (8%) of the gradients' bytes: per block, grad_W's rows come from one GEMM over the
   super-chunk's tokens and grad_hidden accumulates in fp32. Peak memory above the inputs:
@@ -28,8 +28,15 @@ at V = 128k), and otherwise (or for fp16 weights) CHUNK_BYTES chunks into an fp3
 accumulator.
 The fast mode is the default because in a training step the FLCE's own peak sits below the step's
 peak (measured end to end: the same peak memory in both modes, and the fast mode 1.08-1.22x the
-lean mode's tokens/s from 1 x 1024 tokens per step up). Choose the lean mode like any backend, where the loss's own peak matters:
-backend="triton_lean", or LMKERNELS_BACKEND="triton,flce=triton_lean".
+lean mode's tokens/s from 1 x 1024 tokens per step up). Choose the lean mode like any backend,
+where the loss's own peak matters: backend="triton_lean", or
+LMKERNELS_BACKEND="triton,flce=triton_lean".
+
+memory_budget (the op's option, a fraction f of the gradients' bytes) makes either backend one
+point of the range between the two (kernels.plan): the fast mode with the largest chunks of fp32
+logits that fit f x the gradients beside them (grad_W summed in its own dtype over at most 8 of
+them, or else in an fp32 accumulator that the budget pays for too), and where none fits, the
+lean mode with blocks within it. None keeps each backend's default above.
 
 reduction "none" (a gradient per token) or no gradient needed: both modes keep only the
 logsumexp and the backward recomputes (the budget is CHUNK_BYTES in fast mode).
@@ -66,11 +73,6 @@ def _grads_in_forward(reduction, grad_hidden, grad_weight, grad_bias, lean):
     return not lean and reduction != "none" and (grad_hidden or grad_weight or grad_bias)
 
 
-def _grad_bytes(hidden, weight):
-    """Bytes of grad_hidden + grad_W: what the lean mode's budget is a fraction of."""
-    return (hidden.shape[0] + weight.shape[0]) * weight.shape[1] * hidden.element_size()
-
-
 def _forward_raw(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -87,6 +89,8 @@ def _forward_raw(
     grad_bias: bool,
     accum_fp32: bool,
     lean: bool,
+    chunk_bytes: int,
+    block_bytes: int,
     stats: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, lse, grad_hidden, grad_weight, grad_bias, entropy, top1) for hidden (BT, H), target (BT,).
@@ -105,15 +109,8 @@ def _forward_raw(
     elif grads_now:
         scale = torch.ones((), dtype=torch.float32, device=hidden.device)
     rows = kernels.Rows(target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, V)
-    # Lean: the forward's chunk never exceeds what the backward will hold anyway.
-    max_bytes = None
-    if lean:
-        grad_bytes = _grad_bytes(hidden, weight)
-        max_bytes = grad_bytes + kernels.lean_budget_bytes(BT, H, V, hidden.element_size())
-    elif grads_now and grad_weight and not accum_fp32:
-        # grad_W summed in its own dtype: at most MAX_SUPER_CHUNKS chunks where they fit.
-        tokens = kernels.fast_weight_dtype_chunk(BT, V)
-        max_bytes = tokens * V * 4 if tokens is not None else None
+    # The plan's chunk (kernels.plan): lean, the backward's own peak; fast, the budget's.
+    max_bytes = chunk_bytes or None
     loss, lse, gh, gw, gb, entropy, top1 = kernels.run_chunks(
         hidden,
         weight,
@@ -164,6 +161,8 @@ def _forward_fake(
     grad_bias,
     accum_fp32,
     lean,
+    chunk_bytes,
+    block_bytes,
     stats,
 ):
     BT = hidden.shape[0]
@@ -196,20 +195,17 @@ def _backward_raw(
     grad_weight: bool,
     grad_bias: bool,
     accum_fp32: bool,
-    lean: bool,
+    block_bytes: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the loss for upstream gradient grad_loss (0-dim, or (BT,) for "none"),
-    recomputing the logits block by block from lse. Gradients not asked for are empty (0,)."""
+    recomputing the logits block by block from lse within block_bytes. Gradients not asked for
+    are empty (0,)."""
     BT, H = hidden.shape
     V = weight.shape[0]
     grad = grad_loss.float()
     if reduction == "mean":
         grad = grad * kernels.mean_scale(target, class_weight, ignore_index, V)
     rows = kernels.Rows(target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, V)
-    if lean:
-        budget = kernels.lean_budget_bytes(BT, H, V, hidden.element_size())
-    else:
-        budget = kernels.CHUNK_BYTES
     gh, gw, gb = kernels.run_blocks(
         hidden,
         weight,
@@ -220,7 +216,7 @@ def _backward_raw(
         grad_weight,
         grad_bias and bias is not None,
         accum_fp32,
-        budget,
+        block_bytes,
     )
     return _or_empty(hidden, bias, gh, gw, gb)
 
@@ -246,7 +242,7 @@ def _backward_fake(
     grad_weight,
     grad_bias,
     accum_fp32,
-    lean,
+    block_bytes,
 ):
     gh = torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0)
     gw = torch.empty_like(weight) if grad_weight else hidden.new_empty(0)
@@ -260,7 +256,9 @@ _recompute = op_or_raw(_backward_op, _backward_raw, "fused_linear_cross_entropy"
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, target, bias, class_weight, ignore_index, reduction = inputs[:7]
-    label_smoothing, softcap, z_loss_scale, grad_h, grad_w, grad_b, accum_fp32, lean, _ = inputs[7:]
+    label_smoothing, softcap, z_loss_scale, grad_h, grad_w, grad_b, accum_fp32, lean, _, block_bytes, _ = (
+        inputs[7:]
+    )
     loss, lse, gh, gw, gb, entropy, top1 = output
     ctx.mark_non_differentiable(lse, gh, gw, gb, entropy, top1)
     # Autograd would otherwise hand the backward zero-filled gradients for the four outputs
@@ -275,7 +273,15 @@ def _setup_context(ctx, inputs, output):
         ctx.save_for_backward(gh, gw, gb)
     else:
         ctx.save_for_backward(hidden, weight, target, bias, class_weight, lse)
-        ctx.options = (ignore_index, reduction, label_smoothing, softcap, z_loss_scale, accum_fp32, lean)
+        ctx.options = (
+            ignore_index,
+            reduction,
+            label_smoothing,
+            softcap,
+            z_loss_scale,
+            accum_fp32,
+            block_bytes,
+        )
 
 
 _SECOND_BACKWARD = (
@@ -306,7 +312,7 @@ def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb, _entropy, _top1):
             ctx.scaled = True
     else:
         hidden, weight, target, bias, class_weight, lse = ctx.saved_tensors
-        ignore_index, reduction, label_smoothing, softcap, z_loss_scale, accum_fp32, lean = ctx.options
+        ignore_index, reduction, label_smoothing, softcap, z_loss_scale, accum_fp32, block_bytes = ctx.options
         grads = _recompute(
             grad_loss,
             hidden,
@@ -322,10 +328,10 @@ def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb, _entropy, _top1):
             z_loss_scale,
             *ctx.flags,
             accum_fp32,
-            lean,
+            block_bytes,
         )
     gh, gw, gb = (g if flag else None for g, flag in zip(grads, ctx.flags))
-    return gh, gw, None, gb, None, None, None, None, None, None, None, None, None, None, None, None
+    return gh, gw, None, gb, *[None] * 14
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -337,7 +343,7 @@ _FlceFunction = eager_function("FlceTritonFunction", _forward_raw, _setup_contex
 
 
 def _flce(
-    lean,
+    lean_default,
     hidden,
     weight,
     target,
@@ -351,9 +357,20 @@ def _flce(
     return_lse=False,
     grad_accum_dtype=None,
     return_stats=False,
+    memory_budget=None,
 ):
     H = weight.shape[1]
     grad_on = torch.is_grad_enabled()
+    needs = (
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+        grad_on and bias is not None and bias.requires_grad,
+    )
+    BT = hidden.numel() // H if H else 0
+    plan = kernels.plan(
+        BT, H, weight.shape[0], hidden.element_size(), weight.dtype, grad_accum_dtype, lean_default,
+        memory_budget, reduction != "none" and any(needs), needs[1],
+    )  # fmt: skip
     # The gradient outputs are dropped here: the backward's saved tensors are their only owners.
     loss, lse, _, _, _, entropy, top1 = call(
         _forward_op,
@@ -368,11 +385,11 @@ def _flce(
         float(label_smoothing),
         None if softcap is None else float(softcap),
         float(z_loss_scale),
-        grad_on and hidden.requires_grad,
-        grad_on and weight.requires_grad,
-        grad_on and bias is not None and bias.requires_grad,
-        _accum_fp32(grad_accum_dtype, lean, hidden.numel() // H, weight),
-        lean,
+        *needs,
+        plan.accum_fp32,
+        plan.lean,
+        plan.chunk_bytes,
+        plan.block_bytes,
         return_stats,
     )
     if reduction == "none":
@@ -393,19 +410,6 @@ def fused_linear_cross_entropy_triton(hidden, weight, target, **options):
 def fused_linear_cross_entropy_triton_lean(hidden, weight, target, **options):
     """The lean mode (module docstring): memory about the gradients alone."""
     return _flce(True, hidden, weight, target, **options)
-
-
-def _accum_fp32(grad_accum_dtype, lean, BT, weight) -> bool:
-    """Whether grad_W is rounded once (fp32 accumulation) rather than summed in its own dtype.
-    None: both modes sum at most MAX_SUPER_CHUNKS chunks in the weight's dtype (within the
-    correctness policy). The fast mode keeps an fp32 accumulator where 8 chunks would each hold
-    more than CHUNK_BYTES of logits (kernels.fast_weight_dtype_chunk), and for fp16 weights: an
-    fp16 grad_W sum forgoes the dlogits scaling that keeps fp16 gradients out of underflow."""
-    if grad_accum_dtype is None:
-        if lean:
-            return False
-        return weight.dtype == torch.float16 or kernels.fast_weight_dtype_chunk(BT, weight.shape[0]) is None
-    return grad_accum_dtype == torch.float32
 
 
 def _supports(class_weight=None, **inputs) -> list[str]:
