@@ -38,7 +38,9 @@ COUNTED = ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
 #  4. FlexAttention has no CPU backward -> SDPA with the same mask, made dense from the
 #     BlockMask's own mask_mod (causal within each packed document, as FlexAttention computes);
 #  5. gloo has no PREMUL_SUM, which FSDP2 uses for torchtitan's gradient divide factor -> plain
-#     SUM reductions (FSDP then divides separately: the same gradients).
+#     SUM reductions (FSDP then divides separately: the same gradients);
+#  6. speed only: the BlockMask is made by torchtitan's torch.compile'd create_block_mask, which
+#     on a CPU means an inductor C++ build in every fresh process -> the same function, eager.
 # Both runs of every comparison get the same shims.
 
 
@@ -66,8 +68,11 @@ def _cpu_shims() -> None:
         dist.set_timeout = dist.distributed_c10d._set_pg_timeout
 
     from torch.distributed.fsdp import FSDPModule
-    from torch.nn.attention.flex_attention import create_mask
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+    from torchtitan.models.common import attention
     from torchtitan.models.common.attention import FlexAttention
+
+    attention._compiled_create_block_mask = create_block_mask  # 6
 
     def sdpa_forward(
         self, q_BLNH, k_BLNH, v_BLNH, *, attention_masks, scale=None, enable_gqa=False, **kwargs
@@ -352,10 +357,13 @@ def test_converter_swaps_exact_types(debug_model_config):
 
 
 @needs_torchtitan
+@pytest.mark.parametrize("backend", ["eager", "triton"])
 @pytest.mark.parametrize("kind", ["rms_norm", "layer_norm", "complex_rope", "cos_sin_rope", "feed_forward"])
-def test_module_matches_torchtitan(kind):
+def test_module_matches_torchtitan(kind, backend):
     """Each lmkernels module against the torchtitan module it replaces, same weights and inputs
-    (fp32): outputs and gradients to 1e-5; RoPE with per-sample and shared packed positions."""
+    (fp32): outputs and gradients to 1e-5; RoPE (q and k in torchtitan's (batch, seq, heads,
+    dim) layout, handed to lmkernels transposed) with per-sample and shared packed positions.
+    Triton runs on the CPU interpreter here (tests/conftest.py)."""
     import torch
     from torchtitan.models.common import ComplexRoPE, CosSinRoPE, FeedForward, LayerNorm, Linear, RMSNorm
 
@@ -378,7 +386,7 @@ def test_module_matches_torchtitan(kind):
             w3=lin(in_features=32, out_features=48),
         )
     ref = config.build()
-    new = replacement(config, backend="eager").build()
+    new = replacement(config, backend=backend).build()
     assert type(new).__mro__[1] is type(ref)
     new.load_state_dict(ref.state_dict())
     with torch.no_grad():
@@ -432,7 +440,8 @@ def test_fused_loss_refuses_what_it_cannot_fuse():
 
 
 @needs_torchtitan
-def test_fused_loss_matches_chunked_loss():
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_fused_loss_matches_chunked_loss(backend):
     """The fused loss against torchtitan's ChunkedLossWrapper on the same hidden states, lm_head
     and labels (with ignored tokens): loss, hidden-state and weight gradients."""
     import torch

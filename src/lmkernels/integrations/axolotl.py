@@ -27,6 +27,10 @@ one off or, without `lmkernels`, on):
 
 Config validation refuses an op that another plugin or Axolotl option also replaces (Liger's
 kernels, Cut Cross Entropy, chunked cross entropy), and a backend spec that does not parse.
+With a LoRA adapter, Axolotl's own fused LoRA MLP kernel (`lora_mlp_kernel`, which Axolotl
+turns on by default for LoRA) replaces each MLP's forward after the adapter is in: the plugin
+then leaves the MLP to it (a warning says so); `lora_mlp_kernel: false` gives lmkernels' GLU
+with LoRA running inside the projections.
 
 This module is imported by Axolotl's plugin manager; it needs axolotl (and pydantic, which
 axolotl brings) and raises LMKernelsError without them.
@@ -46,6 +50,10 @@ except ImportError as exc:  # pragma: no cover - the message is tested where axo
         "lmkernels.integrations.axolotl is an Axolotl plugin and needs axolotl installed "
         f"(pip install axolotl; {exc}). Outside Axolotl, use lmkernels.integrations.transformers."
     ) from exc
+
+from lmkernels import _versions  # noqa: E402
+
+_versions.check("axolotl")  # the range of pyproject.toml's axolotl extra
 
 PLUGIN = "lmkernels.integrations.axolotl.LmkernelsPlugin"
 

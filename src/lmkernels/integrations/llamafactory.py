@@ -97,6 +97,9 @@ def register():
             f"(llamafactory>=0.9.5): {exc}"
         ) from exc
 
+    from lmkernels import _versions
+
+    _versions.check("llamafactory")  # the range of pyproject.toml's llamafactory extra
     kernel = Registry.get(KERNEL_ID)
     if kernel is None:
 

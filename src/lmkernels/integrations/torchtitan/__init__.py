@@ -44,8 +44,12 @@ except ImportError as exc:  # pragma: no cover - the message is tested where tor
         f"lmkernels.integrations.torchtitan needs torchtitan installed (pip install torchtitan; {exc})"
     ) from exc
 
-from lmkernels.integrations.torchtitan.loss import FusedLinearCrossEntropyLoss, fused_loss_config
-from lmkernels.integrations.torchtitan.modules import (
+from lmkernels import _versions  # noqa: E402
+
+_versions.check("torchtitan")  # the range of pyproject.toml's torchtitan extra
+
+from lmkernels.integrations.torchtitan.loss import FusedLinearCrossEntropyLoss, fused_loss_config  # noqa: E402
+from lmkernels.integrations.torchtitan.modules import (  # noqa: E402
     MODEL_OPS,
     LmkernelsComplexRoPE,
     LmkernelsCosSinRoPE,
