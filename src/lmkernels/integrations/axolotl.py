@@ -13,7 +13,8 @@ before LoRA, quantization-aware training, FSDP and torch.compile wrap it) with
 `lmkernels.integrations.transformers.apply(model, backend, ops, strict)`: modules are
 recognized by structure and each replacement is checked against the module it replaces when
 it is applied (see that module). With `lmkernels_flce` on, a training forward with labels
-computes lm_head + cross entropy as one fused call and returns no logits.
+computes lm_head + cross entropy as one fused call and returns no logits. What was patched,
+and what was kept and why, is logged once per model (logger axolotl.integrations.lmkernels).
 
 Keys (all optional; `lmkernels: true` turns every op on, each `lmkernels_<op>` key then turns
 one off or, without `lmkernels`, on):
@@ -38,6 +39,7 @@ axolotl brings) and raises LMKernelsError without them.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from lmkernels.registry import LMKernelsError, parse_backend_spec
@@ -194,11 +196,8 @@ class LmkernelsPlugin(BasePlugin):
 
 
 def _log(message: str, warning: bool = False) -> None:
-    try:
-        from axolotl.utils.logging import get_logger
-    except ImportError:  # pragma: no cover - older axolotl layouts
-        return
-    logger = get_logger(__name__)
+    # Axolotl shows INFO lines only of loggers under "axolotl" (others: warnings and errors).
+    logger = logging.getLogger("axolotl.integrations.lmkernels")
     (logger.warning if warning else logger.info)(message)
 
 

@@ -18,12 +18,12 @@ train` (and the torchrun it starts for several GPUs) never sees this kernel; lau
 this module (with torchrun yourself for several GPUs), or call `register()` before `run_exp`.
 
 What the kernel does: `lmkernels.integrations.transformers.apply` on the loaded model (inside
-a PEFT or value-head wrapper), with this module's settings (`configure()`, or the launcher's
-`lmkernels_backend`, `lmkernels_ops`, `lmkernels_strict` keys). LLaMA-Factory applies
-registered kernels at the end of model loading, after the adapter: with LoRA on the MLP
-projections (`lora_target: all`) the MLP is no plain gated MLP any more and stays as it is
-(the report says so); the norms, rotary embedding and fused loss are patched. Full and freeze
-fine-tuning get every op.
+a value-head wrapper; a PEFT model is seen through by apply itself), with this module's
+settings (`configure()`, or the launcher's `lmkernels_backend`, `lmkernels_ops`,
+`lmkernels_strict` keys). LLaMA-Factory applies registered kernels at the end of model
+loading, after the adapter: LoRA layers on the MLP projections run inside lmkernels' GLU, and
+a LoRA or modules_to_save lm_head inside the fused loss, as PEFT computes them. The patch
+report is logged once (logger `lmkernels`; the launcher shows its INFO lines).
 
 The fused loss ("flce") returns no logits for a training forward with labels. Every
 LLaMA-Factory stage that reads logits calls the model without labels (DPO, KTO, PPO, reward
@@ -32,11 +32,15 @@ models) except `use_asft_loss`; the launcher and run_exp() leave "flce" out for 
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from collections.abc import Iterable
 from typing import Any
 
 from lmkernels.registry import LMKernelsError, parse_backend_spec
+
+logger = logging.getLogger("lmkernels")
 
 KERNEL_ID = "lmkernels"
 _OPTION_KEYS = ("lmkernels_backend", "lmkernels_ops", "lmkernels_strict")
@@ -59,27 +63,22 @@ def configure(backend: str | None = None, ops: Iterable[str] | None = None, stri
 
 
 def unwrap(model):
-    """The transformers model inside LLaMA-Factory's wrappers: a value-head model
-    (`pretrained_model`, PPO / reward stages) and a PEFT model (`get_base_model()`)."""
+    """The model inside LLaMA-Factory's value-head wrapper (`pretrained_model`: PPO and reward
+    stages), else `model` (a transformers model, or a PEFT model around one)."""
     inner = getattr(model, "pretrained_model", None)
     if inner is not None and type(model).__name__.endswith("WithValueHead"):
-        model = inner
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
+        return inner
+    return model
 
 
 def patch(model, backend: str | None = None, ops: Iterable[str] | None = None, strict: bool = True):
     """Patch the model LLaMA-Factory loaded (wrappers included: see unwrap()); returns `model`."""
     from lmkernels.integrations import transformers as lk_hf
 
-    base = unwrap(model)
-    lk_hf.apply(base, backend=backend, ops=lk_hf.SUPPORTED_OPS if ops is None else ops, strict=strict)
-    try:
-        from llamafactory.extras import logging
-    except ImportError:
-        return model
-    # A name under LLaMA-Factory's library logger, whose handler and level it configures.
-    logging.get_logger("llamafactory.lmkernels").info_rank0("\n" + lk_hf.report(base).format())
+    inner = unwrap(model)
+    lk_hf.apply(inner, backend=backend, ops=lk_hf.SUPPORTED_OPS if ops is None else ops, strict=strict)
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger.info("\n%s", lk_hf.report(inner).format())
     return model
 
 
@@ -191,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv and argv[-1] in ("-h", "--help") else 2
     sys.argv = [sys.argv[0], *argv[1:]]  # LLaMA-Factory's read_args reads the config from argv
+    if not logger.handlers:  # this process is ours: show lmkernels' INFO lines (the patch report)
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(levelname)s|%(name)s] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     run_exp()
     return 0
 

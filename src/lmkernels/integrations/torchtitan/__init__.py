@@ -105,7 +105,18 @@ class LmkernelsConverter(ModelConfigConverter):
 
     def convert(self, model_config):
         model_config, self.swapped = convert(model_config, self.ops, self.backend)
+        _log(self.swapped, None)
         return model_config
+
+
+def _log(swapped: list[str], loss) -> None:
+    from torchtitan.tools.logging import logger
+
+    kinds = sorted({fqn.rpartition(".")[-1] for fqn in swapped})
+    text = f"lmkernels: {len(swapped)} module configs swapped ({', '.join(kinds) or 'none'})"
+    if loss is not None:
+        text += f"; loss {type(loss).__qualname__.removesuffix('.Config')}"
+    logger.info(text)
 
 
 def apply(config, *, ops: Iterable[str] = OPS, backend: str | None = None):
@@ -116,7 +127,8 @@ def apply(config, *, ops: Iterable[str] = OPS, backend: str | None = None):
     spec = getattr(config, "model_spec", None)
     if spec is None:
         raise LMKernelsError("config: expected a torchtitan Trainer.Config with a model_spec")
-    spec.model, _ = convert(spec.model, [op for op in ops if op in MODEL_OPS], backend)
+    spec.model, swapped = convert(spec.model, [op for op in ops if op in MODEL_OPS], backend)
     if "flce" in ops:
         config.loss = fused_loss_config(config.loss, backend)
+    _log(swapped, config.loss)
     return config
