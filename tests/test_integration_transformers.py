@@ -498,3 +498,32 @@ def test_gpu_peak_memory_below_logits_size():
         f"patched step used {patched_peak / 2**20:.0f} MiB above its inputs; the bf16 logits alone "
         f"are {logits_bytes / 2**20:.0f} MiB"
     )
+
+
+def test_rope_behind_a_hub_kernel_module(monkeypatch):
+    """With the `kernels` package installed, transformers' hub-kernel decorator turns
+    apply_rotary_pos_emb into an nn.Module that calls it (its forward given the function's
+    signature): still recognized, patched, and reverted to that module."""
+    import inspect
+
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.apply_rotary_pos_emb
+
+    class HubFunction(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return original(*args, **kwargs)
+
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    HubFunction.forward.__signature__ = inspect.Signature(
+        params + list(inspect.signature(original).parameters.values())
+    )
+    hub = HubFunction()
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", hub)
+    plain = lk_hf.tiny_model("llama", seed=0)
+    model = lk_hf.apply(lk_hf.tiny_model("llama", seed=0), backend="eager")
+    assert "rope" in {f.op for f in lk_hf.report(model).patched}
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-6)
+    lk_hf.revert(model)
+    assert modeling_llama.apply_rotary_pos_emb is hub

@@ -47,6 +47,7 @@ from torch import nn
 
 from lmkernels.integrations import peft as lk_peft
 from lmkernels.integrations.lm_head_loss import lm_head_token_stats
+from lmkernels.integrations.transformers.record import RECORD, Saved
 from lmkernels.registry import LMKernelsError
 
 logger = logging.getLogger("lmkernels")
@@ -243,10 +244,8 @@ def route(model: nn.Module, log: bool = True, trl_forward=None, plain=None) -> D
     `trl_forward` / `plain`: apply() on a model TRL had already wrapped passes TRL's forward (no
     longer on the model) and the patched forward that now stands for the one TRL wraps.
     """
-    from lmkernels.integrations.transformers import patching
-
     model = lk_peft.inner_model(model)
-    patch = vars(model).get(patching.RECORD)
+    patch = vars(model).get(RECORD)
     head = trl_head(model, trl_forward)
     if patch is None or head is None:
         return None
@@ -258,7 +257,7 @@ def route(model: nn.Module, log: bool = True, trl_forward=None, plain=None) -> D
     if head.top:
         trl_forward = head.forward if trl_forward is None else trl_forward
         forward = _wrapper(model, decision.trl, trl_forward, plain, patch.flce_backend)
-        patch.saved.append(patching.Saved.replace(model, "forward", types.MethodType(forward, model)))
+        patch.saved.append(Saved.replace(model, "forward", types.MethodType(forward, model)))
     label = type(model).__name__
     if decision.ours:
         backend = patch.flce_backend or "auto"
@@ -293,9 +292,7 @@ def redirected(self: nn.Module, kwargs: dict):
     """(True, TRL's output computed by lmkernels) if the pre-hook redirected this call."""
     if not kwargs.pop(REDIRECT, False):
         return False, None
-    from lmkernels.integrations.transformers import patching
-
-    patch = vars(self)[patching.RECORD]
+    patch = vars(self)[RECORD]
     labels, shift = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
     num_items = kwargs.pop("num_items_in_batch", None)
     head = patch.trl_decision.trl

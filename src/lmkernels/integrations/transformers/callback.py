@@ -51,7 +51,7 @@ class LmkernelsCallback(TrainerCallback):
         strict: bool = True,
         trl_head: str = "auto",
     ):
-        from lmkernels.integrations import transformers as lk_hf
+        from lmkernels.integrations.transformers import api as lk_hf
 
         if trl_head not in lk_trl.PREFER:
             raise LMKernelsError(f"trl_head: expected one of {lk_trl.PREFER}, got {trl_head!r}")
@@ -98,7 +98,7 @@ class LmkernelsCallback(TrainerCallback):
     # --- helpers ---------------------------------------------------------------------------------
 
     def _patch(self, model, args):
-        from lmkernels.integrations import transformers as lk_hf
+        from lmkernels.integrations.transformers import api as lk_hf
         from lmkernels.integrations.transformers import patching
 
         if model is None:

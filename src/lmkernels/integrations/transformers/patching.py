@@ -23,30 +23,10 @@ from torch import nn
 from lmkernels.integrations import trl as lk_trl
 from lmkernels.integrations.transformers import masks
 from lmkernels.integrations.transformers import replacements as rp
+from lmkernels.integrations.transformers.record import RECORD, Saved  # noqa: F401  (re-exported)
 from lmkernels.integrations.transformers.report import PatchReport
 from lmkernels.integrations.transformers.structure import PATCHED, Finding, unwrapped
 from lmkernels.registry import LMKernelsError
-
-
-@dataclasses.dataclass
-class Saved:
-    obj: Any
-    attr: str
-    had_own: bool  # whether obj had attr in its own __dict__ (else it was inherited / absent)
-    value: Any
-
-    @classmethod
-    def replace(cls, obj: Any, attr: str, new: Any) -> Saved:
-        own = vars(obj)
-        saved = cls(obj, attr, attr in own, own.get(attr))
-        setattr(obj, attr, new)
-        return saved
-
-    def restore(self) -> None:
-        if self.had_own:
-            setattr(self.obj, self.attr, self.value)
-        else:
-            delattr(self.obj, self.attr)
 
 
 @dataclasses.dataclass
@@ -77,9 +57,6 @@ class Patch:
 
 
 CLASS_PATCHES: dict[str, Patch] = {}
-# A model's own patch record lives on the model (RECORD attribute): the record holds the model's
-# modules, so keeping it anywhere else would keep every patched model alive forever.
-RECORD = "_lmkernels_patch_record"
 PATCHED_MODELS: weakref.WeakSet = weakref.WeakSet()
 # Module-level replacements, per (kind, modeling module): kind "rope" (apply_rotary_pos_emb) or
 # "causal_mask" (the mask functions). Who holds them ("class:<type>" strings and/or models) and

@@ -236,7 +236,11 @@ def rope_function(original, style: RopeStyle, backend_of):
 
 
 def rope_signature_ok(fn) -> bool:
-    """The call convention the wrapper implements: (q, k, cos, sin, unsqueeze_dim=1)."""
+    """The call convention the wrapper implements: (q, k, cos, sin, unsqueeze_dim=1). With the
+    `kernels` package installed, transformers' hub-kernel decorator turns apply_rotary_pos_emb
+    into an nn.Module whose forward calls the function with the function's signature."""
+    if isinstance(fn, nn.Module):
+        fn = fn.forward
     try:
         names = list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):

@@ -1,0 +1,33 @@
+"""What a patch leaves on the objects it changes: the saved attributes that revert() restores,
+and the name of the attribute a patched model keeps its patch record under. A leaf module:
+patching.py and the TRL head's routing (integrations/trl.py) both use it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# A model's own patch record lives on the model (RECORD attribute): the record holds the model's
+# modules, so keeping it anywhere else would keep every patched model alive forever.
+RECORD = "_lmkernels_patch_record"
+
+
+@dataclasses.dataclass
+class Saved:
+    obj: Any
+    attr: str
+    had_own: bool  # whether obj had attr in its own __dict__ (else it was inherited / absent)
+    value: Any
+
+    @classmethod
+    def replace(cls, obj: Any, attr: str, new: Any) -> Saved:
+        own = vars(obj)
+        saved = cls(obj, attr, attr in own, own.get(attr))
+        setattr(obj, attr, new)
+        return saved
+
+    def restore(self) -> None:
+        if self.had_own:
+            setattr(self.obj, self.attr, self.value)
+        else:
+            delattr(self.obj, self.attr)
