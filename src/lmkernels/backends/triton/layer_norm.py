@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmkernels.backends.triton import _norms, triton_devices, triton_unavailable_reason
+from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import (
     call,
     cdiv,
@@ -30,6 +30,8 @@ from lmkernels.backends.triton._norms import (
     PATH_MEM,
     PATH_REGS,
     PATH_WIDE,
+    BwdConfig,
+    FwdConfig,
     bwd_config,
     can_prefetch,
     col_sums,
@@ -59,6 +61,7 @@ from lmkernels.backends.triton._norms import (
     to_dtype,
     widen,
 )
+from lmkernels.backends.triton.configs import tables_for
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
 
@@ -401,10 +404,11 @@ def _layer_norm_dwdb_kernel(
 # --- launchers -------------------------------------------------------------------------------
 
 
-def _layer_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+def layer_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, cfg: FwdConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns y (x's shape and dtype, contiguous), mean and rstd (fp32, one per row)."""
+    """Returns y (x's shape and dtype, contiguous), mean and rstd (fp32, one per row), launched
+    as cfg says."""
     N = x.shape[-1]
     x = x.contiguous()  # the kernels read rows of N elements from flat memory
     M = num_rows(x)
@@ -413,7 +417,6 @@ def _layer_norm_fwd(
     rstd = empty((M,), torch.float32, x.device)
     if M == 0:
         return y, mean, rstd
-    cfg = fwd_config("layer_norm", N)
     rows = cfg.rows if cfg.single_block else 1
     with device_guard(x):
         launch(
@@ -443,15 +446,17 @@ def _layer_norm_fwd(
     return y, mean, rstd
 
 
-def _layer_norm_bwd(
+def layer_norm_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor | None,
     mean: torch.Tensor,
     rstd: torch.Tensor,
     bias_dtype: torch.dtype | None,
+    cfg: BwdConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns dx, dw and db; dw is empty without weight, db is empty when bias_dtype is None."""
+    """Returns dx, dw and db, launched as cfg says; dw is empty without weight, db is empty when
+    bias_dtype is None."""
     N = x.shape[-1]
     x = x.contiguous()  # the kernels read rows of N elements from flat memory
     M = num_rows(x)
@@ -460,7 +465,6 @@ def _layer_norm_bwd(
     db = empty((N,), bias_dtype, x.device) if bias_dtype is not None else x.new_empty((0,))
     if M == 0:
         return dx, dw.zero_(), db.zero_()
-    cfg = bwd_config("layer_norm", N)
     rows = cfg.rows
     P = persistent_programs(num_tiles(M, rows), cfg.programs_per_sm, x.device)
     acc_dw = weight is not None and cfg.apart != APART_ALL
@@ -471,15 +475,15 @@ def _layer_norm_bwd(
     with device_guard(x):
         apart_dw, apart_db = weight is not None and not acc_dw, bias_dtype is not None and not acc_db
         if apart_dw or apart_db:
-            S = column_splits(M, N, x.device)
-            block_m, block_n, num_warps, _ = _norms.COL_CONFIG  # read at call time: the tuner sets it
+            col = cfg.column
+            S = column_splits(M, N, col, x.device)
             if apart_dw:
                 dw_partial = partial_buffer(S, N, x.device)
             if apart_db:
                 db_partial = partial_buffer(S, N, x.device)
             launch(
                 _layer_norm_dwdb_kernel,
-                (cdiv(N, block_n), S),
+                (cdiv(N, col.block_n), S),
                 dy,
                 x,
                 mean,
@@ -491,9 +495,9 @@ def _layer_norm_bwd(
                 cdiv(M, S),
                 DW=apart_dw,
                 DB=apart_db,
-                BLOCK_M=block_m,
-                BLOCK_N=block_n,
-                num_warps=num_warps,
+                BLOCK_M=col.block_m,
+                BLOCK_N=col.block_n,
+                num_warps=col.num_warps,
                 **pdl(x),
             )
         launch(
@@ -528,12 +532,34 @@ def _layer_norm_bwd(
             **pdl(x),
         )
         if dw_partial is not None and db_partial is not None:
-            sum_partials(dw_partial, dw, db_partial, db)  # one launch for both
+            sum_partials(dw_partial, dw, cfg.sums, db_partial, db)  # one launch for both
         elif dw_partial is not None:
-            sum_partials(dw_partial, dw)
+            sum_partials(dw_partial, dw, cfg.sums)
         elif db_partial is not None:
-            sum_partials(db_partial, db)
+            sum_partials(db_partial, db, cfg.sums)
     return dx, dw, db
+
+
+# The custom ops' bodies: the launch configurations of the device's tables (configs.tables_for).
+
+
+def _layer_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = fwd_config(tables_for(x.device).norms, "layer_norm", x.shape[-1])
+    return layer_norm_forward(x, weight, bias, eps, cfg)
+
+
+def _layer_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    bias_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = bwd_config(tables_for(x.device).norms, "layer_norm", x.shape[-1])
+    return layer_norm_backward(dy, x, weight, mean, rstd, bias_dtype, cfg)
 
 
 # --- torch.library ops -----------------------------------------------------------------------

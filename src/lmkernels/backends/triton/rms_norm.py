@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmkernels.backends.triton import _norms, triton_devices, triton_unavailable_reason
+from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import (
     call,
     cdiv,
@@ -31,6 +31,8 @@ from lmkernels.backends.triton._norms import (
     PATH_MEM,
     PATH_REGS,
     PATH_WIDE,
+    BwdConfig,
+    FwdConfig,
     bwd_config,
     can_prefetch,
     col_sums,
@@ -60,6 +62,7 @@ from lmkernels.backends.triton._norms import (
     to_dtype,
     widen,
 )
+from lmkernels.backends.triton.configs import tables_for
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
 
@@ -369,10 +372,11 @@ def _rms_norm_dw_kernel(
 # --- launchers -------------------------------------------------------------------------------
 
 
-def _rms_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str
+def rms_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str, cfg: FwdConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns y (x's shape and dtype, contiguous) and rstd (fp32, one per row)."""
+    """Returns y (x's shape and dtype, contiguous) and rstd (fp32, one per row), launched as cfg
+    says."""
     N = x.shape[-1]
     x = x.contiguous()  # the kernels read rows of N elements from flat memory
     M = num_rows(x)
@@ -380,7 +384,6 @@ def _rms_norm_fwd(
     rstd = empty((M,), torch.float32, x.device)
     if M == 0:
         return y, rstd
-    cfg = fwd_config("rms_norm", N)
     rows = cfg.rows if cfg.single_block else 1
     with device_guard(x):
         launch(
@@ -409,16 +412,15 @@ def _rms_norm_fwd(
     return y, rstd
 
 
-def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.Tensor:
-    """Writes dx and returns dw (empty when weight is None). dy and dx are contiguous; dx may be
-    dy itself (in-place backward)."""
+def rms_norm_backward_into(dy, x, weight, rstd, offset, casting_mode, dx, cfg: BwdConfig) -> torch.Tensor:
+    """Writes dx and returns dw (empty when weight is None), launched as cfg says. dy and dx are
+    contiguous; dx may be dy itself (in-place backward)."""
     N = x.shape[-1]
     x = x.contiguous()  # the kernels read rows of N elements from flat memory
     M = num_rows(x)
     dw = empty((N,), weight.dtype, x.device) if weight is not None else x.new_empty((0,))
     if M == 0:
         return dw.zero_()
-    cfg = bwd_config("rms_norm", N)
     rows = cfg.rows
     P = persistent_programs(num_tiles(M, rows), cfg.programs_per_sm, x.device)
     acc = weight is not None and cfg.apart == APART_NONE
@@ -426,7 +428,7 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
     with device_guard(x):
         if weight is not None and not acc:
             # First: the backward kernel may write dx over dy.
-            partial = _dw_apart(dy, x, rstd, casting_mode)
+            partial = _dw_apart(dy, x, rstd, casting_mode, cfg)
         launch(
             _rms_norm_bwd_kernel,
             (P,),
@@ -457,19 +459,19 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
             **pdl(x),
         )
         if partial is not None:
-            sum_partials(partial, dw)
+            sum_partials(partial, dw, cfg.sums)
     return dw
 
 
-def _dw_apart(dy, x, rstd, casting_mode) -> torch.Tensor:
+def _dw_apart(dy, x, rstd, casting_mode, cfg: BwdConfig) -> torch.Tensor:
     """The dw partials (S x N, fp32) from the column kernel: S ranges of rows."""
     M, N = num_rows(x), x.shape[-1]
-    S = column_splits(M, N, x.device)
+    col = cfg.column
+    S = column_splits(M, N, col, x.device)
     partial = partial_buffer(S, N, x.device)
-    block_m, block_n, num_warps, _ = _norms.COL_CONFIG  # read at call time: the tuner sets it
     launch(
         _rms_norm_dw_kernel,
-        (cdiv(N, block_n), S),
+        (cdiv(N, col.block_n), S),
         dy,
         x,
         rstd,
@@ -478,13 +480,32 @@ def _dw_apart(dy, x, rstd, casting_mode) -> torch.Tensor:
         N,
         cdiv(M, S),
         MODE=_MODES[casting_mode],
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=col.block_m,
+        BLOCK_N=col.block_n,
         SOFT_BF16=soft_bf16(x),
-        num_warps=num_warps,
+        num_warps=col.num_warps,
         **pdl(x),
     )
     return partial
+
+
+def rms_norm_backward(
+    dy, x, weight, rstd, offset, casting_mode, cfg: BwdConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns dx (x's shape and dtype) and dw (empty when weight is None), launched as cfg says."""
+    dx = empty(x.shape, x.dtype, x.device)
+    dw = rms_norm_backward_into(dy.contiguous(), x, weight, rstd, offset, casting_mode, dx, cfg)
+    return dx, dw
+
+
+# The custom ops' bodies: the launch configurations of the device's tables (configs.tables_for).
+
+
+def _rms_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = fwd_config(tables_for(x.device).norms, "rms_norm", x.shape[-1])
+    return rms_norm_forward(x, weight, eps, offset, casting_mode, cfg)
 
 
 def _rms_norm_bwd(
@@ -495,10 +516,8 @@ def _rms_norm_bwd(
     offset: float,
     casting_mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns dx (x's shape and dtype) and dw (empty when weight is None)."""
-    dx = empty(x.shape, x.dtype, x.device)
-    dw = _rms_norm_bwd_into(dy.contiguous(), x, weight, rstd, offset, casting_mode, dx)
-    return dx, dw
+    cfg = bwd_config(tables_for(x.device).norms, "rms_norm", x.shape[-1])
+    return rms_norm_backward(dy, x, weight, rstd, offset, casting_mode, cfg)
 
 
 # --- torch.library ops -----------------------------------------------------------------------
