@@ -286,23 +286,14 @@ def _sum_partials_kernel(
 # --- launcher helpers --------------------------------------------------------------------------
 
 
-def fwd_config(table: NormTable, op: str, N: int) -> FwdConfig:
-    """The forward's launch for rows of N columns, from `table` (configs.tables_for)."""
-    return _fwd_config(table, op, N)
-
-
-def bwd_config(table: NormTable, op: str, N: int) -> BwdConfig:
-    """The backward's launch for rows of N columns, from `table` (configs.tables_for)."""
-    return _bwd_config(table, op, N)
-
-
 def _default_warps(elements: int, per_thread: int, cap: int) -> int:
     return min(cap, max(1, triton.next_power_of_2(max(1, elements // (32 * per_thread)))))
 
 
 # Cached per table (tables are immutable and hashed by identity): the host cost of a launch.
-@functools.lru_cache(maxsize=4096)
-def _fwd_config(table: NormTable, op: str, N: int) -> FwdConfig:
+@functools.cache
+def fwd_config(table: NormTable, op: str, N: int) -> FwdConfig:
+    """The forward's launch for rows of N columns, from `table` (configs.tables_for)."""
     if N > table.max_fused_n:
         return FwdConfig(1, table.wide.block, False, table.wide.fwd_warps, hints=True)
     block = triton.next_power_of_2(N)
@@ -316,8 +307,9 @@ def _fwd_config(table: NormTable, op: str, N: int) -> FwdConfig:
     return FwdConfig(rows, block, True, _default_warps(rows * block, 16, 16))
 
 
-@functools.lru_cache(maxsize=4096)
-def _bwd_config(table: NormTable, op: str, N: int) -> BwdConfig:
+@functools.cache
+def bwd_config(table: NormTable, op: str, N: int) -> BwdConfig:
+    """The backward's launch for rows of N columns, from `table` (configs.tables_for)."""
     shared = dict(column=table.column, sums=table.sums)
     if N > table.max_fused_n:
         wide = table.wide

@@ -22,11 +22,13 @@ def tables_for(device: torch.device) -> Tables:
     """The tables for `device`: Hopper's on NVIDIA GPUs of compute capability 9.x with compiled
     kernels, the default ones elsewhere (other GPUs, ROCm, the CPU interpreter, the CPU).
     Decided once per device."""
-    tables = _BY_DEVICE.get(device)
-    if tables is None:
-        if device.type == "cuda" and device.index is None:
-            return tables_for(torch.device("cuda", torch.cuda.current_device()))
-        tables = _BY_DEVICE[device] = _select(device)
+    try:
+        return _BY_DEVICE[device]
+    except KeyError:
+        pass
+    if device.type == "cuda" and device.index is None:
+        return tables_for(torch.device("cuda", torch.cuda.current_device()))
+    tables = _BY_DEVICE[device] = _select(device)
     return tables
 
 
