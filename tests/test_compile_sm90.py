@@ -126,30 +126,9 @@ main(json.loads(sys.argv[1]))
 def _configs():
     """The backward configurations of tests/test_triton_norms.py's path tests, whose values the
     interpreter checks: here the same launches must compile."""
-    import lmkernels.backends.triton._norms as norms
-    from test_triton_norms import _PATHS
+    from test_triton_norms import _PATHS, bwd_fields
 
-    out = []
-    for rows, path, reload_w, tail, apart, *extra in _PATHS.values():
-        wide = path == "PATH_WIDE"
-        out.append(
-            dict(
-                rows=rows,
-                block=32 if wide else 64 if tail else 128,
-                path=getattr(norms, path),
-                num_warps=4,
-                programs_per_sm=1,
-                reload_w=reload_w,
-                tail=tail,
-                apart=getattr(norms, apart),
-                stages=extra[0] if extra else 1,
-                const_n=len(extra) > 1 and extra[1],
-                reload_x=len(extra) > 2 and extra[2],
-                hold_x=len(extra) > 3 and extra[3],
-                fma=len(extra) > 4 and extra[4],
-            )
-        )
-    return out
+    return [bwd_fields(name) for name in _PATHS]
 
 
 def test_norm_backward_paths_compile_for_sm90(tmp_path):

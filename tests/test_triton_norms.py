@@ -373,69 +373,65 @@ def test_layer_norm_fma_forms_where_they_measured_faster():
     assert not any(norms_mod.bwd_config(NORMS, "rms_norm", N).fma for N in (11008, 16384))
 
 
-# Every backward path and a multi-row tile, forced (the table picks them only for wide rows on
-# the GPU): PATH_MEM keeps the weight-gradient partial sums in memory, stored on a program's
-# first tile and added after, so 3 interpreter programs over 6 tiles exercise both; rows = 4
-# with M = 21 leaves a partial last tile. "tail": the row of 100 as register blocks of 64 and 64
-# (36 used); "apart": gradient sums left to the column kernel (2 row ranges of 11 rows, each
-# 8 + 3, two column blocks of 64, the second partial). "wide": the row in column blocks of 32
-# (the last one partial), read twice, the partial sums in memory; its forward too, with eviction
-# hints. "stages": the loops software-pipelined (a GPU-only transformation; the interpreter runs
-# the same loops). A one-row tile ("rows1") is held as 1-D blocks, more rows as 2-D tiles.
-# "const-n": both kernels compiled for N = 100 (a constexpr), the padded lanes of the block
-# masked at compile time. "reload-x": the backward reads x and dy a second time after the row
-# sums instead of holding them; "hold-x": it holds them as loaded (bf16) and widens them again
-# by their bits. "fma": LayerNorm's x_hat and dx as fused multiply-adds (LayerNorm only).
+# Every backward path and a multi-row tile (the table picks them only for wide rows on the GPU),
+# passed to the launchers: 3 interpreter programs over 6 tiles loop over several; rows = 4 with
+# M = 21 leaves a partial last tile. "tail": the row of 100 as register blocks of 64 and 64 (36
+# used). "wide": the row in column blocks of 32 (the last one partial), read twice, the
+# gradient sums left to the column kernel (2 row ranges of 11 rows, each 8 + 3, two column
+# blocks of 64, the second partial); its forward too, with eviction hints. "stages": the loops
+# software-pipelined (a GPU-only transformation; the interpreter runs the same loops). A
+# one-row tile ("rows1") is held as 1-D blocks, more rows as 2-D tiles. "const-n": both kernels
+# compiled for N = 100 (a constexpr), the padded lanes of the block masked at compile time.
+# "reload-x": the backward reads x and dy a second time after the row sums instead of holding
+# them; "hold-x": it holds them as loaded (bf16) and widens them again by their bits (RMSNorm
+# only). "fma": LayerNorm's x_hat and dx as fused multiply-adds (LayerNorm only).
 PATH_SHAPE = (21, 100)
 _PATHS = {
-    "regs-rows4": (4, "PATH_REGS", False, 0, "APART_NONE"),
-    "regs-reload-w-stages2": (2, "PATH_REGS", True, 0, "APART_NONE", 2),
-    "mem-rows1": (1, "PATH_MEM", False, 0, "APART_NONE"),
-    "mem-rows4": (4, "PATH_MEM", False, 0, "APART_NONE"),
-    "regs-tail-rows2": (2, "PATH_REGS", False, 64, "APART_NONE"),
-    "mem-tail": (1, "PATH_MEM", False, 64, "APART_NONE"),
-    "tail-reload-w-apart-db-stages3": (1, "PATH_REGS", True, 64, "APART_DB", 3),
-    "apart-all": (2, "PATH_REGS", False, 0, "APART_ALL"),
-    "wide-rows1-stages2": (1, "PATH_WIDE", False, 0, "APART_NONE", 2),
-    "wide-rows4": (4, "PATH_WIDE", False, 0, "APART_NONE"),
-    "wide-apart-all-stages3": (2, "PATH_WIDE", False, 0, "APART_ALL", 3),
-    "regs-reload-w-const-n": (1, "PATH_REGS", True, 0, "APART_NONE", 1, True),
-    "tail-const-n": (1, "PATH_REGS", False, 64, "APART_NONE", 1, True),
-    "regs-rows2-const-n-stages3": (2, "PATH_REGS", False, 0, "APART_NONE", 3, True),
-    "wide-apart-all-const-n": (2, "PATH_WIDE", False, 0, "APART_ALL", 3, True),
-    "tail-reload-x": (1, "PATH_REGS", True, 64, "APART_NONE", 1, True, True),
-    "regs-rows2-reload-x-stages2": (2, "PATH_REGS", False, 0, "APART_NONE", 2, False, True),
-    "tail-hold-x": (1, "PATH_REGS", True, 64, "APART_NONE", 1, True, True, True),
-    "regs-rows2-hold-x-stages2": (2, "PATH_REGS", False, 0, "APART_NONE", 2, False, False, True),
-    "tail-reload-x-fma": (1, "PATH_REGS", True, 64, "APART_NONE", 1, True, True, False, True),
-    "regs-rows4-fma": (4, "PATH_REGS", False, 0, "APART_NONE", 1, False, False, False, True),
+    "regs-rows4": dict(rows=4),
+    "regs-reload-w-stages2": dict(rows=2, reload_w=True, stages=2),
+    "regs-tail-rows2": dict(rows=2, tail=64),
+    "tail-reload-w-stages3": dict(reload_w=True, tail=64, stages=3),
+    "wide-rows1-stages2": dict(wide=True, stages=2),
+    "wide-rows4": dict(rows=4, wide=True),
+    "wide-rows2-stages3": dict(rows=2, wide=True, stages=3),
+    "regs-reload-w-const-n": dict(reload_w=True, const_n=True),
+    "tail-const-n": dict(tail=64, const_n=True),
+    "regs-rows2-const-n-stages3": dict(rows=2, stages=3, const_n=True),
+    "wide-rows2-const-n": dict(rows=2, wide=True, stages=3, const_n=True),
+    "tail-reload-x": dict(reload_w=True, tail=64, const_n=True, reload_x=True),
+    "regs-rows2-reload-x-stages2": dict(rows=2, stages=2, reload_x=True),
+    "tail-hold-x": dict(reload_w=True, tail=64, const_n=True, reload_x=True, hold_x=True),
+    "regs-rows2-hold-x-stages2": dict(rows=2, stages=2, hold_x=True),
+    "tail-reload-x-fma": dict(reload_w=True, tail=64, const_n=True, reload_x=True, fma=True),
+    "regs-rows4-fma": dict(rows=4, fma=True),
 }
+
+
+def bwd_fields(name: str) -> dict:
+    """The BwdConfig fields (but the column and partial-sum kernels') of path `name`."""
+    fields = {"rows": 1, **_PATHS[name]}
+    wide = fields.pop("wide", False)
+    path = norms_mod.PATH_WIDE if wide else norms_mod.PATH_REGS
+    block = 32 if wide else 64 if fields.get("tail") else 128
+    return dict(block=block, path=path, num_warps=4, programs_per_sm=1, **fields)
 
 
 @pytest.fixture
 def forced_config(request):
     """The launch configurations (forward, backward) of the path named by the test's parameter."""
-    rows, path, reload_w, tail, apart, *extra = _PATHS[request.param]
-    stages = extra[0] if extra else 1
-    const_n = len(extra) > 1 and extra[1]
-    reload_x = len(extra) > 2 and extra[2]
-    hold_x = len(extra) > 3 and extra[3]
-    fma = len(extra) > 4 and extra[4]
-    wide = path == "PATH_WIDE"
-    block = 32 if wide else 64 if tail else 128
-    path, apart = getattr(norms_mod, path), getattr(norms_mod, apart)
+    fields = bwd_fields(request.param)
     column = ColumnConfig(block_m=8, block_n=64, num_warps=4, programs_per_sm=1)
-    bwd = _bwd_config(rows, block, path, 4, 1, reload_w, tail, apart, stages, const_n, reload_x,
-                      hold_x=hold_x, fma=fma, column=column)  # fmt: skip
+    bwd = _bwd_config(**fields, column=column)
+    const_n = fields.get("const_n", False)
     fwd = (
         norms_mod.FwdConfig(1, 32, False, 4, hints=True, const_n=const_n)
-        if wide
-        else norms_mod.FwdConfig(rows, 128, True, 4, const_n=const_n)
+        if not bwd.single_block
+        else norms_mod.FwdConfig(fields["rows"], 128, True, 4, const_n=const_n)
     )
     return request.param, fwd, bwd
 
 
-@pytest.mark.parametrize("forced_config", [p for p in _PATHS if not p.endswith("fma")], indirect=True)
+@pytest.mark.parametrize("forced_config", [p for p in _PATHS if "fma" not in _PATHS[p]], indirect=True)
 @pytest.mark.parametrize("case", ["llama", "none-offset", "no-weight"])
 def test_rms_norm_backward_paths(forced_config, case):
     name, fwd, bwd = forced_config
@@ -444,7 +440,7 @@ def test_rms_norm_backward_paths(forced_config, case):
     )
 
 
-@pytest.mark.parametrize("forced_config", list(_PATHS), indirect=True)
+@pytest.mark.parametrize("forced_config", [p for p in _PATHS if "hold_x" not in _PATHS[p]], indirect=True)
 @pytest.mark.parametrize("case", ["weight-bias", "no-bias", "no-weight"])
 def test_layer_norm_backward_paths(forced_config, case):
     name, fwd, bwd = forced_config
@@ -456,16 +452,17 @@ def test_layer_norm_backward_paths(forced_config, case):
 @pytest.mark.parametrize(
     "bwd",
     [
-        dict(block=128, apart=2),
+        dict(block=32, path=norms_mod.PATH_WIDE),
         dict(block=64, tail=64, reload_w=True, reload_x=True),
     ],
-    ids=["apart-dw", "tail-reload-x"],
+    ids=["wide-column-kernel", "tail-reload-x"],
 )
 def test_rms_norm_in_place_backward(bwd):
     """dx written over dy (the in-place backward): the column kernel must read dy first, and a
     backward that reads a row's dy twice (reload_x) must read each block before writing its dx."""
     column = ColumnConfig(block_m=16, block_n=64, num_warps=4, programs_per_sm=1)
-    cfg = _bwd_config(1, path=norms_mod.PATH_REGS, num_warps=4, programs_per_sm=1, column=column, **bwd)
+    bwd = {"path": norms_mod.PATH_REGS, **bwd}
+    cfg = _bwd_config(1, num_warps=4, programs_per_sm=1, column=column, **bwd)
     x, w, dy = (
         _randn((41, 100), torch.bfloat16, 0),
         _randn((100,), torch.bfloat16, 1),
@@ -495,7 +492,7 @@ def test_config_table_covers_the_sweep_widths():
     # the row sums (reload_x); at 16384 as two register blocks.
     for N, tail in ((11008, 0), (12288, 0), (13824, 8192), (16384, 8192)):
         cfg = norms_mod.bwd_config(NORMS, "layer_norm", N)
-        assert (cfg.apart, cfg.reload_x, cfg.tail) == (norms_mod.APART_NONE, True, tail)
+        assert (cfg.path, cfg.reload_x, cfg.tail) == (norms_mod.PATH_REGS, True, tail)
     # RMSNorm rows of at most 5/8 of the 8192 block take an entry of their own: two register
     # blocks that fit the row, read again after the row sum; 6144 columns keep the 3/4 entry.
     assert NORMS.entry("rms_norm", 5120).cols == (4097, 5120)

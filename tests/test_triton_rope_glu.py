@@ -241,22 +241,17 @@ def test_rope_launch_configs(shape, tile, min_programs, case):
 # The tile kernel (positions x head dims per head), passed to the launcher whatever the layout.
 # T = 7 is no multiple of BLOCK_T = 64 // 16 = 4, so the last tile of each sequence is partly
 # masked.
-def _tile(tile_elements, num_warps, min_programs, tables_once, head_stages):
+def _tile(tile_elements, num_warps, min_programs, head_stages):
     return RopeTileConfig(
-        tile_elements=tile_elements,
-        num_warps=num_warps,
-        min_programs=min_programs,
-        tables_once=tables_once,
-        head_stages=head_stages,
+        tile_elements=tile_elements, num_warps=num_warps, min_programs=min_programs, head_stages=head_stages
     )
 
 
 TILE_CONFIGS = {
-    "loop-heads-tables-once": _tile(64, 1, 1, True, 1),  # every program loops over all 6 heads
-    "loop-heads-tables-reloaded": _tile(64, 2, 1, False, 1),
-    "head-per-program": _tile(64, 1, 2**30, True, 1),  # splits = Hq + Hkv
-    "two-splits": _tile(32, 1, 8, False, 1),  # BLOCK_T = 2, 8 tiles, 3 heads each
-    "loop-heads-pipelined": _tile(64, 1, 1, True, 2),  # the head loop software-pipelined (GPU)
+    "loop-heads-tables-once": _tile(64, 1, 1, 1),  # every program loops over all 6 heads
+    "head-per-program": _tile(64, 1, 2**30, 1),  # splits = Hq + Hkv
+    "two-splits": _tile(32, 1, 8, 1),  # BLOCK_T = 2, 8 tiles, 3 heads each
+    "loop-heads-pipelined": _tile(64, 1, 1, 2),  # the head loop software-pipelined (GPU)
 }
 
 
@@ -314,7 +309,7 @@ def test_rope_kernel_choice():
     tile = RopeTileConfig(half=32, tile_elements=2048, num_warps=4, min_programs=2048, why="test")
     table = RopeTable(position=hopper.ROPE.position, tile=(tile,))
     assert rope_mod.rope_config(table, 8192, 64, 64, True) is tile
-    assert rope_mod._table_plan(table, 2, 8192, 16, 16, 64, 64, True) == (True, 32, 256, 4, 4, True, 1)
+    assert rope_mod._table_plan(table, 2, 8192, 16, 16, 64, 64, True) == (True, 32, 256, 4, 4, 1)
     position = table.position_config(32, False)
     assert rope_mod.rope_config(table, 8192, 64, 64, False) is position  # (B, T, H, D) memory
     assert rope_mod.rope_config(table, 16, 64, 64, True) is position  # T < BLOCK_T = 32

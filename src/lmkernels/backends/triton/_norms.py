@@ -3,33 +3,31 @@ the size of the persistent backward grid and the reduction of its weight-gradien
 
 Both norms lay the work out the same way:
 - forward: a tile of `rows` rows per program, in registers; or (rows wider than the table's
-  max_fused_n, and where the table says so) one row per program in chunks, x read again from L2 (with
-  eviction `hints` that keep it there between the passes).
-- backward: a persistent grid (a few programs per SM); each program loops over row tiles
-  pid, pid + P, ... and sums its weight (and bias) gradient contributions in fp32, either in
-  registers (PATH_REGS, one partial row written at the end) or in its own partial row in
-  memory (PATH_MEM: read-modify-write, an L2 hit). A second small kernel sums the P partial
-  rows (deterministic, no atomics). `stages` > 1 software-pipelines the loop over row tiles:
-  the next rows' loads are in flight (through shared memory) while a row is reduced, which is
-  what lets one row per SM reach the copy bandwidth.
+  max_fused_n, and where the table says so) one row per program in chunks, x read again from
+  L2 (with eviction `hints` that keep it there between the passes).
+- backward (PATH_REGS): a persistent grid (a few programs per SM); each program loops over row
+  tiles pid, pid + P, ... and sums its weight (and bias) gradient contributions in fp32
+  registers, one partial row written at the end. A second small kernel sums the P partial rows
+  (deterministic, no atomics). `stages` > 1 software-pipelines the loop over row tiles: the
+  next rows' loads are in flight (through shared memory) while a row is reduced, which is what
+  lets one row per SM reach the copy bandwidth.
 - PATH_WIDE (rows wider than max_fused_n): tiles of rows in column blocks, two passes (the
-  second from L2), the column loops pipelined.
+  second from L2), the column loops pipelined; the backward kernel writes dx only, and a column
+  kernel, one program per (column block, row range), sums the weight (and bias) gradients from
+  x and dy read again. That costs two more reads, and saves the per-row accumulators that make
+  the wide backward spill.
 - rows that fill at most 3/4 of their power-of-two block (5120, 11008) may be held as two
   register blocks, `block` (a power of two <= N) and `tail` (e.g. 4096 + 1024): fewer padding
   lanes, hence fewer registers per thread and more rows in flight per SM.
-- "apart" gradients (the `apart` field): the backward kernel leaves some weight-gradient sums
-  out (LayerNorm: the bias gradient, or both) and a column kernel computes them, one program
-  per (column block, row range), reading x and dy again. That costs 1-2 more reads of a
-  tensor, and saves the per-row accumulators that make the wide backward spill.
 - `reload_x`: the backward reads a row's x and dy a second time after the row sums, one
   register block at a time, from L1 / L2, instead of holding them. That frees the registers the
   gradient sums of a wide row need (LayerNorm's two), without the column kernel's HBM reads.
 - `prefetch`: a backward with one program per SM and one row in flight asks L2 for its next
   row as soon as the current row's loads are issued (prefetch_tile), so that HBM streams
   through the row's reductions.
-- `hold_x`: the backward holds a bf16 row's x and dy as loaded across the row sums, then widens
-  them to fp32 a second time (widen) instead of reading them again (reload_x) or keeping fp32
-  copies.
+- `hold_x` (RMSNorm): the backward holds a bf16 row's x and dy as loaded across the row sums,
+  then widens them to fp32 a second time (widen) instead of reading them again (reload_x) or
+  keeping fp32 copies.
 
 The launchers take their configuration (FwdConfig, BwdConfig) as an argument; the op bodies
 resolve it (fwd_config, bwd_config) from the table of the device's GPU generation
@@ -47,10 +45,6 @@ import triton.language as tl
 
 from lmkernels.backends.triton._common import cdiv, pdl, pdl_enter, sm90_ptx, soft_bf16, to_dtype
 from lmkernels.backends.triton._launch import launch
-from lmkernels.backends.triton.configs.records import APART_ALL as APART_ALL
-from lmkernels.backends.triton.configs.records import APART_DB as APART_DB
-from lmkernels.backends.triton.configs.records import APART_NONE as APART_NONE
-from lmkernels.backends.triton.configs.records import PATH_MEM as PATH_MEM
 from lmkernels.backends.triton.configs.records import PATH_REGS as PATH_REGS
 from lmkernels.backends.triton.configs.records import PATH_WIDE as PATH_WIDE
 from lmkernels.backends.triton.configs.records import BwdConfig as BwdConfig
@@ -313,8 +307,9 @@ def bwd_config(table: NormTable, op: str, N: int) -> BwdConfig:
     shared = dict(column=table.column, sums=table.sums)
     if N > table.max_fused_n:
         wide = table.wide
-        return BwdConfig(1, wide.block, PATH_WIDE, wide.bwd_warps, wide.programs_per_sm, apart=APART_ALL,
-                         stages=wide.stages, **shared)  # fmt: skip
+        return BwdConfig(
+            1, wide.block, PATH_WIDE, wide.bwd_warps, wide.programs_per_sm, stages=wide.stages, **shared
+        )
     block = triton.next_power_of_2(N)
     t = table.entry(op, N)
     if t is not None:
@@ -322,10 +317,9 @@ def bwd_config(table: NormTable, op: str, N: int) -> BwdConfig:
         if t.tail:  # two register blocks: the largest power of two <= N, then the rest
             block //= 2
             tail = triton.next_power_of_2(N - block)
-        return BwdConfig(t.bwd_rows, block, t.path, t.bwd_warps, t.programs_per_sm, reload_w=t.reload_w,
-                         tail=tail, apart=t.apart, stages=t.stages, const_n=t.const_n,
-                         reload_x=t.reload_x, prefetch=t.prefetch, hold_x=t.hold_x, fma=t.fma,
-                         **shared)  # fmt: skip
+        return BwdConfig(1, block, PATH_REGS, t.bwd_warps, t.programs_per_sm, reload_w=t.reload_w, tail=tail,
+                         stages=t.stages, const_n=t.const_n, reload_x=t.reload_x, prefetch=t.prefetch,
+                         hold_x=t.hold_x, fma=t.fma, **shared)  # fmt: skip
     rows = max(1, 1024 // block)
     num_warps = _default_warps(rows * block, 8, 16)
     return BwdConfig(rows, block, PATH_REGS, num_warps, max(1, 32 // num_warps), **shared)

@@ -288,7 +288,6 @@ def _rope_tile_kernel(
     HAS_POS: tl.constexpr,
     HAS_REST: tl.constexpr,
     BACKWARD: tl.constexpr,
-    TABLES_ONCE: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     HEAD_STAGES: tl.constexpr = 1,
     PDL: tl.constexpr = False,
@@ -296,8 +295,8 @@ def _rope_tile_kernel(
     """Program (p, s): BLOCK_T positions of one sequence x every `splits`-th head (q's, then
     k's), one (positions x head dims) tile per head: where a head's positions are contiguous
     rows ((B, H, T, D) memory), each tile is one contiguous stretch of BLOCK_T * D elements.
-    The tables are per position row; TABLES_ONCE keeps them in registers for the whole head
-    loop, else they are loaded again per head (from L1/L2), which spares those registers."""
+    The tables are per position row, loaded once and kept in registers for the whole head
+    loop."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     b = (pid // n_t_blocks).to(tl.int64)
@@ -315,19 +314,14 @@ def _rope_tile_kernel(
         row_ok = t_mask
         cos_rows = cos_ptr + b * stride_cb + t * stride_ct
         sin_rows = sin_ptr + b * stride_sb + t * stride_st
-    if TABLES_ONCE:
-        cos_a, cos_b, sin_a, sin_b = _load_tables(
-            cos_rows, sin_rows, t_mask, row_ok, half, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD, HAS_POS
-        )
+    cos_a, cos_b, sin_a, sin_b = _load_tables(
+        cos_rows, sin_rows, t_mask, row_ok, half, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD, HAS_POS
+    )
     rot_dim = 2 * half
     # q's heads, then k's: the tensor is selected, not branched on, so that the loop body is
     # one block of loads that HEAD_STAGES > 1 software-pipelines (the next head's loads in
     # flight while this one is rotated).
     for h in tl.range(tl.program_id(1), n_q_heads + n_k_heads, splits, num_stages=HEAD_STAGES):
-        if not TABLES_ONCE:
-            cos_a, cos_b, sin_a, sin_b = _load_tables(
-                cos_rows, sin_rows, t_mask, row_ok, half, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD, HAS_POS
-            )
         is_q = h < n_q_heads
         head = tl.where(is_q, h, h - n_q_heads).to(tl.int64)
         x_base = b * tl.where(is_q, stride_qb, stride_kb) + head * tl.where(is_q, stride_qh, stride_kh)
@@ -387,13 +381,13 @@ def _table_plan(table: RopeTable, B, T, n_q_heads, n_k_heads, rotary_dim, head_d
 
 @functools.lru_cache(maxsize=1024)
 def _plan(cfg, B, T, n_q_heads, n_k_heads, rotary_dim, head_dim):
-    """(True, BLOCK_T, n_t_blocks, splits, warps, tables_once, head_stages) for the tile
-    kernel, (False, BLOCK_H, splits, warps) for the position kernel."""
+    """(True, BLOCK_T, n_t_blocks, splits, warps, head_stages) for the tile kernel, (False,
+    BLOCK_H, splits, warps) for the position kernel."""
     if isinstance(cfg, RopeTileConfig):
         block_t = min(_block_t(cfg, head_dim), next_power_of_2(T))
         n_t_blocks = cdiv(T, block_t)
         splits = max(1, min(n_q_heads + n_k_heads, cdiv(cfg.min_programs, max(B * n_t_blocks, 1))))
-        return True, block_t, n_t_blocks, splits, cfg.num_warps, cfg.tables_once, cfg.head_stages
+        return True, block_t, n_t_blocks, splits, cfg.num_warps, cfg.head_stages
     block_half = next_power_of_2(rotary_dim // 2)
     max_heads = next_power_of_2(n_q_heads + n_k_heads)
     block_h = max(1, min(max_heads, cfg.tile_elements // (2 * block_half)))
@@ -470,10 +464,10 @@ def rope_rotate_with(
     )  # fmt: skip
     with device_guard(q):
         if plan[0]:
-            _, block_t, n_t_blocks, splits, num_warps, tables_once, head_stages = plan
+            _, block_t, n_t_blocks, splits, num_warps, head_stages = plan
             launch(_rope_tile_kernel, (B * n_t_blocks, splits),
                 *common, T, n_table, n_t_blocks, Hq, Hkv, D, rotary_dim // 2, *strides, splits,
-                BLOCK_T=block_t, TABLES_ONCE=tables_once, HEAD_STAGES=head_stages, num_warps=num_warps,
+                BLOCK_T=block_t, HEAD_STAGES=head_stages, num_warps=num_warps,
                 **flags,
             )  # fmt: skip
         else:

@@ -29,7 +29,7 @@ NORMS = NormTable(
         block_n=128,
         num_warps=4,
         programs_per_sm=8,
-        why="kept over 16x256 (4 warps) and 64x64 (8 warps), tried with the apart backward (no ratio kept)",
+        why="kept over 16x256 (4 warps) and 64x64 (8 warps), tried with the column kernel (no ratio kept)",
     ),
     sums=SumConfig(
         block_p=256,

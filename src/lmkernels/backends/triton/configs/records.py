@@ -14,13 +14,7 @@ import dataclasses
 
 # Backward paths of the norm kernels (their PATH constexpr).
 PATH_REGS = 0  # whole row in registers, weight-gradient partial sums in registers
-PATH_MEM = 1  # whole row in registers, partial sums in the program's partial row (memory)
-PATH_WIDE = 2  # the row in blocks of the wide path's block, two passes, partial sums in memory
-
-# Which weight-gradient sums the column kernel computes instead of the backward kernel.
-APART_NONE = 0
-APART_DB = 1  # LayerNorm: the bias gradient (the weight gradient stays in the backward kernel)
-APART_ALL = 2  # every one: the backward kernel only writes dx
+PATH_WIDE = 2  # the row in blocks of the wide path's block, two passes, sums in the column kernel
 
 NORM_OPS = ("rms_norm", "layer_norm")
 
@@ -48,13 +42,12 @@ class NormEntry:
     fwd_chunk: > 0: the forward reads the row in chunks of this many columns, in passes
         (one row per program), instead of holding it in registers.
     hints: chunked forward: eviction hints that keep the row in L2 between the passes.
-    programs_per_sm: backward programs per SM (a persistent grid, at most one per row tile).
-    bwd_rows: backward rows per loop iteration of a program.
-    path: the backward's path (PATH_REGS or PATH_MEM; PATH_WIDE is the wide path's).
+    programs_per_sm: backward programs per SM (a persistent grid, at most one per row tile),
+        each looping over one-row tiles with the row in registers and its weight-gradient sums
+        in registers.
     reload_w: the backward loads the weight per tile (an L1 hit) instead of holding it.
     tail: the backward holds the row as two register blocks, the largest power of two
         below the width and the rest (e.g. 4096 + 1024 for 5120 columns): fewer padded lanes.
-    apart: the weight-gradient sums left to the column kernel (APART_*).
     stages: software pipelining of the backward's loop over row tiles (the next tiles' loads
         in flight through shared memory); lowered at launch to fit the device (pipeline_stages).
     const_n: both kernels compiled for the row width (N a constexpr, one compile per width):
@@ -77,11 +70,8 @@ class NormEntry:
     hints: bool = False
     bwd_warps: int
     programs_per_sm: int
-    bwd_rows: int = 1
-    path: int = PATH_REGS
     reload_w: bool = False
     tail: bool = False
-    apart: int = APART_NONE
     stages: int = 1
     const_n: bool = False
     reload_x: bool = False
@@ -95,8 +85,6 @@ class NormEntry:
             raise ValueError(f"NormEntry.op: {self.op!r}, not one of {NORM_OPS}")
         if not 0 < first <= last or _pow2_ceil(first) != _pow2_ceil(last):
             raise ValueError(f"NormEntry.cols: {self.cols} is not a range within one power-of-two block")
-        if self.path not in (PATH_REGS, PATH_MEM):
-            raise ValueError(f"NormEntry.path: {self.path} (PATH_WIDE is the wide path's, not an entry's)")
         if self.hold_x and self.op != "rms_norm":
             raise ValueError("NormEntry.hold_x: RMSNorm only")
         if self.fma and self.op != "layer_norm":
@@ -125,8 +113,9 @@ class WidePath:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ColumnConfig:
-    """The column kernel ("apart" weight gradients): programs of block_m rows x block_n columns,
-    about programs_per_sm programs per SM in all (row ranges of at least block_m rows)."""
+    """The column kernel (the wide path's weight and bias gradients): programs of block_m rows x
+    block_n columns, about programs_per_sm programs per SM in all (row ranges of at least
+    block_m rows)."""
 
     block_m: int
     block_n: int
@@ -190,30 +179,30 @@ class FwdConfig:
     single_block: bool  # the whole row fits in one block (kept in registers)
     num_warps: int
     hints: bool = False  # chunked rows: eviction hints that keep the row in L2 between passes
-    stages: int = 1  # chunked rows: software pipelining of the loops over column blocks
     const_n: bool = False  # compile for this row width (N a constexpr)
 
 
 @dataclasses.dataclass(frozen=True)
 class BwdConfig:
     """A norm backward's launch: what the launchers take. Fields as NormEntry's, resolved for
-    one row width: `block` (and `tail`, the second register block's size) in columns."""
+    one row width: `block` (and `tail`, the second register block's size) in columns. The wide
+    path (PATH_WIDE) writes dx only and leaves every weight-gradient sum to the column kernel;
+    PATH_REGS sums them in registers."""
 
     rows: int  # rows per loop iteration of a program
     block: int
-    path: int  # PATH_REGS, PATH_MEM or PATH_WIDE
+    path: int  # PATH_REGS or PATH_WIDE
     num_warps: int
     programs_per_sm: int  # persistent grid: programs = SMs x this (at most one per row tile)
     reload_w: bool = False
-    tail: int = 0  # single-block paths: a second register block of the row, columns block.. +tail
-    apart: int = APART_NONE
+    tail: int = 0  # PATH_REGS: a second register block of the row, columns block.. +tail
     stages: int = 1  # the loop over row tiles (wide path: over column blocks)
     const_n: bool = False
     reload_x: bool = False
     prefetch: bool = False
     hold_x: bool = False
     fma: bool = False
-    column: ColumnConfig = dataclasses.field(kw_only=True)  # the column kernel's launch (apart)
+    column: ColumnConfig = dataclasses.field(kw_only=True)  # the column kernel's launch (wide path)
     sums: SumConfig = dataclasses.field(kw_only=True)  # the partial-sum kernel's launch
 
     @property
@@ -248,7 +237,8 @@ class RopeTileConfig:
     """RoPE's tile kernel, for q and k whose heads' positions are contiguous rows ((B, H, T, D)
     memory): a program rotates BLOCK_T = tile_elements // next_power_of_2(head_dim) positions x
     every splits-th head (q's, then k's), with num_warps warps; splits so that there are about
-    min_programs programs. head_stages > 1 software-pipelines the loop over heads.
+    min_programs programs. The cos / sin rows of its positions stay in registers over the loop
+    over heads, which head_stages > 1 software-pipelines.
 
     In a table: half (the exact rotary half width) and partial (dims past the rotary part are
     copied) name the inputs the entry serves; other inputs take the position kernel."""
@@ -258,7 +248,6 @@ class RopeTileConfig:
     tile_elements: int
     num_warps: int
     min_programs: int
-    tables_once: bool = True  # cos / sin held in registers over the head loop, not reloaded per head
     head_stages: int = 1
     why: str = ""
 
