@@ -1,6 +1,6 @@
 """Hopper (sm_90: H100, H200): the entries measured on an H200, bf16, forward + backward GPU
-time, each against the entry it replaced in the same run. `lmkernels tune` writes entries in
-this form (configs.entry_text); what each field does: configs.records."""
+time, each against the entry it replaced in the same run. An entry is in the form
+configs.entry_text writes for a measured winner; what each field does: configs.records."""
 
 from lmkernels.backends.triton.configs.records import (
     ColumnConfig,

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
-# Backward paths of the norm kernels (their PATH constexpr).
+# Backward paths of the norm kernels (their PATH constexpr; 2 is the value WIDE always had, so
+# that its compiled kernels keep their cache keys).
 PATH_REGS = 0  # whole row in registers, weight-gradient partial sums in registers
 PATH_WIDE = 2  # the row in blocks of the wide path's block, two passes, sums in the column kernel
 
@@ -89,11 +90,6 @@ class NormEntry:
             raise ValueError("NormEntry.hold_x: RMSNorm only")
         if self.fma and self.op != "layer_norm":
             raise ValueError("NormEntry.fma: LayerNorm only")
-
-    @property
-    def block(self) -> int:
-        """The power-of-two block of the widths served."""
-        return _pow2_ceil(self.cols[1])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
