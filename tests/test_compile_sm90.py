@@ -26,6 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from lmkernels.backends.triton import _norms, layer_norm, rms_norm
+from lmkernels.backends.triton.configs import tables_for
 
 DTYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float16: "*fp16"}
 
@@ -86,11 +87,12 @@ def main(configs):
     x, dy = torch.randn(M, N, dtype=torch.bfloat16), torch.randn(M, N, dtype=torch.bfloat16)
     w = torch.randn(N, dtype=torch.bfloat16)
     stats = torch.ones(M)
+    table = tables_for(x.device).norms
     seen, compiled = set(), 0
-    for cfg in configs:
-        _norms.FORCE_BWD = _norms.BwdConfig(**cfg)
-        recorded = launches(lambda: layer_norm._layer_norm_bwd(dy, x, w, stats, stats, torch.bfloat16))
-        recorded += launches(lambda: rms_norm._rms_norm_bwd(dy, x, w, stats, 0.0, "llama"))
+    for fields in configs:
+        cfg = _norms.BwdConfig(**fields, column=table.column, sums=table.sums)
+        recorded = launches(lambda: layer_norm.layer_norm_backward(dy, x, w, stats, stats, torch.bfloat16, cfg))
+        recorded += launches(lambda: rms_norm.rms_norm_backward(dy, x, w, stats, 0.0, "llama", cfg))
         for kernel, args, kwargs in recorded:
             # On sm_90 the launchers add PDL (programmatic dependent launch) to every launch:
             # compiled that way here.
@@ -122,32 +124,11 @@ main(json.loads(sys.argv[1]))
 
 
 def _configs():
-    """The forced backward configurations of tests/test_triton_norms.py's path tests, whose
-    values the interpreter checks: here the same launches must compile."""
-    import lmkernels.backends.triton._norms as norms
-    from test_triton_norms import _PATHS
+    """The backward configurations of tests/test_triton_norms.py's path tests, whose values the
+    interpreter checks: here the same launches must compile."""
+    from test_triton_norms import _PATHS, bwd_fields
 
-    out = []
-    for rows, path, reload_w, tail, apart, *extra in _PATHS.values():
-        wide = path == "PATH_WIDE"
-        out.append(
-            dict(
-                rows=rows,
-                block=32 if wide else 64 if tail else 128,
-                path=getattr(norms, path),
-                num_warps=4,
-                programs_per_sm=1,
-                reload_w=reload_w,
-                tail=tail,
-                apart=getattr(norms, apart),
-                stages=extra[0] if extra else 1,
-                const_n=len(extra) > 1 and extra[1],
-                reload_x=len(extra) > 2 and extra[2],
-                hold_x=len(extra) > 3 and extra[3],
-                fma=len(extra) > 4 and extra[4],
-            )
-        )
-    return out
+    return [bwd_fields(name) for name in _PATHS]
 
 
 def test_norm_backward_paths_compile_for_sm90(tmp_path):

@@ -1,5 +1,6 @@
 """The Triton RMSNorm and LayerNorm kernels: values and gradients against an fp64 truth (error
-policy of DESIGN.md), the torch.library registration (opcheck, torch.compile), the in-place
+policy of DESIGN.md), every launch configuration the launchers take (passed to them, as the op
+bodies pass the tables'), the torch.library registration (opcheck, torch.compile), the in-place
 backward of RMSNorm (memory saved when safe, no corruption when the gradient is shared) and,
 on a GPU, 64-bit offsets on tensors of more than 2^31 elements."""
 
@@ -23,6 +24,10 @@ from lmkernels.utils import poison_outputs  # noqa: E402
 ln_mod = pytest.importorskip("lmkernels.backends.triton.layer_norm", reason="needs triton")
 rms_mod = pytest.importorskip("lmkernels.backends.triton.rms_norm", reason="needs triton")
 norms_mod = pytest.importorskip("lmkernels.backends.triton._norms", reason="needs triton")
+from lmkernels.backends.triton.configs import hopper  # noqa: E402
+from lmkernels.backends.triton.configs.records import ColumnConfig  # noqa: E402
+
+NORMS = hopper.TABLES.norms  # the measured entries (the default table holds the same)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(3, 5), (37, 96), (4, 1000), (2, 3, 17)]
@@ -64,6 +69,58 @@ def _ln_truth(x, weight=None, bias=None, eps=1e-5):
     if weight is not None:
         y = y * weight
     return y if bias is None else y + bias
+
+
+def _bwd_config(*args, **kwargs):
+    """A BwdConfig with the table's column and partial-sum kernels unless given."""
+    kwargs = {"column": NORMS.column, "sums": NORMS.sums, **kwargs}
+    return norms_mod.BwdConfig(*args, **kwargs)
+
+
+def _rms_with(fwd, bwd):
+    """rms_norm through the launchers with the given configurations, forward and backward."""
+
+    class Forced(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, eps, offset, casting_mode):
+            y, rstd = rms_mod.rms_norm_forward(x, weight, eps, offset, casting_mode, fwd)
+            ctx.save_for_backward(x, weight, rstd)
+            ctx.options = offset, casting_mode
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, weight, rstd = ctx.saved_tensors
+            dx, dw = rms_mod.rms_norm_backward(dy, x, weight, rstd, *ctx.options, bwd)
+            return dx, dw if weight is not None else None, None, None, None
+
+    def fn(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+        return Forced.apply(x, weight, eps, offset, casting_mode)
+
+    return fn
+
+
+def _ln_with(fwd, bwd):
+    """layer_norm through the launchers with the given configurations, forward and backward."""
+
+    class Forced(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias, eps):
+            y, mean, rstd = ln_mod.layer_norm_forward(x, weight, bias, eps, fwd)
+            ctx.save_for_backward(x, weight, mean, rstd)
+            ctx.bias_dtype = bias.dtype if bias is not None else None
+            return y
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, weight, mean, rstd = ctx.saved_tensors
+            dx, dw, db = ln_mod.layer_norm_backward(dy, x, weight, mean, rstd, ctx.bias_dtype, bwd)
+            return dx, dw if weight is not None else None, db if ctx.bias_dtype is not None else None, None
+
+    def fn(x, weight=None, bias=None, eps=1e-5):
+        return Forced.apply(x, weight, bias, eps)
+
+    return fn
 
 
 def _compare_three_ways(name, triton_fn, reference, truth_fn, inputs, grad_names):
@@ -119,11 +176,12 @@ def _rms_inputs(shape, dtype, weight_dtype=None, **options):
     return inputs
 
 
-def _check_rms(shape, dtype, name, weight_dtype=None, **options):
+def _check_rms(shape, dtype, name, weight_dtype=None, fn=None, **options):
+    """fn: the Triton function checked (default: rms_norm's triton backend)."""
     inputs = _rms_inputs(shape, dtype, weight_dtype, **options)
 
     def triton_fn(**kw):
-        return lmkernels.rms_norm(**kw, backend="triton")
+        return fn(**kw) if fn is not None else lmkernels.rms_norm(**kw, backend="triton")
 
     def truth_fn(x, weight, eps, offset, casting_mode):
         return _rms_truth(x, weight, eps, offset)
@@ -162,18 +220,31 @@ def test_rms_norm_non_contiguous_input():
     _check_rms((37, 96), torch.bfloat16, "rms_norm non-contiguous", x=x)
 
 
+def _narrow_table():
+    """The table with its wide path from 65 columns on, in blocks of 32 (the interpreter stays
+    fast on rows that take it)."""
+    return dataclasses.replace(
+        NORMS, entries=(), max_fused_n=64, wide=dataclasses.replace(NORMS.wide, block=32)
+    )
+
+
+def _wide_configs(op, N):
+    table = _narrow_table()
+    fwd, bwd = norms_mod.fwd_config(table, op, N), norms_mod.bwd_config(table, op, N)
+    assert not fwd.single_block and not bwd.single_block and bwd.block == 32
+    return fwd, bwd
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", ["llama", "none-offset", "no-weight"])
-def test_rms_norm_wide_rows_loop_over_blocks(monkeypatch, case, dtype):
-    """Rows wider than MAX_FUSED_N take the blocked path (shrunk here so the interpreter stays fast)."""
-    monkeypatch.setattr(norms_mod, "MAX_FUSED_N", 64)
-    monkeypatch.setattr(norms_mod, "WIDE_BLOCK", 32)
-    assert not norms_mod.bwd_config("rms_norm", 300).single_block
-    _check_rms((7, 300), dtype, f"rms_norm wide {case}", **RMS_CASES[case])
+def test_rms_norm_wide_rows_loop_over_blocks(case, dtype):
+    """Rows wider than the table's max_fused_n take the blocked path."""
+    fn = _rms_with(*_wide_configs("rms_norm", 300))
+    _check_rms((7, 300), dtype, f"rms_norm wide {case}", fn=fn, **RMS_CASES[case])
 
 
 def test_rms_norm_wide_rows_default_config():
-    assert not norms_mod.bwd_config("rms_norm", 16411).single_block
+    assert not norms_mod.bwd_config(NORMS, "rms_norm", 16411).single_block
     _check_rms((2, 16411), torch.bfloat16, "rms_norm 16411 wide", casting_mode="gemma", offset=1.0)
 
 
@@ -236,7 +307,8 @@ LN_CASES = {
 }
 
 
-def _check_ln(shape, dtype, name, weight_dtype=None, bias_dtype=None, **options):
+def _check_ln(shape, dtype, name, weight_dtype=None, bias_dtype=None, fn=None, **options):
+    """fn: the Triton function checked (default: layer_norm's triton backend)."""
     inputs = {
         "x": _randn(shape, dtype, 0, shift=0.5),
         "weight": _randn(shape[-1:], weight_dtype or dtype, 1, scale=0.5, shift=1.0),
@@ -246,7 +318,7 @@ def _check_ln(shape, dtype, name, weight_dtype=None, bias_dtype=None, **options)
     inputs.update(options)
 
     def triton_fn(**kw):
-        return lmkernels.layer_norm(**kw, backend="triton")
+        return fn(**kw) if fn is not None else lmkernels.layer_norm(**kw, backend="triton")
 
     _compare_three_ways(name, triton_fn, layer_norm_reference, _ln_truth, inputs, ("x", "weight", "bias"))
 
@@ -272,11 +344,9 @@ def test_layer_norm_fp16_and_non_contiguous():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", ["weight-bias", "no-weight"])
-def test_layer_norm_wide_rows_loop_over_blocks(monkeypatch, case, dtype):
-    monkeypatch.setattr(norms_mod, "MAX_FUSED_N", 64)
-    monkeypatch.setattr(norms_mod, "WIDE_BLOCK", 32)
-    assert not norms_mod.bwd_config("layer_norm", 300).single_block
-    _check_ln((7, 300), dtype, f"layer_norm wide {case}", **LN_CASES[case])
+def test_layer_norm_wide_rows_loop_over_blocks(case, dtype):
+    fn = _ln_with(*_wide_configs("layer_norm", 300))
+    _check_ln((7, 300), dtype, f"layer_norm wide {case}", fn=fn, **LN_CASES[case])
 
 
 def test_layer_norm_wide_rows_default_config():
@@ -288,7 +358,8 @@ def test_layer_norm_fma_forms_where_they_measured_faster():
     block's "part-11/16" entry) and 12289-16384, not at 11265-12288 where they measured slower
     (their values: the forced "fma" paths below)."""
     fma = {
-        N: norms_mod.bwd_config("layer_norm", N).fma for N in (8192, 11008, 11264, 11265, 12288, 13824, 16384)
+        N: norms_mod.bwd_config(NORMS, "layer_norm", N).fma
+        for N in (8192, 11008, 11264, 11265, 12288, 13824, 16384)
     }
     assert fma == {
         8192: False,
@@ -299,108 +370,108 @@ def test_layer_norm_fma_forms_where_they_measured_faster():
         13824: True,
         16384: True,
     }
-    assert not any(norms_mod.bwd_config("rms_norm", N).fma for N in (11008, 16384))
+    assert not any(norms_mod.bwd_config(NORMS, "rms_norm", N).fma for N in (11008, 16384))
 
 
-# Every backward path and a multi-row tile, forced (the table picks them only for wide rows on
-# the GPU): PATH_MEM keeps the weight-gradient partial sums in memory, stored on a program's
-# first tile and added after, so 3 interpreter programs over 6 tiles exercise both; rows = 4
-# with M = 21 leaves a partial last tile. "tail": the row of 100 as register blocks of 64 and 64
-# (36 used); "apart": gradient sums left to the column kernel (2 row ranges of 11 rows, each
-# 8 + 3, two column blocks of 64, the second partial). "wide": the row in column blocks of 32
-# (the last one partial), read twice, the partial sums in memory; its forward too, with eviction
-# hints. "stages": the loops software-pipelined (a GPU-only transformation; the interpreter runs
-# the same loops). A one-row tile ("rows1") is held as 1-D blocks, more rows as 2-D tiles.
-# "const-n": both kernels compiled for N = 100 (a constexpr), the padded lanes of the block
-# masked at compile time. "reload-x": the backward reads x and dy a second time after the row
-# sums instead of holding them; "hold-x": it holds them as loaded (bf16) and widens them again
-# by their bits. "fma": LayerNorm's x_hat and dx as fused multiply-adds (LayerNorm only).
+# Every backward path and a multi-row tile (the table picks them only for wide rows on the GPU),
+# passed to the launchers: 3 interpreter programs over 6 tiles loop over several; rows = 4 with
+# M = 21 leaves a partial last tile. "tail": the row of 100 as register blocks of 64 and 64 (36
+# used). "wide": the row in column blocks of 32 (the last one partial), read twice, the
+# gradient sums left to the column kernel (2 row ranges of 11 rows, each 8 + 3, two column
+# blocks of 64, the second partial); its forward too, with eviction hints. "stages": the loops
+# software-pipelined (a GPU-only transformation; the interpreter runs the same loops). A
+# one-row tile ("rows1") is held as 1-D blocks, more rows as 2-D tiles. "const-n": both kernels
+# compiled for N = 100 (a constexpr), the padded lanes of the block masked at compile time.
+# "reload-x": the backward reads x and dy a second time after the row sums instead of holding
+# them; "hold-x": it holds them as loaded (bf16) and widens them again by their bits (RMSNorm
+# only). "fma": LayerNorm's x_hat and dx as fused multiply-adds (LayerNorm only).
 PATH_SHAPE = (21, 100)
 _PATHS = {
-    "regs-rows4": (4, "PATH_REGS", False, 0, "APART_NONE"),
-    "regs-reload-w-stages2": (2, "PATH_REGS", True, 0, "APART_NONE", 2),
-    "mem-rows1": (1, "PATH_MEM", False, 0, "APART_NONE"),
-    "mem-rows4": (4, "PATH_MEM", False, 0, "APART_NONE"),
-    "regs-tail-rows2": (2, "PATH_REGS", False, 64, "APART_NONE"),
-    "mem-tail": (1, "PATH_MEM", False, 64, "APART_NONE"),
-    "tail-reload-w-apart-db-stages3": (1, "PATH_REGS", True, 64, "APART_DB", 3),
-    "apart-all": (2, "PATH_REGS", False, 0, "APART_ALL"),
-    "wide-rows1-stages2": (1, "PATH_WIDE", False, 0, "APART_NONE", 2),
-    "wide-rows4": (4, "PATH_WIDE", False, 0, "APART_NONE"),
-    "wide-apart-all-stages3": (2, "PATH_WIDE", False, 0, "APART_ALL", 3),
-    "regs-reload-w-const-n": (1, "PATH_REGS", True, 0, "APART_NONE", 1, True),
-    "tail-const-n": (1, "PATH_REGS", False, 64, "APART_NONE", 1, True),
-    "regs-rows2-const-n-stages3": (2, "PATH_REGS", False, 0, "APART_NONE", 3, True),
-    "wide-apart-all-const-n": (2, "PATH_WIDE", False, 0, "APART_ALL", 3, True),
-    "tail-reload-x": (1, "PATH_REGS", True, 64, "APART_NONE", 1, True, True),
-    "regs-rows2-reload-x-stages2": (2, "PATH_REGS", False, 0, "APART_NONE", 2, False, True),
-    "tail-hold-x": (1, "PATH_REGS", True, 64, "APART_NONE", 1, True, True, True),
-    "regs-rows2-hold-x-stages2": (2, "PATH_REGS", False, 0, "APART_NONE", 2, False, False, True),
-    "tail-reload-x-fma": (1, "PATH_REGS", True, 64, "APART_NONE", 1, True, True, False, True),
-    "regs-rows4-fma": (4, "PATH_REGS", False, 0, "APART_NONE", 1, False, False, False, True),
+    "regs-rows4": dict(rows=4),
+    "regs-reload-w-stages2": dict(rows=2, reload_w=True, stages=2),
+    "regs-tail-rows2": dict(rows=2, tail=64),
+    "tail-reload-w-stages3": dict(reload_w=True, tail=64, stages=3),
+    "wide-rows1-stages2": dict(wide=True, stages=2),
+    "wide-rows4": dict(rows=4, wide=True),
+    "wide-rows2-stages3": dict(rows=2, wide=True, stages=3),
+    "regs-reload-w-const-n": dict(reload_w=True, const_n=True),
+    "tail-const-n": dict(tail=64, const_n=True),
+    "regs-rows2-const-n-stages3": dict(rows=2, stages=3, const_n=True),
+    "wide-rows2-const-n": dict(rows=2, wide=True, stages=3, const_n=True),
+    "tail-reload-x": dict(reload_w=True, tail=64, const_n=True, reload_x=True),
+    "regs-rows2-reload-x-stages2": dict(rows=2, stages=2, reload_x=True),
+    "tail-hold-x": dict(reload_w=True, tail=64, const_n=True, reload_x=True, hold_x=True),
+    "regs-rows2-hold-x-stages2": dict(rows=2, stages=2, hold_x=True),
+    "tail-reload-x-fma": dict(reload_w=True, tail=64, const_n=True, reload_x=True, fma=True),
+    "regs-rows4-fma": dict(rows=4, fma=True),
 }
 
 
+def bwd_fields(name: str) -> dict:
+    """The BwdConfig fields (but the column and partial-sum kernels') of path `name`."""
+    fields = {"rows": 1, **_PATHS[name]}
+    wide = fields.pop("wide", False)
+    path = norms_mod.PATH_WIDE if wide else norms_mod.PATH_REGS
+    block = 32 if wide else 64 if fields.get("tail") else 128
+    return dict(block=block, path=path, num_warps=4, programs_per_sm=1, **fields)
+
+
 @pytest.fixture
-def forced_config(request, monkeypatch):
-    """The path named by the test's parameter, forced (both kernels' configurations)."""
-    rows, path, reload_w, tail, apart, *extra = _PATHS[request.param]
-    stages = extra[0] if extra else 1
-    const_n = len(extra) > 1 and extra[1]
-    reload_x = len(extra) > 2 and extra[2]
-    hold_x = len(extra) > 3 and extra[3]
-    fma = len(extra) > 4 and extra[4]
-    wide = path == "PATH_WIDE"
-    block = 32 if wide else 64 if tail else 128
-    path, apart = getattr(norms_mod, path), getattr(norms_mod, apart)
-    bwd = norms_mod.BwdConfig(rows, block, path, 4, 1, reload_w, tail, apart, stages, const_n, reload_x,
-                              hold_x=hold_x, fma=fma)  # fmt: skip
+def forced_config(request):
+    """The launch configurations (forward, backward) of the path named by the test's parameter."""
+    fields = bwd_fields(request.param)
+    column = ColumnConfig(block_m=8, block_n=64, num_warps=4, programs_per_sm=1)
+    bwd = _bwd_config(**fields, column=column)
+    const_n = fields.get("const_n", False)
     fwd = (
         norms_mod.FwdConfig(1, 32, False, 4, hints=True, const_n=const_n)
-        if wide
-        else norms_mod.FwdConfig(rows, 128, True, 4, const_n=const_n)
+        if not bwd.single_block
+        else norms_mod.FwdConfig(fields["rows"], 128, True, 4, const_n=const_n)
     )
-    monkeypatch.setattr(norms_mod, "COL_CONFIG", (8, 64, 4, 1))
-    monkeypatch.setattr(norms_mod, "FORCE_FWD", fwd)
-    monkeypatch.setattr(norms_mod, "FORCE_BWD", bwd)
-    return request.param
+    return request.param, fwd, bwd
 
 
-@pytest.mark.parametrize("forced_config", [p for p in _PATHS if not p.endswith("fma")], indirect=True)
+@pytest.mark.parametrize("forced_config", [p for p in _PATHS if "fma" not in _PATHS[p]], indirect=True)
 @pytest.mark.parametrize("case", ["llama", "none-offset", "no-weight"])
 def test_rms_norm_backward_paths(forced_config, case):
-    _check_rms(PATH_SHAPE, torch.bfloat16, f"rms_norm {forced_config} {case}", **RMS_CASES[case])
+    name, fwd, bwd = forced_config
+    _check_rms(
+        PATH_SHAPE, torch.bfloat16, f"rms_norm {name} {case}", fn=_rms_with(fwd, bwd), **RMS_CASES[case]
+    )
 
 
-@pytest.mark.parametrize("forced_config", list(_PATHS), indirect=True)
+@pytest.mark.parametrize("forced_config", [p for p in _PATHS if "hold_x" not in _PATHS[p]], indirect=True)
 @pytest.mark.parametrize("case", ["weight-bias", "no-bias", "no-weight"])
 def test_layer_norm_backward_paths(forced_config, case):
-    _check_ln(PATH_SHAPE, torch.bfloat16, f"layer_norm {forced_config} {case}", **LN_CASES[case])
+    name, fwd, bwd = forced_config
+    _check_ln(
+        PATH_SHAPE, torch.bfloat16, f"layer_norm {name} {case}", fn=_ln_with(fwd, bwd), **LN_CASES[case]
+    )
 
 
 @pytest.mark.parametrize(
     "bwd",
     [
-        dict(block=128, apart=2),
+        dict(block=32, path=norms_mod.PATH_WIDE),
         dict(block=64, tail=64, reload_w=True, reload_x=True),
     ],
-    ids=["apart-dw", "tail-reload-x"],
+    ids=["wide-column-kernel", "tail-reload-x"],
 )
-def test_rms_norm_in_place_backward(monkeypatch, bwd):
+def test_rms_norm_in_place_backward(bwd):
     """dx written over dy (the in-place backward): the column kernel must read dy first, and a
     backward that reads a row's dy twice (reload_x) must read each block before writing its dx."""
-    monkeypatch.setattr(norms_mod, "FORCE_BWD", norms_mod.BwdConfig(1, path=norms_mod.PATH_REGS, num_warps=4,
-                                                                    programs_per_sm=1, **bwd))  # fmt: skip
-    monkeypatch.setattr(norms_mod, "COL_CONFIG", (16, 64, 4, 1))
+    column = ColumnConfig(block_m=16, block_n=64, num_warps=4, programs_per_sm=1)
+    bwd = {"path": norms_mod.PATH_REGS, **bwd}
+    cfg = _bwd_config(1, num_warps=4, programs_per_sm=1, column=column, **bwd)
     x, w, dy = (
         _randn((41, 100), torch.bfloat16, 0),
         _randn((100,), torch.bfloat16, 1),
         _randn((41, 100), torch.bfloat16, 2),
     )
     _, rstd = rms_mod._rms_norm_fwd(x, w, 1e-6, 0.0, "llama")
-    dx, dw = rms_mod._rms_norm_bwd(dy, x, w, rstd, 0.0, "llama")
+    dx, dw = rms_mod.rms_norm_backward(dy, x, w, rstd, 0.0, "llama", cfg)
     shared = dy.clone()
-    dw_in_place = rms_mod._rms_norm_bwd_into(shared, x, w, rstd, 0.0, "llama", shared)
+    dw_in_place = rms_mod.rms_norm_backward_into(shared, x, w, rstd, 0.0, "llama", shared, cfg)
     assert torch.equal(shared, dx) and torch.equal(dw_in_place, dw)
 
 
@@ -409,27 +480,26 @@ def test_config_table_covers_the_sweep_widths():
     a forward in chunks is a chunked (wide) one, the backward always keeps the row whole."""
     for op in ("rms_norm", "layer_norm"):
         for N in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384):
-            block = 1 << (N - 1).bit_length()
-            assert (op, block) in norms_mod.TUNED
-            fwd, bwd = norms_mod.fwd_config(op, N), norms_mod.bwd_config(op, N)
+            assert NORMS.entry(op, N) is not None
+            fwd, bwd = norms_mod.fwd_config(NORMS, op, N), norms_mod.bwd_config(NORMS, op, N)
             assert (fwd.block >= N) == fwd.single_block and bwd.single_block and bwd.block + bwd.tail >= N
-    # Rows that fill at most 3/4 of a 2048 or 4096 block take its "part" entry: compiled for the width.
+    # Rows that fill at most 3/4 of a 2048 or 4096 block take an entry of their own: compiled for the width.
     for op, N in (("rms_norm", 1536), ("layer_norm", 1536), ("layer_norm", 2304), ("layer_norm", 3072)):
         block = 1 << (N - 1).bit_length()
-        assert norms_mod._tuned(op, N, block) is norms_mod.TUNED[(op, block, "part")]
-        assert norms_mod.fwd_config(op, N).const_n and norms_mod.bwd_config(op, N).const_n
+        assert NORMS.entry(op, N).cols == (block // 2 + 1, block * 3 // 4)
+        assert norms_mod.fwd_config(NORMS, op, N).const_n and norms_mod.bwd_config(NORMS, op, N).const_n
     # LayerNorm above 8192 columns: both gradient sums in registers, x and dy read again after
     # the row sums (reload_x); at 16384 as two register blocks.
     for N, tail in ((11008, 0), (12288, 0), (13824, 8192), (16384, 8192)):
-        cfg = norms_mod.bwd_config("layer_norm", N)
-        assert (cfg.apart, cfg.reload_x, cfg.tail) == (norms_mod.APART_NONE, True, tail)
-    # RMSNorm rows of at most 5/8 of the 8192 block take its "part-5/8" entry: two register
-    # blocks that fit the row, read again after the row sum; 6144 columns keep the "part" entry.
-    assert norms_mod._tuned("rms_norm", 5120, 8192) is norms_mod.TUNED[("rms_norm", 8192, "part-5/8")]
-    assert norms_mod._tuned("rms_norm", 6144, 8192) is norms_mod.TUNED[("rms_norm", 8192, "part")]
-    cfg = norms_mod.bwd_config("rms_norm", 5120)
+        cfg = norms_mod.bwd_config(NORMS, "layer_norm", N)
+        assert (cfg.path, cfg.reload_x, cfg.tail) == (norms_mod.PATH_REGS, True, tail)
+    # RMSNorm rows of at most 5/8 of the 8192 block take an entry of their own: two register
+    # blocks that fit the row, read again after the row sum; 6144 columns keep the 3/4 entry.
+    assert NORMS.entry("rms_norm", 5120).cols == (4097, 5120)
+    assert NORMS.entry("rms_norm", 6144).cols == (5121, 6144)
+    cfg = norms_mod.bwd_config(NORMS, "rms_norm", 5120)
     assert (cfg.block, cfg.tail, cfg.reload_x) == (4096, 1024, True)
-    assert norms_mod._tuned("layer_norm", 5120, 8192) is norms_mod.TUNED[("layer_norm", 8192, "part")]
+    assert NORMS.entry("layer_norm", 5120).cols == (4097, 6144)
 
 
 def test_prefetch_entries_and_where_it_runs():
@@ -440,32 +510,31 @@ def test_prefetch_entries_and_where_it_runs():
         (op, N)
         for op in ("rms_norm", "layer_norm")
         for N in (1024, 2048, 4096, 5120, 8192, 11008, 12288, 13824, 16384)
-        if norms_mod.bwd_config(op, N).prefetch
+        if norms_mod.bwd_config(NORMS, op, N).prefetch
     }
     assert on == {(op, N) for op in ("rms_norm", "layer_norm") for N in (11008, 12288, 13824, 16384)}
     x = torch.empty(2, 16384, device="cpu")
-    assert not norms_mod.can_prefetch(norms_mod.bwd_config("layer_norm", 16384), x)
+    assert not norms_mod.can_prefetch(norms_mod.bwd_config(NORMS, "layer_norm", 16384), x)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the prefetch is PTX: it runs on CUDA devices only")
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
-def test_prefetch_changes_no_result(monkeypatch, op):
+def test_prefetch_changes_no_result(op):
     """The prefetch is a hint: with and without it, every output is bit for bit the same, over
     enough rows that each program prefetches many times, at a row width that is not a multiple
     of 8 elements (16-byte unaligned rows)."""
     M, N = 3000, 12285
     x, dy = _randn((M, N), torch.bfloat16, 0), _randn((M, N), torch.bfloat16, 2)
     w = _randn((N,), torch.bfloat16, 1)
-    base = norms_mod.BwdConfig(1, 16384, norms_mod.PATH_REGS, 16, 1, True, const_n=True, reload_x=True)
+    base = _bwd_config(1, 16384, norms_mod.PATH_REGS, 16, 1, True, const_n=True, reload_x=True)
     results = []
     for cfg in (base, dataclasses.replace(base, prefetch=True)):
-        monkeypatch.setattr(norms_mod, "FORCE_BWD", cfg)
         if op == "rms_norm":
             _, rstd = rms_mod._rms_norm_fwd(x, w, 1e-6, 0.0, "llama")
-            results.append(rms_mod._rms_norm_bwd(dy, x, w, rstd, 0.0, "llama"))
+            results.append(rms_mod.rms_norm_backward(dy, x, w, rstd, 0.0, "llama", cfg))
         else:
             _, mean, rstd = ln_mod._layer_norm_fwd(x, w, w, 1e-5)
-            results.append(ln_mod._layer_norm_bwd(dy, x, w, mean, rstd, torch.bfloat16))
+            results.append(ln_mod.layer_norm_backward(dy, x, w, mean, rstd, torch.bfloat16, cfg))
     assert norms_mod.can_prefetch(dataclasses.replace(base, prefetch=True), x)
     for a, b in zip(*results):
         assert torch.equal(a, b)
@@ -695,7 +764,7 @@ def test_pipeline_stages_fit_the_shared_memory(monkeypatch, limit, bf16_stages, 
     still read again)."""
     monkeypatch.setattr(norms_mod, "_max_shared_bytes", lambda index: limit)
     norms_mod._fit_stages.cache_clear()
-    cfg = norms_mod.BwdConfig(1, 16384, norms_mod.PATH_REGS, 16, 2, True, stages=3)
+    cfg = _bwd_config(1, 16384, norms_mod.PATH_REGS, 16, 2, True, stages=3)
     assert norms_mod.pipeline_stages(cfg, _OnCuda(2), _OnCuda(2)) == bf16_stages
     assert norms_mod.pipeline_stages(cfg, _OnCuda(4), _OnCuda(4)) == fp32_stages
     reload_x = dataclasses.replace(cfg, reload_x=True)

@@ -27,6 +27,8 @@ pytest.importorskip("triton", reason="the Triton backend needs triton")
 import lmkernels  # noqa: E402
 from lmkernels.backends.triton import glu as glu_mod  # noqa: E402
 from lmkernels.backends.triton import rope as rope_mod  # noqa: E402
+from lmkernels.backends.triton.configs import hopper  # noqa: E402
+from lmkernels.backends.triton.configs.records import RopePosConfig, RopeTable, RopeTileConfig  # noqa: E402
 from lmkernels.ops.glu import geglu_reference, swiglu_reference  # noqa: E402
 from lmkernels.ops.rope import rope_reference, rope_tables  # noqa: E402
 from lmkernels.registry.core import DEFAULT_TOLERANCES, BackendNotSupportedError  # noqa: E402
@@ -139,7 +141,34 @@ ROPE_CASES = {
 }
 
 
-def run_rope_check(shape, dtype, case):
+def rope_with(cfg):
+    """rope through the launcher with the launch configuration cfg, forward and backward (the
+    inverse rotation): a RopeTileConfig runs the tile kernel whatever the layout."""
+
+    class Forced(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, cos, sin, position_ids, interleaved, rotary_dim, q_bthd, k_bthd):
+            ctx.args = (cos, sin, position_ids, interleaved, rotary_dim)
+            ctx.layouts = (q_bthd, k_bthd)
+            return rope_mod.rope_rotate_with(
+                q, k, cos, sin, position_ids, interleaved, rotary_dim, False, q_bthd, k_bthd, cfg
+            )
+
+        @staticmethod
+        def backward(ctx, dq, dk):
+            dq, dk = rope_mod.rope_rotate_with(dq, dk, *ctx.args, True, *ctx.layouts, cfg)
+            return dq, dk, None, None, None, None, None, None, None
+
+    def fn(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None):
+        R = q.shape[-1] if rotary_dim is None else rotary_dim
+        flags = (layout == "interleaved", R, rope_mod.is_bthd(q), rope_mod.is_bthd(k))
+        return Forced.apply(q, k, cos, sin, position_ids, *flags)
+
+    return fn
+
+
+def run_rope_check(shape, dtype, case, fn=None):
+    """fn: the Triton function checked (default: rope's triton backend)."""
     inputs = rope_inputs(shape, dtype, **case)
     q, k = inputs["q"], inputs["k"]
     q_before, k_before = q.clone(), k.clone()
@@ -153,7 +182,7 @@ def run_rope_check(shape, dtype, case):
         return [o.detach() for o in outs], [t.grad for t in leaves]
 
     with poison_outputs():
-        outs, dx = run(lambda **kw: lmkernels.rope(**kw, backend="triton"))
+        outs, dx = run(fn or (lambda **kw: lmkernels.rope(**kw, backend="triton")))
     eager_outs, eager_dx = run(rope_reference)
     ref_outs, ref_dx = run(rope64, cast=torch.float64)
     for name, a, b, c in zip(
@@ -195,66 +224,66 @@ def test_rope(case, shape, dtype):
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("case", ["neox", "partial-interleaved"])
-def test_rope_launch_configs(monkeypatch, shape, tile, min_programs, case):
+def test_rope_launch_configs(shape, tile, min_programs, case):
     """The head-group loop: a program looping over several groups, groups split over programs,
     and (3 q + 3 k heads in groups of 2) a group that holds a q row and a k row."""
-    monkeypatch.setattr(rope_mod, "TILE_ELEMENTS", tile)
-    monkeypatch.setattr(rope_mod, "MIN_PROGRAMS", min_programs)
-    shape = ROPE_SHAPES[shape]
-    R = 2 * math.ceil(shape[4] / 4) if ROPE_CASES[case].get("partial") else shape[4]
-    block_h, _, _, splits, _ = rope_mod._launch_config(shape[0] * shape[3], shape[1], shape[2], R, shape[4])
-    n_groups = math.ceil((shape[1] + shape[2]) / block_h)
-    assert n_groups > splits  # some program handles several groups
-    if shape == ROPE_SHAPES["mha"]:
-        assert shape[1] % block_h  # the group of the last q head holds a k head too
-    run_rope_check(shape, torch.float32, ROPE_CASES[case])
+    B, Hq, Hkv, T, D = ROPE_SHAPES[shape]
+    R = 2 * math.ceil(D / 4) if ROPE_CASES[case].get("partial") else D
+    cfg = RopePosConfig(tile_elements=tile, num_warps=4, min_programs=min_programs)
+    is_tile, block_h, splits, _ = rope_mod._plan(cfg, B, T, Hq, Hkv, R, D)
+    n_groups = math.ceil((Hq + Hkv) / block_h)
+    assert not is_tile and n_groups > splits  # some program handles several groups
+    if shape == "mha":
+        assert Hq % block_h  # the group of the last q head holds a k head too
+    run_rope_check(ROPE_SHAPES[shape], torch.float32, ROPE_CASES[case], fn=rope_with(cfg))
 
 
-# The tile kernel (positions x head dims per head), forced whatever the layout. T = 7 is no
-# multiple of BLOCK_T = 64 // 16 = 4, so the last tile of each sequence is partly masked.
+# The tile kernel (positions x head dims per head), passed to the launcher whatever the layout.
+# T = 7 is no multiple of BLOCK_T = 64 // 16 = 4, so the last tile of each sequence is partly
+# masked.
+def _tile(tile_elements, num_warps, min_programs, head_stages):
+    return RopeTileConfig(
+        tile_elements=tile_elements, num_warps=num_warps, min_programs=min_programs, head_stages=head_stages
+    )
+
+
 TILE_CONFIGS = {
-    "loop-heads-tables-once": (64, 1, 1, True, 1),  # every program loops over all 6 heads
-    "loop-heads-tables-reloaded": (64, 2, 1, False, 1),
-    "head-per-program": (64, 1, 2**30, True, 1),  # splits = Hq + Hkv
-    "two-splits": (32, 1, 8, False, 1),  # BLOCK_T = 2, 8 tiles, 3 heads each
-    "loop-heads-pipelined": (64, 1, 1, True, 2),  # the head loop software-pipelined (GPU)
+    "loop-heads-tables-once": _tile(64, 1, 1, 1),  # every program loops over all 6 heads
+    "head-per-program": _tile(64, 1, 2**30, 1),  # splits = Hq + Hkv
+    "two-splits": _tile(32, 1, 8, 1),  # BLOCK_T = 2, 8 tiles, 3 heads each
+    "loop-heads-pipelined": _tile(64, 1, 1, 2),  # the head loop software-pipelined (GPU)
 }
 
 
 @pytest.mark.parametrize("case", list(ROPE_CASES))
-def test_rope_tile_kernel(monkeypatch, case):
+def test_rope_tile_kernel(case):
     """Every case (GQA, partial rotary, interleaved, position ids, batched tables, (B, T, H, D)
     transposes, ...) through the tile kernel, several positions and heads per program."""
-    monkeypatch.setattr(rope_mod, "KERNEL", "tile")
-    monkeypatch.setattr(rope_mod, "TILE_CONFIG", TILE_CONFIGS["loop-heads-tables-once"])
-    run_rope_check(ROPE_SHAPES["gqa"], torch.float32, ROPE_CASES[case])
+    fn = rope_with(TILE_CONFIGS["loop-heads-tables-once"])
+    run_rope_check(ROPE_SHAPES["gqa"], torch.float32, ROPE_CASES[case], fn=fn)
 
 
 @pytest.mark.parametrize("case", ["neox", "interleaved"])
-def test_rope_tile_kernel_head_dim_off_pow2(monkeypatch, case):
+def test_rope_tile_kernel_head_dim_off_pow2(case):
     """A head dim whose rotary half (12) is no power of two: the tile kernel's masked lanes."""
-    monkeypatch.setattr(rope_mod, "KERNEL", "tile")
-    monkeypatch.setattr(rope_mod, "TILE_CONFIG", TILE_CONFIGS["loop-heads-tables-once"])
-    run_rope_check(ROPE_SHAPES["mha"], torch.float32, ROPE_CASES[case])
+    fn = rope_with(TILE_CONFIGS["loop-heads-tables-once"])
+    run_rope_check(ROPE_SHAPES["mha"], torch.float32, ROPE_CASES[case], fn=fn)
 
 
 @pytest.mark.parametrize("config", list(TILE_CONFIGS)[1:])
 @pytest.mark.parametrize("case", ["neox", "partial-interleaved", "ids-interleaved-partial"])
-def test_rope_tile_kernel_configs(monkeypatch, config, case):
-    monkeypatch.setattr(rope_mod, "KERNEL", "tile")
-    monkeypatch.setattr(rope_mod, "TILE_CONFIG", TILE_CONFIGS[config])
+def test_rope_tile_kernel_configs(config, case):
     B, Hq, Hkv, T, D = ROPE_SHAPES["gqa"]
-    block_t, n_t_blocks, splits, *_ = rope_mod._tile_config(B, T, Hq, Hkv, D, D, True)
-    assert T % block_t and n_t_blocks == math.ceil(T / block_t)
-    run_rope_check(ROPE_SHAPES["gqa"], torch.float32, ROPE_CASES[case])
+    is_tile, block_t, n_t_blocks, splits, *_ = rope_mod._plan(TILE_CONFIGS[config], B, T, Hq, Hkv, D, D)
+    assert is_tile and T % block_t and n_t_blocks == math.ceil(T / block_t)
+    run_rope_check(ROPE_SHAPES["gqa"], torch.float32, ROPE_CASES[case], fn=rope_with(TILE_CONFIGS[config]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_rope_tile_kernel_strided_rows(monkeypatch, dtype):
+def test_rope_tile_kernel_strided_rows(dtype):
     """q and k that are column slices of wider tensors (rows along T not contiguous) and a
     non-contiguous head stride, through the tile kernel, forward and backward."""
-    monkeypatch.setattr(rope_mod, "KERNEL", "tile")
-    monkeypatch.setattr(rope_mod, "TILE_CONFIG", TILE_CONFIGS["two-splits"])
+    tile_fn = rope_with(TILE_CONFIGS["two-splits"])
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, 7, 24, generator=g).to(DEVICE, dtype)[..., 4:20]  # row stride 24
     k = torch.randn(2, 4, 7, 16, generator=g).to(DEVICE, dtype)[:, ::2]  # head stride 2 * T * D
@@ -267,24 +296,26 @@ def test_rope_tile_kernel_strided_rows(monkeypatch, dtype):
         torch.autograd.backward(outs, [gr if cast is None else gr.to(cast) for gr in grads])
         return [o.detach() for o in outs] + [t.grad for t in leaves]
 
-    got = run(lambda *a, **kw: lmkernels.rope(*a, **kw, backend="triton"))
+    got = run(tile_fn)
     expected = zip(run(rope_reference), run(rope64, torch.float64))
     for name, x, (e, r) in zip(("q_out", "k_out", "dq", "dk"), got, expected):
         check_close(name, x, e, r)
 
 
-def test_rope_kernel_choice(monkeypatch):
-    """TILE_TUNED's keys take the tile kernel where each head's positions are contiguous rows
-    and T fills a tile; (B, T, H, D) memory, short sequences and other keys the position one."""
-    monkeypatch.setattr(rope_mod, "TILE_TUNED", {(32, False): (2048, 4, 2048, True, 1)})
-    config = rope_mod._tile_config
-    assert config(2, 8192, 16, 16, 64, 64, True) == (32, 256, 4, 4, True, 1)
-    assert config(2, 8192, 16, 16, 64, 64, False) is None  # (B, T, H, D) memory
-    assert config(1, 16, 16, 16, 64, 64, True) is None  # T < BLOCK_T = 32
-    assert config(2, 8192, 16, 16, 128, 128, True) is None  # not in the table
-    assert config(2, 8192, 16, 16, 48, 48, True) is None  # the key is the exact half, 24
-    monkeypatch.setattr(rope_mod, "KERNEL", "pos")
-    assert config(2, 8192, 16, 16, 64, 64, True) is None
+def test_rope_kernel_choice():
+    """A table's tile entries take the tile kernel where each head's positions are contiguous
+    rows and T fills a tile; (B, T, H, D) memory, short sequences and other rotary widths the
+    position kernel."""
+    tile = RopeTileConfig(half=32, tile_elements=2048, num_warps=4, min_programs=2048, why="test")
+    table = RopeTable(position=hopper.ROPE.position, tile=(tile,))
+    assert rope_mod.rope_config(table, 8192, 64, 64, True) is tile
+    assert rope_mod._table_plan(table, 2, 8192, 16, 16, 64, 64, True) == (True, 32, 256, 4, 4, 1)
+    position = table.position_config(32, False)
+    assert rope_mod.rope_config(table, 8192, 64, 64, False) is position  # (B, T, H, D) memory
+    assert rope_mod.rope_config(table, 16, 64, 64, True) is position  # T < BLOCK_T = 32
+    assert rope_mod.rope_config(table, 8192, 128, 128, True) is table.position_config(64, False)  # no entry
+    assert rope_mod.rope_config(table, 8192, 48, 48, True) is not tile  # the key is the exact half, 24
+    assert rope_mod.rope_config(table, 8192, 64, 128, True) is table.position_config(32, True)  # partial
 
 
 @pytest.mark.parametrize("layout", ["neox", "interleaved"])

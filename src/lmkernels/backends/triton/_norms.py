@@ -2,39 +2,36 @@
 the size of the persistent backward grid and the reduction of its weight-gradient partials.
 
 Both norms lay the work out the same way:
-- forward: a tile of `rows` rows per program, in registers; or (rows wider than MAX_FUSED_N,
-  and where the table says so) one row per program in chunks, x read again from L2 (with
-  eviction `hints` that keep it there between the passes).
-- backward: a persistent grid (a few programs per SM); each program loops over row tiles
-  pid, pid + P, ... and sums its weight (and bias) gradient contributions in fp32, either in
-  registers (PATH_REGS, one partial row written at the end) or in its own partial row in
-  memory (PATH_MEM: read-modify-write, an L2 hit). A second small kernel sums the P partial
-  rows (deterministic, no atomics). `stages` > 1 software-pipelines the loop over row tiles:
-  the next rows' loads are in flight (through shared memory) while a row is reduced, which is
-  what lets one row per SM reach the copy bandwidth.
-- PATH_WIDE (rows wider than MAX_FUSED_N): tiles of rows in column blocks, two passes (the
-  second from L2), the column loops pipelined.
+- forward: a tile of `rows` rows per program, in registers; or (rows wider than the table's
+  max_fused_n, and where the table says so) one row per program in chunks, x read again from
+  L2 (with eviction `hints` that keep it there between the passes).
+- backward (PATH_REGS): a persistent grid (a few programs per SM); each program loops over row
+  tiles pid, pid + P, ... and sums its weight (and bias) gradient contributions in fp32
+  registers, one partial row written at the end. A second small kernel sums the P partial rows
+  (deterministic, no atomics). `stages` > 1 software-pipelines the loop over row tiles: the
+  next rows' loads are in flight (through shared memory) while a row is reduced, which is what
+  lets one row per SM reach the copy bandwidth.
+- PATH_WIDE (rows wider than max_fused_n): tiles of rows in column blocks, two passes (the
+  second from L2), the column loops pipelined; the backward kernel writes dx only, and a column
+  kernel, one program per (column block, row range), sums the weight (and bias) gradients from
+  x and dy read again. That costs two more reads, and saves the per-row accumulators that make
+  the wide backward spill.
 - rows that fill at most 3/4 of their power-of-two block (5120, 11008) may be held as two
   register blocks, `block` (a power of two <= N) and `tail` (e.g. 4096 + 1024): fewer padding
   lanes, hence fewer registers per thread and more rows in flight per SM.
-- "apart" gradients (the `apart` field): the backward kernel leaves some weight-gradient sums
-  out (LayerNorm: the bias gradient, or both) and a column kernel computes them, one program
-  per (column block, row range), reading x and dy again. That costs 1-2 more reads of a
-  tensor, and saves the per-row accumulators that make the wide backward spill.
 - `reload_x`: the backward reads a row's x and dy a second time after the row sums, one
   register block at a time, from L1 / L2, instead of holding them. That frees the registers the
   gradient sums of a wide row need (LayerNorm's two), without the column kernel's HBM reads.
 - `prefetch`: a backward with one program per SM and one row in flight asks L2 for its next
   row as soon as the current row's loads are issued (prefetch_tile), so that HBM streams
   through the row's reductions.
-- `hold_x`: the backward holds a bf16 row's x and dy as loaded across the row sums, then widens
-  them to fp32 a second time (widen) instead of reading them again (reload_x) or keeping fp32
-  copies.
+- `hold_x` (RMSNorm): the backward holds a bf16 row's x and dy as loaded across the row sums,
+  then widens them to fp32 a second time (widen) instead of reading them again (reload_x) or
+  keeping fp32 copies.
 
-The configurations come from a table per op and row width (_norms_config.TUNED, with the
-configuration records), filled from measurements on an H200
-(scripts/roofline_tune.py; benchmarks/results/2026-11-23-roofline-tune/, -tune2/ and
-2026-11-23-norm-pipelining/).
+The launchers take their configuration (FwdConfig, BwdConfig) as an argument; the op bodies
+resolve it (fwd_config, bwd_config) from the table of the device's GPU generation
+(configs.tables_for), whose entries and fields configs.records describes.
 """
 
 from __future__ import annotations
@@ -48,27 +45,13 @@ import triton.language as tl
 
 from lmkernels.backends.triton._common import cdiv, pdl, pdl_enter, sm90_ptx, soft_bf16, to_dtype
 from lmkernels.backends.triton._launch import launch
-from lmkernels.backends.triton._norms_config import APART_ALL as APART_ALL
-from lmkernels.backends.triton._norms_config import APART_DB as APART_DB
-from lmkernels.backends.triton._norms_config import APART_NONE as APART_NONE
-from lmkernels.backends.triton._norms_config import PATH_MEM as PATH_MEM
-from lmkernels.backends.triton._norms_config import PATH_REGS as PATH_REGS
-from lmkernels.backends.triton._norms_config import PATH_WIDE as PATH_WIDE
-from lmkernels.backends.triton._norms_config import TUNED as TUNED
-from lmkernels.backends.triton._norms_config import BwdConfig as BwdConfig
-from lmkernels.backends.triton._norms_config import FwdConfig as FwdConfig
-from lmkernels.backends.triton._norms_config import Tuned as Tuned
-from lmkernels.backends.triton._norms_config import tuned_key as tuned_key
+from lmkernels.backends.triton.configs.records import PATH_REGS as PATH_REGS
+from lmkernels.backends.triton.configs.records import PATH_WIDE as PATH_WIDE
+from lmkernels.backends.triton.configs.records import BwdConfig as BwdConfig
+from lmkernels.backends.triton.configs.records import ColumnConfig, NormTable, SumConfig
+from lmkernels.backends.triton.configs.records import FwdConfig as FwdConfig
 from lmkernels.utils import empty
 
-# Rows up to this width are kept in registers; wider rows loop over blocks of WIDE_BLOCK: the
-# forward with eviction hints, the backward writing dx only (its column loops pipelined) and the
-# column kernel summing the weight gradients (benchmarks/results/2026-11-23-norm-pipelining/over:
-# fwd+bwd 1.3-1.9x faster than with partial rows updated per row).
-MAX_FUSED_N = 16384
-WIDE_BLOCK = 4096
-WIDE_FWD_WARPS = 16
-WIDE_BWD_WARPS = 8
 # Programs of the backward under the CPU interpreter: few, so each one loops over several tiles.
 INTERPRETER_PROGRAMS = 3
 
@@ -297,41 +280,18 @@ def _sum_partials_kernel(
 # --- launcher helpers --------------------------------------------------------------------------
 
 
-# Tuning hook (scripts/roofline_tune.py, tests): configurations used instead of the table.
-FORCE_FWD: FwdConfig | None = None
-FORCE_BWD: BwdConfig | None = None
-
-
-def fwd_config(op: str, N: int) -> FwdConfig:
-    if FORCE_FWD is not None:
-        return FORCE_FWD
-    # The module constants are arguments of the cached function so that changing them (tests,
-    # tuning scripts) takes effect.
-    return _fwd_config(op, N, MAX_FUSED_N, WIDE_BLOCK)
-
-
-def bwd_config(op: str, N: int) -> BwdConfig:
-    """The backward's configuration for rows of N elements."""
-    if FORCE_BWD is not None:
-        return FORCE_BWD
-    return _bwd_config(op, N, MAX_FUSED_N, WIDE_BLOCK)
-
-
 def _default_warps(elements: int, per_thread: int, cap: int) -> int:
     return min(cap, max(1, triton.next_power_of_2(max(1, elements // (32 * per_thread)))))
 
 
-def _tuned(op: str, N: int, block: int) -> Tuned | None:
-    """The table entry for rows of N columns in a power-of-two block (tuned_key)."""
-    return TUNED.get(tuned_key(op, N, block))
-
-
+# Cached per table (tables are immutable and hashed by identity): the host cost of a launch.
 @functools.cache
-def _fwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> FwdConfig:
-    if N > max_fused_n:
-        return FwdConfig(1, wide_block, False, WIDE_FWD_WARPS, hints=True)
+def fwd_config(table: NormTable, op: str, N: int) -> FwdConfig:
+    """The forward's launch for rows of N columns, from `table` (configs.tables_for)."""
+    if N > table.max_fused_n:
+        return FwdConfig(1, table.wide.block, False, table.wide.fwd_warps, hints=True)
     block = triton.next_power_of_2(N)
-    t = _tuned(op, N, block)
+    t = table.entry(op, N)
     if t is not None:
         if t.fwd_chunk:
             return FwdConfig(1, t.fwd_chunk, False, t.fwd_warps, t.hints, const_n=t.const_n)
@@ -342,22 +302,27 @@ def _fwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> FwdConfig
 
 
 @functools.cache
-def _bwd_config(op: str, N: int, max_fused_n: int, wide_block: int) -> BwdConfig:
-    if N > max_fused_n:
-        return BwdConfig(1, wide_block, PATH_WIDE, WIDE_BWD_WARPS, 2, apart=APART_ALL, stages=3)
+def bwd_config(table: NormTable, op: str, N: int) -> BwdConfig:
+    """The backward's launch for rows of N columns, from `table` (configs.tables_for)."""
+    shared = dict(column=table.column, sums=table.sums)
+    if N > table.max_fused_n:
+        wide = table.wide
+        return BwdConfig(
+            1, wide.block, PATH_WIDE, wide.bwd_warps, wide.programs_per_sm, stages=wide.stages, **shared
+        )
     block = triton.next_power_of_2(N)
-    t = _tuned(op, N, block)
+    t = table.entry(op, N)
     if t is not None:
         tail = 0
         if t.tail:  # two register blocks: the largest power of two <= N, then the rest
             block //= 2
             tail = triton.next_power_of_2(N - block)
-        return BwdConfig(t.bwd_rows, block, t.path, t.bwd_warps, t.programs_per_sm, reload_w=t.reload_w,
-                         tail=tail, apart=t.apart, stages=t.stages, const_n=t.const_n,
-                         reload_x=t.reload_x, prefetch=t.prefetch, hold_x=t.hold_x, fma=t.fma)  # fmt: skip
+        return BwdConfig(1, block, PATH_REGS, t.bwd_warps, t.programs_per_sm, reload_w=t.reload_w, tail=tail,
+                         stages=t.stages, const_n=t.const_n, reload_x=t.reload_x, prefetch=t.prefetch,
+                         hold_x=t.hold_x, fma=t.fma, **shared)  # fmt: skip
     rows = max(1, 1024 // block)
     num_warps = _default_warps(rows * block, 8, 16)
-    return BwdConfig(rows, block, PATH_REGS, num_warps, max(1, 32 // num_warps))
+    return BwdConfig(rows, block, PATH_REGS, num_warps, max(1, 32 // num_warps), **shared)
 
 
 @functools.cache
@@ -443,32 +408,24 @@ def partial_buffer(P: int, N: int, device: torch.device) -> torch.Tensor:
     return empty((P, N), torch.float32, device)
 
 
-# (BLOCK_P, BLOCK_N, num_warps) of the partial-sum kernel.
-SUM_CONFIG = (256, 16, 8)
-# (BLOCK_M, BLOCK_N, num_warps, programs per SM) of the column kernels ("apart" gradients).
-COL_CONFIG = (32, 128, 4, 8)
-
-
-def column_splits(M: int, N: int, device: torch.device) -> int:
-    """Row ranges of a column kernel: about COL_CONFIG's programs per SM in all, each range at
-    least BLOCK_M rows. Each range writes one partial row."""
-    block_m, block_n, _, per_sm = COL_CONFIG
+def column_splits(M: int, N: int, column: ColumnConfig, device: torch.device) -> int:
+    """Row ranges of a column kernel: about column.programs_per_sm programs per SM in all, each
+    range at least column.block_m rows. Each range writes one partial row."""
     if device.type == "cuda":
-        target = _sm_count(_device_index(device)) * per_sm
+        target = _sm_count(_device_index(device)) * column.programs_per_sm
     else:
         target = INTERPRETER_PROGRAMS
-    return max(1, min(cdiv(M, block_m), cdiv(target, cdiv(N, block_n))))
+    return max(1, min(cdiv(M, column.block_m), cdiv(target, cdiv(N, column.block_n))))
 
 
-def sum_partials(partial: torch.Tensor, out: torch.Tensor, partial2=None, out2=None) -> None:
+def sum_partials(partial: torch.Tensor, out: torch.Tensor, sums: SumConfig, partial2=None, out2=None) -> None:
     """out (1-D, any float dtype) = partial.sum(0), with one fp32 accumulation per column; and
     the same for (partial2, out2) in the same launch when given (its own number of rows)."""
     P, N = partial.shape
-    block_p, block_n, num_warps = SUM_CONFIG
     second = partial2 is not None
     launch(
         _sum_partials_kernel,
-        (cdiv(N, block_n), 2 if second else 1),
+        (cdiv(N, sums.block_n), 2 if second else 1),
         partial,
         out,
         partial2 if second else partial,
@@ -477,9 +434,9 @@ def sum_partials(partial: torch.Tensor, out: torch.Tensor, partial2=None, out2=N
         partial2.shape[0] if second else P,
         N,
         SOFT_BF16=soft_bf16(out),
-        BLOCK_P=block_p,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
+        BLOCK_P=sums.block_p,
+        BLOCK_N=sums.block_n,
+        num_warps=sums.num_warps,
         **pdl(out),
     )
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmkernels.backends.triton import _norms, triton_devices, triton_unavailable_reason
+from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import (
     call,
     cdiv,
@@ -25,18 +25,15 @@ from lmkernels.backends.triton._common import (
 )
 from lmkernels.backends.triton._launch import launch
 from lmkernels.backends.triton._norms import (
-    APART_ALL,
-    APART_NONE,
-    PATH_MEM,
-    PATH_REGS,
     PATH_WIDE,
+    BwdConfig,
+    FwdConfig,
     bwd_config,
     can_prefetch,
     col_sums,
     column_splits,
     const_n,
     fwd_config,
-    holds_x,
     load_block,
     load_x_dy,
     num_rows,
@@ -57,13 +54,11 @@ from lmkernels.backends.triton._norms import (
     tile_rows,
     tile_zeros,
     to_dtype,
-    widen,
 )
+from lmkernels.backends.triton.configs import tables_for
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
 
-REGS: tl.constexpr = tl.constexpr(PATH_REGS)
-MEM: tl.constexpr = tl.constexpr(PATH_MEM)
 WIDE: tl.constexpr = tl.constexpr(PATH_WIDE)
 
 # --- kernels -----------------------------------------------------------------------------------
@@ -86,7 +81,6 @@ def _layer_norm_fwd_kernel(
     BLOCK: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
     HINTS: tl.constexpr,
-    STAGES: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     N_CONST: tl.constexpr = 0,
     PDL: tl.constexpr = False,
@@ -115,22 +109,23 @@ def _layer_norm_fwd_kernel(
         tl.store(mean_ptr + rows, mean, mask=row_mask)
         tl.store(rstd_ptr + rows, rstd, mask=row_mask)
     else:
-        # Wide rows: three passes (sum, squared deviations, output); passes 2 and 3 hit L2.
+        # Wide rows: three passes (sum, squared deviations, output); passes 2 and 3 hit L2. The
+        # passes are not software-pipelined (num_stages=1).
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * N
         y_row = y_ptr + row * N
         acc = tl.zeros([BLOCK], tl.float32)
-        for start in tl.range(0, N, BLOCK, num_stages=STAGES):
+        for start in tl.range(0, N, BLOCK, num_stages=1):
             acc += load_block(x_row + start + cols, start + cols < N, HINTS, True)
         mean = tl.sum(acc, axis=0) / N
         acc = tl.zeros([BLOCK], tl.float32)
-        for start in tl.range(0, N, BLOCK, num_stages=STAGES):
+        for start in tl.range(0, N, BLOCK, num_stages=1):
             mask = start + cols < N
             x = load_block(x_row + start + cols, mask, HINTS, True)
             centered = tl.where(mask, x - mean, 0.0)
             acc += centered * centered
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / N + eps)
-        for start in tl.range(0, N, BLOCK, num_stages=STAGES):
+        for start in tl.range(0, N, BLOCK, num_stages=1):
             mask = start + cols < N
             x = load_block(x_row + start + cols, mask, HINTS, False)
             y = (x - mean) * rstd
@@ -144,21 +139,12 @@ def _layer_norm_fwd_kernel(
 
 
 @triton.jit
-def _add_to_partial(partial_row, cols, mask, contrib, i):
-    """partial_row[cols] = contrib on a program's first tile (i == 0), += contrib after: the
-    buffer needs no zeroing."""
-    prev = tl.load(partial_row + cols, mask=mask & (i > 0), other=0.0)
-    tl.store(partial_row + cols, prev + contrib, mask=mask)
-
-
-@triton.jit
 def _bwd_terms(x, dy, w_ptr, cols, col_mask, w, mean, rstd, RELOAD_W: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-               ROWS: tl.constexpr, AGAIN: tl.constexpr, FMA: tl.constexpr):  # fmt: skip
-    """x_hat, dy and g = dy * w in fp32 from a block as loaded. AGAIN: the block's second
-    widening (widen). FMA: x_hat = x * rstd + (-mean * rstd), one fused multiply-add an
-    element (see _bwd_store)."""
-    x = widen(x, AGAIN)
-    dy = widen(dy, AGAIN)
+               ROWS: tl.constexpr, FMA: tl.constexpr):  # fmt: skip
+    """x_hat, dy and g = dy * w in fp32 from a block as loaded. FMA: x_hat = x * rstd +
+    (-mean * rstd), one fused multiply-add an element (see _bwd_store)."""
+    x = x.to(tl.float32)
+    dy = dy.to(tl.float32)
     if FMA:
         x_hat = x * per_row(rstd, ROWS) + per_row(-mean * rstd, ROWS)
     else:
@@ -172,11 +158,10 @@ def _bwd_terms(x, dy, w_ptr, cols, col_mask, w, mean, rstd, RELOAD_W: tl.constex
 
 
 @triton.jit
-def _bwd_store(dx_ptr, offs, mask, cols, col_mask, x_hat, dy, g, rstd, mean_g, mean_gx, dw_acc, db_acc,
-               dw_row, db_row, i, PATH: tl.constexpr, ACC_DW: tl.constexpr, ACC_DB: tl.constexpr,
-               SOFT_BF16: tl.constexpr, ROWS: tl.constexpr, FMA: tl.constexpr):  # fmt: skip
+def _bwd_store(dx_ptr, offs, mask, x_hat, dy, g, rstd, mean_g, mean_gx, dw_acc, db_acc, ACC_DW: tl.constexpr,
+               ACC_DB: tl.constexpr, SOFT_BF16: tl.constexpr, ROWS: tl.constexpr, FMA: tl.constexpr):  # fmt: skip
     """Writes dx of one register block and adds its dw / db contributions (ACC_DW / ACC_DB) to
-    the accumulators (PATH_REGS) or to the program's partial rows (PATH_MEM).
+    the accumulators.
 
     FMA: dx = g * rstd + (x_hat * c_x + c_0) with the row's products c_x = -mean_gx * rstd and
     c_0 = -mean_g * rstd, two fused multiply-adds an element. The backward of rows over 8192
@@ -190,16 +175,10 @@ def _bwd_store(dx_ptr, offs, mask, cols, col_mask, x_hat, dy, g, rstd, mean_g, m
         dx = (g - per_row(mean_g, ROWS) - x_hat * per_row(mean_gx, ROWS)) * per_row(rstd, ROWS)
     tl.store(dx_ptr + offs, to_dtype(dx, dx_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
     # Padding columns and rows have dy = 0: they add nothing to any sum.
-    if PATH == MEM:
-        if ACC_DW:
-            _add_to_partial(dw_row, cols, col_mask, col_sums(dy * x_hat, ROWS), i)
-        if ACC_DB:
-            _add_to_partial(db_row, cols, col_mask, col_sums(dy, ROWS), i)
-    else:
-        if ACC_DW:
-            dw_acc += col_sums(dy * x_hat, ROWS)
-        if ACC_DB:
-            db_acc += col_sums(dy, ROWS)
+    if ACC_DW:
+        dw_acc += col_sums(dy * x_hat, ROWS)
+    if ACC_DB:
+        db_acc += col_sums(dy, ROWS)
     return dw_acc, db_acc
 
 
@@ -228,7 +207,6 @@ def _layer_norm_bwd_kernel(
     N_CONST: tl.constexpr = 0,
     RELOAD_X: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
-    HOLD_X: tl.constexpr = False,
     FMA: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
@@ -237,13 +215,12 @@ def _layer_norm_bwd_kernel(
 
     Program pid handles row tiles pid, pid + P, ... (ROWS rows each; one row on the wide path)
     and writes row pid of the P x N fp32 partials it accumulates (ACC_DW, ACC_DB; the others
-    are left to the column kernel), P <= the number of tiles. On the single-block paths a row
-    is columns [0, BLOCK) and, when TAIL > 0, [BLOCK, BLOCK + TAIL): two register blocks.
-    RELOAD_X: x and dy are read again (L1 / L2 hits) after the row sums, one register block at
-    a time, instead of being held: what lets both fp32 accumulators of a 16384-column row stay
-    in registers. HOLD_X: they are held as loaded (bf16) across the row sums and widened
-    again (widen). PREFETCH: right after a tile's first loads are issued, L2 is asked for the
-    program's next tile (prefetch_tile).
+    are left to the column kernel; the wide path leaves them all), P <= the number of tiles. On
+    the single-block path a row is columns [0, BLOCK) and, when TAIL > 0, [BLOCK, BLOCK + TAIL):
+    two register blocks. RELOAD_X: x and dy are read again (L1 / L2 hits) after the row sums,
+    one register block at a time, instead of being held: what lets both fp32 accumulators of a
+    16384-column row stay in registers. PREFETCH: right after a tile's first loads are issued,
+    L2 is asked for the program's next tile (prefetch_tile).
     """
     pdl_enter(PDL)
     if N_CONST > 0:  # the row width as a compile-time constant (const_n)
@@ -277,7 +254,7 @@ def _layer_norm_bwd_kernel(
             first: tl.constexpr = "evict_last" if RELOAD_X else ""
             x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, first)
             x_hat, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, cols, col_mask, w, mean, rstd, RELOAD_W, HAS_WEIGHT,
-                                      ROWS, False, FMA)  # fmt: skip
+                                      ROWS, FMA)  # fmt: skip
             if PREFETCH:  # the next tile, while this one's loads are in flight
                 prefetch_tile(x_ptr, dy_ptr, pid + (i + 1) * num_programs, M, N, ROWS)
             if BLOCK < 16384:
@@ -289,7 +266,7 @@ def _layer_norm_bwd_kernel(
                 offs_t, mask_t = tile_block(rows, row_mask, cols_t, tail_mask, N, ROWS)
                 x_raw_t, dy_raw_t = load_x_dy(x_ptr, dy_ptr, offs_t, mask_t, first)
                 x_hat_t, dy_t, g_t = _bwd_terms(x_raw_t, dy_raw_t, w_ptr, cols_t, tail_mask, w_t, mean, rstd,
-                                                RELOAD_W, HAS_WEIGHT, ROWS, False, FMA)  # fmt: skip
+                                                RELOAD_W, HAS_WEIGHT, ROWS, FMA)  # fmt: skip
                 sum_g_t, sum_gx_t = row_sums2(g_t, g_t * x_hat_t, ROWS)
                 sum_g += sum_g_t
                 sum_gx += sum_gx_t
@@ -297,34 +274,30 @@ def _layer_norm_bwd_kernel(
             mean_gx = sum_gx / N
             if RELOAD_X:  # another eviction policy: the compiler does not merge the two loads
                 x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, "evict_first")
-            if RELOAD_X or HOLD_X:
                 x_hat, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, cols, col_mask, w, mean, rstd, RELOAD_W,
-                                          HAS_WEIGHT, ROWS, HOLD_X, FMA)  # fmt: skip
-            dw_acc, db_acc = _bwd_store(dx_ptr, offs, mask, cols, col_mask, x_hat, dy, g, rstd, mean_g, mean_gx,
-                                        dw_acc, db_acc, dw_row, db_row, i, PATH, ACC_DW, ACC_DB,
-                                        SOFT_BF16, ROWS, FMA)  # fmt: skip
+                                          HAS_WEIGHT, ROWS, FMA)  # fmt: skip
+            dw_acc, db_acc = _bwd_store(dx_ptr, offs, mask, x_hat, dy, g, rstd, mean_g, mean_gx, dw_acc, db_acc,
+                                        ACC_DW, ACC_DB, SOFT_BF16, ROWS, FMA)  # fmt: skip
             if TAIL > 0:
                 if RELOAD_X:
                     x_raw_t, dy_raw_t = load_x_dy(x_ptr, dy_ptr, offs_t, mask_t, "evict_first")
-                if RELOAD_X or HOLD_X:
                     x_hat_t, dy_t, g_t = _bwd_terms(x_raw_t, dy_raw_t, w_ptr, cols_t, tail_mask, w_t, mean, rstd,
-                                                    RELOAD_W, HAS_WEIGHT, ROWS, HOLD_X, FMA)  # fmt: skip
-                dw_acc_t, db_acc_t = _bwd_store(dx_ptr, offs_t, mask_t, cols_t, tail_mask, x_hat_t, dy_t, g_t,
-                                                rstd, mean_g, mean_gx, dw_acc_t, db_acc_t, dw_row, db_row, i,
-                                                PATH, ACC_DW, ACC_DB, SOFT_BF16, ROWS, FMA)  # fmt: skip
-        if PATH == REGS:
-            if ACC_DW:
-                tl.store(dw_row + cols, dw_acc, mask=col_mask)
-                if TAIL > 0:
-                    tl.store(dw_row + cols_t, dw_acc_t, mask=tail_mask)
-            if ACC_DB:
-                tl.store(db_row + cols, db_acc, mask=col_mask)
-                if TAIL > 0:
-                    tl.store(db_row + cols_t, db_acc_t, mask=tail_mask)
+                                                    RELOAD_W, HAS_WEIGHT, ROWS, FMA)  # fmt: skip
+                dw_acc_t, db_acc_t = _bwd_store(dx_ptr, offs_t, mask_t, x_hat_t, dy_t, g_t, rstd, mean_g, mean_gx,
+                                                dw_acc_t, db_acc_t, ACC_DW, ACC_DB, SOFT_BF16, ROWS, FMA)  # fmt: skip
+        if ACC_DW:
+            tl.store(dw_row + cols, dw_acc, mask=col_mask)
+            if TAIL > 0:
+                tl.store(dw_row + cols_t, dw_acc_t, mask=tail_mask)
+        if ACC_DB:
+            tl.store(db_row + cols, db_acc, mask=col_mask)
+            if TAIL > 0:
+                tl.store(db_row + cols_t, db_acc_t, mask=tail_mask)
     else:
         # Wide rows, in tiles of ROWS rows x BLOCK columns: pass 1 reduces the two row sums,
-        # pass 2 reads x and dy again (from L2), writes dx and adds this program's
-        # contributions into its partial rows. NUM_STAGES > 1 pipelines the loops over blocks.
+        # pass 2 reads x and dy again (from L2) and writes dx; the column kernel sums dw and db
+        # (the launcher passes ACC_DW and ACC_DB False). NUM_STAGES > 1 pipelines the loops over
+        # blocks.
         for i in range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs)):
             rows, row_mask = tile_rows(pid + i * num_programs, M, ROWS)
             mean = tl.load(mean_ptr + rows, mask=row_mask, other=0.0)
@@ -335,7 +308,7 @@ def _layer_norm_bwd_kernel(
                 block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
                 x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, "")
                 x_hat, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, block_cols, block_mask, cols, mean, rstd, True,
-                                          HAS_WEIGHT, ROWS, False, FMA)  # fmt: skip
+                                          HAS_WEIGHT, ROWS, FMA)  # fmt: skip
                 acc_g += g
                 acc_gx += g * x_hat
             sum_g, sum_gx = row_sums2(acc_g, acc_gx, ROWS)
@@ -345,9 +318,9 @@ def _layer_norm_bwd_kernel(
                 block_cols, block_mask, offs, mask = row_block(rows, row_mask, cols, start, N, ROWS)
                 x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, "")
                 x_hat, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, block_cols, block_mask, cols, mean, rstd, True,
-                                          HAS_WEIGHT, ROWS, False, FMA)  # fmt: skip
-                _bwd_store(dx_ptr, offs, mask, block_cols, block_mask, x_hat, dy, g, rstd, mean_g, mean_gx,
-                           acc_g, acc_gx, dw_row, db_row, i, MEM, ACC_DW, ACC_DB, SOFT_BF16, ROWS, FMA)  # fmt: skip
+                                          HAS_WEIGHT, ROWS, FMA)  # fmt: skip
+                _bwd_store(dx_ptr, offs, mask, x_hat, dy, g, rstd, mean_g, mean_gx, acc_g, acc_gx, False, False,
+                           SOFT_BF16, ROWS, FMA)  # fmt: skip
 
 
 @triton.jit
@@ -367,7 +340,7 @@ def _layer_norm_dwdb_kernel(
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """The column kernel ("apart" gradients): over the rows of range s (program_id(1)) and the
+    """The column kernel (the wide path's gradients): over the rows of range s (program_id(1)) and the
     columns of block program_id(0), dw_partial[s] = sum dy * x_hat (DW), db_partial[s] = sum dy
     (DB; reads neither x nor the statistics when alone)."""
     pdl_enter(PDL)
@@ -401,10 +374,11 @@ def _layer_norm_dwdb_kernel(
 # --- launchers -------------------------------------------------------------------------------
 
 
-def _layer_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+def layer_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, cfg: FwdConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns y (x's shape and dtype, contiguous), mean and rstd (fp32, one per row)."""
+    """Returns y (x's shape and dtype, contiguous), mean and rstd (fp32, one per row), launched
+    as cfg says."""
     N = x.shape[-1]
     x = x.contiguous()  # the kernels read rows of N elements from flat memory
     M = num_rows(x)
@@ -413,7 +387,6 @@ def _layer_norm_fwd(
     rstd = empty((M,), torch.float32, x.device)
     if M == 0:
         return y, mean, rstd
-    cfg = fwd_config("layer_norm", N)
     rows = cfg.rows if cfg.single_block else 1
     with device_guard(x):
         launch(
@@ -434,7 +407,6 @@ def _layer_norm_fwd(
             BLOCK=cfg.block,
             SINGLE_BLOCK=cfg.single_block,
             HINTS=cfg.hints,
-            STAGES=cfg.stages,
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
             num_warps=cfg.num_warps,
@@ -443,15 +415,17 @@ def _layer_norm_fwd(
     return y, mean, rstd
 
 
-def _layer_norm_bwd(
+def layer_norm_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor | None,
     mean: torch.Tensor,
     rstd: torch.Tensor,
     bias_dtype: torch.dtype | None,
+    cfg: BwdConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns dx, dw and db; dw is empty without weight, db is empty when bias_dtype is None."""
+    """Returns dx, dw and db, launched as cfg says; dw is empty without weight, db is empty when
+    bias_dtype is None."""
     N = x.shape[-1]
     x = x.contiguous()  # the kernels read rows of N elements from flat memory
     M = num_rows(x)
@@ -460,26 +434,26 @@ def _layer_norm_bwd(
     db = empty((N,), bias_dtype, x.device) if bias_dtype is not None else x.new_empty((0,))
     if M == 0:
         return dx, dw.zero_(), db.zero_()
-    cfg = bwd_config("layer_norm", N)
     rows = cfg.rows
     P = persistent_programs(num_tiles(M, rows), cfg.programs_per_sm, x.device)
-    acc_dw = weight is not None and cfg.apart != APART_ALL
-    acc_db = bias_dtype is not None and cfg.apart == APART_NONE
+    # The wide path leaves both gradient sums to the column kernel.
+    acc_dw = weight is not None and cfg.single_block
+    acc_db = bias_dtype is not None and cfg.single_block
     dw_partial = partial_buffer(P, N, x.device) if acc_dw else None
     db_partial = partial_buffer(P, N, x.device) if acc_db else None
     dy = dy.contiguous()
     with device_guard(x):
         apart_dw, apart_db = weight is not None and not acc_dw, bias_dtype is not None and not acc_db
         if apart_dw or apart_db:
-            S = column_splits(M, N, x.device)
-            block_m, block_n, num_warps, _ = _norms.COL_CONFIG  # read at call time: the tuner sets it
+            col = cfg.column
+            S = column_splits(M, N, col, x.device)
             if apart_dw:
                 dw_partial = partial_buffer(S, N, x.device)
             if apart_db:
                 db_partial = partial_buffer(S, N, x.device)
             launch(
                 _layer_norm_dwdb_kernel,
-                (cdiv(N, block_n), S),
+                (cdiv(N, col.block_n), S),
                 dy,
                 x,
                 mean,
@@ -491,9 +465,9 @@ def _layer_norm_bwd(
                 cdiv(M, S),
                 DW=apart_dw,
                 DB=apart_db,
-                BLOCK_M=block_m,
-                BLOCK_N=block_n,
-                num_warps=num_warps,
+                BLOCK_M=col.block_m,
+                BLOCK_N=col.block_n,
+                num_warps=col.num_warps,
                 **pdl(x),
             )
         launch(
@@ -516,24 +490,45 @@ def _layer_norm_bwd(
             BLOCK=cfg.block,
             TAIL=cfg.tail,
             PATH=cfg.path,
-            RELOAD_W=cfg.reload_w or cfg.path == PATH_MEM,
+            RELOAD_W=cfg.reload_w,
             NUM_STAGES=pipeline_stages(cfg, x, weight, cdiv(num_tiles(M, rows), P)),
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
             RELOAD_X=reloads_x(cfg, x),
             PREFETCH=can_prefetch(cfg, x),
-            HOLD_X=holds_x(cfg, x),
             FMA=cfg.fma,
             num_warps=cfg.num_warps,
             **pdl(x),
         )
         if dw_partial is not None and db_partial is not None:
-            sum_partials(dw_partial, dw, db_partial, db)  # one launch for both
+            sum_partials(dw_partial, dw, cfg.sums, db_partial, db)  # one launch for both
         elif dw_partial is not None:
-            sum_partials(dw_partial, dw)
+            sum_partials(dw_partial, dw, cfg.sums)
         elif db_partial is not None:
-            sum_partials(db_partial, db)
+            sum_partials(db_partial, db, cfg.sums)
     return dx, dw, db
+
+
+# The custom ops' bodies: the launch configurations of the device's tables (configs.tables_for).
+
+
+def _layer_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = fwd_config(tables_for(x.device).norms, "layer_norm", x.shape[-1])
+    return layer_norm_forward(x, weight, bias, eps, cfg)
+
+
+def _layer_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    bias_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = bwd_config(tables_for(x.device).norms, "layer_norm", x.shape[-1])
+    return layer_norm_backward(dy, x, weight, mean, rstd, bias_dtype, cfg)
 
 
 # --- torch.library ops -----------------------------------------------------------------------

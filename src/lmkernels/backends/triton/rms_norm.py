@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmkernels.backends.triton import _norms, triton_devices, triton_unavailable_reason
+from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import (
     call,
     cdiv,
@@ -27,10 +27,9 @@ from lmkernels.backends.triton._common import (
 )
 from lmkernels.backends.triton._launch import launch
 from lmkernels.backends.triton._norms import (
-    APART_NONE,
-    PATH_MEM,
-    PATH_REGS,
     PATH_WIDE,
+    BwdConfig,
+    FwdConfig,
     bwd_config,
     can_prefetch,
     col_sums,
@@ -60,14 +59,13 @@ from lmkernels.backends.triton._norms import (
     to_dtype,
     widen,
 )
+from lmkernels.backends.triton.configs import tables_for
 from lmkernels.registry.core import register
 from lmkernels.utils import empty
 
 _MODES = {"llama": 0, "gemma": 1, "none": 2}  # casting_mode -> MODE of the kernels
 GEMMA: tl.constexpr = tl.constexpr(1)
 NONE: tl.constexpr = tl.constexpr(2)
-REGS: tl.constexpr = tl.constexpr(PATH_REGS)
-MEM: tl.constexpr = tl.constexpr(PATH_MEM)
 WIDE: tl.constexpr = tl.constexpr(PATH_WIDE)
 
 
@@ -122,7 +120,6 @@ def _rms_norm_fwd_kernel(
     BLOCK: tl.constexpr,
     SINGLE_BLOCK: tl.constexpr,
     HINTS: tl.constexpr,
-    STAGES: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     N_CONST: tl.constexpr = 0,
     PDL: tl.constexpr = False,
@@ -150,12 +147,13 @@ def _rms_norm_fwd_kernel(
         x_row = x_ptr + row * N
         y_row = y_ptr + row * N
         acc = tl.zeros([BLOCK], tl.float32)
-        for start in tl.range(0, N, BLOCK, num_stages=STAGES):
+        # The passes over the row's chunks are not software-pipelined (num_stages=1).
+        for start in tl.range(0, N, BLOCK, num_stages=1):
             mask = start + cols < N
             x = load_block(x_row + start + cols, mask, HINTS, True)
             acc += _square(x, MODE, dtype, SOFT_BF16)
         rstd = _rstd(tl.sum(acc, axis=0), N, eps, MODE, dtype, SOFT_BF16)
-        for start in tl.range(0, N, BLOCK, num_stages=STAGES):
+        for start in tl.range(0, N, BLOCK, num_stages=1):
             mask = start + cols < N
             x = load_block(x_row + start + cols, mask, HINTS, False)
             y = _normalized(x, rstd, MODE, dtype, SOFT_BF16)
@@ -184,22 +182,16 @@ def _bwd_terms(x, dy, w_ptr, cols, col_mask, w_factor, offset, RELOAD_W: tl.cons
 
 
 @triton.jit
-def _bwd_store(dx_ptr, offs, mask, cols, col_mask, x, dy, g, rstd, scale, dw_acc, partial_row, i,
-               PATH: tl.constexpr, ACC: tl.constexpr, MODE: tl.constexpr, SOFT_BF16: tl.constexpr,
-               ROWS: tl.constexpr):  # fmt: skip
-    """Writes dx of one register block and adds its dw contribution (ACC) to dw_acc (PATH_REGS)
-    or to the program's partial row (PATH_MEM); returns dw_acc."""
+def _bwd_store(dx_ptr, offs, mask, x, dy, g, rstd, scale, dw_acc, ACC: tl.constexpr, MODE: tl.constexpr,
+               SOFT_BF16: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """Writes dx of one register block and adds its dw contribution to dw_acc (ACC); returns
+    dw_acc."""
     dtype = dx_ptr.dtype.element_ty
     dx = (g - x * per_row(scale, ROWS)) * per_row(rstd, ROWS)
     tl.store(dx_ptr + offs, to_dtype(dx, dtype, SOFT_BF16), mask=mask)
     if ACC:
         # Rows past M have dy = 0: they add nothing.
-        contrib = col_sums(dy * _normalized(x, per_row(rstd, ROWS), MODE, dtype, SOFT_BF16), ROWS)
-        if PATH == MEM:
-            prev = tl.load(partial_row + cols, mask=col_mask & (i > 0), other=0.0)
-            tl.store(partial_row + cols, prev + contrib, mask=col_mask)
-        else:
-            dw_acc += contrib
+        dw_acc += col_sums(dy * _normalized(x, per_row(rstd, ROWS), MODE, dtype, SOFT_BF16), ROWS)
     return dw_acc
 
 
@@ -234,7 +226,7 @@ def _rms_norm_bwd_kernel(
 
     Program pid handles row tiles pid, pid + P, ... (ROWS rows each; one row on the wide path)
     and, when ACC (a weight whose gradient is not left to the column kernel), writes row pid of
-    dw_partial (P x N, fp32), P <= the number of tiles. On the single-block paths a row is
+    dw_partial (P x N, fp32), P <= the number of tiles. On the single-block path a row is
     columns [0, BLOCK) and, when TAIL > 0, [BLOCK, BLOCK + TAIL): two register blocks.
     dx_ptr may equal dy_ptr (in-place backward): every element of dy is read before the dx
     element at the same address is written, by the same program. RELOAD_X: x and dy are read
@@ -291,24 +283,23 @@ def _rms_norm_bwd_kernel(
             if RELOAD_X or HOLD_X:
                 x, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, cols, col_mask, w_factor, offset, RELOAD_W, MODE,
                                       HAS_WEIGHT, dtype, SOFT_BF16, ROWS, HOLD_X)  # fmt: skip
-            dw_acc = _bwd_store(dx_ptr, offs, mask, cols, col_mask, x, dy, g, rstd, scale, dw_acc,
-                                partial_row, i, PATH, ACC, MODE, SOFT_BF16, ROWS)  # fmt: skip
+            dw_acc = _bwd_store(dx_ptr, offs, mask, x, dy, g, rstd, scale, dw_acc, ACC, MODE, SOFT_BF16, ROWS)
             if TAIL > 0:
                 if RELOAD_X:
                     x_raw_t, dy_raw_t = load_x_dy(x_ptr, dy_ptr, offs_t, mask_t, "evict_first")
                 if RELOAD_X or HOLD_X:
                     x_t, dy_t, g_t = _bwd_terms(x_raw_t, dy_raw_t, w_ptr, cols_t, tail_mask, w_factor_t, offset,
                                                 RELOAD_W, MODE, HAS_WEIGHT, dtype, SOFT_BF16, ROWS, HOLD_X)  # fmt: skip
-                dw_acc_t = _bwd_store(dx_ptr, offs_t, mask_t, cols_t, tail_mask, x_t, dy_t, g_t, rstd, scale,
-                                      dw_acc_t, partial_row, i, PATH, ACC, MODE, SOFT_BF16, ROWS)  # fmt: skip
-        if ACC and PATH == REGS:
+                dw_acc_t = _bwd_store(dx_ptr, offs_t, mask_t, x_t, dy_t, g_t, rstd, scale, dw_acc_t, ACC, MODE,
+                                      SOFT_BF16, ROWS)  # fmt: skip
+        if ACC:
             tl.store(partial_row + cols, dw_acc, mask=col_mask)
             if TAIL > 0:
                 tl.store(partial_row + cols_t, dw_acc_t, mask=tail_mask)
     else:
         # Wide rows, in tiles of ROWS rows x BLOCK columns: pass 1 reduces g * x over the rows,
-        # pass 2 reads x and dy again (from L2), writes dx and adds this program's dw
-        # contributions into its partial row. NUM_STAGES > 1 pipelines the loops over blocks.
+        # pass 2 reads x and dy again (from L2) and writes dx; the column kernel sums dw (the
+        # launcher passes ACC False). NUM_STAGES > 1 pipelines the loops over blocks.
         for i in range(0, tl.cdiv(tl.cdiv(M, ROWS) - pid, num_programs)):
             rows, row_mask = tile_rows(pid + i * num_programs, M, ROWS)
             rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
@@ -325,8 +316,7 @@ def _rms_norm_bwd_kernel(
                 x_raw, dy_raw = load_x_dy(x_ptr, dy_ptr, offs, mask, "")
                 x, dy, g = _bwd_terms(x_raw, dy_raw, w_ptr, block_cols, block_mask, cols, offset, True, MODE,
                                       HAS_WEIGHT, dtype, SOFT_BF16, ROWS, False)  # fmt: skip
-                _bwd_store(dx_ptr, offs, mask, block_cols, block_mask, x, dy, g, rstd, scale, acc, partial_row,
-                           i, MEM, ACC, MODE, SOFT_BF16, ROWS)  # fmt: skip
+                _bwd_store(dx_ptr, offs, mask, x, dy, g, rstd, scale, acc, False, MODE, SOFT_BF16, ROWS)
 
 
 @triton.jit
@@ -344,7 +334,7 @@ def _rms_norm_dw_kernel(
     SOFT_BF16: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    """The column kernel ("apart" dw): partial[s, c] = sum of dy * x_hat over the rows of range s
+    """The column kernel (the wide path's dw): partial[s, c] = sum of dy * x_hat over the rows of range s
     (program_id(1)) in the columns of block program_id(0); x_hat as the weight multiply sees it."""
     pdl_enter(PDL)
     dtype = x_ptr.dtype.element_ty
@@ -369,10 +359,11 @@ def _rms_norm_dw_kernel(
 # --- launchers -------------------------------------------------------------------------------
 
 
-def _rms_norm_fwd(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str
+def rms_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str, cfg: FwdConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns y (x's shape and dtype, contiguous) and rstd (fp32, one per row)."""
+    """Returns y (x's shape and dtype, contiguous) and rstd (fp32, one per row), launched as cfg
+    says."""
     N = x.shape[-1]
     x = x.contiguous()  # the kernels read rows of N elements from flat memory
     M = num_rows(x)
@@ -380,7 +371,6 @@ def _rms_norm_fwd(
     rstd = empty((M,), torch.float32, x.device)
     if M == 0:
         return y, rstd
-    cfg = fwd_config("rms_norm", N)
     rows = cfg.rows if cfg.single_block else 1
     with device_guard(x):
         launch(
@@ -400,7 +390,6 @@ def _rms_norm_fwd(
             BLOCK=cfg.block,
             SINGLE_BLOCK=cfg.single_block,
             HINTS=cfg.hints,
-            STAGES=cfg.stages,
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
             num_warps=cfg.num_warps,
@@ -409,24 +398,23 @@ def _rms_norm_fwd(
     return y, rstd
 
 
-def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.Tensor:
-    """Writes dx and returns dw (empty when weight is None). dy and dx are contiguous; dx may be
-    dy itself (in-place backward)."""
+def rms_norm_backward_into(dy, x, weight, rstd, offset, casting_mode, dx, cfg: BwdConfig) -> torch.Tensor:
+    """Writes dx and returns dw (empty when weight is None), launched as cfg says. dy and dx are
+    contiguous; dx may be dy itself (in-place backward)."""
     N = x.shape[-1]
     x = x.contiguous()  # the kernels read rows of N elements from flat memory
     M = num_rows(x)
     dw = empty((N,), weight.dtype, x.device) if weight is not None else x.new_empty((0,))
     if M == 0:
         return dw.zero_()
-    cfg = bwd_config("rms_norm", N)
     rows = cfg.rows
     P = persistent_programs(num_tiles(M, rows), cfg.programs_per_sm, x.device)
-    acc = weight is not None and cfg.apart == APART_NONE
+    acc = weight is not None and cfg.single_block  # the wide path leaves dw to the column kernel
     partial = partial_buffer(P, N, x.device) if acc else None
     with device_guard(x):
         if weight is not None and not acc:
             # First: the backward kernel may write dx over dy.
-            partial = _dw_apart(dy, x, rstd, casting_mode)
+            partial = _dw_apart(dy, x, rstd, casting_mode, cfg)
         launch(
             _rms_norm_bwd_kernel,
             (P,),
@@ -446,7 +434,7 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
             BLOCK=cfg.block,
             TAIL=cfg.tail,
             PATH=cfg.path,
-            RELOAD_W=cfg.reload_w or cfg.path == PATH_MEM,
+            RELOAD_W=cfg.reload_w,
             NUM_STAGES=pipeline_stages(cfg, x, weight, cdiv(num_tiles(M, rows), P)),
             SOFT_BF16=soft_bf16(x),
             N_CONST=const_n(cfg, N),
@@ -457,19 +445,19 @@ def _rms_norm_bwd_into(dy, x, weight, rstd, offset, casting_mode, dx) -> torch.T
             **pdl(x),
         )
         if partial is not None:
-            sum_partials(partial, dw)
+            sum_partials(partial, dw, cfg.sums)
     return dw
 
 
-def _dw_apart(dy, x, rstd, casting_mode) -> torch.Tensor:
+def _dw_apart(dy, x, rstd, casting_mode, cfg: BwdConfig) -> torch.Tensor:
     """The dw partials (S x N, fp32) from the column kernel: S ranges of rows."""
     M, N = num_rows(x), x.shape[-1]
-    S = column_splits(M, N, x.device)
+    col = cfg.column
+    S = column_splits(M, N, col, x.device)
     partial = partial_buffer(S, N, x.device)
-    block_m, block_n, num_warps, _ = _norms.COL_CONFIG  # read at call time: the tuner sets it
     launch(
         _rms_norm_dw_kernel,
-        (cdiv(N, block_n), S),
+        (cdiv(N, col.block_n), S),
         dy,
         x,
         rstd,
@@ -478,13 +466,32 @@ def _dw_apart(dy, x, rstd, casting_mode) -> torch.Tensor:
         N,
         cdiv(M, S),
         MODE=_MODES[casting_mode],
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=col.block_m,
+        BLOCK_N=col.block_n,
         SOFT_BF16=soft_bf16(x),
-        num_warps=num_warps,
+        num_warps=col.num_warps,
         **pdl(x),
     )
     return partial
+
+
+def rms_norm_backward(
+    dy, x, weight, rstd, offset, casting_mode, cfg: BwdConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns dx (x's shape and dtype) and dw (empty when weight is None), launched as cfg says."""
+    dx = empty(x.shape, x.dtype, x.device)
+    dw = rms_norm_backward_into(dy.contiguous(), x, weight, rstd, offset, casting_mode, dx, cfg)
+    return dx, dw
+
+
+# The custom ops' bodies: the launch configurations of the device's tables (configs.tables_for).
+
+
+def _rms_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = fwd_config(tables_for(x.device).norms, "rms_norm", x.shape[-1])
+    return rms_norm_forward(x, weight, eps, offset, casting_mode, cfg)
 
 
 def _rms_norm_bwd(
@@ -495,10 +502,8 @@ def _rms_norm_bwd(
     offset: float,
     casting_mode: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns dx (x's shape and dtype) and dw (empty when weight is None)."""
-    dx = empty(x.shape, x.dtype, x.device)
-    dw = _rms_norm_bwd_into(dy.contiguous(), x, weight, rstd, offset, casting_mode, dx)
-    return dx, dw
+    cfg = bwd_config(tables_for(x.device).norms, "rms_norm", x.shape[-1])
+    return rms_norm_backward(dy, x, weight, rstd, offset, casting_mode, cfg)
 
 
 # --- torch.library ops -----------------------------------------------------------------------

@@ -6,7 +6,9 @@ Hq + Hkv head rows (q's, then k's; a group may hold both). cos/sin for the posit
 once per program; with splits == 1 (long sequences) one program rotates all Hq + Hkv heads of
 its position. The tile kernel, grid (B * T/BLOCK_T, splits): BLOCK_T positions x every
 `splits`-th head, a (positions x head dims) tile per head; it runs where a head's positions are
-contiguous in memory and TILE_TUNED names the head / rotary dims (see there).
+contiguous in memory and the device's table has a tile entry for the rotary width (rope_config).
+The launch configurations (configs.records: RopePosConfig, RopeTileConfig) and the tables they
+come from (configs.tables_for) are data passed in: see rope_rotate_with.
 
 Each head's first R = rotary_dim dims are split into the two halves of the rotation pairs
 (x_a, x_b): neox pairs j with j + R/2 (two contiguous loads), interleaved pairs 2i with 2i+1
@@ -45,44 +47,10 @@ from lmkernels.backends.triton._common import (
     to_dtype,
 )
 from lmkernels.backends.triton._launch import launch
+from lmkernels.backends.triton.configs import tables_for
+from lmkernels.backends.triton.configs.records import RopePosConfig, RopeTable, RopeTileConfig
 from lmkernels.registry.core import register
 from lmkernels.utils import empty, empty_strided
-
-# (elements of one heads x rotary-dims tile, warps) per (rotary half width, whether dims past
-# the rotary part are copied), measured on an H200 (scripts/roofline_tune.py; fwd+bwd, bf16,
-# benchmarks/results/2026-11-23-roofline-tune/): 16 heads x 128 dims with 4 warps for Llama's
-# heads, 512-element halves elsewhere, 2 warps where that gave each thread 16-byte vectors
-# (D = 64, D = 256) and was 9-13% faster than 4.
-TUNED = {(32, False): (1024, 2), (128, False): (1024, 2)}
-DEFAULT_TILE = (2048, 4)  # Llama's D = 128, and the partial-rotary cases (1024, 4 measured the same)
-PARTIAL_TILE = (1024, 4)
-# Tuning hook (scripts/roofline_tune.py, tests): the tile and warps used instead of the table.
-TILE_ELEMENTS: int | None = None
-NUM_WARPS: int | None = None
-# Below this many positions, the heads of one position are spread over several programs so
-# that the GPU still gets enough programs to keep every SM's memory pipe busy.
-MIN_PROGRAMS = 8192
-
-# The tile kernel (_rope_tile_kernel: positions x head dims per head, heads looped over) where
-# a head's positions are contiguous rows, i.e. (B, H, T, D) memory, per (rotary half width,
-# copy): (elements of one positions x head-dims tile, warps, least programs, tables kept in
-# registers over the head loop, software-pipelining stages of the head loop). On (B, H, T, D)
-# memory the position kernel's tiles of a few KB spread over head rows 1 MB apart. Measured
-# on an H200, fwd+bwd against the previous table in one run, batch 1-8 x 1k-8k positions
-# (benchmarks/results/2026-11-24-h200-rope-tile2/): D = 64 1.00-1.03x, D = 256 1.03-1.14x,
-# partial rotary 1.05-1.10x (its head loop pipelined: the next head's loads in flight). D = 128
-# keeps the position kernel: the tile kernel ranged 0.90-1.08x of it over batch 1-8.
-# Head dims off the powers of two (Phi-3's 96, 80) leave a quarter or more of the position
-# kernel's lanes masked; there the tile kernel was 1.12-1.20x faster (batch 1-4, 1k-8k positions,
-# benchmarks/results/2026-11-24-h200-offgrid/d96-tune/). The key is the exact rotary half width.
-# (B, T, H, D) memory (transformers' q and k) and decoding take the position kernel.
-TILE_TUNED = {(32, False): (1024, 2, 2048, True, 1), (128, False): (1024, 2, 2048, True, 1),
-              (48, False): (1024, 2, 2048, True, 1), (40, False): (2048, 4, 8192, True, 1),
-              (32, True): (2048, 4, 8192, True, 2), (16, True): (2048, 4, 8192, True, 2)}  # fmt: skip
-# Tuning hooks: KERNEL "pos" / "tile" forces a kernel (any layout), TILE_CONFIG a tile config.
-KERNEL: str | None = None
-FORCED_TILE_DEFAULT = (2048, 4, 8192, True, 1)  # KERNEL == "tile" for a key not in TILE_TUNED
-TILE_CONFIG: tuple[int, int, int, bool, int] | None = None
 
 
 @triton.jit
@@ -320,7 +288,6 @@ def _rope_tile_kernel(
     HAS_POS: tl.constexpr,
     HAS_REST: tl.constexpr,
     BACKWARD: tl.constexpr,
-    TABLES_ONCE: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     HEAD_STAGES: tl.constexpr = 1,
     PDL: tl.constexpr = False,
@@ -328,8 +295,8 @@ def _rope_tile_kernel(
     """Program (p, s): BLOCK_T positions of one sequence x every `splits`-th head (q's, then
     k's), one (positions x head dims) tile per head: where a head's positions are contiguous
     rows ((B, H, T, D) memory), each tile is one contiguous stretch of BLOCK_T * D elements.
-    The tables are per position row; TABLES_ONCE keeps them in registers for the whole head
-    loop, else they are loaded again per head (from L1/L2), which spares those registers."""
+    The tables are per position row, loaded once and kept in registers for the whole head
+    loop."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     b = (pid // n_t_blocks).to(tl.int64)
@@ -347,19 +314,14 @@ def _rope_tile_kernel(
         row_ok = t_mask
         cos_rows = cos_ptr + b * stride_cb + t * stride_ct
         sin_rows = sin_ptr + b * stride_sb + t * stride_st
-    if TABLES_ONCE:
-        cos_a, cos_b, sin_a, sin_b = _load_tables(
-            cos_rows, sin_rows, t_mask, row_ok, half, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD, HAS_POS
-        )
+    cos_a, cos_b, sin_a, sin_b = _load_tables(
+        cos_rows, sin_rows, t_mask, row_ok, half, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD, HAS_POS
+    )
     rot_dim = 2 * half
     # q's heads, then k's: the tensor is selected, not branched on, so that the loop body is
     # one block of loads that HEAD_STAGES > 1 software-pipelines (the next head's loads in
     # flight while this one is rotated).
     for h in tl.range(tl.program_id(1), n_q_heads + n_k_heads, splits, num_stages=HEAD_STAGES):
-        if not TABLES_ONCE:
-            cos_a, cos_b, sin_a, sin_b = _load_tables(
-                cos_rows, sin_rows, t_mask, row_ok, half, BLOCK_T, BLOCK_HALF, INTERLEAVED, BACKWARD, HAS_POS
-            )
         is_q = h < n_q_heads
         head = tl.where(is_q, h, h - n_q_heads).to(tl.int64)
         x_base = b * tl.where(is_q, stride_qb, stride_kb) + head * tl.where(is_q, stride_qh, stride_kh)
@@ -392,57 +354,49 @@ def _empty_in_layout(shape, bthd: bool, like: torch.Tensor) -> torch.Tensor:
     return empty((B, H, T, D), like.dtype, like.device)
 
 
-def _launch_config(n_pos: int, n_q_heads: int, n_k_heads: int, rot_dim: int, head_dim: int):
-    # The module constants are arguments of the cached function so that changing them (tests,
-    # tuning) takes effect; the cache spares the triton helpers' host cost on every launch.
-    return _cached_launch_config(
-        n_pos, n_q_heads, n_k_heads, rot_dim, head_dim, TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS
-    )
+def rope_config(table: RopeTable, T: int, rotary_dim: int, head_dim: int, rows: bool):
+    """The entry of `table` that RoPE runs for these inputs: the tile kernel's where the table
+    has one for the rotary width, each head's positions are contiguous rows (`rows`) and the
+    sequence fills a tile; else the position kernel's. Decoding and short sequences (most of a
+    tile masked off) and (B, T, H, D) memory (the position kernel reads it contiguously) take
+    the position kernel."""
+    partial = head_dim > rotary_dim
+    tile = table.tile_config(rotary_dim // 2, partial)
+    if tile is not None and rows and T >= _block_t(tile, head_dim):
+        return tile
+    return table.position_config(next_power_of_2(rotary_dim // 2), partial)
+
+
+def _block_t(cfg: RopeTileConfig, head_dim: int) -> int:
+    return max(1, cfg.tile_elements // next_power_of_2(head_dim))
+
+
+# The launch plan of an entry for a shape, cached: the helpers' host cost on every launch. Per
+# table (hashed by identity) where the table chooses, per configuration where one is given.
+@functools.lru_cache(maxsize=1024)
+def _table_plan(table: RopeTable, B, T, n_q_heads, n_k_heads, rotary_dim, head_dim, rows):
+    cfg = rope_config(table, T, rotary_dim, head_dim, rows)
+    return _plan(cfg, B, T, n_q_heads, n_k_heads, rotary_dim, head_dim)
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_launch_config(n_pos, n_q_heads, n_k_heads, rot_dim, head_dim, tile, warps, min_programs):
-    block_half = next_power_of_2(rot_dim // 2)
-    rest = head_dim - rot_dim
-    default = PARTIAL_TILE if rest else DEFAULT_TILE
-    tile_elements, num_warps = TUNED.get((block_half, rest > 0), default)
-    tile_elements = tile if tile is not None else tile_elements
-    num_warps = warps if warps is not None else num_warps
-    block_rest = next_power_of_2(rest) if rest else 1
+def _plan(cfg, B, T, n_q_heads, n_k_heads, rotary_dim, head_dim):
+    """(True, BLOCK_T, n_t_blocks, splits, warps, head_stages) for the tile kernel, (False,
+    BLOCK_H, splits, warps) for the position kernel."""
+    if isinstance(cfg, RopeTileConfig):
+        block_t = min(_block_t(cfg, head_dim), next_power_of_2(T))
+        n_t_blocks = cdiv(T, block_t)
+        splits = max(1, min(n_q_heads + n_k_heads, cdiv(cfg.min_programs, max(B * n_t_blocks, 1))))
+        return True, block_t, n_t_blocks, splits, cfg.num_warps, cfg.head_stages
+    block_half = next_power_of_2(rotary_dim // 2)
     max_heads = next_power_of_2(n_q_heads + n_k_heads)
-    block_h = max(1, min(max_heads, tile_elements // (2 * block_half)))
+    block_h = max(1, min(max_heads, cfg.tile_elements // (2 * block_half)))
     n_groups = cdiv(n_q_heads + n_k_heads, block_h)
-    splits = max(1, min(n_groups, cdiv(min_programs, max(n_pos, 1))))
-    return block_h, block_half, block_rest, splits, num_warps
+    splits = max(1, min(n_groups, cdiv(cfg.min_programs, max(B * T, 1))))
+    return False, block_h, splits, cfg.num_warps
 
 
-def _tile_config(B: int, T: int, n_q_heads: int, n_k_heads: int, rot_dim: int, head_dim: int, rows: bool):
-    """The tile kernel's (BLOCK_T, n_t_blocks, splits, warps, tables_once), or None where the
-    position kernel runs. rows: every head of q, k and the outputs has contiguous positions."""
-    # The table's entry (not the table) is an argument of the cached function: tests and the
-    # tuner change TILE_TUNED.
-    entry = TILE_TUNED.get((rot_dim // 2, head_dim > rot_dim))
-    return _cached_tile_config(B, T, n_q_heads, n_k_heads, head_dim, rows, KERNEL, TILE_CONFIG or entry)
-
-
-@functools.lru_cache(maxsize=1024)
-def _cached_tile_config(B, T, n_q_heads, n_k_heads, head_dim, rows, kernel, cfg):
-    cfg = cfg or (FORCED_TILE_DEFAULT if kernel == "tile" else None)
-    if kernel == "pos" or cfg is None:
-        return None
-    tile_elements, num_warps, min_programs, tables_once, head_stages = cfg
-    block_t = max(1, tile_elements // next_power_of_2(head_dim))
-    # Decoding and short sequences (most of a tile masked off) and (B, T, H, D) memory (the
-    # position kernel reads it contiguously) stay on the position kernel unless forced.
-    if kernel != "tile" and (not rows or T < block_t):
-        return None
-    block_t = min(block_t, next_power_of_2(T))
-    n_t_blocks = cdiv(T, block_t)
-    splits = max(1, min(n_q_heads + n_k_heads, cdiv(min_programs, max(B * n_t_blocks, 1))))
-    return block_t, n_t_blocks, splits, num_warps, tables_once, head_stages
-
-
-def _rope_rotate(
+def rope_rotate_with(
     q: torch.Tensor,
     k: torch.Tensor,
     cos: torch.Tensor,
@@ -453,8 +407,13 @@ def _rope_rotate(
     inverse: bool,
     q_bthd: bool,
     k_bthd: bool,
+    cfg: RopePosConfig | RopeTileConfig | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q (B, Hq, T, D) and k (B, Hkv, T, D); inverse=True applies the transpose.
+
+    cfg: the launch to run. A RopeTileConfig runs the tile kernel and a RopePosConfig the
+    position kernel, whatever the memory layout; None: the entry of the device's table for these
+    inputs (rope_config), which depends on the layout worked out here.
 
     Returns fresh tensors in q's dtype, (B, H, T, D) views of contiguous (B, T, H, D) memory
     where q_bthd / k_bthd, contiguous (B, H, T, D) otherwise. The forward passes the layout of
@@ -488,7 +447,10 @@ def _rope_rotate(
     # One stride() call per tensor (each call is host time on every launch).
     sq, sk, sqo, sko = q.stride(), k.stride(), q_out.stride(), k_out.stride()
     rows = sq[2] == D and sk[2] == D and sqo[2] == D and sko[2] == D
-    tile = _tile_config(B, T, Hq, Hkv, rotary_dim, D, rows)
+    if cfg is None:
+        plan = _table_plan(tables_for(q.device).rope, B, T, Hq, Hkv, rotary_dim, D, rows)
+    else:
+        plan = _plan(cfg, B, T, Hq, Hkv, rotary_dim, D)
     common = (
         q, k, q_out, k_out, cos, sin, position_ids if has_pos else cos,
     )  # fmt: skip
@@ -501,20 +463,38 @@ def _rope_rotate(
         HAS_REST=rotary_dim < D, BACKWARD=inverse, SOFT_BF16=soft_bf16(q), **pdl(q),
     )  # fmt: skip
     with device_guard(q):
-        if tile is not None:
-            block_t, n_t_blocks, splits, num_warps, tables_once, head_stages = tile
+        if plan[0]:
+            _, block_t, n_t_blocks, splits, num_warps, head_stages = plan
             launch(_rope_tile_kernel, (B * n_t_blocks, splits),
                 *common, T, n_table, n_t_blocks, Hq, Hkv, D, rotary_dim // 2, *strides, splits,
-                BLOCK_T=block_t, TABLES_ONCE=tables_once, HEAD_STAGES=head_stages, num_warps=num_warps,
+                BLOCK_T=block_t, HEAD_STAGES=head_stages, num_warps=num_warps,
                 **flags,
             )  # fmt: skip
         else:
-            block_h, _, _, splits, num_warps = _launch_config(n_pos, Hq, Hkv, rotary_dim, D)
+            _, block_h, splits, num_warps = plan
             launch(_rope_kernel, (n_pos, splits),
                 *common, T, n_table, Hq, Hkv, D, rotary_dim // 2, *strides, splits,
                 BLOCK_H=block_h, num_warps=num_warps, **flags,
             )  # fmt: skip
     return q_out, k_out
+
+
+def _rope_rotate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    interleaved: bool,
+    rotary_dim: int,
+    inverse: bool,
+    q_bthd: bool,
+    k_bthd: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The custom op's body: rope_rotate_with the device's table choosing the launch."""
+    return rope_rotate_with(
+        q, k, cos, sin, position_ids, interleaved, rotary_dim, inverse, q_bthd, k_bthd, None
+    )
 
 
 # --- torch.library op and autograd ----------------------------------------------------------------

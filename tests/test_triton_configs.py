@@ -1,0 +1,167 @@
+"""The tuned tables as data (backends/triton/configs): which generation a device gets, that
+the tables are well formed and say why, and that `entry_text` writes entries as hopper.py holds
+them."""
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+configs = pytest.importorskip("lmkernels.backends.triton.configs", reason="needs triton")
+from lmkernels.backends.triton.configs import default, hopper, records  # noqa: E402
+from lmkernels.backends.triton.configs.entry_text import entry_text  # noqa: E402
+
+
+def _all_entries(tables):
+    n, r = tables.norms, tables.rope
+    return [*n.entries, n.wide, n.column, n.sums, *r.position, *r.tile]
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """tables_for's view of CUDA devices of a given capability (no GPU needed)."""
+    import lmkernels.backends.triton as triton_pkg
+
+    monkeypatch.setattr(configs, "_BY_DEVICE", {})
+    monkeypatch.setattr(triton_pkg, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.version, "hip", None)
+    asked = []
+
+    def capability(index):
+        asked.append(index)
+        return {0: (9, 0), 1: (8, 0), 2: (10, 0), 3: (12, 0)}[index]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    return asked
+
+
+def test_hopper_tables_on_sm90_only(gpu, monkeypatch):
+    names = [configs.tables_for(torch.device("cuda", i)).name for i in range(4)]
+    assert names == ["hopper", "default", "default", "default"]  # H100/H200, A100, B200, consumer
+    assert configs.tables_for(torch.device("cpu")) is default.TABLES
+    configs.tables_for(torch.device("cuda", 0))
+    assert gpu == [0, 1, 2, 3]  # once per device
+    monkeypatch.setattr(configs, "_BY_DEVICE", {})
+    monkeypatch.setattr(torch.version, "hip", "6.4")  # ROCm reports MI300 as 9.4
+    assert configs.tables_for(torch.device("cuda", 0)) is default.TABLES
+
+
+def test_interpreter_and_cpu_get_the_default_tables():
+    assert configs.tables_for(torch.device("cpu")) is default.TABLES
+
+
+def test_default_entries_are_hoppers():
+    """Unmeasured elsewhere: the default tables are Hopper's, entry for entry."""
+    assert default.TABLES.norms is hopper.TABLES.norms and default.TABLES.rope is hopper.TABLES.rope
+    assert "unmeasured" in default.__doc__
+
+
+def test_every_entry_says_why_with_a_number_and_no_history():
+    for e in _all_entries(hopper.TABLES):
+        if isinstance(e, records.ColumnConfig):
+            continue  # the one setting kept without a recorded ratio (its why says so)
+        assert any(c.isdigit() for c in e.why), e
+    text = inspect.getsource(hopper)
+    for word in ("session", "results/", "2026-", "benchmarks/"):
+        assert word not in text.lower(), word
+
+
+@pytest.mark.parametrize("op", records.NORM_OPS)
+def test_norm_entries_serve_each_width_once(op):
+    """The entries' row widths tile 513-16384 (a block's rows from half of it up), no gaps."""
+    table = hopper.TABLES.norms
+    served = sorted(e.cols for e in table.entries if e.op == op)
+    assert served[0][0] == 513 and served[-1][1] == table.max_fused_n
+    for (_, last), (first, _) in zip(served, served[1:]):
+        assert first == last + 1
+    assert table.entry(op, 512) is None and table.entry(op, table.max_fused_n + 1) is None
+    assert table.entry(op, 5120).cols[0] <= 5120 <= table.entry(op, 5120).cols[1]
+
+
+def test_records_refuse_what_no_kernel_runs():
+    base = dict(op="rms_norm", cols=(4097, 5120), fwd_warps=8, bwd_warps=8, programs_per_sm=1, why="x 1.0x")
+    records.NormEntry(**base)
+    with pytest.raises(ValueError, match="one power-of-two block"):
+        records.NormEntry(**{**base, "cols": (4000, 5000)})
+    with pytest.raises(ValueError, match="RMSNorm only"):
+        records.NormEntry(**{**base, "op": "layer_norm", "hold_x": True})
+    with pytest.raises(ValueError, match="LayerNorm only"):
+        records.NormEntry(**{**base, "fma": True})
+    norms = hopper.TABLES.norms
+    overlap = (*norms.entries, records.NormEntry(**{**base, "cols": (5000, 6000)}))
+    with pytest.raises(ValueError, match="overlap"):
+        dataclasses.replace(norms, entries=overlap)
+    with pytest.raises(ValueError, match="without a `why`"):
+        rope = hopper.TABLES.rope
+        tile = (*rope.tile, records.RopeTileConfig(half=8, tile_elements=1024, num_warps=2, min_programs=1))
+        records.Tables(name="x", norms=norms, rope=dataclasses.replace(rope, tile=tile))
+
+
+def _key_and_fields(e):
+    keys = {"op", "cols", "why", "block_half", "half"}
+    fields = {f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.name not in keys}
+    if isinstance(e, records.NormEntry):
+        return e.op, e.cols[1], fields
+    if isinstance(e, records.RopePosConfig):
+        return "rope_position", e.block_half, fields
+    return "rope_tile", e.half, fields
+
+
+def test_entry_text_writes_the_entries_hopper_holds():
+    """Every keyed entry of hopper.py is, character for character, what entry_text writes for
+    its fields: the module is in the form the tuner produces, and its text evaluates back to
+    the same record."""
+    text = inspect.getsource(hopper)
+    entries = [*hopper.NORMS.entries, *hopper.ROPE.tile]
+    entries += [e for e in hopper.ROPE.position if e.block_half is not None]
+    for e in entries:
+        op, width, fields = _key_and_fields(e)
+        written = entry_text(op, width, fields, e.why)
+        assert written in text, written
+        assert eval(written.strip().rstrip(","), vars(records)) == e
+
+
+def test_entry_text_from_a_measured_winner():
+    written = entry_text(
+        "rms_norm", 5000, {"fwd_warps": 8, "bwd_warps": 4, "programs_per_sm": 2}, "4 warps: 1.05x"
+    )
+    assert written.splitlines() == [
+        "        NormEntry(",
+        '            op="rms_norm",',
+        "            cols=(4097, 5120),",  # the range of the entry it replaces
+        "            fwd_warps=8,",
+        "            bwd_warps=4,",
+        "            programs_per_sm=2,",
+        '            why="4 warps: 1.05x",',
+        "        ),",
+    ]
+    # A width no entry serves: the upper half of its block.
+    assert "cols=(257, 512)," in entry_text("layer_norm", 300, {"fwd_warps": 4, "bwd_warps": 4,
+                                                                "programs_per_sm": 8}, "new: 1.1x")  # fmt: skip
+    tile = entry_text("rope_tile", 24, {"partial": True, "tile_elements": 1024, "num_warps": 2,
+                                        "min_programs": 2048}, "D = 64, half 24: 1.1x")  # fmt: skip
+    assert "half=24," in tile and "partial=True," in tile
+    assert "block_half=64," in entry_text("rope_position", 40, {"tile_elements": 1024, "num_warps": 2,
+                                                                "min_programs": 8192}, "1.1x")  # fmt: skip
+
+
+_WINNER = {"fwd_warps": 8, "bwd_warps": 4, "programs_per_sm": 1}
+
+
+@pytest.mark.parametrize(
+    "op, fields, why, error",
+    [
+        ("rms_norm", {**_WINNER, "bwd_warp": 4}, "1.1x", "no field bwd_warp"),
+        ("rms_norm", {**_WINNER, "fma": True}, "1.1x", "LayerNorm"),
+        ("rms_norm", {"fwd_warps": 8, "programs_per_sm": 1}, "1.1x", "bwd_warps"),
+        ("rms_norm", _WINNER, "", "one non-empty line"),
+        ("rms_norm", _WINNER, "a\nb", "one non-empty line"),
+        ("rms_norm", _WINNER, "x" * 100, "too long"),
+        ("swiglu", {}, "1.1x", "one of"),
+    ],
+    ids=["misnamed", "rule", "missing", "no-why", "two-lines", "long-why", "op"],
+)
+def test_entry_text_refuses_bad_entries(op, fields, why, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        entry_text(op, 5000, fields, why)
