@@ -335,9 +335,8 @@ def test_value_checks_run_on_every_call(monkeypatch):
     lmkernels.fused_linear_cross_entropy(h, w, good, backend="eager")
     with pytest.raises(lmkernels.LMKernelsError, match="target: expected class indices"):
         lmkernels.fused_linear_cross_entropy(h, w, bad, backend="eager")
-    monkeypatch.setenv("LMKERNELS_CHECK_VALUES", "0")
-    with pytest.raises(RuntimeError, match="out of bounds"):  # off: the eager reference itself fails
-        lmkernels.fused_linear_cross_entropy(h, w, bad, backend="eager")
+    monkeypatch.setenv("LMKERNELS_CHECK_VALUES", "0")  # off: a nan loss, never a read out of bounds
+    assert lmkernels.fused_linear_cross_entropy(h, w, bad, backend="eager").isnan()
 
 
 def test_first_op_call_inside_fullgraph_compile():

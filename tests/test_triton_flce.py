@@ -543,6 +543,8 @@ def _forward_args(inputs, reduction, grads, lean, stats=True):
         grads and inputs.get("bias") is not None,
         True,
         lean,
+        0 if not lean else 1 << 20,  # chunk_bytes (0: the default's) and block_bytes: kernels.plan's
+        1 << 20,
         stats,
     )
 
