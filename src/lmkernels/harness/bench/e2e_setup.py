@@ -1,7 +1,7 @@
 """What every end-to-end benchmark shares: model presets and their construction, the patching
 configurations, random token batches, the optimizer and training step, the timing loop and the
-memory timeline. Used by benchmarks/e2e_train.py, scripts/profile_e2e.py and the distributed
-benchmarks (which call build_model / patch / train_step / time_steps on their own ranks).
+memory timeline. Used by the end-to-end benchmark (e2e.py) and the distributed one (dist.py, which
+calls build_model / patch / train_step / time_steps on its own ranks).
 
 Configurations (names as on the command line):
   plain                transformers as is
@@ -42,7 +42,7 @@ LLAMA_1B = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=True,
 )
-# The tiny models' sizes (over a full-size preset's other fields), here and in dist_train.py: to
+# The tiny models' sizes (over a full-size preset's other fields), here and in dist.py: to
 # check the scripts themselves on the CPU.
 TINY_SIZES = dict(
     vocab_size=1000,
@@ -238,7 +238,7 @@ def memory_timeline(step, device: str, max_points: int = 4000) -> dict[str, Any]
     """Allocated memory over one call of `step` (CUDA), from the caching allocator's trace."""
     import torch
 
-    from lmkernels.harness.bench import allocated_timeline
+    from lmkernels.harness.bench.timeline import allocated_timeline
 
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -256,6 +256,6 @@ def memory_timeline(step, device: str, max_points: int = 4000) -> dict[str, Any]
 
 def environment() -> dict[str, Any]:
     """Device and versions, for the reports."""
-    from lmkernels.harness.bench import environment as bench_environment
+    from lmkernels.harness.bench.run import environment as bench_environment
 
     return bench_environment()

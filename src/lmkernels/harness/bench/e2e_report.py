@@ -1,4 +1,4 @@
-"""Reports of benchmarks/e2e_train.py: ratios between configurations, e2e.csv, e2e.json,
+"""Reports of the end-to-end benchmark (e2e.py): ratios between configurations, e2e.csv, e2e.json,
 summary.md, the sweep plots and the memory timeline."""
 
 from __future__ import annotations

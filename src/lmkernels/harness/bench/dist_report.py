@@ -1,4 +1,4 @@
-"""The report of benchmarks/dist_train.py: the markdown summary (tokens/s/GPU, ratios to plain and
+"""The report of the distributed benchmark (dist.py): the markdown summary (tokens/s/GPU, ratios to plain and
 Liger, peak memory, loss differences) and the loss-curve plot."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/e2e_train.py: the --quick plan covers what it must within its budget; a tiny run
+"""The end-to-end benchmark (lmkernels.harness.bench.e2e, benchmarks/e2e_train.py): the --quick plan covers what it must within its budget; a tiny run
 on the CPU goes through workers, reports and plots; rounds, --interleave (with real workers and
 with fakes that fail in each way) and the paired speedups."""
 
@@ -8,17 +8,13 @@ import json
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import e2e_report  # noqa: E402
-import e2e_setup  # noqa: E402
-import e2e_train  # noqa: E402
-from lmkernels.harness import plots  # noqa: E402
+from lmkernels.harness import plots
+from lmkernels.harness.bench import e2e as e2e_train
+from lmkernels.harness.bench import e2e_report, e2e_setup
 
 
 def test_quick_plan_covers_the_issue_points_within_budget():

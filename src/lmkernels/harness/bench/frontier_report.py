@@ -1,4 +1,4 @@
-"""Reports of benchmarks/flce_frontier.py: results.csv, results.json, summary.md and the ratio plots."""
+"""Reports of the FLCE frontier benchmark (frontier.py): results.csv, results.json, summary.md and the ratio plots."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 from lmkernels.harness.bench.report import write_tables
 
-# The run's settings (flce_frontier.py writes them into meta; this module imports nothing of it).
+# The run's settings (frontier.py writes them into meta; this module imports nothing of it).
 TIME_BASE, MEM_BASE = "compile_naive", "cce"
 OURS = ("triton",)
 REGIMES = ("uniform", "gaussian", "zipf")

@@ -1,17 +1,13 @@
-"""benchmarks/flce_frontier.py on the CPU at tiny shapes: the whole run (inputs per regime,
+"""The FLCE frontier benchmark (lmkernels.harness.bench.frontier, benchmarks/flce_frontier.py) on the CPU at tiny shapes: the whole run (inputs per regime,
 variants, ratios, reports, plots) with the cheapest variants."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import flce_frontier  # noqa: E402
+from lmkernels.harness.bench import frontier as flce_frontier
 
 
 def test_frontier_tiny_on_cpu(tmp_path):
