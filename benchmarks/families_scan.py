@@ -5,9 +5,9 @@ For each type in transformers' causal-LM auto mapping: build a tiny random model
 eager backend, run one forward + backward of both on the same random tokens (same RNG seed, so
 dropout draws the same masks) and compare the loss and every parameter's gradient.
 
-    python scripts/families_scan.py --out OUT                 # every type
-    python scripts/families_scan.py --out OUT --shard 1/2     # every other type (run 0/2 beside)
-    python scripts/families_scan.py --out OUT --types dory,qwen3_next
+    python benchmarks/families_scan.py --out OUT                 # every type
+    python benchmarks/families_scan.py --out OUT --shard 1/2     # every other type (run 0/2 beside)
+    python benchmarks/families_scan.py --out OUT --types dory,qwen3_next
 
 Statuses: ok; MISMATCH (loss or a gradient differs, or a parameter has a gradient on one side
 only); not-tiny (the tiny config leaves the family large: its size fields have other names);
