@@ -75,7 +75,7 @@ def test_the_report_renders_every_table_and_plot(dry):
         "dry-run-e2e.png",
         "dry-run-validation.md",
     }
-    assert "## Full grid" in (out / "dry-run-validation.md").read_text()
+    assert "## Validation grid" in (out / "dry-run-validation.md").read_text()
 
 
 def test_paired_speedups_and_ratios():

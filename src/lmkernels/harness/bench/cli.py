@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -230,9 +231,8 @@ def run_suite(args: argparse.Namespace, console) -> int:
     wrong = [p for p in parts if p not in table]
     if wrong:
         raise LMKernelsError(f"--part: {', '.join(wrong)} not in suite {args.suite} ({', '.join(table)})")
-    command = (
-        " ".join(["lmkernels", *sys.argv[1:]]) if sys.argv[0].endswith("lmkernels") else " ".join(sys.argv)
-    )
+    rest = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]  # lmkernels bench / -m ...bench
+    command = shlex.join(["lmkernels", "bench", *rest])
     for part in parts:
         suite.run_part(
             args.suite,

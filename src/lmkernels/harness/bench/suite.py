@@ -1,7 +1,8 @@
 """`lmkernels bench --suite readme|validation --part PART --out DIR`: the measurements behind the
 README and the docs, and the validation evidence, appended as rows to one data file per GPU kind
-(DIR/<gpu>.jsonl, DIR/<gpu>-validation.jsonl; data.py has the format). Each part fits one
-10-minute call on one GPU (dist and dist-checks: two); `--part all` runs a suite's parts in turn.
+(DIR/<gpu>.jsonl, DIR/<gpu>-validation.jsonl; data.py has the format). Each part is sized for
+one 10-minute call on one GPU (dist and dist-checks: two GPUs), its --budget (540 s unless the
+part says otherwise) stopping it in time; `--part all` runs a suite's parts in turn.
 
 A part's points already in the data file for the same commit and GPU kind are not measured
 again: a part cut short by its time budget (--budget) finishes when the same command runs again.
