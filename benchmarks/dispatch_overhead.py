@@ -1,4 +1,4 @@
-"""Host cost of the dispatch on the CPU, tiny tensors (issue 13: <= 10 us per call).
+"""Host cost of the dispatch on the CPU, tiny tensors (the target: <= 10 us per call).
 
 Figures per op (rms_norm, rope), in microseconds per call:
 - overhead: the public function with backend="eager" minus the bare eager reference, the

@@ -11,6 +11,20 @@ One job per module:
 - run.py       the loop over points x backends x modes, budget, progress, environment
 - report.py    CSV, JSON, markdown summary, rich table, plots
 - cli.py       `lmkernels bench`
+
+The benchmarks beyond one op, each runnable alone (`python -m lmkernels.harness.bench.e2e`, or
+benchmarks/*.py in a checkout):
+
+- frontier.py, frontier_report.py   FLCE against every peer, 13 shapes x 3 logit regimes
+- e2e.py, e2e_setup.py, e2e_report.py  end-to-end training, configurations taking turns
+- dist.py, dist_report.py          FSDP2 and tensor parallel on 2 GPUs (launches torchrun)
+- families.py                      bf16 training of the patched families against plain
+
+And the suites behind the README and the docs:
+
+- data.py      the data files: one JSON row per measurement, one file per GPU kind
+- suite.py     `--suite readme|validation --part ...`: the parts, each one 10-minute call
+- tables.py    `--report`: the tables (README and docs blocks), plots, validation reports
 """
 
 from lmkernels.harness.bench.backends import (

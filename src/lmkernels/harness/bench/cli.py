@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,11 +13,13 @@ from typing import Any
 import torch
 
 from lmkernels import cliargs
+from lmkernels.harness.bench import suite
 from lmkernels.harness.bench.backends import PSEUDO_BACKENDS, backends_for
 from lmkernels.harness.bench.measure import MIN_TIMED_RUNS
 from lmkernels.harness.bench.plan import DESIGN_SHAPES, DTYPES, MODES
 from lmkernels.harness.bench.report import failure_notes, narrow_tables, rich_table, write_reports
 from lmkernels.harness.bench.run import run_bench
+from lmkernels.harness.bench.suite import SUITES
 from lmkernels.registry.core import LMKernelsError, get_op
 
 WIDE_COLUMNS = 200  # the console width of --wide, whatever the terminal's
@@ -33,6 +36,13 @@ profiler kernel time, peak memory above the inputs; for fwd+bwd, % of the copy
 bandwidth or of the bf16 matmul rate measured in the same run, and ratios to
 compile, compile_naive, liger and cce. Writes results.csv, results.json,
 summary.md and PNG plots.
+
+Suites (--suite, one --part per 10-minute call): the measurements the README and
+the docs cite, appended as rows to one data file per GPU kind in --out
+(<gpu>.jsonl: commit, device, versions and the peers' configurations per row),
+and the validation evidence (<gpu>-validation.jsonl). --report DIR draws the
+plots and writes the validation reports from those files; --update FILE rewrites
+FILE's marked tables from them and --check FILE fails where one differs.
 """
 
 
@@ -108,8 +118,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--budget",
         type=cliargs.positive_float,
-        default=540,
-        help="seconds: points not started by then are recorded as skipped (default 540)",
+        help="seconds: points not started by then are recorded as skipped (default 540; "
+        "with --suite, the part's own)",
+    )
+    s = p.add_argument_group("suites and their data files")
+    s.add_argument("--suite", choices=list(SUITES), help="run parts of a suite (needs --part and --out)")
+    s.add_argument(
+        "--part",
+        action="extend",
+        type=_part_names,
+        help="the suite's parts (repeatable or comma-separated; all: every part); --list-parts",
+    )
+    s.add_argument("--list-parts", action="store_true", help="print the suites' parts and exit")
+    s.add_argument("--again", action="store_true", help="measure points the data file already has")
+    s.add_argument("--dry-run", action="store_true", help="made-up timings, no GPU: a check of the plumbing")
+    s.add_argument("--report", metavar="DIR", help="plots and validation reports from DIR's data files")
+    s.add_argument(
+        "--update", action="append", metavar="FILE", help="with --report: rewrite FILE's marked tables"
+    )
+    s.add_argument(
+        "--check", action="append", metavar="FILE", help="with --report: fail if FILE's marked tables differ"
     )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -120,11 +148,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _part_names(text: str) -> list[str]:
+    names = cliargs.split_commas(text)
+    known = {p for table in SUITES.values() for p in table} | {"all"}
+    for name in names:
+        if name not in known:
+            raise argparse.ArgumentTypeError(cliargs.unknown("part", name, sorted(known)))
+    return names
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
     console = Console()
+    if args.list_parts:
+        print(suite.describe())
+        return 0
+    if args.report:
+        return run_report(args, console)
+    if args.suite:
+        return run_suite(args, console)
+    if args.part or args.update or args.check:
+        raise LMKernelsError("--part goes with --suite; --update and --check with --report")
     ops = args.op or list(DESIGN_SHAPES)
     options = parse_options(args.set)
     if options:
@@ -145,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         if hint:
             console.print(hint)
     modes = list(MODES) if args.mode == "all" else [args.mode]
+    args.budget = args.budget or 540
     out = Path(args.out or f"lmkernels-results/bench-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     command = " ".join(sys.argv)
 
@@ -171,6 +218,55 @@ def run(args: argparse.Namespace) -> int:
     paths = write_reports(rows, meta, out, plots=not args.no_plots)
     console.print(f"wrote {len(paths)} files to {out}")
     return 0
+
+
+def run_suite(args: argparse.Namespace, console) -> int:
+    """--suite: each part in turn, its rows appended to the GPU kind's data file in --out."""
+    table = SUITES[args.suite]
+    if not args.part or not args.out:
+        raise LMKernelsError(
+            f"--suite {args.suite} needs --part (one of {', '.join(table)}, or all) and --out DIR"
+        )
+    parts = list(table) if "all" in args.part else args.part
+    wrong = [p for p in parts if p not in table]
+    if wrong:
+        raise LMKernelsError(f"--part: {', '.join(wrong)} not in suite {args.suite} ({', '.join(table)})")
+    rest = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]  # lmkernels bench / -m ...bench
+    command = shlex.join(["lmkernels", "bench", *rest])
+    for part in parts:
+        suite.run_part(
+            args.suite,
+            part,
+            Path(args.out),
+            dry_run=args.dry_run,
+            again=args.again,
+            budget=args.budget,
+            command=command,
+            log=console.print,
+        )
+    return 0
+
+
+def run_report(args: argparse.Namespace, console) -> int:
+    """--report DIR: plots and validation reports; --update / --check the marked tables."""
+    from lmkernels.harness.bench import tables
+
+    folder = Path(args.report)
+    written = tables.report(folder, args.report)
+    console.print(f"wrote {len(written)} files to {folder}")
+    stale = []
+    for name in [*(args.update or []), *(args.check or [])]:
+        path = Path(name)
+        text = path.read_text()
+        new = tables.update_blocks(text, folder, args.report)
+        if new != text and name in (args.update or []):
+            path.write_text(new)
+            console.print(f"updated the tables of {path}")
+        elif new != text:
+            stale.append(name)
+    for name in stale:
+        console.print(f"[red]{name}: its tables differ from the data[/] (--update {name} rewrites them)")
+    return 1 if stale else 0
 
 
 def print_tables(rows: list[dict[str, Any]], console, wide: bool = False) -> None:

@@ -1,0 +1,253 @@
+"""FLCE frontier benchmark: every FLCE variant against torch.compile of the naive loss
+and Cut Cross-Entropy, on realistic shapes and logit regimes, in one run.
+
+    python benchmarks/flce_frontier.py --out DIR                 # the full grid, one GPU, < 8 min
+    python benchmarks/flce_frontier.py --device cpu --tiny --out DIR    # the script on the CPU
+
+Grid: SHAPES below (the design shape; tokens 1k-64k, hidden 2048-8192, vocabulary 32k-256k;
+softcap 30 on three points) x the three logit regimes of ops/flce.py's make_inputs (uniform =
+random init, gaussian = logit std 2, zipf = trained-LM-like, targets sampled from the softmax).
+Variants: VARIANTS below (one line each), then every other registered FLCE impl with its
+defaults. Peers run their default call (see backends/adapters.py). Per case, fwd+bwd (bf16):
+GPU time (launch queue filled ahead), wall time (triton do_bench median), peak memory above
+the inputs, time and memory relative to compile_naive and to cce, % of the bf16 matmul rate
+(6*BT*H*V flops) measured in the same run. An out-of-memory or other failure is recorded with
+its reason. Outputs in --out: results.csv, results.json, summary.md, time_ratio.png,
+memory_ratio.png.
+
+Time arithmetic (H200): with fast impls at ~500 TFLOP/s a case takes flops / 5e14 s per call.
+Summed over the 13 points (1.76e14 flops) that is 0.35 s per call of every variant at 1x;
+the 8 variants sum to ~13.7x (no softcap) / ~15.6x (softcap) with the slower peers (cce 1-4x,
+cce_exact ~4x, torch_native ~1.5x, Liger with softcap ~4.6x); x 3 regimes. Calls per case: 13.5
+for cases over 20 ms (one forward for the gradients' shapes, a warm-up, a peak, do_bench's
+minimum of 8, one launch probe and 2 GPU-timed calls), ~20 below. That is ~200 s of
+measurement, plus ~12 s of compilation per (shape, softcap) (compile, compile_naive) and the
+inputs: ~6.5 min. eager (fp32 matmuls, ~10x) is LEFT_OUT for that reason. --budget (default
+460 s) stops starting new cases beyond it (recorded as skipped), so a slower machine still
+leaves a complete report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmkernels.harness.bench.backends import backends_for
+from lmkernels.harness.bench.frontier_report import MEM_BASE, REGIMES, TIME_BASE, write_reports
+from lmkernels.harness.bench.measure import cleanup, empty_row, is_oom, measure, prepare_inputs
+from lmkernels.harness.bench.plan import FLCE
+from lmkernels.harness.bench.roofline import add_rooflines
+from lmkernels.harness.bench.run import environment, reference_rates
+from lmkernels.registry.core import get_op, impls
+
+LEAN = "weight dtype"  # grad_accum_dtype = the weight's dtype, filled in at run time
+
+# The FLCE variants: name -> (backend, options). The lead adds modes/options here, one line each.
+# Peers get grad_accum_dtype = weight dtype: that is their default call (CCE has no other mode).
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "triton": ("triton", {}),  # the fast mode, lmkernels' default
+    "triton_accum_lean": ("triton", {"grad_accum_dtype": LEAN}),
+    "triton_accum_fp32": ("triton", {"grad_accum_dtype": torch.float32}),
+    "triton_lean": ("triton_lean", {}),
+    "compile": ("compile", {}),
+    "compile_naive": ("compile_naive", {}),
+    "cce": ("cce", {"grad_accum_dtype": LEAN}),
+    "cce_exact": ("cce_exact", {"grad_accum_dtype": LEAN}),
+    "liger": ("liger", {"grad_accum_dtype": LEAN}),
+    "torch_native": ("torch_native", {"grad_accum_dtype": LEAN}),
+}
+
+# Registered backends left out unless --variants names them, and why.
+LEFT_OUT = {
+    "eager": "the fp32 reference: fp32 matmuls (no tensor cores) take ~10x a bf16 impl's time, "
+    "a third of the time budget; --variants ...,eager runs it",
+}
+
+# (tokens BT, hidden H, vocabulary V, softcap), the most important first (a budget cut drops the
+# last ones). Flops 6*BT*H*V: 2.6e13 at the design shape.
+SHAPES: list[tuple[int, int, int, float | None]] = [
+    (8192, 4096, 128256, None),  # the design shape (Llama 3 8B head)
+    (8192, 4096, 128256, 30.0),  # ... softcapped
+    (4096, 2304, 256000, 30.0),  # Gemma 2 2B head, softcap 30
+    (65536, 2048, 32000, None),  # 64k tokens
+    (1024, 4096, 128256, None),  # 1k tokens
+    (2048, 8192, 128256, None),  # Llama 3 70B head
+    (4096, 2560, 151936, None),  # Qwen-style vocabulary
+    (2048, 3584, 256000, None),  # Gemma 2 9B head
+    (2048, 3584, 256000, 30.0),  # ... softcapped
+    (16384, 2048, 65536, None),  # 16k tokens
+    (4096, 4096, 128256, None),
+    (4096, 8192, 32000, None),  # hidden 8192, vocabulary 32k
+    (8192, 2048, 32000, None),
+]
+TINY_SHAPES: list[tuple[int, int, int, float | None]] = [(64, 32, 256, None), (48, 40, 500, 30.0)]
+
+
+def variants(requested: list[str] | None) -> dict[str, tuple[str, dict[str, Any]]]:
+    """VARIANTS plus every registered FLCE backend the table does not name (defaults), less
+    LEFT_OUT unless requested by name."""
+    table = dict(VARIANTS)
+    for impl in impls(FLCE):
+        if all(backend != impl.backend for backend, _ in table.values()):
+            table[impl.backend] = (impl.backend, {})
+    if not requested:
+        return {k: v for k, v in table.items() if k not in LEFT_OUT}
+    if requested:
+        unknown = [v for v in requested if v not in table]
+        if unknown:
+            raise SystemExit(f"--variants: unknown {unknown}; known: {list(table)}")
+        table = {k: table[k] for k in requested}
+    return table
+
+
+def repeats(flops: float, device: str, mm_tflops: float | None) -> dict[str, Any]:
+    """Fewer timed calls for big cases (see the module docstring's arithmetic)."""
+    if not device.startswith("cuda"):
+        return {"warmup": 1, "rep": 2, "min_runs": 3, "gpu_runs": None}
+    est_ms = flops / (0.6 * (mm_tflops or 700) * 1e12) * 1e3
+    if est_ms >= 20:
+        return {"warmup": 1, "rep": 1, "min_runs": 1, "gpu_runs": 2}
+    if est_ms >= 5:
+        return {"warmup": 5, "rep": 40, "min_runs": 3, "gpu_runs": 3}
+    return {"warmup": 10, "rep": 60, "min_runs": 10, "gpu_runs": 10}
+
+
+def shape_label(bt: int, h: int, v: int, softcap: float | None) -> str:
+    return f"{bt}x{h}x{v}" + (f" sc{softcap:g}" if softcap else "")
+
+
+def run_case(table, shape, regime, dtype, device, rates, bar, task) -> list[dict[str, Any]]:
+    """Every variant on one (shape, softcap, regime); inputs made once, copied per variant."""
+    spec = get_op(FLCE)
+    bt, h, v, softcap = shape
+    dims = {"BT": bt, "H": h, "V": v}
+    base = {
+        "op": FLCE,
+        "mode": "full",
+        "dtype": str(dtype).removeprefix("torch."),
+        "shape": shape_label(*shape),
+        "dims": dims,
+        "BT": bt,
+        "H": h,
+        "V": v,
+        "softcap": softcap,
+        "regime": regime,
+    }
+    extra = {} if softcap is None else {"softcap": softcap}
+    stats: dict[str, float] = {}
+    try:
+        made = spec.make_inputs(dims, dtype, device, 0, regime=regime, stats=stats, **extra)
+    except Exception as e:  # the inputs themselves may not fit
+        note = f"inputs: {type(e).__name__}: {e}"[:200]
+        bar.advance(task, len(table))
+        cleanup(device)
+        return [base | empty_row(n, "full", "OOM" if is_oom(e) else "error", note) for n in table]
+    base["entropy"] = stats.get("mean_entropy")
+    reps = repeats(spec.flops(dims), device, rates.get("matmul_tflops"))
+    rows = []
+    for name, (backend, options) in table.items():
+        bar.update(task, description=f"{base['shape']} {regime} {name}")
+        opts = {k: (dtype if o == LEAN else o) for k, o in options.items()}
+        try:
+            inputs = prepare_inputs(spec, made | opts, device)
+            row = measure(FLCE, backend, inputs, "full", profile=False, **reps)
+            del inputs
+        except Exception as e:
+            row = empty_row(backend, "full", "OOM" if is_oom(e) else "error", f"inputs: {e}"[:200])
+        cleanup(device)
+        rows.append(base | row | {"variant": name, "backend": backend, "options": _options_id(opts)})
+        bar.advance(task)
+    return rows
+
+
+def _options_id(options: dict[str, Any]) -> str:
+    return ",".join(f"{k}={str(o).removeprefix('torch.')}" for k, o in options.items()) or "default"
+
+
+def add_frontier_ratios(rows: list[dict[str, Any]]) -> None:
+    """time_vs_X = GPU time / X's (wall time on the CPU), mem_vs_X = peak / X's, per case."""
+    cases: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        cases.setdefault((r["shape"], r["regime"]), {})[r["variant"]] = r
+    for r in rows:
+        t = "gpu_ms" if r.get("gpu_ms") is not None else "ms"
+        for base_name in (TIME_BASE, MEM_BASE):
+            ref = cases[(r["shape"], r["regime"])].get(base_name, {})
+            ok = ref.get(t) and r.get(t)
+            r[f"time_vs_{base_name}"] = r[t] / ref[t] if ok else None
+            ok = ref.get("peak_mib") and r.get("peak_mib") is not None
+            r[f"mem_vs_{base_name}"] = r["peak_mib"] / ref["peak_mib"] if ok else None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="output directory (default lmkernels-results/flce-frontier-<date>)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (a check of the script, CPU ok)")
+    p.add_argument("--variants", help=f"comma-separated subset (default all: {','.join(VARIANTS)}, ...)")
+    p.add_argument("--regimes", default=",".join(REGIMES), help="comma-separated subset of the regimes")
+    p.add_argument("--shapes", type=int, help="only the first N shapes")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--budget", type=float, default=460.0, help="seconds; later cases are skipped")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    args = parse_args(argv)
+    console = Console(stderr=True)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        console.print("flce_frontier.py needs a CUDA device (or --device cpu --tiny).")
+        return 2
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    table = variants(args.variants.split(",") if args.variants else None)
+    _, not_run = backends_for(FLCE, [b for b, _ in table.values()])
+    table = {n: (b, o) for n, (b, o) in table.items() if b not in not_run}
+    shapes = (TINY_SHAPES if args.tiny else SHAPES)[: args.shapes]
+    regimes = [r.strip() for r in args.regimes.split(",")]
+    out = Path(args.out or f"lmkernels-results/flce-frontier-{time.strftime('%Y%m%d-%H%M%S')}")
+    start = time.time()
+    meta = environment() | {
+        "command": shlex.join(["python", *sys.argv]) if argv is None else shlex.join(argv),
+        "dtype": args.dtype,
+        "variants": {n: f"{b} ({_options_id(o)})" for n, (b, o) in table.items()},
+        "not_run": not_run | ({} if args.variants else LEFT_OUT),
+    }
+    meta |= reference_rates(args.device, console)
+    rows: list[dict[str, Any]] = []
+    columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=args.no_progress) as bar:
+        task = bar.add_task("flce frontier", total=len(shapes) * len(regimes) * len(table))
+        for i, shape in enumerate(shapes):
+            if i == 0 or shape[:3] != shapes[i - 1][:3]:
+                torch._dynamo.reset()  # static shapes: drop the graphs compiled for the last shape
+            for regime in regimes:
+                if time.time() - start > args.budget:
+                    skipped = empty_row("", "full", "skipped", f"time budget ({args.budget:.0f} s)")
+                    base = {"op": FLCE, "shape": shape_label(*shape), "regime": regime, "softcap": shape[3]}
+                    rows += [base | skipped | {"variant": n, "backend": b} for n, (b, _) in table.items()]
+                    bar.advance(task, len(table))
+                    continue
+                rows += run_case(table, shape, regime, dtype, args.device, meta, bar, task)
+                add_rooflines(rows, dtype, meta.get("copy_gbps"), meta.get("matmul_tflops"))
+                add_frontier_ratios(rows)
+                write_reports(rows, meta | {"partial": True}, out, plots=False)
+    meta["seconds"] = round(time.time() - start)
+    paths = write_reports(rows, meta, out, plots=not args.no_plots)
+    console.print((out / "summary.md").read_text().split("\n## ")[1][:3000])
+    console.print(f"wrote {len(paths)} files to {out} in {meta['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
