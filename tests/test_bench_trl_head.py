@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("trl", reason="TRL is in the hf extra")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import trl_head  # noqa: E402
 
