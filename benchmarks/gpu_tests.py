@@ -113,7 +113,7 @@ def run(group: str, out: Path, tool: str | None, timeout: float) -> dict:
         if sanitizer is None:
             raise SystemExit("compute-sanitizer: not found on PATH or under /usr/local/cuda*/bin")
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
-        args = [sanitizer, "--tool", tool, "--target-processes", "all", "--print-limit", "100", *args]
+        args = [sanitizer, "--tool", tool, "--print-limit", "100", *args]
     name = f"{group}-{tool or 'suite'}"
     start = time.perf_counter()
     print(f"{name}: {' '.join(args[-len(GROUPS[group]) :])}", flush=True)
