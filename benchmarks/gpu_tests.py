@@ -104,8 +104,10 @@ def environment() -> dict[str, str]:
     return info
 
 
-def run(group: str, out: Path, tool: str | None, timeout: float) -> dict:
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *GROUPS[group]]
+def run(group: str, out: Path, tool: str | None, timeout: float, select: str | None = None) -> dict:
+    tests = [a for a in GROUPS[group] if a.startswith("tests/")]
+    pytest_args = [*tests, "-k", select] if select else GROUPS[group]
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *pytest_args]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
     if tool is not None:
@@ -114,9 +116,9 @@ def run(group: str, out: Path, tool: str | None, timeout: float) -> dict:
             raise SystemExit("compute-sanitizer: not found on PATH or under /usr/local/cuda*/bin")
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
         args = [sanitizer, "--tool", tool, "--print-limit", "100", *args]
-    name = f"{group}-{tool or 'suite'}"
+    name = f"{group}-{tool or 'suite'}" + (f"-{abs(hash(select)) % 10000}" if select else "")
     start = time.perf_counter()
-    print(f"{name}: {' '.join(args[-len(GROUPS[group]) :])}", flush=True)
+    print(f"{name}: {' '.join(pytest_args)}", flush=True)
     try:
         proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         log, code = proc.stdout + proc.stderr, proc.returncode
@@ -127,6 +129,7 @@ def run(group: str, out: Path, tool: str | None, timeout: float) -> dict:
     (out / f"{name}.log").write_text(log)
     record = {
         "group": group,
+        "select": select,
         "tool": tool or "none",
         "pytest": pytest_summary(log),
         "exit": code,
@@ -148,10 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--racecheck", action="store_true", help="racecheck instead of memcheck")
     parser.add_argument("--timeout", type=float, default=560.0, help="seconds before the run is stopped")
+    parser.add_argument("-k", dest="select", help="a pytest -k expression instead of the group's own")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     tool = None if args.mode == "suite" else ("racecheck" if args.racecheck else "memcheck")
-    record = run(args.group, args.out, tool, args.timeout)
+    record = run(args.group, args.out, tool, args.timeout, args.select)
     clean = record["exit"] == 0 and (tool is None or record["sanitizer_errors"] == 0)
     return 0 if clean else 1
 
