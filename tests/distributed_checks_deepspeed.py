@@ -1,0 +1,315 @@
+"""DeepSpeed ZeRO-2 and ZeRO-3 checks of a patched tiny Llama (suite "deepspeed" of
+distributed_checks.py, 2 processes); every check returns {"skipped": reason} where deepspeed is
+not installed (`pip install 'lmkernels[deepspeed]'`, or DS_BUILD_OPS=0 pip install deepspeed).
+
+Three ways in, each against the same reference as every other check (plain transformers, one
+process, whole batch, fp32, SGD; tolerances in distributed_common.py):
+- deepspeed.initialize(model=..., optimizer=SGD) and the engine's forward / backward / step;
+- transformers' Trainer with `deepspeed=` a config dict (optim "sgd", constant learning rate, no
+  clipping, sequential sampling, so that it takes the reference's steps);
+- Accelerate's Accelerator(deepspeed_plugin=...) and accelerator.prepare / backward.
+
+ZeRO-3 runs with stage3_param_persistence_threshold 0, so every parameter is really partitioned
+(the default keeps those under 1e5 elements whole, i.e. all of a tiny model's). Under ZeRO-3 the
+checks also show how the loss got the weight: it ran as lm_head's forward (a forward pre-hook on
+lm_head fires once per step), lm_head.weight was never registered as an external parameter of
+another module, and it is partitioned again (shape (0,)) after the steps.
+
+Test-only workarounds for the CPU (none applies on GPUs):
+- DeepSpeed JIT-compiles a shared-memory all-reduce for CPU worlds when its comm layer starts
+  (deepspeed_shm_comm, ~70 s of g++ on a fresh 2-core machine, cached afterwards); ZeRO's
+  collectives go through torch.distributed (gloo here) and never use it, so the checks skip the
+  build (`deepspeed.comm.torch.build_shm_op`).
+- accelerate's PartialState picks no process-group backend on a machine without CUDA, so the
+  Trainer / Accelerator see one process ("AssertionError: Check batch related parameters.
+  train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size 2 != 2 *
+  1 * 2"); the checks create the state with backend gloo and DeepSpeed on first
+  (ACCELERATE_USE_DEEPSPEED=true around PartialState(backend=...)), and the Trainer keeps it
+  (accelerator_config use_configured_state).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import distributed_common as common
+from distributed_common import (
+    B_PER_RANK,
+    LR,
+    STEPS,
+    compare,
+    global_batches,
+    params,
+    patched,
+    reference,
+    registry,
+    tiny,
+)
+
+CHECKS, check = registry()
+
+
+def _deepspeed():
+    """The deepspeed module with its comm layer started on this world, or None if not installed."""
+    try:
+        import deepspeed
+        import deepspeed.comm.torch  # noqa: F401
+    except ImportError:
+        return None
+    # See the module docstring. (deepspeed.comm re-exports the name `torch`, so the attribute
+    # deepspeed.comm.torch is torch itself: the module is taken from sys.modules.)
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    if not deepspeed.comm.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+    return deepspeed
+
+
+NOT_INSTALLED = {"skipped": "deepspeed is not installed (pip install 'lmkernels[deepspeed]')"}
+
+
+def ds_config(stage: int) -> dict:
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0  # partition every parameter
+    return {
+        "train_micro_batch_size_per_gpu": B_PER_RANK,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # SGD, as the reference
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+    }
+
+
+@contextlib.contextmanager
+def _gathered(deepspeed, model, stage):
+    """Full parameters of a ZeRO-3 model inside the block (every rank must enter it)."""
+    if stage == 3:
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            yield
+    else:
+        yield
+
+
+class LmHeadWatch:
+    """How a ZeRO-3 run fed lm_head's weight to the loss: lm_head's forward calls, whether any
+    module registered the weight as an external parameter, its shape after training."""
+
+    def __init__(self, model):
+        self.lm_head = model.lm_head
+        self.calls = 0
+        self.handle = self.lm_head.register_forward_pre_hook(self._count)
+
+    def _count(self, module, args):
+        self.calls += 1
+
+    def verdict(self, model, steps: int) -> dict:
+        self.handle.remove()
+        (w,) = (p for p in self.lm_head._parameters.values() if p is not None)  # not ZeRO's getter
+        external = [name for name, m in model.named_modules() if id(w) in getattr(m, "_external_params", {})]
+        assert self.calls == steps, f"lm_head's forward ran {self.calls} times in {steps} steps"
+        assert not external, f"lm_head.weight became an external parameter of {external}"
+        assert w.numel() == 0 and hasattr(w, "ds_tensor"), (
+            f"lm_head.weight is not partitioned: {tuple(w.shape)}"
+        )
+        return {"lm_head_forward_calls": self.calls, "lm_head_partition": tuple(w.ds_tensor.shape)}
+
+
+def _mean_over_ranks(losses: list[float]) -> list[float]:
+    t = torch.tensor(losses, dtype=torch.float64, device=common.DEVICE)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def initialize_run(ctx, stage: int, model_kw=None):
+    deepspeed = _deepspeed()
+    if deepspeed is None:
+        return NOT_INSTALLED
+    model_kw = model_kw or {}
+    model = patched(tiny(**model_kw))
+    watch = LmHeadWatch(model) if stage == 3 else None
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage))
+    losses = []
+    for ids in global_batches(ctx["world"]):
+        ids = ids.chunk(ctx["world"])[ctx["rank"]]
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    losses = _mean_over_ranks(losses)
+    extra = watch.verdict(model, STEPS) if watch else {}
+    with _gathered(deepspeed, model, stage):
+        final = params(model)
+    engine.destroy()
+    return {**extra, **compare(losses, final, reference(ctx["world"], **model_kw))}
+
+
+@check
+def check_zero2_initialize(ctx):
+    return initialize_run(ctx, 2)
+
+
+@check
+def check_zero3_initialize(ctx):
+    return initialize_run(ctx, 3)
+
+
+@check
+def check_zero3_tied_embeddings(ctx):
+    """lm_head.weight is embed_tokens.weight: gathered by the embedding's hooks, then by
+    lm_head's, as in plain transformers."""
+    deepspeed = _deepspeed()
+    if deepspeed is None:
+        return NOT_INSTALLED
+    return initialize_run(ctx, 3, model_kw={"tie_word_embeddings": True})
+
+
+@contextlib.contextmanager
+def _accelerate_state():
+    """accelerate's process state for DeepSpeed on this world (the CPU workaround of the module
+    docstring), reset afterwards so the next check starts clean."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    if common.DEVICE.type == "cpu":
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        try:
+            PartialState(backend="gloo")
+        finally:
+            del os.environ["ACCELERATE_USE_DEEPSPEED"]
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        try:
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+        except ImportError:
+            pass
+        gc.collect()
+
+
+class _Rows(torch.utils.data.Dataset):
+    """The global batches' rows in order: with sequential sampling and B_PER_RANK rows per rank,
+    rank r's step-s batch is global_batches()[s].chunk(world)[r], as in the reference."""
+
+    def __init__(self, batches):
+        self.rows = torch.cat(batches).cpu()
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def trainer_run(ctx, stage: int):
+    deepspeed = _deepspeed()
+    if deepspeed is None:
+        return NOT_INSTALLED
+    from transformers import Trainer, TrainingArguments
+
+    world = ctx["world"]
+    ref = reference(world)
+    # Built before TrainingArguments: under ZeRO-3 transformers builds models inside
+    # deepspeed.zero.Init while a DeepSpeed config is active.
+    model = patched(tiny())
+    watch = LmHeadWatch(model) if stage == 3 else None
+    losses = []
+
+    class Recording(Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            loss_only = loss[0] if isinstance(loss, tuple) else loss
+            losses.append(loss_only.detach().item())
+            return loss
+
+    with _accelerate_state(), tempfile.TemporaryDirectory(prefix="lmk-ds-") as out:
+        cpu = common.DEVICE.type == "cpu"
+        args = TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=B_PER_RANK,
+            max_steps=STEPS,
+            learning_rate=LR,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=0.0,
+            train_sampling_strategy="sequential",
+            deepspeed={**ds_config(stage), "train_micro_batch_size_per_gpu": "auto"},
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            **({"accelerator_config": {"use_configured_state": True}} if cpu else {}),
+        )
+        trainer = Recording(model=model, args=args, train_dataset=_Rows(global_batches(world)))
+        trainer.train()
+        engine = trainer.model_wrapped
+        assert type(engine).__name__ == "DeepSpeedEngine", (
+            f"the Trainer did not use DeepSpeed: {type(engine)}"
+        )
+        assert engine.zero_optimization_stage() == stage
+        # The Trainer scales each rank's loss so that the ranks' mean is the global mean.
+        losses = _mean_over_ranks(losses)
+        extra = watch.verdict(model, STEPS) if watch else {}
+        with _gathered(deepspeed, model, stage):
+            final = params(model)
+        engine.destroy()
+        del trainer, engine
+    return {**extra, **compare(losses, final, ref)}
+
+
+@check
+def check_zero2_hf_trainer(ctx):
+    return trainer_run(ctx, 2)
+
+
+@check
+def check_zero3_hf_trainer(ctx):
+    return trainer_run(ctx, 3)
+
+
+@check
+def check_zero3_accelerate(ctx):
+    """Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=...)), prepare(model, SGD),
+    accelerator.backward, optimizer.step."""
+    deepspeed = _deepspeed()
+    if deepspeed is None:
+        return NOT_INSTALLED
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    world, rank = ctx["world"], ctx["rank"]
+    ref = reference(world)
+    model = patched(tiny())
+    watch = LmHeadWatch(model)
+    with _accelerate_state():
+        acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(3)))
+        assert acc.distributed_type.value == "DEEPSPEED", acc.distributed_type
+        engine, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+        losses = []
+        for ids in global_batches(world):
+            ids = ids.chunk(world)[rank].to(acc.device)
+            loss = engine(input_ids=ids, labels=ids).loss
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        losses = _mean_over_ranks(losses)
+        extra = watch.verdict(model, STEPS)
+        with _gathered(deepspeed, model, 3):
+            final = params(model)
+        engine.destroy()
+        del acc, engine, opt
+    return {**extra, **compare(losses, final, ref)}
