@@ -18,9 +18,6 @@ global batch. Reference and tolerances as every check (distributed_common.py).
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -35,6 +32,7 @@ from distributed_common import (
     patched,
     reference,
     registry,
+    saved_tiny,
     tiny,
 )
 
@@ -135,23 +133,6 @@ def check_2d_torch_styles_sequence_parallel(ctx):
     }
 
 
-@contextlib.contextmanager
-def _saved_tiny(ctx):
-    """A tiny Llama checkpoint in a directory shared by the ranks (this machine)."""
-    box = [tempfile.mkdtemp(prefix="lmk-2d-") if ctx["rank"] == 0 else None]
-    dist.broadcast_object_list(box)
-    path = os.path.join(box[0], "tiny-llama")
-    if ctx["rank"] == 0:
-        tiny().save_pretrained(path)
-    dist.barrier()
-    try:
-        yield path
-    finally:
-        dist.barrier()
-        if ctx["rank"] == 0:
-            shutil.rmtree(box[0], ignore_errors=True)
-
-
 @check
 def check_2d_transformers_distributed_config(ctx):
     """transformers applies TP and FSDP2 while loading, so the patch must come first: the class
@@ -167,7 +148,7 @@ def check_2d_transformers_distributed_config(ctx):
     from lmkernels.integrations import transformers as lk_hf
 
     ref = reference(DP)  # before the class patch, which would patch the reference model too
-    with _saved_tiny(ctx) as path:
+    with saved_tiny(ctx) as path:
         lk_hf.apply("llama", backend=common.BACKEND)
         try:
             model = AutoModelForCausalLM.from_pretrained(
@@ -195,7 +176,7 @@ def check_2d_transformers_tp_plan_ignores_device_mesh(ctx):
     from transformers import AutoModelForCausalLM
 
     mesh = device_mesh((DP, TP), ("dp", "tp"))
-    with _saved_tiny(ctx) as path:
+    with saved_tiny(ctx) as path:
         import warnings
 
         with warnings.catch_warnings():

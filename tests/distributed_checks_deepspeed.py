@@ -50,6 +50,7 @@ from distributed_common import (
     patched,
     reference,
     registry,
+    saved_tiny,
     tiny,
 )
 
@@ -212,18 +213,22 @@ class _Rows(torch.utils.data.Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
-def trainer_run(ctx, stage: int):
+def trainer_run(ctx, stage: int, zero_init: bool = False):
+    """zero_init: the usual transformers + ZeRO-3 order, TrainingArguments(deepspeed=...) first
+    so that from_pretrained builds the model inside deepspeed.zero.Init (partitioned from the
+    start). The patch is then the class patch, applied before TrainingArguments: apply("llama")
+    verifies on a tiny model it builds, which must not be built under zero.Init (transformers
+    fails to initialize it: "Cannot copy out of meta tensor"), and the instance patch of a model
+    built under zero.Init fails its checks (check_zero3_instance_patch_after_zero_init)."""
     deepspeed = _deepspeed()
     if deepspeed is None:
         return NOT_INSTALLED
-    from transformers import Trainer, TrainingArguments
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from lmkernels.integrations import transformers as lk_hf
 
     world = ctx["world"]
-    ref = reference(world)
-    # Built before TrainingArguments: under ZeRO-3 transformers builds models inside
-    # deepspeed.zero.Init while a DeepSpeed config is active.
-    model = patched(tiny())
-    watch = LmHeadWatch(model) if stage == 3 else None
+    ref = reference(world)  # before any class patch
     losses = []
 
     class Recording(Trainer):
@@ -233,7 +238,17 @@ def trainer_run(ctx, stage: int):
             losses.append(loss_only.detach().item())
             return loss
 
-    with _accelerate_state(), tempfile.TemporaryDirectory(prefix="lmk-ds-") as out:
+    with contextlib.ExitStack() as stack:
+        if zero_init:
+            path = stack.enter_context(saved_tiny(ctx))
+            lk_hf.apply("llama", backend=common.BACKEND)
+            stack.callback(lk_hf.revert, "llama")
+        else:
+            # Built before TrainingArguments: while a ZeRO-3 config is active transformers builds
+            # models inside deepspeed.zero.Init.
+            model = patched(tiny())
+        stack.enter_context(_accelerate_state())
+        out = stack.enter_context(tempfile.TemporaryDirectory(prefix="lmk-ds-"))
         cpu = common.DEVICE.type == "cpu"
         args = TrainingArguments(
             output_dir=out,
@@ -253,6 +268,12 @@ def trainer_run(ctx, stage: int):
             dataloader_num_workers=0,
             **({"accelerator_config": {"use_configured_state": True}} if cpu else {}),
         )
+        if zero_init:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            (w,) = (p for p in model.lm_head._parameters.values() if p is not None)
+            assert w.numel() == 0 and hasattr(w, "ds_id"), "from_pretrained did not build under zero.Init"
+            model.to(common.DEVICE)
+        watch = LmHeadWatch(model) if stage == 3 else None
         trainer = Recording(model=model, args=args, train_dataset=_Rows(global_batches(world)))
         trainer.train()
         engine = trainer.model_wrapped
@@ -278,6 +299,44 @@ def check_zero2_hf_trainer(ctx):
 @check
 def check_zero3_hf_trainer(ctx):
     return trainer_run(ctx, 3)
+
+
+@check
+def check_zero3_hf_trainer_zero_init(ctx):
+    return trainer_run(ctx, 3, zero_init=True)
+
+
+@check
+def check_zero3_instance_patch_after_zero_init(ctx):
+    """Reports (does not assert) whether lk_hf.apply(model) takes a model built under
+    deepspeed.zero.Init: its replacement checks read the module's own (partitioned, empty)
+    weights. Known in this version: "rms_norm LlamaRMSNorm: check raised RuntimeError: max():
+    Expected reduction dim to be specified for input.numel() == 0" (the class patch is the way)."""
+    deepspeed = _deepspeed()
+    if deepspeed is None:
+        return NOT_INSTALLED
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from lmkernels.integrations import transformers as lk_hf
+
+    with saved_tiny(ctx) as path, _accelerate_state(), tempfile.TemporaryDirectory() as out:
+        cpu = common.DEVICE.type == "cpu"
+        args = TrainingArguments(  # noqa: F841 (holds the DeepSpeed config that zero.Init reads)
+            output_dir=out,
+            per_device_train_batch_size=B_PER_RANK,
+            deepspeed={**ds_config(3), "train_micro_batch_size_per_gpu": "auto"},
+            report_to=[],
+            **({"accelerator_config": {"use_configured_state": True}} if cpu else {}),
+        )
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        try:
+            lk_hf.apply(model, backend=common.BACKEND)
+        except Exception as exc:  # an lmkernels error naming the failed checks, not a crash
+            from lmkernels.registry import LMKernelsError
+
+            assert isinstance(exc, LMKernelsError), f"{type(exc).__name__}: {exc}"
+            return {"instance_patch_after_zero_init": str(exc).splitlines()[1].strip()[:200]}
+    return {"instance_patch_after_zero_init": "ok"}
 
 
 @check
