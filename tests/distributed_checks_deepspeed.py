@@ -43,8 +43,11 @@ import distributed_common as common
 from distributed_common import (
     B_PER_RANK,
     LR,
+    RTOL,
     STEPS,
+    UPDATE_RTOL,
     compare,
+    errors,
     global_batches,
     params,
     patched,
@@ -337,6 +340,58 @@ def check_zero3_instance_patch_after_zero_init(ctx):
             assert isinstance(exc, LMKernelsError), f"{type(exc).__name__}: {exc}"
             return {"instance_patch_after_zero_init": str(exc).splitlines()[1].strip()[:200]}
     return {"instance_patch_after_zero_init": "ok"}
+
+
+@check
+def check_zero3_peft_lora_on_lm_head(ctx):
+    """PEFT LoRA on q_proj and lm_head (lm_head a LoRA wrapper whose base layer holds the
+    partitioned weight) under ZeRO-3: patched against plain, both through deepspeed.initialize
+    (PEFT has no one-process reference here); losses and the trained LoRA weights."""
+    deepspeed = _deepspeed()
+    if deepspeed is None:
+        return NOT_INSTALLED
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        return {"skipped": "peft is not installed"}
+    world, rank = ctx["world"], ctx["rank"]
+    runs = {}
+    for name in ("plain", "patched"):
+        model = tiny()
+        if name == "patched":
+            patched(model)
+        cfg = LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], lora_dropout=0.0, init_lora_weights=False
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)  # the same LoRA init in both runs
+            model = get_peft_model(model, cfg)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        with _gathered(deepspeed, model, 0):
+            init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(trainable, lr=LR), config=ds_config(3)
+        )
+        losses = []
+        for ids in global_batches(world):
+            ids = ids.chunk(world)[rank]
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        with _gathered(deepspeed, model, 3):
+            final = {
+                n: p.detach().to("cpu", torch.float32, copy=True)
+                for n, p in model.named_parameters()
+                if p.requires_grad
+            }
+        runs[name] = (_mean_over_ranks(losses), final, {n: t.cpu() for n, t in init.items()})
+        engine.destroy()
+    err = errors(runs["patched"][0], runs["patched"][1], runs["plain"])
+    assert err["loss_rel_err"] <= RTOL, f"loss off by {err['loss_rel_err']:.2e}"
+    assert err["param_update_rel_err"] <= UPDATE_RTOL, err
+    assert any("lm_head" in n and "lora" in n for n in runs["plain"][1]), "no LoRA on lm_head"
+    return err
 
 
 @check
