@@ -1,15 +1,21 @@
-"""Multi-process checks: a patched tiny Llama trains under FSDP2 / DDP / tensor parallel the same
-as one process trains plain transformers on the whole batch, and the vocab-parallel FLCE equals
-the one-device loss (checks in distributed_checks_fsdp.py and distributed_checks_tp.py, shared
-pieces and tolerances in distributed_common.py).
+"""Multi-process checks: a patched tiny Llama trains under FSDP2 / DDP / tensor parallel /
+pipeline parallel / DeepSpeed ZeRO / FSDP2 x TP the same as one process trains plain transformers
+on the whole batch, and the vocab-parallel FLCE equals the one-device loss. Shared pieces and
+tolerances in distributed_common.py; the checks, by suite (--suite, one world each):
 
-Every check runs in each rank of one world of 2 processes and returns its measured errors or
-raises. --device cpu (the default, CI): gloo, eager backend; --device cuda: cuda:LOCAL_RANK, NCCL,
+- main (2 processes): distributed_checks_fsdp.py, distributed_checks_tp.py, distributed_checks_pp.py
+- deepspeed (2 processes): distributed_checks_deepspeed.py (ZeRO-2 / ZeRO-3; skipped without deepspeed)
+- 2d (4 processes, dp 2 x tp 2): distributed_checks_2d.py
+
+Every check runs in each rank of the suite's world and returns its measured errors or raises.
+--device cpu (the default, CI): gloo, eager backend; --device cuda: cuda:LOCAL_RANK, NCCL,
 the Triton backend (--backend picks another, e.g. "triton,flce=eager"); --device auto: cuda when
-torch sees a GPU. tests/test_distributed.py runs them all in one world (start-up paid once).
+torch sees a GPU. tests/test_distributed*.py run each suite in one world (start-up paid once).
 
     python tests/distributed_checks.py --out results.json            # spawns 2 processes
+    python tests/distributed_checks.py --suite 2d --out r2d.json     # spawns 4 processes
     torchrun --standalone --nproc-per-node 2 tests/distributed_checks.py --device cuda --out r.json
+    torchrun --standalone --nproc-per-node 4 tests/distributed_checks.py --suite 2d --device cuda --out r.json
 
 Each rank appends its results to OUT.rankN.jsonl as it goes, so a world that dies (a hung
 collective ends after --timeout) still leaves what ran; rank 0 merges them into OUT (JSON:
@@ -32,12 +38,29 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import distributed_checks_2d
+import distributed_checks_deepspeed
 import distributed_checks_fsdp
+import distributed_checks_pp
 import distributed_checks_tp
 import distributed_common as common
 
-CHECKS = {**distributed_checks_fsdp.CHECKS, **distributed_checks_tp.CHECKS}
-WORLD = 2
+# suite: (world size, checks)
+SUITES = {
+    "main": (
+        2,
+        {**distributed_checks_fsdp.CHECKS, **distributed_checks_tp.CHECKS, **distributed_checks_pp.CHECKS},
+    ),
+    "deepspeed": (2, distributed_checks_deepspeed.CHECKS),
+    "2d": (4, distributed_checks_2d.CHECKS),
+}
+CHECKS = SUITES["main"][1]
+WORLD = 2  # this process's suite's world and checks: set by select()
+
+
+def select(suite: str) -> None:
+    global WORLD, CHECKS
+    WORLD, CHECKS = SUITES[suite]
 
 
 # --- in each rank --------------------------------------------------------------------------------
@@ -87,6 +110,7 @@ def environment(args) -> dict:
 
     env = {
         "command": " ".join([launcher, *sys.argv]),
+        "suite": args.suite,
         "device": torch.cuda.get_device_name(common.DEVICE) if common.DEVICE.type == "cuda" else "cpu",
         "world": WORLD,
         "process_group": "gloo" if common.DEVICE.type == "cpu" else "cpu:gloo,cuda:nccl",
@@ -96,7 +120,7 @@ def environment(args) -> dict:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if common.DEVICE.type == "cuda" else None,
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
-    for pkg in ("transformers", "triton"):
+    for pkg in ("transformers", "triton", "accelerate", "deepspeed"):
         try:
             env[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -126,6 +150,9 @@ def main_in_rank(args, names: list[str]) -> None:
     # prints its Python stack to stderr, which test_distributed shows.
     faulthandler.enable()
     common.configure(args.device, args.backend)
+    if common.DEVICE.type == "cpu":
+        # one core's worth of threads per rank: 4 ranks on 2 cores would otherwise fight
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     init_world(args.timeout)
     try:
         if rank == 0:
@@ -138,6 +165,7 @@ def main_in_rank(args, names: list[str]) -> None:
 
 
 def _worker(rank: int, port: int, args, names: list[str]) -> None:
+    select(args.suite)  # a spawned process imports this module afresh
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -216,6 +244,45 @@ def markdown(merged: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_world(suite: str, out: Path, timeout: float = 900) -> dict:
+    """Run a suite's world in a fresh interpreter (the tests' entry point): {check: [per rank]}.
+    Fails the calling test with the world's stderr if it dies."""
+    import pytest
+
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)  # a world of our own, even when pytest itself runs under torchrun
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--suite",
+        suite,
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not Path(out).exists():
+        pytest.fail(f"the {suite} world failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(Path(out).read_text())["checks"]
+
+
+def assert_check(results: dict, name: str, world: int) -> None:
+    """Fail (with the rank's error and trace) or skip (with the reason) one check's test."""
+    import pytest
+
+    per_rank = results[name]
+    assert len(per_rank) == world
+    for rank, result in enumerate(per_rank):
+        assert result["ok"], f"rank {rank}: {result['error']}\n{result.get('trace', '')}"
+    skipped = {result.get("skipped") for result in per_rank}
+    if skipped != {None}:
+        pytest.skip(f"not run here: {' / '.join(sorted(map(str, skipped)))}")
+
+
 def free_port() -> int:
     import socket
 
@@ -227,7 +294,8 @@ def free_port() -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file for the results (a .md beside it)")
-    p.add_argument("--checks", default=",".join(CHECKS), help="comma-separated subset")
+    p.add_argument("--suite", choices=sorted(SUITES), default="main", help="which world of checks")
+    p.add_argument("--checks", help="comma-separated subset of the suite's checks (default: all)")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu")
     p.add_argument(
         "--backend", help="the patched models' backend spec (default: eager on cpu, triton on cuda)"
@@ -239,10 +307,11 @@ def main(argv=None) -> int:
         "--merge", action="store_true", help="only merge the rank files of an earlier run into OUT"
     )
     args = p.parse_args(argv)
-    names = args.checks.split(",")
+    select(args.suite)
+    names = args.checks.split(",") if args.checks else list(CHECKS)
     unknown = set(names) - set(CHECKS)
     if unknown:
-        p.error(f"--checks: unknown {sorted(unknown)}; known: {sorted(CHECKS)}")
+        p.error(f"--checks: unknown {sorted(unknown)} in suite {args.suite}; known: {sorted(CHECKS)}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not args.merge:

@@ -387,3 +387,70 @@ def check_unsupported_layouts_raise(ctx):
             assert words in str(exc), f"error does not say {words!r}: {exc}"
         else:
             raise AssertionError(f"no error for {words}")
+
+
+@check
+def check_vocab_parallel_uneven_chunks_and_collectives(ctx):
+    """Uneven vocabulary shards (V = 131: 66 and 65 rows) in several chunks: every rank chunks
+    alike (sized for the largest shard; sized for its own, rank 0 ran 5 chunks and rank 1 4, and
+    the collectives no longer matched). And the collectives the loss issues are those of
+    `vocab_parallel.communication` (the communication model of docs/scaling.md): op and bytes,
+    fast and lean, with and without label smoothing."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import lmkernels.distributed.vocab_parallel as vp
+    from lmkernels.distributed import dtensor_linear_cross_entropy
+    from lmkernels.ops.flce import fused_linear_cross_entropy_reference as ref_fn
+
+    mesh = device_mesh((ctx["world"],))
+    g = torch.Generator().manual_seed(8)
+    n, h, v = 37, 8, 131
+    hidden = torch.randn(n, h, generator=g).to(common.DEVICE)
+    weight = torch.randn(v, h, generator=g).to(common.DEVICE)
+    target = torch.randint(0, v, (n,), generator=g).to(common.DEVICE)
+    seen = []
+    original = dist.all_reduce
+
+    def counting(t, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        seen.append(
+            ("all_reduce " + ("MAX" if op == dist.ReduceOp.MAX else "SUM"), t.numel() * t.element_size())
+        )
+        return original(t, op=op, group=group, async_op=async_op)
+
+    saved_bytes = vp.CHUNK_BYTES
+    worst = 0.0
+    try:
+        vp.CHUNK_BYTES = 2600  # 9 tokens of 66 columns, 10 of 65: different counts if chunked per shard
+        for lean, smoothing in itertools.product((False, True), (0.0, 0.1)):
+            h0, w0 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            expected = ref_fn(h0, w0, target, label_smoothing=smoothing)
+            expected.backward()
+            h1 = hidden.clone().requires_grad_()
+            w1 = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+            seen.clear()
+            dist.all_reduce = counting
+            try:
+                got = vp.vocab_parallel_cross_entropy(
+                    h1, w1.to_local(), target, vocab_size=v, label_smoothing=smoothing, lean=lean
+                )
+                got.backward()
+            finally:
+                dist.all_reduce = original
+            model = vp.communication(n, h, v, ctx["world"], label_smoothing=bool(smoothing))
+            assert seen == [(op, nbytes) for _, op, nbytes in model], (lean, smoothing, seen, model)
+            for a, b in ((got.detach(), expected.detach()), (h1.grad, h0.grad), (full(w1.grad), w0.grad)):
+                worst = max(worst, rel(a, b))
+            assert worst < RTOL, f"lean={lean} smoothing={smoothing}: relative error {worst:.2e}"
+        # dtensor_linear_cross_entropy adds one 32-byte all-reduce: the label check
+        seen.clear()
+        dist.all_reduce = counting
+        try:
+            w2 = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+            dtensor_linear_cross_entropy(hidden.clone().requires_grad_(), w2, target).backward()
+        finally:
+            dist.all_reduce = original
+        model = vp.communication(n, h, v, ctx["world"])
+        assert seen == [("all_reduce MAX", 32)] + [(op, b) for _, op, b in model], seen
+    finally:
+        vp.CHUNK_BYTES = saved_bytes
+    return {"worst_rel_err": worst, "collectives": len(model)}

@@ -20,7 +20,10 @@ is off by O(1) in both.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -93,6 +96,24 @@ def tiny(seed=0, **overrides):
 def global_batches(world: int):
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, V, (B_PER_RANK * world, T), generator=g).to(DEVICE) for _ in range(STEPS)]
+
+
+@contextlib.contextmanager
+def saved_tiny(ctx, **overrides):
+    """tiny(**overrides) saved with save_pretrained in a directory the ranks share (this machine);
+    yields its path, removed afterwards."""
+    box = [tempfile.mkdtemp(prefix="lmk-tiny-") if ctx["rank"] == 0 else None]
+    dist.broadcast_object_list(box)
+    path = os.path.join(box[0], "tiny-llama")
+    if ctx["rank"] == 0:
+        tiny(**overrides).save_pretrained(path)
+    dist.barrier()
+    try:
+        yield path
+    finally:
+        dist.barrier()
+        if ctx["rank"] == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

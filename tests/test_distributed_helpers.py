@@ -69,3 +69,53 @@ def test_dist_train_configurations():
     assert "+compile" in dist_train.check_config("lmk+compile")
     assert "unknown configuration" in dist_train.check_config("lmkernels")
     assert dist_train.slug("lmk:triton/flce=eager") == "lmk_triton_flce_eager"
+
+
+def _zero3_like_lm_head(partitioned: bool):
+    """An nn.Linear whose weight carries the attributes DeepSpeed ZeRO-3 gives a parameter; its
+    data is the full weight (gathered) or empty (a partition, as between ZeRO-3's hooks)."""
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(16, 40, bias=False)
+    w = lm_head.weight
+    w.ds_id, w.ds_numel, w.ds_shape = 7, w.numel(), w.shape
+    if partitioned:
+        w.data = torch.empty(0)
+    return lm_head
+
+
+def test_zero3_loss_runs_as_lm_heads_forward():
+    """Under ZeRO-3 the fused loss is lm_head's forward for one call: its forward hooks (where
+    ZeRO-3 gathers and releases the weight) fire around it, the loss and the gradients are those
+    of the plain call, and lm_head's own forward is back afterwards."""
+    from lmkernels.integrations.lm_head_loss import causal_lm_loss, lm_head_loss
+
+    lm_head = _zero3_like_lm_head(partitioned=False)
+    hidden = torch.randn(2, 5, 16, requires_grad=True)
+    labels = torch.randint(0, 40, (2, 5))
+    seen = []
+    lm_head.register_forward_pre_hook(
+        lambda m, args, kwargs: seen.append(("pre", args[0] is hidden)), with_kwargs=True
+    )
+    lm_head.register_forward_hook(lambda m, args, out: seen.append(("post", out.dim())))
+    loss = lm_head_loss(lm_head, hidden, labels, backend="eager")
+    loss.backward()
+    assert seen == [("pre", True), ("post", 0)], seen  # hidden positional (ZeRO-3's backward hooks), loss out
+    assert "forward" not in vars(lm_head)
+    assert torch.equal(lm_head(hidden[0]), hidden[0] @ lm_head.weight.T)  # Linear's forward again
+    h2 = hidden.detach().clone().requires_grad_()
+    w2 = lm_head.weight.detach().clone().requires_grad_()
+    expected = causal_lm_loss(h2, w2, labels, backend="eager")
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+    torch.testing.assert_close(hidden.grad, h2.grad, rtol=0, atol=0)
+    torch.testing.assert_close(lm_head.weight.grad, w2.grad, rtol=0, atol=0)
+
+
+def test_zero3_partition_not_gathered_raises_and_restores_forward():
+    from lmkernels.integrations.lm_head_loss import lm_head_loss
+    from lmkernels.registry import LMKernelsError
+
+    lm_head = _zero3_like_lm_head(partitioned=True)
+    with pytest.raises(LMKernelsError, match="ZeRO-3 partition that was not gathered.*deepspeed.initialize"):
+        lm_head_loss(lm_head, torch.randn(2, 5, 16), torch.randint(0, 40, (2, 5)))
+    assert "forward" not in vars(lm_head)

@@ -9,6 +9,10 @@
   tensors, so torch's foreach optimizers work on tensor-parallel models (see optim.py).
 - `local.local_call`: run a row-local op (norms, RoPE, GLUs) on the local shards of DTensor inputs
   (sequence parallel), weight gradients leaving as Partial.
+- `sequence_parallel_plan(model)`: torch parallel styles with sequence parallel for a transformers
+  Llama-style model (plans.py), for FSDP2 x TP on a 2-D mesh.
+- `zero.call_as_forward`: DeepSpeed ZeRO-3, the loss run as lm_head's forward so that ZeRO-3's
+  hooks gather its weight (integrations/lm_head_loss.py calls it for ZeRO-3 parameters).
 
 FSDP2 needs nothing here: integrations/lm_head_loss.py runs the loss inside the lm_head's FSDP2
 forward, where the weight is unsharded.
@@ -20,6 +24,7 @@ from lmkernels.distributed.vocab_parallel import shard_range, vocab_parallel_cro
 __all__ = [
     "dtensor_linear_cross_entropy",
     "foreach_safe_param_groups",
+    "sequence_parallel_plan",
     "shard_range",
     "vocab_parallel_cross_entropy",
 ]
@@ -31,4 +36,8 @@ def __getattr__(name):
         from lmkernels.distributed import dtensor_loss
 
         return getattr(dtensor_loss, name)
+    if name == "sequence_parallel_plan":
+        from lmkernels.distributed.plans import sequence_parallel_plan
+
+        return sequence_parallel_plan
     raise AttributeError(name)

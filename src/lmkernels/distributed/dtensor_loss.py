@@ -30,10 +30,17 @@ def is_dtensor(t) -> bool:
 
 
 def _mesh_of(*tensors):
-    meshes = {id(t.device_mesh): t.device_mesh for t in tensors if is_dtensor(t)}
+    # Equal meshes compare equal (DeviceMesh.__eq__: ranks, layout, dim names); they need not be
+    # one object (FSDP2's unsharded TP parameter and an activation of the same tp mesh can differ).
+    meshes = []
+    for t in tensors:
+        if is_dtensor(t) and not any(t.device_mesh == m for m in meshes):
+            meshes.append(t.device_mesh)
     if len(meshes) != 1:
-        raise LMKernelsError("hidden, weight, bias: DTensors on different device meshes are not supported")
-    mesh = next(iter(meshes.values()))
+        raise LMKernelsError(
+            f"hidden, weight, bias: DTensors on different device meshes are not supported ({meshes})"
+        )
+    mesh = meshes[0]
     if mesh.ndim != 1:
         raise LMKernelsError(
             f"weight: a DTensor on a {mesh.ndim}-D device mesh ({mesh}) is not supported; the loss "

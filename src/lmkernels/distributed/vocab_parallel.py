@@ -64,6 +64,41 @@ def _chunk_tokens(n_tokens: int, v_local: int) -> int:
     return max(1, min(n_tokens, CHUNK_BYTES // (4 * max(v_local, 1))))
 
 
+def communication(
+    n_tokens: int,
+    hidden_size: int,
+    vocab_size: int,
+    world_size: int,
+    *,
+    label_smoothing: bool = False,
+    chunk_tokens: int | None = None,
+) -> list[tuple[str, str, int]]:
+    """The collectives one call of the vocab-parallel loss (forward + backward, fast or lean mode:
+    the same ones) issues on its group: [(what, op, payload bytes per rank)], in order. n_tokens:
+    the rows of hidden (every rank of the group holds the same ones). Per chunk of tokens, two
+    all-reduces of fp32 per-token statistics; once, the all-reduce of grad_hidden in fp32 (at the
+    end of the forward in fast mode, of the backward in lean mode). A ring all-reduce of b bytes
+    moves 2 b (R - 1) / R bytes in and out of each rank. dtensor_linear_cross_entropy adds the
+    label check (one all-reduce of 32 bytes, with value checks on) and, for a sequence-sharded
+    hidden, its all-gather (n_tokens x hidden_size elements of hidden's dtype)."""
+    v_chunk = -(-vocab_size // world_size)  # the largest shard sets the chunk (see _chunks)
+    step = chunk_tokens or max(1, min(n_tokens, CHUNK_BYTES // (4 * v_chunk)))
+    out = []
+    for s in range(0, n_tokens, step):
+        n = min(step, n_tokens - s)
+        out.append(("max of the shards' logsumexp", "all_reduce MAX", 4 * n))
+        parts = 3 if label_smoothing else 2  # sum of exp, target logit (, sum of logits)
+        out.append(
+            (
+                "sum-exp, target logit" + (", sum of logits" if label_smoothing else ""),
+                "all_reduce SUM",
+                4 * parts * n,
+            )
+        )
+    out.append(("grad_hidden (fp32)", "all_reduce SUM", 4 * n_tokens * hidden_size))
+    return out
+
+
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with an fp32 result: low-precision inputs multiply on the tensor cores with fp32
     output where torch offers it (CUDA), else upcast first; never a rounded product."""
@@ -206,8 +241,11 @@ class _GradSums:
         return gh, gw, gb
 
 
-def _chunks(n, v_local):
-    step = _chunk_tokens(n, v_local)
+def _chunks(n, vocab_size, group):
+    """The token chunks, alike on every rank of the group: sized for the largest Shard(0) shard,
+    ceil(V / R) rows. (Sized for each rank's own shard, an uneven split, e.g. V = 151665 over 4
+    ranks, gave ranks different chunk counts, hence different numbers of collectives.)"""
+    step = _chunk_tokens(n, -(-vocab_size // dist.get_world_size(group)))
     return [(s, min(s + step, n)) for s in range(0, n, step)]
 
 
@@ -283,7 +321,7 @@ class _VocabParallelCE(torch.autograd.Function):
         n, v_local = hidden.shape[0], weight.shape[0]
         tg = _Targets(target, ignore_index, start, v_local, smoothing)
         count = tg.valid.sum()
-        chunks = _chunks(n, v_local)
+        chunks = _chunks(n, vocab_size, group)
         triton_rows = _triton_rows(target, tg, opts, vocab_size, weight, bias, chunks)
         if fast:
             # The upstream gradient of each token's loss, with the loss's own reduction; the
@@ -346,7 +384,7 @@ class _VocabParallelCE(torch.autograd.Function):
         n, v_local = hidden.shape[0], weight.shape[0]
         tg = _Targets(target, ignore_index, start, v_local, smoothing)
         g = grad_out.float() / count.clamp(min=1) if reduction == "mean" else grad_out.float()
-        chunks = _chunks(n, v_local)
+        chunks = _chunks(n, vocab_size, group)
         sums = _GradSums(hidden, weight, bias, ctx.needs_input_grad[:3], len(chunks))
         triton_rows = _triton_rows(target, tg, opts, vocab_size, weight, bias, chunks)
         g_rows = torch.where(tg.valid, g.expand(n), 0.0) if triton_rows is None else None  # torch ops

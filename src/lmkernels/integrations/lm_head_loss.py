@@ -15,6 +15,8 @@ both take the lm_head module (not its weight) so that the code owning the weight
 - lm_head inside a bigger FSDP2 unit (per layer + root): the root's forward already unsharded it.
 - a DTensor weight that FSDP2 does not manage (tensor parallel): lmkernels.distributed computes
   the loss on the local shard (vocab-parallel for a vocabulary-sharded weight).
+- DeepSpeed ZeRO-3 (partitioned lm_head parameters): the loss runs as lm_head's forward, so that
+  ZeRO-3's module hooks gather the weight for it (lmkernels/distributed/zero.py).
 """
 
 from __future__ import annotations
@@ -196,6 +198,10 @@ def _fsdp_call(lm_head: nn.Module, fn, *args, **kwargs):
                 setattr(lm_head, _FSDP_METHOD, types.MethodType(_call_on, lm_head))
                 register_fsdp_forward_method(lm_head, _FSDP_METHOD)
             return getattr(lm_head, _FSDP_METHOD)(fn, *args, **kwargs)
+    if any(hasattr(p, "ds_id") for p in lm_head.parameters()):  # DeepSpeed ZeRO-3
+        from lmkernels.distributed.zero import call_as_forward
+
+        return call_as_forward(lm_head, fn, *args, **kwargs)
     return fn(lm_head, *args, **kwargs)
 
 

@@ -1,0 +1,98 @@
+"""benchmarks/dist_scale.py without GPUs: its plan of runs (--dry-run), its argument checks, and
+one tiny run on the CPU (gloo) through torchrun, the path every GPU run takes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the benchmark trains transformers models")
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available in this torch build", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import dist_scale  # noqa: E402
+
+
+def _rows(out: Path) -> tuple[dict, list[dict]]:
+    data = json.loads((out / "dist_scale.json").read_text())
+    return data["environment"], data["runs"]
+
+
+def test_dry_run_plans_every_wrapping(tmp_path):
+    assert dist_scale.main(["--out", str(tmp_path), "--dry-run", "--configs", "plain,lmk"]) == 0
+    env, rows = _rows(tmp_path)
+    for key in ("device", "torch", "transformers", "deepspeed", "lmkernels_commit", "command"):
+        assert key in env
+    status = {(r["gpus"], r["mode"], r["config"]): r for r in rows}
+    assert len(status) == 3 * len(dist_scale.MODES) * 2
+    zero_ok = find_spec("deepspeed") is not None
+    for (n, mode, _), r in status.items():
+        least, even, _ = dist_scale.MODES[mode]
+        runnable = n >= least and not (even and n % 2) and (zero_ok or not mode.startswith("zero"))
+        assert r["status"] == ("planned" if runnable else "n/a"), (n, mode, r)
+        if runnable:
+            assert f"--nproc-per-node {n} " in r["command"] and f"--mode {mode} " in r["command"]
+        else:
+            assert r["error"]
+    assert "needs >= 4 GPUs" in status[(2, "fsdp_tp_torch", "lmk")]["error"]
+    assert (tmp_path / "dist_scale.md").read_text().count("| planned |") == sum(
+        r["status"] == "planned" for r in rows
+    )
+
+
+def test_arguments_checked_before_any_run(tmp_path):
+    assert "unknown backend 'trition'" in dist_scale.check_config("lmk:eager/flce=trition")
+    assert "unknown configuration" in dist_scale.check_config("lmkernels")
+    assert dist_scale.check_config("lmk:triton/flce=eager") is None
+    assert dist_scale.main(["--out", str(tmp_path), "--modes", "fsdp,zero4", "--dry-run"]) == 2
+    assert dist_scale.mode_problem("pp", 4, layers=2) == "needs >= 4 layers for 4 stages"
+    assert dist_scale.replicas("fsdp_tp_hf", 8) == 4 and dist_scale.replicas("tp", 4) == 1
+
+
+def test_comparisons_and_table():
+    run = lambda mode, config, tok, peak, losses: {  # noqa: E731
+        "gpus": 4,
+        "mode": mode,
+        "config": config,
+        "status": "ok",
+        "tokens_per_s_per_gpu": tok,
+        "peak_gib": peak,
+        "losses": losses,
+    }
+    rows = [
+        run("fsdp", "lmk", 200.0, 10.0, [2.0, 1.0]),
+        run("fsdp_tp_torch", "plain", 100.0, 20.0, [2.0, 1.0]),
+        run("fsdp_tp_torch", "lmk", 150.0, 8.0, [2.0, 1.001]),
+        run("fsdp_tp_torch", "liger", 120.0, 10.0, [2.0, 1.0]),
+        {"gpus": 4, "mode": "zero3", "config": "liger", "status": "error", "error": "RuntimeError: x | y"},
+    ]
+    dist_scale.compare_rows(rows)
+    lmk = rows[2]
+    assert lmk["tokens_vs_plain"] == 1.5 and lmk["peak_vs_plain"] == 0.4
+    assert lmk["tokens_vs_liger"] == 1.25 and lmk["peak_vs_liger"] == 0.8
+    assert lmk["tokens_vs_fsdp"] == 0.75 and lmk["peak_vs_fsdp"] == 0.8
+    assert abs(lmk["max_loss_rel_diff_vs_plain"] - 1e-3) < 1e-12
+    table = dist_scale.summary(rows, {"device": "X"})
+    assert "| fsdp_tp_torch | 4 | lmk | 150 | 1.50x | 1.25x | 0.75x | 8.0 | 0.40x | 1.0e-03 | ok |" in table
+    assert "error: RuntimeError: x / y" in table
+
+
+def test_tiny_cpu_run(tmp_path):
+    """One run through torchrun on the CPU (2 processes, pipeline parallel, lmkernels' loss on
+    the last stage): a row with the losses, throughput and the environment."""
+    argv = ["--out", str(tmp_path), "--tiny", "--gpus", "2", "--modes", "pp", "--configs", "lmk"]
+    argv += ["--steps", "3", "--batch", "4", "--seq", "16", "--layers", "2", "--budget", "300"]
+    assert dist_scale.main(argv) == 0
+    env, rows = _rows(tmp_path)
+    assert env["device"] == "cpu"
+    assert [r["status"] for r in rows] == ["ok"], rows
+    (row,) = rows
+    assert len(row["losses"]) == 3 and all(5 < x < 8 for x in row["losses"]), row  # ln(1000) = 6.9
+    assert row["tokens_per_s_per_gpu"] > 0 and row["step_ms"] > 0
+    assert "| pp | 2 | lmk |" in (tmp_path / "dist_scale.md").read_text()
