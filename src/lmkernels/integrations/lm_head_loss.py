@@ -77,6 +77,12 @@ def causal_lm_loss(
             raise LMKernelsError("labels: expected a tensor of token ids (or shift_labels), got None")
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     H = weight.shape[-1]
+    if _any_dtensor(hidden):
+        # The DTensor loss gathers hidden anyway; gathered first, the flatten below is local
+        # (DTensor in torch 2.11 refuses to flatten a sequence-sharded (Shard(1)) tensor).
+        from torch.distributed.tensor import Replicate
+
+        hidden = hidden.redistribute(hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim)
     h = hidden.reshape(-1, H)
     if logit_scale is not None:
         h = h * logit_scale
