@@ -53,7 +53,7 @@ def _skip_if_unavailable(impl):
     if impl.external:
         pytest.skip(
             f"{impl.backend} is another project's kernel, registered for comparison: "
-            "`lmkernels validate` checks and reports it (validation/), our suite does not own it"
+            "`lmkernels validate` checks and reports it, our suite does not own it"
         )
     reason = impl.unavailable_reason()
     if reason:

@@ -4,8 +4,8 @@ Tiny random models (lmkernels.integrations.transformers.tiny_model: hidden 64, 2
 128, MoE 4 experts top 2), fp32 on the CPU, 3 AdamW steps on one batch of random tokens: the patched run is
 compared with plain transformers by the convergence policy (loss curve, eval loss, top-k
 log-probs, final parameters; lmkernels.convergence.compare.TOLERANCES_FP32). The apply-time
-report must list exactly the ops expected for the family (EXPECTED: the source of the README's
-family table, scripts/families_table.py).
+report must list exactly the ops expected for the family (EXPECTED: the source of the family
+table of docs/integration.md, benchmarks/families_table.py).
 
 Backends: eager for the training matrix (fast; the compile backend and Triton on Llama / Gemma2
 run in test_integration_transformers.py). The Triton interpreter is slow, so it runs one

@@ -105,8 +105,8 @@ def load_block(ptr, mask, HINTS: tl.constexpr, AGAIN: tl.constexpr):
 # A tile of ROWS rows is a [ROWS, columns] block, except a single row (ROWS == 1): a scalar row
 # index and 1-D blocks. The computation is the same, the code Triton makes of it is not: with
 # the row width a constant (const_n), the RMSNorm backward kernel at 65536 x 16384 took 1705 us
-# in the 1-D form against 2066 us as a [1, 16384] tile (2048 us without const_n;
-# benchmarks/results/2026-11-24-h200-norm-1d/). The helpers give the kernels one text for both.
+# in the 1-D form against 2066 us as a [1, 16384] tile (2048 us without const_n), on an H200.
+# The helpers give the kernels one text for both.
 
 
 @triton.jit
@@ -340,7 +340,7 @@ def _max_shared_bytes(device_index: int) -> int:
 
 
 # Shared memory a kernel needs besides its pipeline buffers (cross-warp reductions): measured
-# 40-90 bytes for the norm backwards (scripts/roofline_ptxas.py); this leaves room to spare.
+# 40-90 bytes for the norm backwards (their sm_90 cubins); this leaves room to spare.
 SHARED_MARGIN = 4096
 
 

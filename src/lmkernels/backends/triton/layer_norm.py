@@ -165,9 +165,8 @@ def _bwd_store(dx_ptr, offs, mask, x_hat, dy, g, rstd, mean_g, mean_gx, dw_acc, 
 
     FMA: dx = g * rstd + (x_hat * c_x + c_0) with the row's products c_x = -mean_gx * rstd and
     c_0 = -mean_g * rstd, two fused multiply-adds an element. The backward of rows over 8192
-    columns issues instructions at ~60% of the SM's rate (ncu,
-    benchmarks/results/2026-11-24-h200-hold/ncu/); the table's fma field says where these
-    forms measured faster (at 1024-2048 columns they were 0.80-0.93x, fma-ab/)."""
+    columns issues instructions at ~60% of the SM's rate (ncu, H200); the table's fma field says
+    where these forms measured faster (at 1024-2048 columns they were 0.80-0.93x)."""
     if FMA:
         c_x = per_row(-mean_gx * rstd, ROWS)
         dx = g * per_row(rstd, ROWS) + (x_hat * c_x + per_row(-mean_g * rstd, ROWS))
