@@ -3,28 +3,27 @@
     python benchmarks/tune_norms.py --out DIR                      # norms and RoPE, the tune grid
     python benchmarks/tune_norms.py --out DIR --ops rope --grid final --table-only
 
-For each op and shape of the grid: every candidate configuration (CANDIDATES below: forward and
-backward of the norms, tried independently with the other half at the table's choice; RoPE's tile
-kernel and position kernel) is first checked against an fp32 reference (each output within 2x
-the eager bf16 error + 1e-3, outputs poisoned with NaN first), then timed fwd+bwd: GPU time with
-the launch queue filled ahead (lmkernels.harness.bench.measure.gpu_time_ms, L2 flushed), median
-of --reps, as a share of the copy bandwidth measured in the same run. The norms' best forward
-and best backward are then timed together ("tuned"). torch.compile of the eager reference and
-Liger (when installed) run beside them (--no-peers skips them). --table-only times the committed
-tables and the peers alone (the numbers `lmkernels bench --suite readme --part ops` records).
+A candidate is an entry of the device's tables (configs.tables_for) with some fields replaced
+(dataclasses.replace): a norm's NormEntry (forward fields, backward fields, const_n), the wide
+path's WidePath and ColumnConfig, RoPE's RopeTileConfig and RopePosConfig. Each is resolved into
+a launch configuration the way the op bodies resolve the table's (a copy of the table holding the
+candidate) and passed to the launchers; nothing in the library is changed. Every candidate is
+first checked against an fp32 reference (each output within 2x the eager bf16 error + 1e-3,
+outputs poisoned with NaN first), then timed fwd+bwd: GPU time with the launch queue filled
+ahead (lmkernels.harness.bench.measure.gpu_time_ms, L2 flushed), median of --reps, as a share of
+the copy bandwidth measured in the same run. A norm's best forward and best backward candidates
+are then timed as one entry ("tuned"). torch.compile of the eager reference and Liger (when
+installed) run beside them (--no-peers skips them). --table-only times the committed tables and
+the peers alone (the numbers `lmkernels bench --suite readme --part ops` records).
 
 The Triton kernels and the compiled references are compiled first by --jobs worker processes,
 whose on-disk caches then serve the timing process (--warm-budget seconds at most).
 
-Writes DIR/tune.json (device, versions, command; every variant's row; per point the table's and
-the best configurations as fields of _norms.FwdConfig / BwdConfig or rope.TILE_TUNED's tuple)
-and DIR/tune.md (a table per point; for RoPE the tile-table entry each key's timings suggest).
-The winners go into the tables by hand (backends/triton/_norms_config.py TUNED, rope.py
-TILE_TUNED), then `lmkernels bench --suite readme --part ops` measures the result.
-
-The candidates are set through the backends' tuning hooks, all in set_norm_config and
-set_rope_config below: _norms.FORCE_FWD / FORCE_BWD / COL_CONFIG and rope.TILE_ELEMENTS /
-NUM_WARPS / MIN_PROGRAMS / KERNEL / TILE_CONFIG / TILE_TUNED.
+Writes DIR/tune.json (device, versions, command; every variant's row with its record's fields)
+and DIR/tune.md (a table per point, then per table key the entry the timings suggest, as
+configs.entry_text writes it, with its measured `why`). The entries go into the generation's
+module (backends/triton/configs/hopper.py) by hand, then `lmkernels bench --suite readme --part
+ops` measures the result.
 """
 
 from __future__ import annotations
@@ -41,12 +40,22 @@ import os
 import shlex
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
+from lmkernels.backends.triton.configs import records, tables_for
+from lmkernels.backends.triton.configs.entry_text import entry_text
+from lmkernels.backends.triton.configs.records import (
+    ColumnConfig,
+    NormEntry,
+    RopePosConfig,
+    RopeTileConfig,
+    WidePath,
+)
 from lmkernels.harness.bench.suite import NORM_GRIDS, ROPE_GRIDS
 
-DEVICE = "cuda"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: the interpreter, for the tests
 E = 2  # bytes per bf16 element
 NORMS = {
     **NORM_GRIDS,
@@ -76,174 +85,270 @@ for _grids in (NORMS, ROPES):
     _grids["all"] = _grids["final"] + _grids["offgrid"]
 
 
-# --- the candidates -------------------------------------------------------------------------------
+# --- the candidates: table entries with fields replaced -------------------------------------------
+
+
+def tables():
+    return tables_for(torch.device(DEVICE))
 
 
 def _block(N: int) -> int:
     return 1 << (N - 1).bit_length()
 
 
-def norm_fwd_candidates(N: int, op: str) -> list:
-    """Forward layouts: rows x warps of a register-held row; for wide rows the row in chunks
-    read again from L2 (eviction hints); each also compiled for the width (const_n)."""
+FWD_FIELDS = ("fwd_rows", "fwd_warps", "fwd_chunk", "hints")  # the rest of NormEntry's: the backward's
+
+
+def base_entry(table, op: str, N: int):
+    """What the table runs for rows of N columns, as the record a candidate replaces fields of:
+    the entry serving N; rows wider than max_fused_n, the wide path; narrower than every entry,
+    an entry of the default forward and backward (whose several backward rows per program no
+    entry can hold)."""
     from lmkernels.backends.triton import _norms
 
-    block, out = _block(N), [dataclasses.replace(_norms.fwd_config(op, N), const_n=True)]
-    for rows in (1, 2, 4, 8) if N <= _norms.MAX_FUSED_N else ():
+    if N > table.max_fused_n:
+        return table.wide
+    entry = table.entry(op, N)
+    if entry is None:
+        f, b, block = _norms.fwd_config(table, op, N), _norms.bwd_config(table, op, N), _block(N)
+        entry = NormEntry(op=op, cols=(block // 2 + 1, block), fwd_rows=f.rows, fwd_warps=f.num_warps,
+                          bwd_warps=b.num_warps, programs_per_sm=b.programs_per_sm, why="")  # fmt: skip
+    return entry
+
+
+def _fresh(base, candidates) -> list:
+    """The candidates once each, without the base's own, and without its `why` (unmeasured)."""
+    return [replace(c, why="") for c in dict.fromkeys(candidates) if c != base]
+
+
+def norm_fwd_candidates(N: int, op: str, table=None) -> list:
+    """The table's entry with its forward replaced: rows x warps of a register-held row; for
+    wide rows the row in chunks read again from L2 (eviction hints); each also compiled for the
+    width (const_n, which the entry's backward shares). Wider than max_fused_n: the wide path's
+    forward warps."""
+    table = table or tables().norms
+    base, block = base_entry(table, op, N), _block(N)
+    if N > table.max_fused_n:
+        return _fresh(base, [replace(base, fwd_warps=w) for w in (4, 8, 16, 32)])
+    out = [replace(base, const_n=not base.const_n)]
+    for rows in (1, 2, 4, 8):
         for warps in (2, 4, 8, 16, 32):
             per_thread = rows * block // (32 * warps)
             if (2048 <= rows * block <= 16384 and 8 <= per_thread <= 32) or (
                 block >= 16384 and warps == 32 and rows == 1
             ):
-                out.append(_norms.FwdConfig(rows, block, True, warps))
+                out.append(replace(base, fwd_rows=rows, fwd_warps=warps, fwd_chunk=0,
+                                               hints=False, const_n=True))  # fmt: skip
     for chunk, warps in ((1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (4096, 16)):
         if block >= 4096 and chunk < N:
             for hints, const_n in ((False, False), (True, False), (True, True)):
-                out.append(_norms.FwdConfig(1, chunk, False, warps, hints, const_n=const_n))
-    return list(dict.fromkeys(out))
+                out.append(replace(base, fwd_rows=1, fwd_chunk=chunk, fwd_warps=warps,
+                                               hints=hints, const_n=const_n))  # fmt: skip
+    return _fresh(base, out)
 
 
-def _splits(N: int, block: int) -> tuple:
-    """(block, tail) of a row held as one padded register block, or as two: the largest power of
-    two <= N, then the rest rounded up to a power of two."""
-    return ((block, 0), (block // 2, _block(N - block // 2)))
+# Column-kernel launches tried on the wide path: (block_m, block_n, warps, programs per SM).
+COL_GRID = [(32, 128, 4, 8), (16, 256, 4, 8), (64, 64, 8, 4)]
 
 
-def norm_bwd_candidates(N: int, op: str) -> list:
-    """Backward layouts: rows x warps x programs per SM, partial sums in registers or in memory;
-    the table's own compiled for the width and pipelined (stages); above 4096 columns the row as
-    one or two register blocks with x and dy read again after the row sums (reload_x) and the
-    weight gradients left to the column kernel (apart); wider than MAX_FUSED_N the column-block
-    path."""
-    from lmkernels.backends.triton import _norms
-
-    B, regs, block = _norms.BwdConfig, _norms.PATH_REGS, _block(N)
-    if N > _norms.MAX_FUSED_N:
-        return [
-            B(1, b, _norms.PATH_WIDE, w, pps, apart=apart, stages=st)
-            for b, w in ((2048, 8), (4096, 8), (4096, 16))
-            for pps in (1, 2)
-            for st in (1, 3)
-            for apart in (_norms.APART_NONE, _norms.APART_ALL)
+def norm_bwd_candidates(N: int, op: str, table=None) -> list:
+    """The table's entry with its backward replaced: pipeline stages; each switch flipped
+    alone; warps x programs per SM; from 8192 columns the row as one or two register blocks
+    (tail) read again after the row sums (reload_x). Wider than max_fused_n: the wide path's
+    block, warps, programs and stages, and the column kernel's launch."""
+    table = table or tables().norms
+    base, block = base_entry(table, op, N), _block(N)
+    if N > table.max_fused_n:
+        wide = [replace(base, block=b, bwd_warps=w, programs_per_sm=p, stages=st)
+                for b, w in ((2048, 8), (4096, 8), (4096, 16)) for p in (1, 2) for st in (1, 3)]  # fmt: skip
+        col = [
+            replace(table.column, block_m=m, block_n=n, num_warps=w, programs_per_sm=p)
+            for m, n, w, p in COL_GRID
         ]
-    table = _norms.bwd_config(op, N)
-    out = [dataclasses.replace(table, const_n=True)]
-    out += [dataclasses.replace(table, stages=st) for st in (1, 2, 3, 4, 5) if st != table.stages]
-    for path in [regs] + ([_norms.PATH_MEM] if block >= 4096 else []):
-        for rows in (1, 2, 4, 8):
-            for warps in (4, 8, 16, 32):
-                if 1024 <= rows * block <= 16384 and 8 <= rows * block // (32 * warps) <= 16:
-                    for pps in sorted({max(1, 32 // warps), max(1, 64 // warps)}):
-                        out.append(B(rows, block, path, warps, pps))
+        return _fresh(base, wide) + _fresh(table.column, col)
+    out = [replace(base, stages=st) for st in (1, 2, 3, 4, 5)]
+    switches = ["reload_w", "reload_x", "prefetch"] + (["tail"] if block >= 4096 else [])
+    switches += ["hold_x"] if op == "rms_norm" else ["fma"]
+    out += [replace(base, **{s: not getattr(base, s)}) for s in switches]
+    for warps in (4, 8, 16, 32):
+        if 4 <= block // (32 * warps) <= 32:
+            out += [
+                replace(base, bwd_warps=warps, programs_per_sm=p)
+                for p in sorted({max(1, 32 // warps), 64 // warps})
+            ]
     if block >= 8192:
-        aparts = [_norms.APART_NONE] + ([_norms.APART_DB, _norms.APART_ALL] if op == "layer_norm" else [])
-        for lo, tail in _splits(N, block):
+        for tail in (False, True):
             for warps in (8, 16, 32):
-                for pps, st in ((1, 1), (1, 3), (2, 3)):
-                    for apart in aparts:
-                        out.append(B(1, lo, regs, warps, pps, True, tail, apart, st, True, reload_x=True))
-    return list(dict.fromkeys(out))
+                for p, st in ((1, 1), (1, 3), (2, 3)):
+                    out.append(replace(base, tail=tail, bwd_warps=warps, programs_per_sm=p, stages=st,
+                                 reload_w=True, reload_x=True))  # fmt: skip
+    return _fresh(base, out)
 
 
-# Column-kernel configurations tried with the "apart" candidates: (BLOCK_M, BLOCK_N, warps, per SM).
-COL_CANDIDATES = [(32, 128, 4, 8), (16, 256, 4, 8), (64, 64, 8, 4)]
-# RoPE's position kernel: (TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS); 2**30: one head group a program.
-POS_CANDIDATES = [
-    (t, w, p) for t in (1024, 2048, 4096) for w in (2, 4, 8) for p in (8192, 2**30) if (t, w) != (1024, 8)
-]
-# RoPE's tile kernel: rope.TILE_TUNED's values (tile elements, warps, least programs, tables
-# kept over the head loop, head-loop stages).
-TILE_CANDIDATES = [
-    (e, w, p, once, st)
+def merged_entry(base, fwd, bwd):
+    """`base` with the forward fields that `fwd` changed and the backward fields that `bwd`
+    changed (const_n: the backward's change where both made one)."""
+    names = [f.name for f in dataclasses.fields(base) if f.name not in ("op", "cols", "why")]
+
+    def changed(e, fields):
+        return {n: getattr(e, n) for n in fields if getattr(e, n) != getattr(base, n)}
+
+    bwd_fields = [n for n in names if n not in FWD_FIELDS]
+    return replace(base, **{**changed(fwd, FWD_FIELDS + ("const_n",)), **changed(bwd, bwd_fields)})
+
+
+# RoPE's tile kernel: (tile elements, warps, least programs, head-loop stages); 2**30: one
+# program per tile of positions. Its position kernel: (tile elements, warps, least programs).
+TILE_GRID = [
+    (e, w, p, st)
     for e, w in ((1024, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8))
-    for p, once in ((2048, True), (8192, True), (8192, False), (2**30, True))
+    for p in (2048, 8192, 2**30)
     for st in (1, 2)
 ]
+POS_GRID = [
+    (t, w, p) for t in (1024, 2048, 4096) for w in (2, 4, 8) for p in (8192, 2**30) if (t, w) != (1024, 8)
+]
 
 
-def fwd_name(f) -> str:
-    tag = f"fwd r{f.rows} w{f.num_warps}" if f.single_block else f"fwd-wide b{f.block} w{f.num_warps}"
-    return (
-        tag
-        + (" hints" if f.hints else "")
-        + (f" s{f.stages}" if f.stages > 1 else "")
-        + (" const" if f.const_n else "")
-    )
+def rope_key(shape) -> tuple:
+    """(rotary half width, partial): what RoPE's table entries serve."""
+    D, R = shape[4], shape[5] or shape[4]
+    return R // 2, D > R
 
 
-def bwd_name(b) -> str:
-    from lmkernels.backends.triton import _norms
-
-    path = {_norms.PATH_REGS: "regs", _norms.PATH_MEM: "mem", _norms.PATH_WIDE: "wide"}[b.path]
-    tag = f"bwd {path}{'-rw' if b.reload_w else ''} r{b.rows} b{b.block} w{b.num_warps} p{b.programs_per_sm}"
-    tag += f" t{b.tail}" if b.tail else ""
-    tag += {_norms.APART_DB: " apart-db", _norms.APART_ALL: " apart-all"}.get(b.apart, "")
-    tag += f" s{b.stages}" if b.stages > 1 else ""
-    flags = (("const", b.const_n), ("rx", b.reload_x), ("pf", b.prefetch), ("hx", b.hold_x), ("fma", b.fma))
-    return tag + "".join(f" {name}" for name, on in flags if on)
+def rope_pos_entry(table, shape):
+    """The table's position-kernel entry for the point, keyed by its rotary block width."""
+    half, partial = rope_key(shape)
+    block_half = _block(half)
+    return replace(table.position_config(block_half, partial), block_half=block_half, why="")
 
 
-def tile_name(cfg) -> str:
-    e, w, p, once, st = cfg
-    return f"tile e{e} w{w} p{p} {'once' if once else 'reload'}" + (f" st{st}" if st > 1 else "")
+def rope_candidates(shape, table=None) -> list:
+    """The table's tile entry for the rotary width (where it has none, one keyed for it) and its
+    position entry, with their launch fields replaced."""
+    table = table or tables().rope
+    half, partial = rope_key(shape)
+    pos = rope_pos_entry(table, shape)
+    tile = table.tile_config(half, partial) or RopeTileConfig(
+        half=half, partial=partial, tile_elements=pos.tile_elements, num_warps=pos.num_warps,
+        min_programs=pos.min_programs,
+    )  # fmt: skip
+    out = [replace(tile, tile_elements=e, num_warps=w, min_programs=p, head_stages=st)
+           for e, w, p, st in TILE_GRID]  # fmt: skip
+    out += [replace(pos, tile_elements=e, num_warps=w, min_programs=p) for e, w, p in POS_GRID]
+    return _fresh(None, out)
 
 
-# --- setting a configuration through the backends' hooks ------------------------------------------
-
-_DEFAULTS: dict = {}
-
-
-def set_norm_config(fwd=None, bwd=None, col=None) -> None:
-    from lmkernels.backends.triton import _norms
-
-    default = _DEFAULTS.setdefault("col", _norms.COL_CONFIG)
-    _norms.FORCE_FWD, _norms.FORCE_BWD, _norms.COL_CONFIG = fwd, bwd, col or default
+def fwd_name(r) -> str:
+    if isinstance(r, WidePath):
+        return f"fwd wide b{r.block} w{r.fwd_warps}"
+    tag = f"fwd chunk{r.fwd_chunk} w{r.fwd_warps}" if r.fwd_chunk else f"fwd r{r.fwd_rows} w{r.fwd_warps}"
+    return tag + (" hints" if r.hints else "") + (" const" if r.const_n else "")
 
 
-def set_rope_config(pos=None, kernel=None, tile=None) -> None:
-    """pos: the position kernel's (TILE_ELEMENTS, NUM_WARPS, MIN_PROGRAMS); kernel: "pos" or
-    "tile" forced; tile: a tile-kernel configuration. None everywhere: the committed tables."""
-    from lmkernels.backends.triton import rope
+def bwd_name(r) -> str:
+    if isinstance(r, ColumnConfig):
+        return f"bwd col {r.block_m}x{r.block_n} w{r.num_warps} p{r.programs_per_sm}"
+    if isinstance(r, WidePath):
+        return f"bwd wide b{r.block} w{r.bwd_warps} p{r.programs_per_sm} s{r.stages}"
+    flags = ("tail", "reload_w", "const_n", "reload_x", "prefetch", "hold_x", "fma")
+    tag = f"bwd w{r.bwd_warps} p{r.programs_per_sm} s{r.stages}"
+    return tag + "".join(f" {f}" for f in flags if getattr(r, f))
 
-    default = _DEFAULTS.setdefault("rope", (rope.TILE_ELEMENTS, rope.NUM_WARPS, rope.MIN_PROGRAMS))
-    rope.TILE_ELEMENTS, rope.NUM_WARPS, rope.MIN_PROGRAMS = pos or default
-    rope.KERNEL, rope.TILE_CONFIG = kernel, tile
+
+def rope_name(r) -> str:
+    stages = f" st{r.head_stages}" if getattr(r, "head_stages", 1) > 1 else ""
+    return f"{'tile' if isinstance(r, RopeTileConfig) else 'pos'} e{r.tile_elements} w{r.num_warps} p{r.min_programs}{stages}"
 
 
-def reset(op: str) -> None:
-    set_rope_config() if op == "rope" else set_norm_config()
+def as_json(record) -> dict | None:
+    """A record's launch fields (its `why` is the report's to write), named by its class."""
+    if record is None:
+        return None
+    fields = {k: v for k, v in dataclasses.asdict(record).items() if k != "why"}
+    return {"record": type(record).__name__, **fields}
+
+
+def from_json(config: dict):
+    fields = dict(config)
+    cls = getattr(records, fields.pop("record"))
+    if "cols" in fields:
+        fields["cols"] = tuple(fields["cols"])
+    return cls(**fields, why="")
+
+
+def norm_table_with(table, record):
+    """`table` with `record` in the place of the one it replaces."""
+    if isinstance(record, NormEntry):
+        entries = [e for e in table.entries if (e.op, e.cols) != (record.op, record.cols)]
+        return replace(table, entries=(*entries, record))
+    return replace(table, **{"wide" if isinstance(record, WidePath) else "column": record})
 
 
 def variants(op: str, case, table_only: bool) -> list:
-    """(name, config as JSON, setter) for each variant of a point; the table first."""
-    out = [("table", None, lambda: reset(op))]
+    """(name, record) of each variant of a point, the table's first (record None: the op as
+    called, the device's tables choosing)."""
+    out = [("table", None)]
     if table_only:
         return out
+    t = tables()
     if op == "rope":
-        out.append(("pos table", None, lambda: set_rope_config(kernel="pos")))
-        out += [
-            (tile_name(c), c, lambda c=c: set_rope_config(kernel="tile", tile=c)) for c in TILE_CANDIDATES
-        ]
-        out += [
-            (f"pos e{c[0]} w{c[1]} p{c[2]}", c, lambda c=c: set_rope_config(c, kernel="pos"))
-            for c in POS_CANDIDATES
-        ]
-        return out
-    N = case.N
-    out += [
-        (fwd_name(f), dataclasses.asdict(f), lambda f=f: set_norm_config(fwd=f))
-        for f in norm_fwd_candidates(N, op)
-    ]
-    for b in norm_bwd_candidates(N, op):
-        cols = COL_CANDIDATES if b.apart and b.programs_per_sm == 1 else [None]
-        for col in cols:
-            name = bwd_name(b) + (f" c{'x'.join(map(str, col))}" if col and col != cols[0] else "")
-            config = dataclasses.asdict(b) | ({"col": list(col)} if col else {})
-            out.append((name, config, lambda b=b, col=col: set_norm_config(bwd=b, col=col)))
-    return list({name: (name, cfg, setter) for name, cfg, setter in out}.values())
+        out.append(("pos table", rope_pos_entry(t.rope, case.shape)))
+        out += [(rope_name(r), r) for r in rope_candidates(case.shape, t.rope)]
+    else:
+        out += [(fwd_name(r), r) for r in norm_fwd_candidates(case.N, op, t.norms)]
+        out += [(bwd_name(r), r) for r in norm_bwd_candidates(case.N, op, t.norms)]
+    seen: set = set()
+    return [(name, r) for name, r in out if not (r is not None and (r in seen or seen.add(r)))]
 
 
 # --- the measured cases ---------------------------------------------------------------------------
+
+
+class _NormLaunch(torch.autograd.Function):
+    """A norm's forward and backward through the launchers, launched as fwd and bwd say (the
+    public ops' defaults: eps, Llama casting)."""
+
+    @staticmethod
+    def forward(ctx, op, fwd, bwd, x, weight, bias=None):
+        from lmkernels.backends.triton import layer_norm, rms_norm
+
+        if op == "rms_norm":
+            y, *stats = rms_norm.rms_norm_forward(x, weight, 1e-6, 0.0, "llama", fwd)
+        else:
+            y, *stats = layer_norm.layer_norm_forward(x, weight, bias, 1e-5, fwd)
+        ctx.save_for_backward(x, weight, *stats)
+        ctx.op, ctx.bwd = op, bwd
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from lmkernels.backends.triton import layer_norm, rms_norm
+
+        x, weight, *stats = ctx.saved_tensors
+        if ctx.op == "rms_norm":
+            return None, None, None, *rms_norm.rms_norm_backward(dy, x, weight, *stats, 0.0, "llama", ctx.bwd)
+        return None, None, None, *layer_norm.layer_norm_backward(dy, x, weight, *stats, weight.dtype, ctx.bwd)
+
+
+class _RopeLaunch(torch.autograd.Function):
+    """RoPE (neox) through the launcher, forward and backward (the inverse rotation) as cfg says:
+    a RopeTileConfig runs the tile kernel, a RopePosConfig the position kernel."""
+
+    @staticmethod
+    def forward(ctx, cfg, q, k, cos, sin, R):
+        from lmkernels.backends.triton import rope
+
+        ctx.args = cfg, cos, sin, R, rope.is_bthd(q), rope.is_bthd(k)
+        return rope.rope_rotate_with(q, k, cos, sin, None, False, R, False, *ctx.args[4:], cfg)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        from lmkernels.backends.triton import rope
+
+        cfg, cos, sin, R, q_bthd, k_bthd = ctx.args
+        dq, dk = rope.rope_rotate_with(dq, dk, cos, sin, None, False, R, True, q_bthd, k_bthd, cfg)
+        return None, dq, dk, None, None, None
 
 
 def rel_err(a, b) -> float:
@@ -251,13 +356,15 @@ def rel_err(a, b) -> float:
 
 
 class Case:
-    """One point: its inputs, upstream gradients, fp32 truth and the check of a variant."""
+    """One point: its inputs, upstream gradients, fp32 truth, the table's record for it, and
+    the check of a variant."""
 
     def __init__(self, op: str, shape: tuple, layout: str = "bhtd"):
         self.op, self.shape = op, shape
         g = torch.Generator(device=DEVICE).manual_seed(sum(s or 0 for s in shape))
         randn = lambda *size: torch.randn(*size, device=DEVICE, generator=g)  # noqa: E731
         if op == "rope":
+            from lmkernels.backends.triton.rope import rope_config
             from lmkernels.ops.rope import rope_reference, rope_tables
 
             B, Hq, Hkv, T, D, R = shape
@@ -269,10 +376,12 @@ class Case:
                     else randn(B, H, T, D).bfloat16()
                 )
 
-            cos, sin = (t.to(DEVICE).bfloat16() for t in rope_tables(torch.arange(T), R or D, "neox"))
+            self.R = R or D
+            self.tables = tuple(t.to(DEVICE).bfloat16() for t in rope_tables(torch.arange(T), self.R, "neox"))
             self.inputs, self.grads = [heads(Hq), heads(Hkv)], [heads(Hq), heads(Hkv)]
-            self.ref = lambda q, k: rope_reference(q, k, cos, sin, rotary_dim=R)
-            self.triton = lambda q, k: _lk().rope(q, k, cos, sin, rotary_dim=R, backend="triton")
+            self.ref = lambda q, k: rope_reference(q, k, *self.tables, rotary_dim=R)
+            self.triton = lambda q, k: _lk().rope(q, k, *self.tables, rotary_dim=R, backend="triton")
+            self.table_record = rope_config(tables().rope, T, self.R, D, layout == "bhtd")
             self.bytes = 4 * B * (Hq + Hkv) * T * D * E
             self.names = ["q_out", "k_out", "dq", "dk"]
         else:
@@ -289,8 +398,21 @@ class Case:
             self.ref = layer_norm_reference if ln else rms_norm_reference
             public = "layer_norm" if ln else "rms_norm"
             self.triton = lambda *a: getattr(_lk(), public)(*a, backend="triton")
+            self.table_record = base_entry(tables().norms, op, self.N)
             self.bytes = 5 * M * self.N * E
             self.names = ["y", "dx", "dw", "db"]
+
+    def launch(self, record):
+        """fwd+bwd launched as `record` (a table's record, or None: the op as called) says."""
+        if record is None:
+            return self.triton
+        if self.op == "rope":
+            return lambda q, k: _RopeLaunch.apply(record, q, k, *self.tables, self.R)
+        from lmkernels.backends.triton._norms import bwd_config, fwd_config
+
+        table = norm_table_with(tables().norms, record)
+        fwd, bwd = fwd_config(table, self.op, self.N), bwd_config(table, self.op, self.N)
+        return lambda *a: _NormLaunch.apply(self.op, fwd, bwd, *a)
 
     @functools.cached_property
     def truth(self) -> list:  # computed where a variant is checked, not in the compiling workers
@@ -339,7 +461,7 @@ class Case:
 
             if adapters.liger_unavailable() is None:
                 if self.op == "rope" and self.shape[5] is None:  # Liger rotates whole heads only
-                    out["liger"] = lambda q, k: adapters.liger_rope(q, k, *_tables(self.shape))
+                    out["liger"] = lambda q, k: adapters.liger_rope(q, k, *self.tables)
                 elif self.op != "rope":
                     out["liger"] = (
                         adapters.liger_rms_norm if self.op == "rms_norm" else adapters.liger_layer_norm
@@ -347,13 +469,6 @@ class Case:
         except ImportError:
             pass
         return out
-
-
-def _tables(shape):
-    from lmkernels.ops.rope import rope_tables
-
-    T, D = shape[3], shape[4]
-    return tuple(t.to(DEVICE).bfloat16() for t in rope_tables(torch.arange(T), D, "neox"))
 
 
 def _lk():
@@ -372,7 +487,7 @@ def measure(op, shape, args, copy_gbps, log) -> list[dict]:
     rows = []
 
     def record(name, config, fn, kind):
-        row = {"op": op, "shape": list(shape), "variant": name, "kind": kind, "config": config}
+        row = {"op": op, "shape": list(shape), "variant": name, "kind": kind, "config": as_json(config)}
         try:
             reason = case.check(fn)
             if reason:
@@ -386,40 +501,31 @@ def measure(op, shape, args, copy_gbps, log) -> list[dict]:
             row.update(status="error", note=f"{type(e).__name__}: {str(e)[:200]}")
         rows.append(row)
 
-    for name, config, setter in variants(op, case, args.table_only):
-        setter()
-        record(name, config, case.triton, "triton")
-    reset(op)
-    best = best_norm_configs(rows) if op != "rope" and not args.table_only else {}
-    if best:
-        set_norm_config(best.get("fwd"), best.get("bwd"), best.get("col"))
-        record(
-            "tuned",
-            {k: dataclasses.asdict(v) if k != "col" else v for k, v in best.items()},
-            case.triton,
-            "triton",
-        )
-        reset(op)
+    for name, rec in variants(op, case, args.table_only):
+        record(name, rec or case.table_record, case.launch(rec), "triton")
+    tuned = tuned_entry(rows, case.table_record) if op != "rope" else None
+    if tuned is not None:
+        record("tuned", tuned, case.launch(tuned), "triton")
     for name, peer in case.peers().items() if args.peers else ():
         record(name, None, peer, "peer")
     log(summary_line(op, shape, rows))
     return rows
 
 
-def best_norm_configs(rows) -> dict:
-    """The fastest correct forward and backward (each timed with the other half at the table's)."""
-    from lmkernels.backends.triton import _norms
-
-    out = {}
-    for half, cls in (("fwd", _norms.FwdConfig), ("bwd", _norms.BwdConfig)):
-        mine = [r for r in rows if r["status"] == "ok" and r["variant"].startswith(half)]
+def tuned_entry(rows, base):
+    """`base` (a norm entry) with the fastest forward candidate's forward and the fastest
+    backward candidate's backward, where both beat the table; None otherwise (one alone is a
+    candidate already timed)."""
+    table_ms = _ms(rows, "table")
+    if table_ms is None or not isinstance(base, NormEntry):
+        return None
+    best = {}
+    for half in ("fwd", "bwd"):
+        mine = [r for r in rows if r["status"] == "ok" and r["variant"].startswith(half + " ")]
+        mine = [r for r in mine if r["ms"] < table_ms]
         if mine:
-            config = dict(min(mine, key=lambda r: r["ms"])["config"])
-            col = config.pop("col", None)
-            out[half] = cls(**config)
-            if col:
-                out["col"] = tuple(col)
-    return out
+            best[half] = from_json(min(mine, key=lambda r: r["ms"])["config"])
+    return merged_entry(base, best["fwd"], best["bwd"]) if len(best) == 2 else None
 
 
 def _ms(rows, name):
@@ -434,32 +540,62 @@ def summary_line(op, shape, rows) -> str:
     return f"{op} {'x'.join(str(s) for s in shape if s)}: {times}; best {best['variant']} {f(best['ms'])}"
 
 
-def rope_suggestions(rows) -> list[str]:
-    """Per rope.TILE_TUNED key (rotary half width, partial): the variant with the least geometric
-    mean of its time over each point's fastest, as the entry it suggests."""
+def _why(speedups) -> str:
+    lo, hi = f"{min(speedups):.2f}", f"{max(speedups):.2f}"
+    n = len(speedups)
+    return f"fwd+bwd {lo if lo == hi else f'{lo}-{hi}'}x the entry it replaces ({n} shape{'s' * (n > 1)})"
+
+
+def entry_for(record, key: tuple, why: str) -> str:
+    """`record` as the generation's module holds it (configs.entry_text), with `why`."""
+    if isinstance(record, (WidePath, ColumnConfig)):  # one each per table, not keyed entries
+        return f"    {'wide' if isinstance(record, WidePath) else 'column'}={replace(record, why=why)!r},"
+    fields = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+    fields = {k: v for k, v in fields.items() if k not in ("op", "cols", "why", "half", "block_half")}
+    if isinstance(record, NormEntry):
+        return entry_text(record.op, record.cols[1], fields, why, cols=record.cols)
+    kind = "rope_tile" if isinstance(record, RopeTileConfig) else "rope_position"
+    return entry_text(kind, key[1], fields, why)
+
+
+def suggestions(rows) -> list[str]:
+    """Per table key (a norm entry's columns, the wide path, RoPE's rotary half width) and kind
+    of record: of the records timed at every point of the key, the one with the least geometric
+    mean of its time over the table's, as the entry it suggests, `why` its measured speedups.
+    RoPE's tile and position records compete (a tile entry, or none and the position kernel)."""
     points: dict = {}
     for r in rows:
-        if r["op"] == "rope" and r["status"] == "ok" and r["kind"] == "triton":
-            points.setdefault(tuple(r["shape"]), {})[r["variant"]] = (r["ms"], r["config"])
+        if r["kind"] == "triton" and r["status"] == "ok":
+            points.setdefault((r["op"], tuple(r["shape"])), {})[r["variant"]] = r
     by_key: dict = {}
-    for shape, times in points.items():
-        by_key.setdefault(((shape[5] or shape[4]) // 2, shape[4] > (shape[5] or shape[4])), []).append(times)
-    lines = ["", "## RoPE: the tile-table entry each key's timings suggest", ""]
-    for key, pts in sorted(by_key.items()):
-        names = [n for n in pts[0] if n != "table" and all(n in t for t in pts)]
-        if not names:
+    for (op, shape), named in points.items():
+        table = named.get("table")
+        if table is None:
             continue
-        score = lambda n, pts=pts, names=names: math.exp(  # noqa: E731
-            sum(math.log(t[n][0] / min(t[m][0] for m in names)) for t in pts) / len(pts)
-        )
-        best = min(names, key=score)
-        entry = (
-            "no entry (the position kernel)"
-            if best.startswith("pos")
-            else f"TILE_TUNED[{key}] = {tuple(pts[0][best][1])}"
-        )
-        table = f"table {score('table'):.3f}" if all("table" in t for t in pts) else ""
-        lines.append(f"- {key}: **{best}** ({score(best):.3f}) -> {entry}; {table}")
+        cols = (table["config"] or {}).get("cols")  # a norm entry's; the wide path has none
+        key = ("rope", *rope_key(shape)) if op == "rope" else (op, tuple(cols)) if cols else ("wide",)
+        by_key.setdefault(key, []).append(named)
+    lines = ["", "## The entries the timings suggest", ""]
+    for key, pts in by_key.items():
+        timed: dict = {}  # (kind, record) -> the speedup over the table at each point
+        for named in pts:
+            for r in named.values():
+                if r["variant"] != "table" and r["config"]:
+                    kind = "rope" if key[0] == "rope" else r["config"]["record"]
+                    speedup = named["table"]["ms"] / r["ms"]
+                    timed.setdefault((kind, from_json(r["config"])), {})[r["op"], tuple(r["shape"])] = speedup
+        best: dict = {}
+        for (kind, rec), speedups in timed.items():
+            score = math.exp(sum(map(math.log, speedups.values())) / len(pts))
+            if len(speedups) == len(pts) and score > best.get(kind, (1.0,))[0]:
+                best[kind] = (score, rec, list(speedups.values()))
+        label = " ".join(map(str, key))
+        if not best:
+            lines.append(f"- {label}: the table's entry is the fastest ({len(pts)} points)")
+        for score, rec, speedups in best.values():
+            kernel = ", the position kernel: no tile entry" if isinstance(rec, RopePosConfig) else ""
+            lines += [f"- {label} ({len(pts)} points, geometric mean {score:.3f}x{kernel}):", "", "```python"]
+            lines += [entry_for(rec, key, _why(speedups)).rstrip("\n"), "```", ""]
     return lines
 
 
@@ -488,7 +624,7 @@ def markdown(rows, meta) -> str:
         )
     wrong = sorted({f"{r['op']} {r['variant']}" for r in rows if r["status"] != "ok"})
     lines += ["", f"Failed the check or errored: {len(wrong)} variants (tune.json has the reasons)."]
-    return "\n".join(lines + rope_suggestions(rows)) + "\n"
+    return "\n".join(lines + suggestions(rows)) + "\n"
 
 
 def warm(group, table_only, layout, part, parts):
@@ -498,13 +634,11 @@ def warm(group, table_only, layout, part, parts):
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # the workers already run side by side
     for op, shape in group:
         case = Case(op, shape, layout)
-        for _, _, setter in variants(op, case, table_only)[part::parts]:
+        for _, rec in variants(op, case, table_only)[part::parts]:
             try:
-                setter()
-                case.step(case.triton)()
+                case.step(case.launch(rec))()
             except Exception:  # noqa: BLE001  (the timing process records the error)
                 pass
-        reset(op)
         for peer in case.peers().values() if part == 0 else ():
             try:
                 case.step(peer)()

@@ -6,8 +6,10 @@ are checked on the CPU too."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -166,20 +168,60 @@ def test_tuner_candidates_and_report():
             assert fwd and bwd
             names = [tune.fwd_name(f) for f in fwd] + [tune.bwd_name(b) for b in bwd]
             assert len(set(names)) == len(names), (op, n)
-    assert len({tune.tile_name(c) for c in tune.TILE_CANDIDATES}) == len(tune.TILE_CANDIDATES)
+            table = tune.tables().norms
+            assert all(tune.norm_table_with(table, c) is not table for c in fwd + bwd)  # a valid table
     shape = [1, 32, 8, 4096, 128, None]
-    rows = [
-        {"op": "rope", "shape": shape, "variant": v, "kind": "triton", "status": "ok", "ms": ms, "config": c}
-        | {"pct_copy": 80.0}
-        for v, ms, c in (
-            ("table", 1.0, None),
-            ("pos table", 1.1, None),
-            ("tile e1024 w2 p2048 once", 0.9, [1024, 2, 2048, True, 1]),
-        )
-    ]
-    md = tune.markdown(
-        rows, {"device": "GPU", "command": "tune", "torch": "2", "triton": "3", "copy_gbps": 4000.0}
-    )
-    assert "TILE_TUNED[(64, False)] = (1024, 2, 2048, True, 1)" in md
+    rope = tune.rope_candidates(shape)
+    assert len({tune.rope_name(c) for c in rope}) == len(rope)
+    tile = next(c for c in rope if tune.rope_name(c) == "tile e1024 w2 p2048")
+    meta = {"device": "GPU", "command": "tune", "torch": "2", "triton": "3", "copy_gbps": 4000.0}
+
+    def row(op, shape, variant, ms, record):
+        config = tune.as_json(record)
+        return {"op": op, "shape": shape, "variant": variant, "kind": "triton", "status": "ok", "ms": ms,
+                "config": config, "pct_copy": 80.0}  # fmt: skip
+
+    rows = [row("rope", shape, "table", 1.0, None), row("rope", shape, tune.rope_name(tile), 0.9, tile)]
+    md = tune.markdown(rows, meta)
     assert "| rope | 1x32x8x4096x128 | 1.0000 |" in md
+    assert "RopeTileConfig(\n            half=64,\n            tile_elements=1024,\n" in md
+    assert 'why="fwd+bwd 1.11x the entry it replaces (1 shape)",' in md
     json.dumps(rows)
+
+    # Norms: the entry of the key's points (two widths of one entry) timed at both, with the
+    # forward of the fastest forward candidate and the backward of the fastest backward one.
+    base = tune.base_entry(tune.tables().norms, "rms_norm", 4096)
+    fwd = next(f for f in tune.norm_fwd_candidates(4096, "rms_norm") if f.fwd_warps != base.fwd_warps)
+    bwd = next(b for b in tune.norm_bwd_candidates(4096, "rms_norm") if b.stages == base.stages + 1)
+    rows = []
+    for M, table_ms in ((16384, 1.0), (65536, 4.0)):
+        point = [row("rms_norm", [M, 4096], "table", table_ms, base)]
+        point += [row("rms_norm", [M, 4096], tune.fwd_name(fwd), table_ms * 0.95, fwd)]
+        point += [row("rms_norm", [M, 4096], tune.bwd_name(bwd), table_ms * 0.9, bwd)]
+        tuned = tune.tuned_entry(point, base)
+        assert (tuned.fwd_warps, tuned.stages) == (fwd.fwd_warps, bwd.stages)
+        rows += point + [row("rms_norm", [M, 4096], "tuned", table_ms * 0.8, tuned)]
+    rows.append(
+        row("rms_norm", [16384, 4096], "bwd one point only", 0.5, dataclasses.replace(bwd, bwd_warps=32))
+    )
+    md = tune.markdown(rows, meta)
+    assert f"bwd_warps={base.bwd_warps}," in md and "cols=(3073, 4096)," in md
+    assert f"fwd_warps={fwd.fwd_warps}," in md and f"stages={bwd.stages}," in md
+    assert 'why="fwd+bwd 1.25x the entry it replaces (2 shapes)",' in md
+    assert "bwd_warps=32," not in md  # timed at one of the key's points only
+    assert tune.tuned_entry(rows[:2], base) is None  # one half improved: a candidate already timed
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU interpreter")
+def test_tuner_runs_candidates_through_the_launchers():
+    """Each kind of candidate, passed to the launchers, matches the fp32 reference (the
+    interpreter on the CPU)."""
+    tune = _tuner()
+    for op, shape in (("rms_norm", (4, 1024)), ("layer_norm", (4, 1024)), ("rope", (1, 4, 2, 16, 64, None))):
+        case = tune.Case(op, shape)
+        named = dict(tune.variants(op, case, table_only=False)[1:])
+        kinds = ("fwd", "bwd") if op != "rope" else ("tile", "pos")
+        for kind in kinds:
+            name = next(n for n in named if n.startswith(kind))
+            assert case.check(case.launch(named[name])) is None, (op, name)
+    assert case.check(lambda q, k: (q * 1.01, k)) is not None  # the check can fail
