@@ -4,7 +4,7 @@ report (tables.py). Validation evidence goes to <out>/<gpu>-validation.jsonl the
 
 Every row names what was measured and how it can be measured again:
 
-- part: "ops", "flce", "e2e" or "dist" (validation rows: "grid", "converge", "families",
+- part: "ops", "flce", "e2e", "dist" or "trl" (TRL's fused head against lmkernels'; validation rows: "grid", "converge", "families",
   "stepcheck", "dist-checks", "tests");
 - what: op / shape / dims / dtype / regime (FLCE) or model / config / batch / seq (end to end)
   or mode / config (distributed), the implementation (`impl`) and `peer`, the configuration it

@@ -44,7 +44,12 @@ CONFIG_TITLES = {"plain": "transformers", "lmk": "lmkernels", "liger": "Liger"}
 MODE_TITLES = {
     "fsdp": "FSDP2 per layer + root",
     "fsdp_lm_head": "FSDP2, lm_head sharded alone",
-    "tp": 'TP=2 (`tp_plan="auto"`)',
+    "tp": 'TP (`tp_plan="auto"`)',
+    "fsdp_tp_torch": "FSDP2 x TP 2, torch styles + SP",
+    "fsdp_tp_hf": "FSDP2 x TP 2, transformers",
+    "zero2": "DeepSpeed ZeRO-2",
+    "zero3": "DeepSpeed ZeRO-3",
+    "pp": "pipeline parallel (1F1B)",
 }
 DRY_RUN = data.gpu_kind("dry run")  # the kind of --dry-run's rows: the only file whose dry rows count
 MARK = re.compile(r"<!-- bench:([\w-]+) ([\w-]+) -->\n.*?<!-- /bench -->", re.S)
@@ -107,7 +112,8 @@ def caption(rows: list[dict[str, Any]], path: str, extra: str = "") -> str:
         f"{r['commit'] or 'commit not recorded'} ({_day(r)}): `{r['command']}`"
         for r in sorted(runs.values(), key=lambda r: r.get("date") or "")
     )
-    gpus = f"{first['gpus']} x " if first.get("gpus", 1) > 1 else ""
+    counts = sorted({r.get("gpus", 1) for r in rows})
+    gpus = "" if counts == [1] else f"{'/'.join(map(str, counts))} x "
     text = f"{gpus}{first['device']}; {vers}. Data: `{path}`{extra}. Made by {made}."
     return f"<sub>{text}</sub>"
 
@@ -313,11 +319,13 @@ def e2e_compile(rows: list[dict[str, Any]], path: str) -> str:
 
 
 def dist_table(rows: list[dict[str, Any]], path: str) -> str:
-    """Per wrapping (the latest run of each): tokens/s/GPU, peak, ratios, loss differences."""
-    points = latest([r for r in rows if r["part"] == "dist"], lambda r: r["mode"])
+    """Per GPU count and wrapping (the latest run of each): tokens/s/GPU, peak, ratios, loss
+    differences."""
+    points = latest([r for r in rows if r["part"] == "dist"], lambda r: (r["gpus"], r["mode"]))
+    order = {m: i for i, m in enumerate(MODE_TITLES)}
     body, used = [], []
-    for mode in [m for m in MODE_TITLES if m in points] + [m for m in points if m not in MODE_TITLES]:
-        rs = points[mode]
+    for gpus, mode in sorted(points, key=lambda k: (k[0], order.get(k[1], len(order)), k[1])):
+        rs = points[gpus, mode]
         used += rs
         by = {c: next((r for r in rs if r["config"] == c), None) for c in ("plain", "lmk", "liger")}
         cells, peaks = [], []
@@ -342,10 +350,19 @@ def dist_table(rows: list[dict[str, Any]], path: str) -> str:
         if ok(lmk) and ok(plain) and lmk.get("losses") and plain.get("losses"):
             diff = f"{max(abs(a - b) for a, b in zip(lmk['losses'], plain['losses'])):.1e}"
         body.append(
-            [MODE_TITLES.get(mode, mode), *cells, *vs, " / ".join(peaks), diff, rs[0]["commit"] or "-"]
+            [
+                MODE_TITLES.get(mode, mode),
+                str(gpus),
+                *cells,
+                *vs,
+                " / ".join(peaks),
+                diff,
+                rs[0]["commit"] or "-",
+            ]
         )
     header = [
         "tokens/s/GPU",
+        "GPUs",
         "transformers",
         "lmkernels",
         "Liger",
