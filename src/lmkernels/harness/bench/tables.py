@@ -429,11 +429,12 @@ def validation_summary(records: list[dict[str, Any]], path: str) -> str:
             mine,
             f"{sum(r['ok'] for r in mine)} of {len(mine)} pass",
         )
-    tests = _latest_part(records, "tests", lambda r: (r["group"], r["tool"]))
+    tests = _latest_part(records, "tests", lambda r: (r["group"], r["tool"], r.get("select")))
     for r in tests:
         tool = "" if r["tool"] == "none" else f" under compute-sanitizer {r['tool']}"
         errors = "" if r.get("sanitizer_errors") is None else f", {r['sanitizer_errors']} sanitizer errors"
-        add(f"GPU tests, group {r['group']}{tool}", [r], f"{pytest_counts(r['pytest'])}{errors}")
+        select = f" (-k {r['select']})" if r.get("select") else ""
+        add(f"GPU tests, group {r['group']}{select}{tool}", [r], f"{pytest_counts(r['pytest'])}{errors}")
     header = ["evidence", "result", "commit (date)"]
     return "\n".join([*_table(header, body), "", caption(used, path)])
 
@@ -571,21 +572,21 @@ def validation_report(records: list[dict[str, Any]], gpu: str, path: str) -> str
         ]
         header = ["check", "backend", "result", "loss", "params", "params / update", "other", "commit"]
         lines += [*_table(header, body), "", caption(dist, path), ""]
-    tests = _latest_part(records, "tests", lambda r: (r["group"], r["tool"]))
+    tests = _latest_part(records, "tests", lambda r: (r["group"], r["tool"], r.get("select")))
     if tests:
         lines += ["## GPU test runs", ""]
         body = [
             [
-                r["group"],
+                r["group"] + (f" (-k {r['select']})" if r.get("select") else ""),
                 r["tool"],
                 r["pytest"],
                 str(r.get("sanitizer_errors", "-")),
-                _f(r.get("seconds")),
+                r.get("note") or "",
                 r["commit"] or "-",
             ]
             for r in tests
         ]
-        header = ["group", "tool", "pytest", "sanitizer errors", "seconds", "commit"]
+        header = ["group", "tool", "pytest", "sanitizer errors", "note", "commit"]
         lines += [*_table(header, body), "", caption(tests, path), ""]
     return "\n".join(lines).rstrip() + "\n"
 
