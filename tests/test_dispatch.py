@@ -396,3 +396,35 @@ def test_triton_call_routes_each_kind_of_argument():
     with Mode():
         call(op, Function, X, W)
     assert ran == ["raw", "function", "raw", "op", "op"]
+
+
+def test_flce_options_are_defined_once():
+    """FlceOptions is FLCE's one option set: the public function and the reference spell it out
+    (users read them) with its names, order and defaults; the wrappers take subsets with its
+    defaults; the backends read FlceOptions(**options), so an unknown option names itself."""
+    import dataclasses
+    import inspect
+
+    from lmkernels.distributed.dtensor_loss import dtensor_linear_cross_entropy
+    from lmkernels.distributed.vocab_parallel import vocab_parallel_cross_entropy
+    from lmkernels.nn import LinearCrossEntropyLoss
+    from lmkernels.ops._common import dispatch
+    from lmkernels.ops.flce import FlceOptions, fused_linear_cross_entropy_reference
+    from lmkernels.registry.core import impls
+
+    fields = {f.name: f.default for f in dataclasses.fields(FlceOptions)}
+    for fn in (lmkernels.fused_linear_cross_entropy, fused_linear_cross_entropy_reference):
+        params = inspect.signature(fn).parameters.values()
+        options = {
+            p.name: p.default for p in params if p.name not in ("hidden", "weight", "target", "backend")
+        }
+        assert list(options.items()) == list(fields.items()), fn.__name__
+    for fn in (LinearCrossEntropyLoss, dtensor_linear_cross_entropy, vocab_parallel_cross_entropy):
+        shared = [p for p in inspect.signature(fn).parameters.values() if p.name in fields]
+        assert shared and all(p.default == fields[p.name] for p in shared), fn.__name__
+    h, w, t = torch.randn(3, 4), torch.randn(5, 4), torch.randint(0, 5, (3,))
+    with pytest.raises(TypeError, match="'label_smoothin'"):
+        dispatch("fused_linear_cross_entropy", None, hidden=h, weight=w, target=t, label_smoothin=0.1)
+    for impl in impls("fused_linear_cross_entropy"):
+        with pytest.raises(TypeError, match="'softcapping'"):
+            impl.fn(h, w, t, softcapping=30.0)

@@ -46,6 +46,7 @@ import importlib.util
 
 import torch
 
+from lmkernels.ops.flce import FlceOptions
 from lmkernels.registry.core import register
 
 PRIORITY = -10  # below eager (0): `auto` never picks an adapter
@@ -188,70 +189,46 @@ def _liger_geglu_supports(gate, up, approximate="tanh", consume_inputs=False):
     return reasons
 
 
-def liger_flce(
-    hidden,
-    weight,
-    target,
-    bias=None,
-    ignore_index=-100,
-    reduction="mean",
-    label_smoothing=0.0,
-    softcap=None,
-    z_loss_scale=0.0,
-    class_weight=None,
-    return_lse=False,
-    grad_accum_dtype=None,
-    return_stats=False,
-    memory_budget=None,
-):
+def liger_flce(hidden, weight, target, **options):
+    o = FlceOptions(**options)
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as flce
 
     H = weight.shape[1]
     # Liger's accum_dtype=None accumulates the weight gradient in the weight's dtype, one rounding
     # per chunk (our grad_accum_dtype=weight.dtype); our default None means fp32.
-    accum = torch.float32 if grad_accum_dtype in (None, torch.float32) else None
+    accum = torch.float32 if o.grad_accum_dtype in (None, torch.float32) else None
     loss = flce(
         hidden.reshape(-1, H),
         weight,
         target.reshape(-1).long(),  # Liger gathers class weights with the targets: int64 needed
-        bias=bias,
+        bias=o.bias,
         # Our reference reads class weights in fp32; Liger sums them in their own dtype.
-        ce_weight=None if class_weight is None else class_weight.float(),
-        ignore_index=ignore_index,
-        lse_square_scale=z_loss_scale,
-        label_smoothing=label_smoothing,
-        reduction=reduction,
-        softcap=softcap,
+        ce_weight=None if o.class_weight is None else o.class_weight.float(),
+        ignore_index=o.ignore_index,
+        lse_square_scale=o.z_loss_scale,
+        label_smoothing=o.label_smoothing,
+        reduction=o.reduction,
+        softcap=o.softcap,
         accum_dtype=accum,
     )
     # Liger's loss is fp32 and its "mean" divides by the non-ignored class-weight sum, as ours.
-    return loss.view(target.shape) if reduction == "none" else loss
+    return loss.view(target.shape) if o.reduction == "none" else loss
 
 
-def _liger_flce_supports(
-    hidden,
-    weight,
-    bias=None,
-    reduction="mean",
-    z_loss_scale=0.0,
-    class_weight=None,
-    return_lse=False,
-    return_stats=False,
-    memory_budget=None,
-    **_,
-):
+def _liger_flce_supports(hidden, weight, target, **options):
+    o = FlceOptions(**options)
     # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
-    if return_lse or return_stats:
+    if o.return_lse or o.return_stats:
         reasons.append("return_lse/return_stats=True: Liger's FLCE does not return the logsumexp")
-    if memory_budget is not None:
+    if o.memory_budget is not None:
         reasons.append("memory_budget: Liger sizes its chunks itself")
-    if reduction == "mean" and class_weight is not None and z_loss_scale:
+    if o.reduction == "mean" and o.class_weight is not None and o.z_loss_scale:
         reasons.append(
             "z_loss_scale with class_weight and reduction='mean': Liger divides the z-loss by the "
             "number of tokens, ours by the class-weight sum"
         )
-    if _grad_needed(weight, bias) and not _grad_needed(hidden):
+    if _grad_needed(weight, o.bias) and not _grad_needed(hidden):
         reasons.append("weight/bias need gradients but hidden does not: Liger then returns none")
     return reasons
 
@@ -260,22 +237,8 @@ def _liger_flce_supports(
 
 
 def _make_cce(exact: bool):
-    def cce_flce(
-        hidden,
-        weight,
-        target,
-        bias=None,
-        ignore_index=-100,
-        reduction="mean",
-        label_smoothing=0.0,
-        softcap=None,
-        z_loss_scale=0.0,
-        class_weight=None,
-        return_lse=False,
-        grad_accum_dtype=None,
-        return_stats=False,
-        memory_budget=None,
-    ):
+    def cce_flce(hidden, weight, target, **options):
+        o = FlceOptions(**options)
         from cut_cross_entropy import linear_cross_entropy
 
         # `cce` leaves filter_eps and impl at CCE's defaults: its users' call.
@@ -287,48 +250,38 @@ def _make_cce(exact: bool):
             hidden,
             weight,
             target,
-            ignore_index=ignore_index,
-            softcap=softcap,
-            reduction="sum" if reduction == "mean" else reduction,
+            ignore_index=o.ignore_index,
+            softcap=o.softcap,
+            reduction="sum" if o.reduction == "mean" else o.reduction,
             **extra,
         ).float()
-        if reduction == "mean":
-            loss = loss / _mean_denominator(target, ignore_index, None)
+        if o.reduction == "mean":
+            loss = loss / _mean_denominator(target, o.ignore_index, None)
         return loss
 
     cce_flce.__name__ = "cce_exact_flce" if exact else "cce_flce"
     return cce_flce
 
 
-def _cce_supports(
-    weight,
-    bias=None,
-    label_smoothing=0.0,
-    z_loss_scale=0.0,
-    class_weight=None,
-    return_lse=False,
-    grad_accum_dtype=None,
-    return_stats=False,
-    memory_budget=None,
-    **_,
-):
+def _cce_supports(hidden, weight, target, **options):
+    o = FlceOptions(**options)
     # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
-    if memory_budget is not None:
+    if o.memory_budget is not None:
         reasons.append("memory_budget: CCE sizes its blocks itself")
-    if bias is not None:
+    if o.bias is not None:
         reasons.append("bias: CCE has no bias")
-    if label_smoothing:
+    if o.label_smoothing:
         reasons.append("label_smoothing: CCE has no label smoothing")
-    if z_loss_scale:
+    if o.z_loss_scale:
         reasons.append("z_loss_scale: CCE has no z-loss")
-    if class_weight is not None:
+    if o.class_weight is not None:
         reasons.append("class_weight: CCE has no class weights")
-    if return_lse or return_stats:
+    if o.return_lse or o.return_stats:
         reasons.append("return_lse/return_stats=True: CCE does not return the logsumexp")
-    if _grad_needed(weight) and grad_accum_dtype != weight.dtype:
+    if _grad_needed(weight) and o.grad_accum_dtype != weight.dtype:
         reasons.append(
-            f"grad_accum_dtype={grad_accum_dtype} (fp32): CCE accumulates the weight gradient in the "
+            f"grad_accum_dtype={o.grad_accum_dtype} (fp32): CCE accumulates the weight gradient in the "
             f"weight's dtype (pass grad_accum_dtype={weight.dtype})"
         )
     return reasons
@@ -337,74 +290,53 @@ def _cce_supports(
 # --- torch.nn.functional.linear_cross_entropy ----------------------------------------------------
 
 
-def torch_native_flce(
-    hidden,
-    weight,
-    target,
-    bias=None,
-    ignore_index=-100,
-    reduction="mean",
-    label_smoothing=0.0,
-    softcap=None,
-    z_loss_scale=0.0,
-    class_weight=None,
-    return_lse=False,
-    grad_accum_dtype=None,
-    return_stats=False,
-    memory_budget=None,
-):
+def torch_native_flce(hidden, weight, target, **options):
+    o = FlceOptions(**options)
     import torch.nn.functional as F
 
     H = weight.shape[1]
     low_precision = weight.dtype != torch.float32
-    if grad_accum_dtype in (None, torch.float32) and low_precision:
+    if o.grad_accum_dtype in (None, torch.float32) and low_precision:
         # Our default: an fp32 weight-gradient accumulator across chunks.
-        options = torch.nn.LinearCrossEntropyOptions(acc_policy="balanced", acc_dtype=torch.float32)
+        chunking = torch.nn.LinearCrossEntropyOptions(acc_policy="balanced", acc_dtype=torch.float32)
     else:
         # grad_accum_dtype = the weight's dtype: torch's default chunked call ("auto": "compact"
         # on CUDA bf16/fp16, each chunk's dW added into the weight-dtype gradient).
-        options = torch.nn.LinearCrossEntropyOptions()
+        chunking = torch.nn.LinearCrossEntropyOptions()
     t = target.reshape(-1).long()  # the chunked path needs int64 targets
     loss = F.linear_cross_entropy(
         hidden.reshape(-1, H),
         weight,
         t,
-        linear_bias=bias,
-        weight=class_weight,
+        linear_bias=o.bias,
+        weight=o.class_weight,
         # torch's "mean" of an all-ignored batch is nan (ours is 0): sum, then our denominator.
-        reduction="sum" if reduction == "mean" else reduction,
-        ignore_index=ignore_index,
-        options=options,
+        reduction="sum" if o.reduction == "mean" else o.reduction,
+        ignore_index=o.ignore_index,
+        options=chunking,
     ).float()
-    if reduction == "none":
+    if o.reduction == "none":
         return loss.view(target.shape)
-    if reduction == "mean":
-        loss = loss / _mean_denominator(t, ignore_index, class_weight)
+    if o.reduction == "mean":
+        loss = loss / _mean_denominator(t, o.ignore_index, o.class_weight)
     return loss
 
 
-def _torch_native_supports(
-    softcap=None,
-    z_loss_scale=0.0,
-    return_lse=False,
-    label_smoothing=0.0,
-    return_stats=False,
-    memory_budget=None,
-    **_,
-):
+def _torch_native_supports(hidden, weight, target, **options):
+    o = FlceOptions(**options)
     # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
-    if memory_budget is not None:
+    if o.memory_budget is not None:
         reasons.append("memory_budget: torch's linear_cross_entropy chunks by its own options")
-    if softcap is not None:
+    if o.softcap is not None:
         reasons.append("softcap: torch's linear_cross_entropy has no logit softcapping")
-    if z_loss_scale:
+    if o.z_loss_scale:
         reasons.append("z_loss_scale: torch's linear_cross_entropy has no z-loss")
-    if return_lse or return_stats:
+    if o.return_lse or o.return_stats:
         reasons.append(
             "return_lse/return_stats=True: torch's linear_cross_entropy does not return the logsumexp"
         )
-    if label_smoothing:
+    if o.label_smoothing:
         reasons.append("label_smoothing: torch's chunked path falls back to materializing the logits")
     return reasons
 

@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from lmkernels.ops.flce import FlceOptions
 from lmkernels.ops.rope import rope_apply, rope_tables_at
 from lmkernels.registry.core import _OPS, higher_order_error, register
 
@@ -390,29 +391,15 @@ class _ChunkedFLCE(torch.autograd.Function):
         return grad_h.view(hidden.shape), grad_w, grad_b, None, None, None, None, None
 
 
-def flce_compile(
-    hidden,
-    weight,
-    target,
-    bias=None,
-    ignore_index=-100,
-    reduction="mean",
-    label_smoothing=0.0,
-    softcap=None,
-    z_loss_scale=0.0,
-    class_weight=None,
-    return_lse=False,
-    grad_accum_dtype=None,
-    return_stats=False,
-    memory_budget=None,  # the chunks follow flce_chunk_size, not a budget (see the op's docstring)
-):
-    opts = (ignore_index, reduction, label_smoothing, softcap, z_loss_scale)
+def flce_compile(hidden, weight, target, **options):
+    o = FlceOptions(**options)  # memory_budget unread: the chunks follow flce_chunk_size
+    opts = (o.ignore_index, o.reduction, o.label_smoothing, o.softcap, o.z_loss_scale)
     loss, lse, entropy, top1 = _ChunkedFLCE.apply(
-        hidden, weight, bias, target, class_weight, opts, grad_accum_dtype, return_stats
+        hidden, weight, o.bias, target, o.class_weight, opts, o.grad_accum_dtype, o.return_stats
     )
-    if return_stats:
+    if o.return_stats:
         return loss, lse, entropy.view(target.shape), top1.view(target.shape)
-    return (loss, lse) if return_lse else loss
+    return (loss, lse) if o.return_lse else loss
 
 
 for _name in list(_OPS):

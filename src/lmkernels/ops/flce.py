@@ -38,9 +38,11 @@ ignore it; the peers' adapters refuse it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from lmkernels.ops._common import ROW_COUNTS, dispatch, generator, randn, upcast
+from lmkernels.ops._common import ROW_COUNTS, generator, op_function, randn, upcast
 from lmkernels.registry.core import ErrorInput, OpSpec, Tolerance, register_op
 from lmkernels.utils import (
     check_bool,
@@ -54,6 +56,26 @@ from lmkernels.utils import (
 )
 
 REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FlceOptions:
+    """The op's options besides hidden, weight and target, defined once: every backend reads
+    ``FlceOptions(**options)`` (an unknown option is a TypeError naming it), and a test holds the
+    public function's and the reference's keyword arguments to these names and defaults. Their
+    meaning is in the module docstring."""
+
+    bias: torch.Tensor | None = None  # (V,), added to the logits before the softcap
+    ignore_index: int = -100
+    reduction: str = "mean"  # one of REDUCTIONS
+    label_smoothing: float = 0.0  # e
+    softcap: float | None = None  # c; None: no softcap
+    z_loss_scale: float = 0.0  # s
+    class_weight: torch.Tensor | None = None  # (V,), w; None: all ones
+    return_lse: bool = False
+    grad_accum_dtype: torch.dtype | None = None
+    return_stats: bool = False
+    memory_budget: float | None = None
 
 
 def fused_linear_cross_entropy_reference(
@@ -72,6 +94,7 @@ def fused_linear_cross_entropy_reference(
     return_stats=False,
     memory_budget=None,
 ):
+    """The module docstring's semantics in eager PyTorch; the options are FlceOptions' fields."""
     V, H = weight.shape
     t = target.reshape(-1)
     # The lm_head matmul as a model computes it (in the inputs' dtype, fp32-accumulated, rounded
@@ -118,22 +141,8 @@ def fused_linear_cross_entropy_reference(
     return out
 
 
-def check_inputs(
-    hidden,
-    weight,
-    target,
-    bias=None,
-    ignore_index=-100,
-    reduction="mean",
-    label_smoothing=0.0,
-    softcap=None,
-    z_loss_scale=0.0,
-    class_weight=None,
-    return_lse=False,
-    grad_accum_dtype=None,
-    return_stats=False,
-    memory_budget=None,
-):
+def check_inputs(hidden, weight, target, **options):
+    o = FlceOptions(**options)
     check_tensor("hidden", hidden)
     check_tensor("weight", weight, ndim=2)
     check_tensor("target", target, dtypes=(torch.int64, torch.int32))
@@ -146,31 +155,31 @@ def check_inputs(
         )
     if weight.dtype != hidden.dtype:
         fail(f"weight: expected dtype {hidden.dtype} (same as hidden), got {weight.dtype}")
-    for name, t in (("bias", bias), ("class_weight", class_weight)):
+    for name, t in (("bias", o.bias), ("class_weight", o.class_weight)):
         if t is not None:
             check_tensor(name, t, ndim=1)
             if t.shape[0] != V:
                 fail(f"{name}: expected shape ({V},) to match weight's V, got {tuple(t.shape)}")
-    check_same_device(hidden=hidden, weight=weight, target=target, bias=bias, class_weight=class_weight)
-    check_choice("reduction", reduction, REDUCTIONS)
-    check_int("ignore_index", ignore_index)
-    check_number("label_smoothing", label_smoothing, low=0.0, high=1.0, what="a number in [0, 1]")
-    if softcap is not None:
-        check_number("softcap", softcap, low=0.0, what="None or a positive number")
-        if softcap == 0:
+    check_same_device(hidden=hidden, weight=weight, target=target, bias=o.bias, class_weight=o.class_weight)
+    check_choice("reduction", o.reduction, REDUCTIONS)
+    check_int("ignore_index", o.ignore_index)
+    check_number("label_smoothing", o.label_smoothing, low=0.0, high=1.0, what="a number in [0, 1]")
+    if o.softcap is not None:
+        check_number("softcap", o.softcap, low=0.0, what="None or a positive number")
+        if o.softcap == 0:
             fail("softcap: expected None or a positive number, got 0")
-    check_number("z_loss_scale", z_loss_scale, low=0.0, what="a non-negative number")
-    check_bool("return_lse", return_lse)
-    check_bool("return_stats", return_stats)
-    if memory_budget is not None:
-        check_number("memory_budget", memory_budget, low=0.0, what="None or a non-negative number")
-    if grad_accum_dtype not in (None, torch.float32, weight.dtype):
+    check_number("z_loss_scale", o.z_loss_scale, low=0.0, what="a non-negative number")
+    check_bool("return_lse", o.return_lse)
+    check_bool("return_stats", o.return_stats)
+    if o.memory_budget is not None:
+        check_number("memory_budget", o.memory_budget, low=0.0, what="None or a non-negative number")
+    if o.grad_accum_dtype not in (None, torch.float32, weight.dtype):
         fail(
-            f"grad_accum_dtype: expected None, torch.float32 or weight's dtype {weight.dtype}, got {grad_accum_dtype}"
+            f"grad_accum_dtype: expected None, torch.float32 or weight's dtype {weight.dtype}, got {o.grad_accum_dtype}"
         )
 
 
-def check_values(hidden, weight, target, ignore_index=-100, **_):
+def check_values(hidden, weight, target, ignore_index=FlceOptions.ignore_index, **_):
     """Targets in range: reads values, so the dispatcher runs it on every call (check_inputs only
     once per input signature)."""
     V = weight.shape[0]
@@ -290,7 +299,7 @@ def make_inputs(
             target = sampled.cpu()
         if stats is not None:
             stats["mean_entropy"] = entropy
-    target[ignored] = options.get("ignore_index", -100)
+    target[ignored] = options.get("ignore_index", FlceOptions.ignore_index)
     out["target"] = target.to(device)
     if lean:
         out["grad_accum_dtype"] = dtype
@@ -420,6 +429,7 @@ SPEC = register_op(
 )
 
 
+@op_function("fused_linear_cross_entropy")  # writes the body: check the inputs, pick the backend, call it
 def fused_linear_cross_entropy(
     hidden,
     weight,
@@ -439,22 +449,5 @@ def fused_linear_cross_entropy(
     backend=None,
 ):
     """Cross entropy of hidden @ weight.T (+ bias, softcap) against target without materializing
-    the (tokens x V) logits in the fused backends. See the module docstring for the semantics."""
-    return dispatch(
-        "fused_linear_cross_entropy",
-        backend,
-        hidden=hidden,
-        weight=weight,
-        target=target,
-        bias=bias,
-        ignore_index=ignore_index,
-        reduction=reduction,
-        label_smoothing=label_smoothing,
-        softcap=softcap,
-        z_loss_scale=z_loss_scale,
-        class_weight=class_weight,
-        return_lse=return_lse,
-        grad_accum_dtype=grad_accum_dtype,
-        return_stats=return_stats,
-        memory_budget=memory_budget,
-    )
+    the (tokens x V) logits in the fused backends. See the module docstring for the semantics;
+    the options are FlceOptions' fields."""

@@ -64,6 +64,7 @@ import torch
 from lmkernels.backends.triton import _flce_kernels as kernels
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import call, eager_function, op_or_raw, traced
+from lmkernels.ops.flce import FlceOptions
 from lmkernels.registry.core import ConsumedInputsError, higher_order_error, register
 
 # --- torch.library registration ------------------------------------------------------------------
@@ -342,34 +343,19 @@ _FlceFunction = eager_function("FlceTritonFunction", _forward_raw, _setup_contex
 # --- the impls -----------------------------------------------------------------------------------
 
 
-def _flce(
-    lean_default,
-    hidden,
-    weight,
-    target,
-    bias=None,
-    ignore_index=-100,
-    reduction="mean",
-    label_smoothing=0.0,
-    softcap=None,
-    z_loss_scale=0.0,
-    class_weight=None,
-    return_lse=False,
-    grad_accum_dtype=None,
-    return_stats=False,
-    memory_budget=None,
-):
+def _flce(lean_default, hidden, weight, target, **options):
+    o = FlceOptions(**options)
     H = weight.shape[1]
     grad_on = torch.is_grad_enabled()
     needs = (
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
-        grad_on and bias is not None and bias.requires_grad,
+        grad_on and o.bias is not None and o.bias.requires_grad,
     )
     BT = hidden.numel() // H if H else 0
     plan = kernels.plan(
-        BT, H, weight.shape[0], hidden.element_size(), weight.dtype, grad_accum_dtype, lean_default,
-        memory_budget, reduction != "none" and any(needs), needs[1],
+        BT, H, weight.shape[0], hidden.element_size(), weight.dtype, o.grad_accum_dtype, lean_default,
+        o.memory_budget, o.reduction != "none" and any(needs), needs[1],
     )  # fmt: skip
     # The gradient outputs are dropped here: the backward's saved tensors are their only owners.
     loss, lse, _, _, _, entropy, top1 = call(
@@ -378,26 +364,26 @@ def _flce(
         hidden.reshape(-1, H),
         weight,
         target.reshape(-1),
-        bias,
-        class_weight,
-        int(ignore_index),
-        reduction,
-        float(label_smoothing),
-        None if softcap is None else float(softcap),
-        float(z_loss_scale),
+        o.bias,
+        o.class_weight,
+        int(o.ignore_index),
+        o.reduction,
+        float(o.label_smoothing),
+        None if o.softcap is None else float(o.softcap),
+        float(o.z_loss_scale),
         *needs,
         plan.accum_fp32,
         plan.lean,
         plan.chunk_bytes,
         plan.block_bytes,
-        return_stats,
+        o.return_stats,
     )
-    if reduction == "none":
+    if o.reduction == "none":
         loss = loss.view(target.shape)
-    if return_stats:
+    if o.return_stats:
         shape = target.shape
         return loss, lse.view(shape), entropy.view(shape), top1.view(shape).bool()
-    if return_lse:
+    if o.return_lse:
         return loss, lse.view(target.shape)
     return loss
 
