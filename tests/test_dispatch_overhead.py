@@ -7,8 +7,8 @@ test bounds what does not:
 
 - ratio: the dispatch around a no-op impl, in units of the tensor attribute reads any cached
   dispatch must do for the same inputs, measured in the same rounds (a slow machine slows both).
-  On the 2-core development machine: 6.3x (rms_norm) and 4.6-4.7x (rope); an uncached dispatch
-  measures over 30x. Bounds: about 35% above.
+  On the 2-core development machine: 6.3-6.5x (rms_norm) and 4.6-4.8x (rope), quiet or loaded;
+  an uncached dispatch measures 58x and 35x. Bounds: about 50% above.
 - overhead: an absolute backstop at 25 us that even a throttled machine passes and the uncached
   dispatch fails.
 
