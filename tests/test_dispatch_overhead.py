@@ -9,8 +9,9 @@ test bounds what does not:
   dispatch must do for the same inputs, measured in the same rounds (a slow machine slows both).
   On the 2-core development machine: 6.3-6.5x (rms_norm) and 4.6-4.8x (rope), quiet or loaded;
   an uncached dispatch measures 58x and 35x. Bounds: about 50% above.
-- overhead: an absolute backstop at 25 us that even a throttled machine passes and the uncached
-  dispatch fails.
+- overhead: an absolute backstop at 50 us for what the ratio does not see (a host sync or a copy
+  in the eager path). Under load it is the noisy figure: a CI-like run beside a compile job
+  measured rope at +27.8 us with its dispatch at 5.4 us.
 
 One retry absorbs a burst of load; a real regression fails both tries."""
 
@@ -18,7 +19,7 @@ import importlib.util
 from pathlib import Path
 
 RATIO_BOUNDS = {"rms_norm": 9.5, "rope": 7.0}
-OVERHEAD_BOUND_US = 25.0
+OVERHEAD_BOUND_US = 50.0
 
 _path = Path(__file__).resolve().parents[1] / "benchmarks" / "dispatch_overhead.py"
 _spec = importlib.util.spec_from_file_location("dispatch_overhead", _path)
