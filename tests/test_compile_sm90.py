@@ -25,7 +25,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from lmkernels.backends.triton import _norms, layer_norm, rms_norm
+from lmkernels.backends.triton import _norm_launchers, _norms, layer_norm, rms_norm
 from lmkernels.backends.triton.configs import tables_for
 
 DTYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float16: "*fp16"}
@@ -50,7 +50,10 @@ def signature(kernel, args, kwargs):
             sig[p.name] = "constexpr"
             continue
         a = next(params)
-        if isinstance(a, torch.Tensor):
+        if a is None:  # a parameter the norm does not have: a constexpr, as Triton makes it
+            constexprs[p.name] = None
+            sig[p.name] = "constexpr"
+        elif isinstance(a, torch.Tensor):
             sig[p.name] = DTYPES[a.dtype]
         elif isinstance(a, bool):
             sig[p.name] = "i1"
@@ -62,8 +65,7 @@ def signature(kernel, args, kwargs):
 
 
 KERNELS = {
-    layer_norm: ["_layer_norm_bwd_kernel", "_layer_norm_dwdb_kernel"],
-    rms_norm: ["_rms_norm_bwd_kernel", "_rms_norm_dw_kernel"],
+    _norm_launchers: ["_norm_bwd_kernel", "_norm_col_kernel"],
     _norms: ["_sum_partials_kernel"],
 }
 

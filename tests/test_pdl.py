@@ -55,7 +55,7 @@ KERNELS = _kernels()
 
 
 def test_kernels_are_found():
-    assert len(KERNELS) >= 13  # the six op files launched 13 kernels when this was written
+    assert len(KERNELS) >= 10  # 10 kernels when this was written (the norms: three kernels for both)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
