@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from lmkernels import cli
-from lmkernels.harness.bench import data, families, suite, tables
+from lmkernels.harness.bench import data, families, suite, tables, tables_perf, tables_validation
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "data"
@@ -83,10 +83,10 @@ def test_the_report_renders_every_table_and_plot(dry):
 def test_paired_speedups_and_ratios():
     base = {"step_ms": 100.0, "round_step_ms": [100.0, 120.0, 90.0]}
     ours = {"step_ms": 80.0, "round_step_ms": [80.0, 100.0, 100.0]}
-    assert tables.paired(base, ours) == "1.20x [0.90-1.25]"
-    assert tables.paired({"step_ms": 100.0}, {"step_ms": 80.0}) == "1.25x"
+    assert tables_perf.paired(base, ours) == "1.20x [0.90-1.25]"
+    assert tables_perf.paired({"step_ms": 100.0}, {"step_ms": 80.0}) == "1.25x"
     assert (
-        tables.pytest_counts("567 passed, 16 skipped, 1 warning in 210.86s (0:03:30)")
+        tables_validation.pytest_counts("567 passed, 16 skipped, 1 warning in 210.86s (0:03:30)")
         == "567 passed, 16 skipped"
     )
 
@@ -153,35 +153,37 @@ def test_stepcheck_verdict():
     assert not families.stepcheck_verdict([[step(1e-1, 1e-3)]])["passed"]
 
 
-def _tuner():
+def _tuner(monkeypatch):
+    """benchmarks/tune_norms.py and its candidates, the folder on the path as when it runs."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("tune_norms", ROOT / "benchmarks" / "tune_norms.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module
+    return module, importlib.import_module("tune_norms_candidates")
 
 
-def test_tuner_candidates_and_report():
-    tune = _tuner()
+def test_tuner_candidates_and_report(monkeypatch):
+    tune, cand = _tuner(monkeypatch)
     for op in ("rms_norm", "layer_norm"):
         for n in (1024, 3584, 5120, 11008, 16384, 32768):
-            fwd, bwd = tune.norm_fwd_candidates(n, op), tune.norm_bwd_candidates(n, op)
+            fwd, bwd = cand.norm_fwd_candidates(n, op), cand.norm_bwd_candidates(n, op)
             assert fwd and bwd
-            names = [tune.fwd_name(f) for f in fwd] + [tune.bwd_name(b) for b in bwd]
+            names = [cand.fwd_name(f) for f in fwd] + [cand.bwd_name(b) for b in bwd]
             assert len(set(names)) == len(names), (op, n)
-            table = tune.tables().norms
-            assert all(tune.norm_table_with(table, c) is not table for c in fwd + bwd)  # a valid table
+            table = cand.tables().norms
+            assert all(cand.norm_table_with(table, c) is not table for c in fwd + bwd)  # a valid table
     shape = [1, 32, 8, 4096, 128, None]
-    rope = tune.rope_candidates(shape)
-    assert len({tune.rope_name(c) for c in rope}) == len(rope)
-    tile = next(c for c in rope if tune.rope_name(c) == "tile e1024 w2 p2048")
+    rope = cand.rope_candidates(shape)
+    assert len({cand.rope_name(c) for c in rope}) == len(rope)
+    tile = next(c for c in rope if cand.rope_name(c) == "tile e1024 w2 p2048")
     meta = {"device": "GPU", "command": "tune", "torch": "2", "triton": "3", "copy_gbps": 4000.0}
 
     def row(op, shape, variant, ms, record):
-        config = tune.as_json(record)
+        config = cand.as_json(record)
         return {"op": op, "shape": shape, "variant": variant, "kind": "triton", "status": "ok", "ms": ms,
                 "config": config, "pct_copy": 80.0}  # fmt: skip
 
-    rows = [row("rope", shape, "table", 1.0, None), row("rope", shape, tune.rope_name(tile), 0.9, tile)]
+    rows = [row("rope", shape, "table", 1.0, None), row("rope", shape, cand.rope_name(tile), 0.9, tile)]
     md = tune.markdown(rows, meta)
     assert "| rope | 1x32x8x4096x128 | 1.0000 |" in md
     assert "RopeTileConfig(\n            half=64,\n            tile_elements=1024,\n" in md
@@ -190,14 +192,14 @@ def test_tuner_candidates_and_report():
 
     # Norms: the entry of the key's points (two widths of one entry) timed at both, with the
     # forward of the fastest forward candidate and the backward of the fastest backward one.
-    base = tune.base_entry(tune.tables().norms, "rms_norm", 4096)
-    fwd = next(f for f in tune.norm_fwd_candidates(4096, "rms_norm") if f.fwd_warps != base.fwd_warps)
-    bwd = next(b for b in tune.norm_bwd_candidates(4096, "rms_norm") if b.stages == base.stages + 1)
+    base = cand.base_entry(cand.tables().norms, "rms_norm", 4096)
+    fwd = next(f for f in cand.norm_fwd_candidates(4096, "rms_norm") if f.fwd_warps != base.fwd_warps)
+    bwd = next(b for b in cand.norm_bwd_candidates(4096, "rms_norm") if b.stages == base.stages + 1)
     rows = []
     for M, table_ms in ((16384, 1.0), (65536, 4.0)):
         point = [row("rms_norm", [M, 4096], "table", table_ms, base)]
-        point += [row("rms_norm", [M, 4096], tune.fwd_name(fwd), table_ms * 0.95, fwd)]
-        point += [row("rms_norm", [M, 4096], tune.bwd_name(bwd), table_ms * 0.9, bwd)]
+        point += [row("rms_norm", [M, 4096], cand.fwd_name(fwd), table_ms * 0.95, fwd)]
+        point += [row("rms_norm", [M, 4096], cand.bwd_name(bwd), table_ms * 0.9, bwd)]
         tuned = tune.tuned_entry(point, base)
         assert (tuned.fwd_warps, tuned.stages) == (fwd.fwd_warps, bwd.stages)
         rows += point + [row("rms_norm", [M, 4096], "tuned", table_ms * 0.8, tuned)]
@@ -213,13 +215,13 @@ def test_tuner_candidates_and_report():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU interpreter")
-def test_tuner_runs_candidates_through_the_launchers():
+def test_tuner_runs_candidates_through_the_launchers(monkeypatch):
     """Each kind of candidate, passed to the launchers, matches the fp32 reference (the
     interpreter on the CPU)."""
-    tune = _tuner()
+    tune, cand = _tuner(monkeypatch)
     for op, shape in (("rms_norm", (4, 1024)), ("layer_norm", (4, 1024)), ("rope", (1, 4, 2, 16, 64, None))):
         case = tune.Case(op, shape)
-        named = dict(tune.variants(op, case, table_only=False)[1:])
+        named = dict(cand.variants(op, case, table_only=False)[1:])
         kinds = ("fwd", "bwd") if op != "rope" else ("tile", "pos")
         for kind in kinds:
             name = next(n for n in named if n.startswith(kind))

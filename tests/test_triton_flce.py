@@ -21,6 +21,7 @@ pytest.importorskip("triton", reason="the Triton backend needs triton")
 
 import lmkernels  # noqa: E402
 from lmkernels.backends.triton import _flce_kernels as kernels  # noqa: E402
+from lmkernels.backends.triton import _flce_plan as flce_plan  # noqa: E402
 from lmkernels.backends.triton import triton_unavailable_reason  # noqa: E402
 from lmkernels.ops.flce import SPEC, fused_linear_cross_entropy_reference  # noqa: E402
 
@@ -36,8 +37,8 @@ def small_chunks(monkeypatch):
     """16 tokens per chunk unless a test says otherwise: BT=37 runs 16 + 16 + 5; the blocked
     backward runs super-chunks of 16 tokens (all tokens when grad_W is rounded once) and
     vocabulary blocks of 48 columns: V=131 runs 48 + 48 + 35."""
-    monkeypatch.setattr(kernels, "CHUNK_TOKENS", 16)
-    monkeypatch.setattr(kernels, "BLOCK_OVERRIDE", (16, 48))
+    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", 16)
+    monkeypatch.setattr(flce_plan, "BLOCK_OVERRIDE", (16, 48))
 
 
 BACKENDS = {"lean": "triton_lean", "fast": "triton"}
@@ -185,7 +186,7 @@ def test_matches_fp64(monkeypatch, dtype, shape, case):
     if shape == "12x16x5000":
         # Vocabulary windows of 4500 + 500 columns: the first spans two BLOCK_V blocks of the
         # kernel with a masked tail (48-column windows would mean 105 blocks: slow to interpret).
-        monkeypatch.setattr(kernels, "BLOCK_OVERRIDE", (16, 4500))
+        monkeypatch.setattr(flce_plan, "BLOCK_OVERRIDE", (16, 4500))
     compare(make(SHAPES[shape], dtype, CASES[case]), dtype)
 
 
@@ -235,63 +236,63 @@ def test_int32_target():
 )
 @pytest.mark.parametrize("accum", [None, torch.bfloat16], ids=["fp32-accum", "bf16-lean"])
 def test_chunk_and_block_sizes(monkeypatch, chunk, blocks, accum, mode):
-    monkeypatch.setattr(kernels, "CHUNK_TOKENS", chunk)
-    monkeypatch.setattr(kernels, "BLOCK_OVERRIDE", blocks)
+    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", chunk)
+    monkeypatch.setattr(flce_plan, "BLOCK_OVERRIDE", blocks)
     case = {"reduction": "mean", "with_bias": True, "label_smoothing": 0.1, "grad_accum_dtype": accum}
     compare(make(SHAPES["37x64x131"], torch.bfloat16, case), torch.bfloat16)
 
 
 def test_chunk_size_rule(monkeypatch):
-    monkeypatch.setattr(kernels, "CHUNK_TOKENS", None)
-    monkeypatch.delenv(kernels.CHUNK_ENV, raising=False)
-    assert kernels.flce_chunk_tokens(8192, 128256) == 2048  # <= 1 GiB of fp32 logits, 128-aligned
-    assert kernels.flce_chunk_tokens(65536, 32000) == 8320
-    assert kernels.flce_chunk_tokens(8192, 32000) == 8192  # never more than the tokens
-    assert kernels.flce_chunk_tokens(10**6, 10**7) == 128  # never below one GEMM tile
-    assert kernels.flce_chunk_tokens(37, 131) == 37
-    assert kernels.flce_chunk_tokens(8192, 128256, max_bytes=256 * 2**20) == 512  # a smaller cap
-    monkeypatch.setenv(kernels.CHUNK_ENV, "200")
-    assert kernels.flce_chunk_tokens(8192, 128256) == 200
-    monkeypatch.setattr(kernels, "CHUNK_TOKENS", 300)  # the module constant wins over the variable
-    assert kernels.flce_chunk_tokens(8192, 128256) == 300
+    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", None)
+    monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
+    assert flce_plan.flce_chunk_tokens(8192, 128256) == 2048  # <= 1 GiB of fp32 logits, 128-aligned
+    assert flce_plan.flce_chunk_tokens(65536, 32000) == 8320
+    assert flce_plan.flce_chunk_tokens(8192, 32000) == 8192  # never more than the tokens
+    assert flce_plan.flce_chunk_tokens(10**6, 10**7) == 128  # never below one GEMM tile
+    assert flce_plan.flce_chunk_tokens(37, 131) == 37
+    assert flce_plan.flce_chunk_tokens(8192, 128256, max_bytes=256 * 2**20) == 512  # a smaller cap
+    monkeypatch.setenv(flce_plan.CHUNK_ENV, "200")
+    assert flce_plan.flce_chunk_tokens(8192, 128256) == 200
+    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", 300)  # the module constant wins over the variable
+    assert flce_plan.flce_chunk_tokens(8192, 128256) == 300
 
 
 def test_block_size_rule(monkeypatch):
     """The lean backward's blocks fit the budget: fp32 logits block + fp32 grad_hidden accumulator."""
-    monkeypatch.setattr(kernels, "BLOCK_OVERRIDE", None)
+    monkeypatch.setattr(flce_plan, "BLOCK_OVERRIDE", None)
     BT, H, V = 8192, 4096, 128256
-    budget = kernels.lean_budget_bytes(BT, H, V, 2)
+    budget = flce_plan.lean_budget_bytes(BT, H, V, 2)
     assert budget == int(0.08 * (V + BT) * H * 2)
-    tokens, cols = kernels.flce_blocks(BT, H, V, budget, whole_tokens=False, accumulate_h=True)
+    tokens, cols = flce_plan.flce_blocks(BT, H, V, budget, whole_tokens=False, accumulate_h=True)
     assert (tokens, cols) == (2048, 6784)  # 4 even super-chunks, 19 vocabulary blocks
     assert tokens * (H + cols) * 4 <= budget
     # grad_W rounded once: one super-chunk of every token; the accumulator alone then exceeds the
     # budget and the block shrinks to its floor.
-    tokens, cols = kernels.flce_blocks(BT, H, V, budget, whole_tokens=True, accumulate_h=True)
-    assert (tokens, cols) == (BT, kernels.MIN_VOCAB_BLOCK)
+    tokens, cols = flce_plan.flce_blocks(BT, H, V, budget, whole_tokens=True, accumulate_h=True)
+    assert (tokens, cols) == (BT, flce_plan.MIN_VOCAB_BLOCK)
     # At most MAX_SUPER_CHUNKS roundings of grad_W, even past the budget.
-    tokens, _ = kernels.flce_blocks(65536, 2048, 32000, 2**20, whole_tokens=False, accumulate_h=True)
-    assert tokens == 65536 // kernels.MAX_SUPER_CHUNKS
+    tokens, _ = flce_plan.flce_blocks(65536, 2048, 32000, 2**20, whole_tokens=False, accumulate_h=True)
+    assert tokens == 65536 // flce_plan.MAX_SUPER_CHUNKS
     # Never more than the tokens or the vocabulary present.
-    assert kernels.flce_blocks(100, 64, 300, 10**9, whole_tokens=False, accumulate_h=True) == (100, 300)
+    assert flce_plan.flce_blocks(100, 64, 300, 10**9, whole_tokens=False, accumulate_h=True) == (100, 300)
 
 
 def test_fast_mode_default_accumulation(monkeypatch):
     """The fast mode's default sums grad_W in bf16 over at most MAX_SUPER_CHUNKS chunks where they
     fit CHUNK_BYTES of logits, else keeps the fp32 accumulator (and always for fp16 weights)."""
-    monkeypatch.setattr(kernels, "CHUNK_TOKENS", None)
-    monkeypatch.delenv(kernels.CHUNK_ENV, raising=False)
-    assert kernels.fast_weight_dtype_chunk(8192, 128256) == 1024  # 8 chunks of 501 MiB
-    assert kernels.fast_weight_dtype_chunk(2048, 128256) == 1024  # never below 1024 tokens
-    assert kernels.fast_weight_dtype_chunk(16384, 128256) == 2048  # 8 chunks of 1002 MiB
-    assert kernels.fast_weight_dtype_chunk(32768, 128256) is None  # 8 chunks would be 2004 MiB each
-    assert kernels.fast_weight_dtype_chunk(37, 131) == 1024  # one chunk
-    monkeypatch.setattr(kernels, "CHUNK_TOKENS", 16)
-    assert kernels.fast_weight_dtype_chunk(37, 131) == 16  # 3 chunks
-    assert kernels.fast_weight_dtype_chunk(16 * 9, 131) is None  # 9 chunks
+    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", None)
+    monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
+    assert flce_plan.fast_weight_dtype_chunk(8192, 128256) == 1024  # 8 chunks of 501 MiB
+    assert flce_plan.fast_weight_dtype_chunk(2048, 128256) == 1024  # never below 1024 tokens
+    assert flce_plan.fast_weight_dtype_chunk(16384, 128256) == 2048  # 8 chunks of 1002 MiB
+    assert flce_plan.fast_weight_dtype_chunk(32768, 128256) is None  # 8 chunks would be 2004 MiB each
+    assert flce_plan.fast_weight_dtype_chunk(37, 131) == 1024  # one chunk
+    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", 16)
+    assert flce_plan.fast_weight_dtype_chunk(37, 131) == 16  # 3 chunks
+    assert flce_plan.fast_weight_dtype_chunk(16 * 9, 131) is None  # 9 chunks
 
     def accum(BT, dtype=torch.bfloat16, lean=False):
-        return kernels.plan(BT, 64, 131, 2, dtype, None, lean, None, True, True).accum_fp32
+        return flce_plan.plan(BT, 64, 131, 2, dtype, None, lean, None, True, True).accum_fp32
 
     assert not accum(37)
     assert accum(37, torch.float16)
@@ -302,13 +303,13 @@ def test_fast_mode_default_accumulation(monkeypatch):
 def test_memory_budget_plans(monkeypatch):
     """memory_budget: the fast mode where one of its configurations fits f x the gradients'
     bytes beside them, the largest chunks that do; else the lean mode within the budget."""
-    monkeypatch.setattr(kernels, "CHUNK_TOKENS", None)
-    monkeypatch.delenv(kernels.CHUNK_ENV, raising=False)
+    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", None)
+    monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
     BT, H, V = 16384, 2560, 151936
     grads = (BT + V) * H * 2
 
     def plan(budget, accum=None, dtype=torch.bfloat16, grads_now=True, weight=True):
-        return kernels.plan(BT, H, V, 2, dtype, accum, False, budget, grads_now, weight)
+        return flce_plan.plan(BT, H, V, 2, dtype, accum, False, budget, grads_now, weight)
 
     for f in (0.0, 0.05, 0.5, 1.0):  # 8 chunks of 2048 tokens need 1.2 GiB: lean within the budget
         p = plan(f)
@@ -326,8 +327,8 @@ def test_memory_budget_plans(monkeypatch):
     assert not p.lean and not p.accum_fp32 and 8 * p.chunk_bytes >= BT * V * 4
     assert plan(0.1, grads_now=False).lean  # "none" or no gradients: the recomputing backward
     # The lean backend without a budget: LEAN_EXTRA_FRACTION of the gradients.
-    lean = kernels.plan(BT, H, V, 2, torch.bfloat16, None, True, None, True, True)
-    assert lean.lean and lean.block_bytes == int(kernels.LEAN_EXTRA_FRACTION * grads)
+    lean = flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, True, None, True, True)
+    assert lean.lean and lean.block_bytes == int(flce_plan.LEAN_EXTRA_FRACTION * grads)
 
 
 @pytest.mark.parametrize("budget", [0.0, 0.01, 0.3, 5.0])
@@ -543,7 +544,7 @@ def _forward_args(inputs, reduction, grads, lean, stats=True):
         grads and inputs.get("bias") is not None,
         True,
         lean,
-        0 if not lean else 1 << 20,  # chunk_bytes (0: the default's) and block_bytes: kernels.plan's
+        0 if not lean else 1 << 20,  # chunk_bytes (0: the default's) and block_bytes: flce_plan.plan's
         1 << 20,
         stats,
     )
@@ -623,8 +624,8 @@ def test_peak_memory_cuda(monkeypatch, accum, mode):
     a chunk of fp32 logits and (fp32 accumulation) the V x H accumulator plus its conversion;
     the backward of a "mean" loss allocates nothing.
     """
-    monkeypatch.setattr(kernels, "CHUNK_TOKENS", None)
-    monkeypatch.setattr(kernels, "BLOCK_OVERRIDE", None)
+    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", None)
+    monkeypatch.setattr(flce_plan, "BLOCK_OVERRIDE", None)
     BT, H, V = 8192, 1024, 128256
     inputs = make({"BT": BT, "H": H, "V": V}, torch.bfloat16, {"grad_accum_dtype": accum})
     hidden = inputs["hidden"].requires_grad_(True)
@@ -645,19 +646,19 @@ def test_peak_memory_cuda(monkeypatch, accum, mode):
     grad_h, grad_w = BT * H * 2, V * H * 2
     slack = 8 * 2**20  # loss, lse, scales, cuBLAS workspace
     if mode == "lean":
-        budget = kernels.lean_budget_bytes(BT, H, V, 2)
+        budget = flce_plan.lean_budget_bytes(BT, H, V, 2)
         whole = accum == torch.float32
-        tokens, cols = kernels.flce_blocks(BT, H, V, budget, whole_tokens=whole, accumulate_h=True)
+        tokens, cols = flce_plan.flce_blocks(BT, H, V, budget, whole_tokens=whole, accumulate_h=True)
         expected = grad_h + grad_w + tokens * (H + cols) * 4
         assert peak_forward <= expected + slack, f"forward peak {peak_forward / 2**20:.0f} MiB"
         assert peak_backward <= expected + slack, f"backward peak {peak_backward / 2**20:.0f} MiB"
         if not whole:  # the budget holds: 8% above the gradients
             assert max(peak_forward, peak_backward) <= (grad_h + grad_w) * 1.08 + slack
     else:
-        chunk = kernels.fast_weight_dtype_chunk(BT, V)
+        chunk = flce_plan.fast_weight_dtype_chunk(BT, V)
         if accum == torch.float32 or chunk is None:
             # the fp32 accumulator, then the conversion's result next to it
-            logits = kernels.flce_chunk_tokens(BT, V) * V * 4
+            logits = flce_plan.flce_chunk_tokens(BT, V) * V * 4
             expected = grad_h + 2 * grad_w + max(logits, grad_w)
         else:  # 8 chunks summed in bf16 straight into grad_W
             expected = grad_h + grad_w + chunk * V * 4
@@ -674,8 +675,8 @@ def test_fp16_tiny_dlogits(monkeypatch, reduction, accum, mode):
     upstream gradient carries it) put most unscaled dlogits below fp16's normal range
     (6.1e-5), which gave errors several times eager's. The kernel scales them up and the
     gradients back down."""
-    monkeypatch.setattr(kernels, "CHUNK_TOKENS", 128)
-    monkeypatch.setattr(kernels, "BLOCK_OVERRIDE", (128, 1024))
+    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", 128)
+    monkeypatch.setattr(flce_plan, "BLOCK_OVERRIDE", (128, 1024))
     inputs = make({"BT": 256, "H": 32, "V": 2048}, torch.float16, {"reduction": reduction})
     inputs["grad_accum_dtype"] = accum
     c = 1.0 if reduction == "mean" else 1.0 / 256

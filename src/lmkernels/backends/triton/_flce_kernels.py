@@ -13,12 +13,12 @@ flce.py (the op, its autograd and the design notes) calls two loops:
   once (one fp32-accumulated GEMM over the super-chunk's tokens) and adds its share of
   grad_hidden into an fp32 accumulator of the super-chunk.
 
+The chunk and block sizes (and the mode of a call) are _flce_plan.py's policy.
+
 No host synchronization: denominators, scales and the logsumexp stay on the device.
 """
 
 import contextlib
-import dataclasses
-import os
 
 import torch
 import triton
@@ -26,26 +26,10 @@ import triton.language as tl
 from torch.autograd.graph import increment_version
 
 from lmkernels.backends.triton._common import cdiv, next_power_of_2, pdl, pdl_enter, soft_bf16, to_dtype
+from lmkernels.backends.triton._flce_plan import flce_blocks, flce_chunk_tokens
 from lmkernels.backends.triton._launch import launch
 from lmkernels.utils import empty
 
-# Token chunks of run_chunks: at most CHUNK_BYTES of fp32 logits (the "fast" mode), or the
-# lean budget below when that is smaller. CHUNK_TOKENS / the environment variable override it.
-CHUNK_BYTES = 1 << 30
-CHUNK_TOKENS: int | None = None
-CHUNK_ENV = "LMKERNELS_FLCE_CHUNK_TOKENS"
-# Memory the lean mode may use beyond the gradients it returns, as a fraction of their bytes
-# (grad_W + grad_hidden): the recomputed logits block plus the fp32 grad_hidden accumulator.
-LEAN_EXTRA_FRACTION = 0.08
-# Smallest blocks the budget may shrink to: below these the GEMMs lose their efficiency.
-MIN_SUPER_CHUNK = 256
-MIN_VOCAB_BLOCK = 512
-# grad_W rows summed over super-chunks in the weight's dtype round once per super-chunk: at most
-# this many (measured on the CPU, bf16, 2048 tokens: grad_W error 1.2x eager's with one
-# super-chunk, 1.7x with 4, 2.2x with 8, 2.9x with 16; the policy allows 3x).
-MAX_SUPER_CHUNKS = 8
-MIN_FAST_CHUNK_TOKENS = 1024  # see fast_weight_dtype_chunk
-BLOCK_OVERRIDE: tuple[int, int] | None = None  # (super-chunk tokens, vocab block): tests, tuning
 FP16_DLOGITS_SCALE = 2.0**8  # fp16 dlogits are scaled up by this (flce.py's docstring)
 SCALE_BLOCK = 8192  # elements per program of scale_
 
@@ -250,144 +234,6 @@ def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         )  # fmt: skip
     increment_version(x)  # as an in-place torch op would: autograd's saved-tensor check sees it
     return x
-
-
-# --- sizes ---------------------------------------------------------------------------------------
-
-
-def _round_down(x: int, multiple: int) -> int:
-    return x // multiple * multiple
-
-
-def _chunk_override() -> int:
-    """Tokens per forward chunk fixed by CHUNK_TOKENS or the environment (0: not fixed)."""
-    return CHUNK_TOKENS or int(os.environ.get(CHUNK_ENV, "0") or 0)
-
-
-def lean_budget_bytes(BT: int, H: int, V: int, itemsize: int) -> int:
-    """Bytes the lean mode may use beyond its gradients (LEAN_EXTRA_FRACTION of them)."""
-    return int(LEAN_EXTRA_FRACTION * (V + BT) * H * itemsize)
-
-
-def flce_chunk_tokens(BT: int, V: int, max_bytes: int | None = None) -> int:
-    """Tokens per run_chunks chunk: CHUNK_BYTES (or max_bytes, if smaller) of fp32 logits,
-    rounded down to a multiple of 128 (cuBLAS tile height), at least 128, at most BT."""
-    override = _chunk_override()
-    if override > 0:
-        rows = override
-    else:
-        budget = CHUNK_BYTES if max_bytes is None else min(CHUNK_BYTES, max_bytes)
-        rows = max(128, _round_down(budget // (4 * V), 128))
-    return max(1, min(rows, BT))
-
-
-def fast_weight_dtype_chunk(BT: int, V: int) -> int | None:
-    """The fast mode's default (grad_accum_dtype=None) grad_W accumulation: in the weight's own
-    dtype over at most MAX_SUPER_CHUNKS token chunks (the rounding count the policy allows, as
-    in the lean mode), when chunks of cdiv(BT, MAX_SUPER_CHUNKS) tokens, but at least
-    MIN_FAST_CHUNK_TOKENS (smaller chunks re-read and re-write grad_W too often: 1.8x slower
-    at 1024 tokens x 4096 x 128k with 128-token chunks), fit CHUNK_BYTES of fp32 logits.
-    Returns those chunks' tokens (a multiple of 128), or None: accumulate in fp32.
-
-    Against an fp32 V x H accumulator this saves 4*V*H bytes (plus the conversion's copy) and
-    holds a smaller logits chunk: about the memory of Liger's chunked loss, at the same speed
-    (the bf16 read-modify-write of grad_W per chunk moves half the fp32 one's bytes)."""
-    override = _chunk_override()
-    if override > 0:
-        return override if cdiv(BT, override) <= MAX_SUPER_CHUNKS else None
-    tokens = max(cdiv(cdiv(BT, MAX_SUPER_CHUNKS), 128) * 128, MIN_FAST_CHUNK_TOKENS)
-    return tokens if tokens * V * 4 <= CHUNK_BYTES else None
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """How one FLCE call runs. lean: the forward keeps only the logsumexp and the backward
-    recomputes the logits (else the forward computes every gradient: the fast mode). accum_fp32:
-    grad_W summed in fp32 (rounded once), else in its own dtype over at most MAX_SUPER_CHUNKS
-    chunks. chunk_bytes: the forward's fp32 logits chunk, at most (0: CHUNK_BYTES). block_bytes:
-    what the recomputing backward may hold beyond the gradients (logits block + fp32 grad_hidden
-    accumulator)."""
-
-    lean: bool
-    accum_fp32: bool
-    chunk_bytes: int
-    block_bytes: int
-
-
-def plan(
-    BT: int,
-    H: int,
-    V: int,
-    itemsize: int,
-    weight_dtype: torch.dtype,
-    grad_accum_dtype: torch.dtype | None,
-    lean_default: bool,
-    memory_budget: float | None,
-    grads_now: bool,
-    need_weight: bool,
-) -> Plan:
-    """The mode and sizes of one call (flce.py's docstring). grads_now: a reduced loss whose
-    gradients are wanted (the fast mode can compute them in the forward).
-
-    memory_budget None: the backend's own default (triton: the fast mode with chunks of up to
-    CHUNK_BYTES; triton_lean: LEAN_EXTRA_FRACTION of the gradients). A number f: at most about
-    f x the gradients' bytes (grad_hidden + grad_W) beyond them: the fast mode where one of its
-    configurations fits (the largest chunks that do, past CHUNK_BYTES if the budget allows),
-    else the lean mode within it. The block
-    floors of flce_blocks (accuracy and GEMM efficiency) win over a budget below them.
-    """
-    grad_bytes = (BT + V) * H * itemsize
-    fp32_ok = grad_accum_dtype in (None, torch.float32)
-    own_ok = grad_accum_dtype in (None, weight_dtype) and not (
-        grad_accum_dtype is None and weight_dtype == torch.float16
-    )
-    if memory_budget is None and not lean_default:
-        tokens = fast_weight_dtype_chunk(BT, V) if need_weight else None
-        accum = grad_accum_dtype == torch.float32 or (
-            grad_accum_dtype is None and (not own_ok or tokens is None)
-        )
-        chunk = tokens * V * 4 if grads_now and need_weight and not accum and tokens is not None else 0
-        return Plan(False, accum, chunk, CHUNK_BYTES)
-    extra = int((LEAN_EXTRA_FRACTION if memory_budget is None else memory_budget) * grad_bytes)
-    if memory_budget is not None and grads_now:
-        # The fast mode: a chunk of fp32 logits, and grad_W summed in its own dtype over at most
-        # MAX_SUPER_CHUNKS chunks, or else in an fp32 accumulator that the budget pays for too.
-        # A budget may pass CHUNK_BYTES (the default's cap), not 2^31 logits per chunk.
-        rows = _round_down(min(extra // (4 * V), 2**31 // V), 128)
-        summed = own_ok and (rows >= BT or cdiv(BT, max(rows, 1)) <= MAX_SUPER_CHUNKS)
-        if rows > 0 and (not need_weight or summed):
-            return Plan(False, False, rows * V * 4, extra)
-        rows = _round_down(min((extra - V * H * 4) // (4 * V), 2**31 // V), 128)
-        if rows > 0 and need_weight and fp32_ok:
-            return Plan(False, True, rows * V * 4, extra)
-    return Plan(True, grad_accum_dtype == torch.float32, grad_bytes + extra, extra)
-
-
-def flce_blocks(
-    BT: int, H: int, V: int, budget: int, whole_tokens: bool, accumulate_h: bool
-) -> tuple[int, int]:
-    """(tokens per super-chunk, vocabulary columns per block) of run_blocks within `budget` bytes.
-
-    The budget pays for the fp32 logits block (super-chunk x block x 4) and, with accumulate_h,
-    the super-chunk's fp32 grad_hidden accumulator (super-chunk x H x 4). whole_tokens: one
-    super-chunk of all BT tokens (grad_W rounded once: each block written once); otherwise the
-    super-chunks split the tokens evenly, with half the budget for the accumulator, and at
-    most MAX_SUPER_CHUNKS of them (accuracy wins over the budget there).
-    """
-    if BLOCK_OVERRIDE is not None:
-        tokens = BT if whole_tokens else min(BLOCK_OVERRIDE[0], BT)
-        return max(1, tokens), max(1, min(BLOCK_OVERRIDE[1], V))
-    acc_per_token = 4 * H if accumulate_h else 0
-    if whole_tokens or BT <= MIN_SUPER_CHUNK:
-        tokens = BT
-    else:
-        tokens = max(MIN_SUPER_CHUNK, _round_down(budget // 2 // max(acc_per_token, 1), 128))
-        tokens = min(max(tokens, cdiv(BT, MAX_SUPER_CHUNKS)), BT)
-        n = cdiv(BT, tokens)
-        tokens = min(BT, cdiv(cdiv(BT, n), 128) * 128)  # even super-chunks
-    left = budget - tokens * acc_per_token
-    cols = _round_down(max(left, 0) // (4 * max(tokens, 1)), 128)
-    return max(1, tokens), max(1, min(V, max(MIN_VOCAB_BLOCK, cols)))
 
 
 # --- GEMM helpers ----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Fused linear cross entropy, Triton backend (the loops and the kernel: _flce_kernels.py).
+"""Fused linear cross entropy, Triton backend (the loops and the kernel: _flce_kernels.py; the
+memory-budget plan: _flce_plan.py).
 
 The (tokens x V) logits are never materialized. cuBLAS computes logits in pieces with fp32
 output (bf16/fp16 inputs, fp32 accumulation: rounding logits to bf16 before the softmax would
@@ -33,7 +34,7 @@ where the loss's own peak matters: backend="triton_lean", or
 LMKERNELS_BACKEND="triton,flce=triton_lean".
 
 memory_budget (the op's option, a fraction f of the gradients' bytes) makes either backend one
-point of the range between the two (kernels.plan): the fast mode with the largest chunks of fp32
+point of the range between the two (_flce_plan.plan): the fast mode with the largest chunks of fp32
 logits that fit f x the gradients beside them (grad_W summed in its own dtype over at most 8 of
 them, or else in an fp32 accumulator that the budget pays for too), and where none fits, the
 lean mode with blocks within it. None keeps each backend's default above.
@@ -62,6 +63,7 @@ never read: their loss, and the gradients, are nan.
 import torch
 
 from lmkernels.backends.triton import _flce_kernels as kernels
+from lmkernels.backends.triton import _flce_plan as flce_plan
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import call, eager_function, op_or_raw, traced
 from lmkernels.ops.flce import FlceOptions
@@ -110,7 +112,7 @@ def _forward_raw(
     elif grads_now:
         scale = torch.ones((), dtype=torch.float32, device=hidden.device)
     rows = kernels.Rows(target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, V)
-    # The plan's chunk (kernels.plan): lean, the backward's own peak; fast, the budget's.
+    # The plan's chunk (_flce_plan.plan): lean, the backward's own peak; fast, the budget's.
     max_bytes = chunk_bytes or None
     loss, lse, gh, gw, gb, entropy, top1 = kernels.run_chunks(
         hidden,
@@ -353,7 +355,7 @@ def _flce(lean_default, hidden, weight, target, **options):
         grad_on and o.bias is not None and o.bias.requires_grad,
     )
     BT = hidden.numel() // H if H else 0
-    plan = kernels.plan(
+    plan = flce_plan.plan(
         BT, H, weight.shape[0], hidden.element_size(), weight.dtype, o.grad_accum_dtype, lean_default,
         o.memory_budget, o.reduction != "none" and any(needs), needs[1],
     )  # fmt: skip

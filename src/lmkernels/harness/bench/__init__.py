@@ -23,8 +23,13 @@ benchmarks/*.py in a checkout):
 And the suites behind the README and the docs:
 
 - data.py      the data files: one JSON row per measurement, one file per GPU kind
-- suite.py     `--suite readme|validation --part ...`: the parts, each one 10-minute call
-- tables.py    `--report`: the tables (README and docs blocks), plots, validation reports
+- suite.py     `--suite readme|validation --part ...`: runs a part; the suites' table of parts
+- grids.py     the shapes the parts measure
+- parts.py     a part (Part) and the context it runs in (Context: its rows, budget, provenance)
+- parts_perf.py, parts_validation.py  the parts: ops, flce, e2e, dist; grid, converge, families, ...
+- tables.py    `--report`: the table registry, the README and docs blocks, the report's files
+- tables_common.py, tables_perf.py, tables_validation.py, tables_plots.py  what the tables
+               share, the tables, the plots
 """
 
 from lmkernels.harness.bench.backends import (

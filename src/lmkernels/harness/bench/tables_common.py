@@ -1,0 +1,115 @@
+"""What the report's tables (tables.py) share: how they name ops, implementations, regimes,
+configurations and wrappings; number formats; the latest run of each point; the caption that
+names a table's data file, device, versions and commands; the markdown table itself."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+FLCE = "fused_linear_cross_entropy"
+OP_TITLES = {
+    "rms_norm": "RMSNorm",
+    "layer_norm": "LayerNorm",
+    "rope": "RoPE",
+    "swiglu": "SwiGLU",
+    "geglu": "GeGLU",
+}
+OP_TITLES_ALL = OP_TITLES | {FLCE: "FLCE"}
+IMPL_TITLES = {
+    "triton": "lmkernels `triton` (default)",
+    "triton_lean": "lmkernels `triton_lean`",
+    "triton_accum_fp32": "lmkernels `triton`, fp32 weight-gradient sums",
+    "compile_naive": "torch.compile of the plain loss",
+    "cce": "Cut Cross-Entropy, default call",
+    "cce_exact": "Cut Cross-Entropy, `filter_eps=None`",
+    "liger": "Liger Kernel, default call",
+    "torch_native": "torch `linear_cross_entropy`",
+}
+REGIME_TITLES = {"uniform": "uniform", "gaussian": "Gaussian", "zipf": "LM-like"}
+CONFIG_TITLES = {"plain": "transformers", "lmk": "lmkernels", "liger": "Liger"}
+MODE_TITLES = {
+    "fsdp": "FSDP2 per layer + root",
+    "fsdp_lm_head": "FSDP2, lm_head sharded alone",
+    "tp": 'TP (`tp_plan="auto"`)',
+    "fsdp_tp_torch": "FSDP2 x TP 2, torch styles + SP",
+    "fsdp_tp_hf": "FSDP2 x TP 2, transformers",
+    "zero2": "DeepSpeed ZeRO-2",
+    "zero3": "DeepSpeed ZeRO-3",
+    "pp": "pipeline parallel (1F1B)",
+}
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+
+
+def _f(v: float | None, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if v == 0 or abs(v) >= 100:
+        return f"{v:.0f}"
+    return f"{v:.{digits}g}"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else (f"{v:.1f}" if v >= 10 else f"{v:.3g}")
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _span(values: Iterable[float | None], fmt: Callable[[float], str] = lambda v: f"{v:.2f}") -> str:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return "-"
+    lo, hi = fmt(min(vals)), fmt(max(vals))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def _day(row: dict[str, Any]) -> str:
+    return (row.get("date") or "")[:10]
+
+
+def latest(
+    rows: list[dict[str, Any]], key: Callable[[dict[str, Any]], Any]
+) -> dict[Any, list[dict[str, Any]]]:
+    """Per key: the rows of the latest run (by date) that measured it."""
+    runs: dict[Any, dict[str, list[dict[str, Any]]]] = {}
+    for r in rows:
+        runs.setdefault(key(r), {}).setdefault(r["run"], []).append(r)
+    return {k: max(by_run.values(), key=lambda rs: rs[0].get("date") or "") for k, by_run in runs.items()}
+
+
+def caption(rows: list[dict[str, Any]], path: str, extra: str = "") -> str:
+    """Device, versions, the data file, and per run its commit, date and command."""
+    if not rows:
+        return f"*No rows in `{path}` yet.*"
+    first = rows[0]
+    v = first["versions"]
+    names = [("torch", "torch"), ("triton", "triton"), ("transformers", "transformers")]
+    names += [("liger-kernel", "liger-kernel"), ("cut-cross-entropy", "cut-cross-entropy")]
+    vers = ", ".join(f"{label} {v[k]}" for k, label in names if v.get(k))
+    runs = {}
+    for r in rows:
+        runs.setdefault(r["run"], r)
+    made = "; ".join(
+        f"{r['commit'] or 'commit not recorded'} ({_day(r)}): `{r['command']}`"
+        for r in sorted(runs.values(), key=lambda r: r.get("date") or "")
+    )
+    counts = sorted({r.get("gpus", 1) for r in rows})
+    gpus = "" if counts == [1] else f"{'/'.join(map(str, counts))} x "
+    text = f"{gpus}{first['device']}; {vers}. Data: `{path}`{extra}. Made by {made}."
+    return f"<sub>{text}</sub>"
+
+
+def _table(header: list[str], body: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(row) + " |" for row in body]
+
+
+def _ok(rows: list[dict[str, Any]], **match) -> dict[str, Any] | None:
+    for r in rows:
+        if r.get("status") == "ok" and all(r.get(k) == v for k, v in match.items()):
+            return r
+    return None
