@@ -25,6 +25,7 @@ needs_torchtitan = pytest.mark.skipif(
     reason="torchtitan is not installed (CI runs this file in .venv-torchtitan, see .ci/run)",
 )
 COUNTED = ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
+VOCAB_PARALLEL = "vocab_parallel_cross_entropy"  # the loss of a vocabulary-sharded (TP) lm_head
 
 
 # ---- TEST-ONLY CPU SHIMS ------------------------------------------------------------------------
@@ -40,7 +41,11 @@ COUNTED = ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
 #  5. gloo has no PREMUL_SUM, which FSDP2 uses for torchtitan's gradient divide factor -> plain
 #     SUM reductions (FSDP then divides separately: the same gradients);
 #  6. speed only: the BlockMask is made by torchtitan's torch.compile'd create_block_mask, which
-#     on a CPU means an inductor C++ build in every fresh process -> the same function, eager.
+#     on a CPU means an inductor C++ build in every fresh process -> the same function, eager;
+#  7. torchtitan hands its pipeline schedule micro-batches it has already split
+#     (`step(arg_mbs=, kwarg_mbs=, target_mbs=, ...)`, a newer torch's API); torch 2.13's step()
+#     takes the whole batch and would pass them to the model as keyword arguments -> such a call
+#     does what step() does around the schedule's own _step_microbatches (every schedule has one).
 # Both runs of every comparison get the same shims.
 
 
@@ -99,6 +104,27 @@ def _cpu_shims() -> None:
 
     FSDPModule.set_gradient_divide_factor = set_factor_sum
 
+    from torch.distributed.pipelining import schedules
+
+    def premade_microbatches(step):  # 7
+        def step_mbs(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **kwargs):
+            if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+                return step(self, *args, **kwargs)
+            assert not args and not kwargs.pop("return_outputs", False), kwargs
+            losses, loss_kwargs = kwargs.pop("losses", None), kwargs.pop("loss_kwargs", None)
+            assert not kwargs, kwargs
+            for stage in getattr(self, "_stages", None) or [self._stage]:
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            self._step_microbatches(
+                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs=False, loss_kwargs=loss_kwargs
+            )
+
+        return step_mbs
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        cls.step = premade_microbatches(cls.step)
+
 
 # ---- the launcher (runs under torchrun) --------------------------------------------------------
 
@@ -114,6 +140,7 @@ def _launch(out_path: str, argv: list[str]) -> None:
     from torchtitan.tools.logging import init_logger
 
     import lmkernels
+    import lmkernels.distributed.dtensor_loss
 
     init_logger()
     config = ConfigManager().parse_args(argv)
@@ -127,37 +154,39 @@ def _launch(out_path: str, argv: list[str]) -> None:
 
     trainer.metrics_processor.log = record
 
-    def full_params(model):
+    def full_params():  # this rank's pipeline stages (all of the model without PP)
         out = {}
-        for name, p in model.named_parameters():
-            full = p.full_tensor() if isinstance(p, DTensor) else p  # a collective: every rank
-            out[name.replace("_checkpoint_wrapped_module.", "")] = full.detach().cpu().clone()
+        for model in trainer.model_parts:
+            for name, p in model.named_parameters():
+                full = p.full_tensor() if isinstance(p, DTensor) else p  # a collective: every rank
+                out[name.replace("_checkpoint_wrapped_module.", "")] = full.detach().cpu().clone()
         return out
 
-    model = trainer.model_parts[0]
-    init = full_params(model)
-    calls = dict.fromkeys(COUNTED, 0)
-    for name in COUNTED:
-        original = getattr(lmkernels, name)
+    init = full_params()
+    calls = dict.fromkeys((*COUNTED, VOCAB_PARALLEL), 0)
+    counted = [(lmkernels, name) for name in COUNTED]
+    counted.append((lmkernels.distributed.dtensor_loss, VOCAB_PARALLEL))
+    for module, name in counted:
+        original = getattr(module, name)
 
         def counting(*args, _name=name, _original=original, **kwargs):
             calls[_name] += 1
             return _original(*args, **kwargs)
 
-        setattr(lmkernels, name, counting)
+        setattr(module, name, counting)
     trainer.train()
+    lm_head = getattr(trainer.model_parts[-1], "lm_head", None)  # PP: the last stage's only
     result = {
         "losses": [losses[s] for s in sorted(losses)],
         "calls": calls,
         "loss_fn": type(trainer.loss_fn).__name__,
-        "lm_head": type(model.lm_head).__name__,
-        "modules": sorted({type(m).__name__ for m in model.modules()}),
+        "lm_head": None if lm_head is None else type(lm_head).__name__,
+        "modules": sorted({type(m).__name__ for model in trainer.model_parts for m in model.modules()}),
         "init": init,
-        "params": full_params(model),
+        "params": full_params(),
     }
     trainer.close()
-    if dist.get_rank() == 0:
-        torch.save(result, out_path)
+    torch.save(result, f"{out_path}.rank{dist.get_rank()}")
     dist.destroy_process_group()
 
 
@@ -224,7 +253,13 @@ def _run(assets, tmp_path, name: str, args: list[str], nproc: int = 1, env: dict
     run_env = dict(os.environ, OMP_NUM_THREADS="1", LMKERNELS_BACKEND="eager", **(env or {}))
     proc = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
-    return torch.load(out)
+    ranks = [torch.load(f"{out}.rank{r}") for r in range(nproc)]
+    # Rank 0's result, with the losses of the last rank (a pipeline's last stage: the loss is
+    # computed there) and the parameters of all ranks (each pipeline stage's own).
+    result = dict(ranks[0], losses=ranks[-1]["losses"], ranks=ranks)
+    result["init"] = {k: v for r in ranks for k, v in r["init"].items()}
+    result["params"] = {k: v for r in ranks for k, v in r["params"].items()}
+    return result
 
 
 def _assert_same_training(plain: dict, fused: dict) -> None:
@@ -251,15 +286,17 @@ def _assert_same_training(plain: dict, fused: dict) -> None:
     print(f"worst relative difference of a parameter's update: {worst:.2e}")
 
 
-def _assert_lmkernels_ran(result: dict, nproc: int = 1) -> None:
+def _assert_lmkernels_ran(result: dict, loss_op: str = "fused_linear_cross_entropy") -> None:
     assert result["loss_fn"] == "FusedLinearCrossEntropyLoss"
     assert {"LmkernelsRMSNorm", "LmkernelsComplexRoPE", "LmkernelsFeedForward"} <= set(result["modules"])
     assert not {"RMSNorm", "ComplexRoPE", "FeedForward"} & set(result["modules"])
     calls, layers = result["calls"], 6
-    assert calls["fused_linear_cross_entropy"] == STEPS, calls  # one fused call per step, no chunks
+    assert calls[loss_op] == STEPS, calls  # one fused call per step, no chunks
     # Per step and layer: 2 norms, 1 rope, 1 GLU (more with the recompute of activation checkpointing).
-    assert calls["rms_norm"] >= STEPS * (2 * layers + 1) and calls["rope"] >= STEPS * layers, calls
+    assert calls["rms_norm"] >= STEPS * (2 * layers + 1), calls
     assert calls["swiglu"] >= STEPS * layers, calls
+    if loss_op != VOCAB_PARALLEL:  # under TP RoPE meets DTensors: torchtitan's own code (modules.py)
+        assert calls["rope"] >= STEPS * layers, calls
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +317,9 @@ def test_config_module_trains_like_torchtitan(assets, plain_run, tmp_path):
         "lmkernels",
         ["--module=lmkernels.integrations.torchtitan", "--config=llama3_debugmodel", "--loss.backend=eager"],
     )
-    assert plain_run["loss_fn"] == "ChunkedLossWrapper" and plain_run["calls"] == dict.fromkeys(COUNTED, 0)
+    assert plain_run["loss_fn"] == "ChunkedLossWrapper" and plain_run["calls"] == dict.fromkeys(
+        (*COUNTED, VOCAB_PARALLEL), 0
+    )
     _assert_lmkernels_ran(fused)
     _assert_same_training(plain_run, fused)
 
@@ -321,6 +360,70 @@ def test_fsdp_two_processes(assets, tmp_path):
     )
     _assert_lmkernels_ran(fused)
     assert plain["lm_head"] == fused["lm_head"] == "FSDPLinear"
+    _assert_same_training(plain, fused)
+
+
+@needs_torchtitan
+def test_tensor_parallel_two_processes(assets, tmp_path):
+    """Tensor parallel over 2 gloo processes: lm_head is vocab-sharded (a DTensor weight, so
+    the fused loss runs lmkernels' vocab-parallel loss), the norms and the GLU get DTensor
+    inputs; equal to torchtitan's TP run without lmkernels."""
+    # partial_dtensor: torchtitan's default spmd_types backend fails here without lmkernels too
+    # (torch 2.13's fully_shard: "When dp_mesh_dims is provided, all parameters must be DTensors
+    # on the full SPMD mesh ... Got plain tensor for parameter 'weight'").
+    tp = ["--parallelism.tensor_parallel_degree=2", "--parallelism.spmd_backend=partial_dtensor"]
+    plain = _run(
+        assets, tmp_path, "tp-plain", ["--module=llama3", "--config=llama3_debugmodel", *tp], nproc=2
+    )
+    fused = _run(
+        assets,
+        tmp_path,
+        "tp-lmkernels",
+        ["--module=lmkernels.integrations.torchtitan", "--config=llama3_debugmodel", *tp],
+        nproc=2,
+    )
+    assert not any(n for r in plain["ranks"] for n in r["calls"].values())  # torchtitan's own
+    for r in fused["ranks"]:
+        _assert_lmkernels_ran(r, loss_op=VOCAB_PARALLEL)
+        assert r["calls"]["rope"] == 0, r["calls"]
+    assert plain["lm_head"] == fused["lm_head"] == "FSDPLinear"
+    _assert_same_training(plain, fused)
+
+
+@needs_torchtitan
+def test_pipeline_parallel_two_processes(assets, tmp_path):
+    """Pipeline parallel over 2 gloo processes (torchtitan's schedule, 2 micro-batches): the
+    loss runs on the last stage, which holds lm_head, as lmkernels' fused loss; the first
+    stage never calls it. Equal to torchtitan's PP run without lmkernels."""
+    pp = [
+        "--parallelism.pipeline_parallel_degree=2",
+        "--parallelism.pipeline_parallel_microbatch_size=1",
+        "--training.disable_cuda_graphs",  # torchtitan's config check: its CUDA graphs refuse PP
+    ]
+    plain = _run(
+        assets, tmp_path, "pp-plain", ["--module=llama3", "--config=llama3_debugmodel", *pp], nproc=2
+    )
+    fused = _run(
+        assets,
+        tmp_path,
+        "pp-lmkernels",
+        ["--module=lmkernels.integrations.torchtitan", "--config=llama3_debugmodel", *pp],
+        nproc=2,
+    )
+    assert not any(n for r in plain["ranks"] for n in r["calls"].values())  # torchtitan's own
+    first, last = fused["ranks"]
+    layers = {k.split(".")[1] for k in fused["params"] if k.startswith("layers.")}
+    assert layers == {str(i) for i in range(6)} and "lm_head.weight" in fused["params"]  # both stages
+    assert first["lm_head"] is None and last["lm_head"] == plain["ranks"][-1]["lm_head"]
+    assert last["loss_fn"] == "FusedLinearCrossEntropyLoss"
+    assert first["calls"]["fused_linear_cross_entropy"] == 0, first["calls"]
+    # One call per micro-batch (BATCH micro-batches of 1 sequence a step), and one more: on its
+    # first step torch's schedule infers the stages' gradient metadata by running the last
+    # stage's loss and backward once on empty tensors (torch.distributed.pipelining.stage,
+    # _backward_metadata_inference), then discards it.
+    assert last["calls"]["fused_linear_cross_entropy"] == STEPS * BATCH + 1, last["calls"]
+    assert first["calls"]["rms_norm"] > 0 and first["calls"]["swiglu"] > 0, first["calls"]
+    assert last["calls"]["rope"] > 0, last["calls"]
     _assert_same_training(plain, fused)
 
 
