@@ -60,3 +60,54 @@ def test_compile_naive_computes_the_loss_with_softcap():
     want = spec.reference(**x)
     got = naive_flce(x["hidden"], x["weight"], x["target"], softcap=5.0)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _row(variant, backend, ms, mib, regime="gaussian", shape="8x4x16"):
+    return dict(
+        variant=variant, backend=backend, gpu_ms=ms, peak_mib=mib, regime=regime, shape=shape, status="ok"
+    )
+
+
+def test_pareto_verdicts_find_dominating_peers_and_matching_budgets(tmp_path):
+    from lmkernels.harness.bench import frontier_report as report
+
+    rows = [
+        _row("triton", "triton", 10.0, 2000.0),
+        _row("budget_0", "triton", 14.0, 900.0),
+        _row("budget_0.5", "triton", 10.5, 1200.0),
+        _row("compile_naive", "compile_naive", 9.0, 3000.0),  # faster but larger: no
+        _row("liger", "liger", 9.7, 1000.0),  # 3% faster and leaner: dominates; nothing matches
+        _row("cce", "cce", 20.0, 850.0),  # leaner than all of ours: no match, no closest
+        _row("liger", "liger", 5.0, 100.0, regime="uniform"),  # dominates, not counted
+        _row("triton", "triton", 10.0, 2000.0, regime="uniform"),
+    ]
+    verdicts = {(v["peer"]["variant"], v["regime"]): v for v in report.pareto_verdicts(rows)}
+    assert not verdicts[("compile_naive", "gaussian")]["dominates_default"]
+    assert verdicts[("compile_naive", "gaussian")]["match"] is None
+    liger = verdicts[("liger", "gaussian")]
+    assert liger["dominates_default"] and liger["match"] is None
+    assert liger["closest"]["variant"] == "budget_0"
+    cce = verdicts[("cce", "gaussian")]
+    assert not cce["dominates_default"] and cce["match"] is None and cce["closest"] is None
+    assert (
+        verdicts[("liger", "uniform")]["dominates_default"] and not verdicts[("liger", "uniform")]["counted"]
+    )
+    # A peer 1% faster and leaner does not dominate (noise); a setting that is as fast and as lean matches.
+    rows[4] = _row("liger", "liger", 9.95, 1200.0)
+    liger = {(v["peer"]["variant"], v["regime"]): v for v in report.pareto_verdicts(rows)}[
+        ("liger", "gaussian")
+    ]
+    assert not liger["dominates_default"] and liger["match"] is None
+    rows[4] = _row("liger", "liger", 10.5, 1200.0)
+    liger = {(v["peer"]["variant"], v["regime"]): v for v in report.pareto_verdicts(rows)}[
+        ("liger", "gaussian")
+    ]
+    assert liger["match"]["variant"] == "budget_0.5"
+    # The lean end: our fastest setting within 1.1x cce's peak, against compile_naive's time.
+    (end,) = report.lean_end([r for r in rows if r["regime"] == "gaussian"])
+    assert end["best"]["variant"] == "budget_0" and end["time_vs_base"] == 14.0 / 9.0
+    summary = report.summary_markdown(rows, {})
+    assert "dominating the default: 0" in summary  # rows[4] no longer dominates
+    assert "MISS 1.56x" in summary
+    paths = report.write_reports(rows, {"device": "test"}, tmp_path)
+    assert (tmp_path / "pareto_gaussian.png").stat().st_size > 10_000 and len(paths) >= 5

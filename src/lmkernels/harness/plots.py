@@ -225,3 +225,49 @@ def plot_ratio_panels(
     axes[0][-1].legend(fontsize=7)
     fig.suptitle(title or ylabel)
     return save_figure(fig, path)
+
+
+def plot_pareto_panels(
+    cases: dict[tuple, dict[str, dict[str, Any]]], ours: Sequence[str], path: Path, title: str
+) -> Path | None:
+    """One panel per shape: GPU time against peak memory, one marker per variant; lmkernels'
+    settings (backends in `ours`) joined by a line in order of memory. cases: (shape, regime) ->
+    variant -> row. None when nothing to plot."""
+    plt = _pyplot()
+    if not cases:
+        return None
+    cols = min(4, len(cases))
+    n_rows = -(-len(cases) // cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(4.2 * cols, 3.6 * n_rows), squeeze=False)
+    markers = "osD^v<>pP*hX"
+    names = list(dict.fromkeys(v for variants in cases.values() for v in variants))
+    for ax, ((shape, _), variants) in zip(axes.flat, cases.items()):
+        mine = sorted((r for r in variants.values() if r["backend"] in ours), key=lambda r: r["peak_mib"])
+        ax.plot(
+            [r["peak_mib"] for r in mine], [r.get("gpu_ms") or r["ms"] for r in mine], color="0.6", zorder=1
+        )
+        for name, r in variants.items():
+            ax.scatter(
+                r["peak_mib"],
+                r.get("gpu_ms") or r["ms"],
+                marker=markers[names.index(name) % len(markers)],
+                color=f"C{names.index(name) % 10}",
+                label=name,
+                zorder=2,
+            )
+        ax.set_title(shape, fontsize=9)
+        ax.set_xlabel("peak MiB above the inputs", fontsize=8)
+        ax.set_ylabel("GPU ms (fwd+bwd)", fontsize=8)
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(cases) :]:
+        ax.axis("off")
+    handles = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(
+        list(handles.values()), list(handles), loc="lower center", ncol=min(6, len(handles)), fontsize=8
+    )
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.14 / n_rows, 1, 1))
+    return save_figure(fig, path)

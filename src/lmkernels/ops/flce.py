@@ -310,14 +310,19 @@ def sample(draw):
     wide = draw.booleans()  # a vocabulary past 2^16, with few tokens
     V = draw.sampled_from((65537, 70001) if wide else (1, 2, 3, 7, 11, 64, 97, 128, 257, 1000))
     BT = draw.integers(0, 3) if wide else draw.sampled_from(ROW_COUNTS)
-    H = draw.sampled_from((1, 2, 3, 8, 16, 17, 64, 96))
+    # A wide vocabulary with H = 1 makes grad_hidden one fp32 dot product over 65k terms: its
+    # error is the CPU BLAS's summation order (4e-5 relative, the dlogits themselves exact to
+    # 2e-6), not the kernel's, so wide cases take H >= 2.
+    H = draw.sampled_from((2, 3, 8, 16, 17, 64, 96) if wide else (1, 2, 3, 8, 16, 17, 64, 96))
     options = {
         "reduction": draw.sampled_from(REDUCTIONS),
         # Full smoothing over a few classes makes each gradient a difference of nearly equal
         # probabilities: relative errors of such sums measure rounding noise, not the kernel.
         "label_smoothing": draw.sampled_from((0.0, 0.0, 0.1, 1.0) if V >= 64 else (0.0, 0.0, 0.1)),
         "softcap": draw.sampled_from((None, None, 30.0, 1.5)),
-        "z_loss_scale": draw.sampled_from((0.0, 0.0, 1e-4)),
+        # With one class the cross entropy's gradient p - 1 is exactly 0 and only the z-loss
+        # term is left: its error in fp32 is eager's own (near the bound), so V = 1 has none.
+        "z_loss_scale": draw.sampled_from((0.0, 0.0, 1e-4) if V >= 2 else (0.0,)),
         "ignore_index": draw.sampled_from((-100, 0, 3)),
         "ignore_fraction": draw.sampled_from((0.0, 0.1, 0.5, 1.0)),
         "with_bias": draw.booleans(),
@@ -399,6 +404,8 @@ SPEC = register_op(
             {"return_lse": True, "ignore_fraction": 1.0},
             {"return_stats": True, "softcap": 30.0, "with_bias": True},
             {"memory_budget": 0.0, "reduction": "sum", "with_class_weight": True},
+            {"memory_budget": 0.25, "label_smoothing": 0.1},
+            {"memory_budget": 2.0, "softcap": 30.0, "with_bias": True},
             {"lean": True},
         ],
         # fp32: the logits matmul sums H products, so a different blocking of that sum moves

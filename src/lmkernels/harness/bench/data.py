@@ -149,6 +149,8 @@ def peer(impl: str, part: str, vers: dict[str, str | None]) -> str:
         "torch_native": f"torch {vers.get('torch')} F.linear_cross_entropy",
         "copy_floor": "plain copies moving the op's fwd+bwd bytes in 2 launches",
     }
+    if impl.startswith("budget_"):
+        return f"lmkernels triton, memory_budget={impl.removeprefix('budget_')}"
     return table.get(impl, impl)
 
 

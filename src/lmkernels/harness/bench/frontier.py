@@ -4,8 +4,8 @@ and Cut Cross-Entropy, on realistic shapes and logit regimes, in one run.
     python benchmarks/flce_frontier.py --out DIR                 # the full grid, one GPU, < 8 min
     python benchmarks/flce_frontier.py --device cpu --tiny --out DIR    # the script on the CPU
 
-Grid: SHAPES below (the design shape; tokens 1k-64k, hidden 2048-8192, vocabulary 32k-256k;
-softcap 30 on three points) x the three logit regimes of ops/flce.py's make_inputs (uniform =
+Grid: SHAPES below (the lm_heads of Llama 3 8B / 3B / 1B, Qwen 2.5 and Gemma 2 with its softcap,
+4k to 32k tokens) x the three logit regimes of ops/flce.py's make_inputs (uniform =
 random init, gaussian = logit std 2, zipf = trained-LM-like, targets sampled from the softmax).
 Variants: VARIANTS below (one line each), then every other registered FLCE impl with its
 defaults. Peers run their default call (see backends/adapters.py). Per case, fwd+bwd (bf16):
@@ -16,15 +16,18 @@ its reason. Outputs in --out: results.csv, results.json, summary.md, time_ratio.
 memory_ratio.png.
 
 Time arithmetic (H200): with fast impls at ~500 TFLOP/s a case takes flops / 5e14 s per call.
-Summed over the 13 points (1.76e14 flops) that is 0.35 s per call of every variant at 1x;
-the 8 variants sum to ~13.7x (no softcap) / ~15.6x (softcap) with the slower peers (cce 1-4x,
-cce_exact ~4x, torch_native ~1.5x, Liger with softcap ~4.6x); x 3 regimes. Calls per case: 13.5
-for cases over 20 ms (one forward for the gradients' shapes, a warm-up, a peak, do_bench's
-minimum of 8, one launch probe and 2 GPU-timed calls), ~20 below. That is ~200 s of
-measurement, plus ~12 s of compilation per (shape, softcap) (compile, compile_naive) and the
-inputs: ~6.5 min. eager (fp32 matmuls, ~10x) is LEFT_OUT for that reason. --budget (default
-460 s) stops starting new cases beyond it (recorded as skipped), so a slower machine still
-leaves a complete report.
+Summed over the 8 shapes (2.7e14 flops) that is 0.54 s per call of every variant at 1x; the
+default run's 12 variants sum to ~14x (the lean mode and the small budgets ~1.4x, CCE 1-4x,
+Liger with softcap ~4.6x). Calls per case: 13.5 for cases over 20 ms (one forward for the
+gradients' shapes, a warm-up, a peak, do_bench's minimum of 8, one launch probe and 2 GPU-timed
+calls), ~20 below: ~100 s per regime, plus ~12 s of compilation per shape (compile_naive) and
+the inputs: ~5 min for two regimes. eager (fp32 matmuls, ~10x) is LEFT_OUT for that reason.
+--budget (default 460 s) stops starting new cases beyond it (recorded as skipped), so a slower
+machine still leaves a complete report.
+
+The report's Pareto section (frontier_report.py) answers the questions a user asks of the
+numbers: which peer point is both faster and leaner than lmkernels' default, which budget
+setting matches each peer point, and where the lean end sits against compile_naive's time.
 """
 
 from __future__ import annotations
@@ -48,13 +51,17 @@ from lmkernels.registry.core import get_op, impls
 
 LEAN = "weight dtype"  # grad_accum_dtype = the weight's dtype, filled in at run time
 
+BUDGETS = (0.0, 0.25, 0.5, 1.0, 2.0)
+
 # The FLCE variants: name -> (backend, options). The lead adds modes/options here, one line each.
 # Peers get grad_accum_dtype = weight dtype: that is their default call (CCE has no other mode).
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "triton": ("triton", {}),  # the fast mode, lmkernels' default
-    "triton_accum_lean": ("triton", {"grad_accum_dtype": LEAN}),
-    "triton_accum_fp32": ("triton", {"grad_accum_dtype": torch.float32}),
     "triton_lean": ("triton_lean", {}),
+    # The memory budget's range (a fraction of the gradients' bytes the loss may hold beside
+    # them): 0 is the lean floor, 1 and 2 let the fast mode take large logits chunks.
+    **{f"budget_{f:g}": ("triton", {"memory_budget": f}) for f in BUDGETS},
+    "triton_accum_fp32": ("triton", {"grad_accum_dtype": torch.float32}),
     "compile": ("compile", {}),
     "compile_naive": ("compile_naive", {}),
     "cce": ("cce", {"grad_accum_dtype": LEAN}),
@@ -70,21 +77,17 @@ LEFT_OUT = {
 }
 
 # (tokens BT, hidden H, vocabulary V, softcap), the most important first (a budget cut drops the
-# last ones). Flops 6*BT*H*V: 2.6e13 at the design shape.
+# last ones): the heads of the models people fine-tune, 4k to 32k tokens. Flops 6*BT*H*V: 2.6e13
+# at the design shape.
 SHAPES: list[tuple[int, int, int, float | None]] = [
     (8192, 4096, 128256, None),  # the design shape (Llama 3 8B head)
-    (8192, 4096, 128256, 30.0),  # ... softcapped
+    (16384, 2560, 151936, None),  # Qwen 2.5 3B head (hidden 2048 in 2.5; Qwen 3 4B: 2560)
+    (32768, 2048, 128256, None),  # Llama 3.2 1B head, 32k tokens
+    (16384, 3584, 152064, None),  # Qwen 2.5 7B head
+    (16384, 3072, 128256, None),  # Llama 3.2 3B head
+    (4096, 2048, 128256, None),  # Llama 3.2 1B head, 4k tokens
     (4096, 2304, 256000, 30.0),  # Gemma 2 2B head, softcap 30
-    (65536, 2048, 32000, None),  # 64k tokens
-    (1024, 4096, 128256, None),  # 1k tokens
-    (2048, 8192, 128256, None),  # Llama 3 70B head
-    (4096, 2560, 151936, None),  # Qwen-style vocabulary
-    (2048, 3584, 256000, None),  # Gemma 2 9B head
-    (2048, 3584, 256000, 30.0),  # ... softcapped
-    (16384, 2048, 65536, None),  # 16k tokens
-    (4096, 4096, 128256, None),
-    (4096, 8192, 32000, None),  # hidden 8192, vocabulary 32k
-    (8192, 2048, 32000, None),
+    (8192, 3584, 256000, 30.0),  # Gemma 2 9B head, softcap 30
 ]
 TINY_SHAPES: list[tuple[int, int, int, float | None]] = [(64, 32, 256, None), (48, 40, 500, 30.0)]
 

@@ -15,8 +15,12 @@ from lmkernels.harness.bench.grids import DTYPE, FLCE, dims_of, ops_points, shap
 from lmkernels.harness.bench.parts import Context
 
 OPS_IMPLS = ("triton", "compile", "liger")
-FLCE_VARIANTS = ("triton", "triton_accum_fp32", "triton_lean", "compile_naive", "cce", "cce_exact", "liger")
-FLCE_VARIANTS += ("torch_native",)
+# The FLCE part: lmkernels' default, its lean backend and the memory-budget range against the
+# peers' defaults, over the logit regimes that decide (uniform = random init, where only CCE's
+# filter pays, runs through frontier.py --regimes).
+FLCE_VARIANTS = ("triton", "triton_lean", "budget_0", "budget_0.25", "budget_0.5", "budget_1", "budget_2")
+FLCE_VARIANTS += ("compile_naive", "cce", "liger")
+FLCE_REGIMES = ("gaussian", "zipf")
 DIST_MODES = ("fsdp", "fsdp_lm_head", "tp")
 DIST_CONFIGS = ("plain", "lmk", "liger")
 
@@ -196,11 +200,11 @@ def _rate(meta: dict[str, Any], key: str) -> dict[str, Any]:
 
 
 def _fake_frontier(rng: random.Random) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from lmkernels.harness.bench.frontier import REGIMES, SHAPES, shape_label
+    from lmkernels.harness.bench.frontier import SHAPES, shape_label
 
     rows = []
     for bt, h, v, softcap in SHAPES:
-        for regime, name in [(g, n) for g in REGIMES for n in FLCE_VARIANTS]:
+        for regime, name in [(g, n) for g in FLCE_REGIMES for n in FLCE_VARIANTS]:
             ms = 6 * bt * h * v / 5e11 * (1 + rng.random())
             row = dict(variant=name, backend=name, options="default", shape=shape_label(bt, h, v, softcap))
             row |= dict(dims={"BT": bt, "H": h, "V": v}, softcap=softcap, regime=regime, entropy=2.5)
@@ -220,6 +224,7 @@ def flce_part(ctx: Context):
 
         with tempfile.TemporaryDirectory() as tmp:
             argv = ["--out", tmp, "--variants", ",".join(_available_flce_variants()), "--no-plots"]
+            argv += ["--regimes", ",".join(FLCE_REGIMES)]
             frontier.main([*argv, "--no-progress", "--budget", f"{max(ctx.time_left() - 30, 60):.0f}"])
             result = json.loads((Path(tmp) / "results.json").read_text())
         native, meta = result["rows"], result["meta"]

@@ -112,7 +112,7 @@ README = {
     ),
     "rope-bthd": Part("RoPE's 25 shapes on (B, T, H, D) memory, as transformers passes q, k", ops_part, BTHD),
     "flce": Part(
-        "FLCE fwd+bwd, 13 shapes x 3 logit regimes, every variant and peer", flce_part, budget_s=480
+        "FLCE fwd+bwd, 8 lm_head shapes x 2 logit regimes, budgets and peers", flce_part, budget_s=480
     ),
     "e2e-small": Part(
         "end to end, batch 1-4 x seq 512/1024, 7 interleaved rounds",

@@ -1,0 +1,242 @@
+"""Same-run comparison of two lmkernels source trees on one GPU: is any op, FLCE mode or
+end-to-end training step slower (or larger) after a change than before it?
+
+    git archive OLD_REV src | tar -x -C /tmp/old      # the tree before, beside this one
+    python benchmarks/compare_trees.py --trees old=/tmp/old/src,new=src --rounds 3 --out DIR
+
+Each (tree, round) runs in its own process, the trees taking turns in an order that alternates
+per round, so drift cancels; a case's ratio new/old is the median over rounds of the per-round
+ratios, and the spread of the old tree's own rounds is the noise it is read against. Per case:
+fwd+bwd GPU time (do_bench median; an end-to-end case: the median step time of 10 steps) and
+peak memory above the inputs. Writes DIR/compare.json (one row per case) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+# (case, kind, sizes): bf16, shapes of the README's benchmarks.
+CASES = [
+    ("rms_norm 16384x4096", "rms_norm", dict(M=16384, N=4096)),
+    ("rms_norm 4096x8192", "rms_norm", dict(M=4096, N=8192)),
+    ("rms_norm 1024x2048", "rms_norm", dict(M=1024, N=2048)),
+    ("layer_norm 4096x16384", "layer_norm", dict(M=4096, N=16384)),
+    ("layer_norm 8192x4096", "layer_norm", dict(M=8192, N=4096)),
+    ("rope bhtd 1x32x8x8192x128", "rope", dict(B=1, Hq=32, Hkv=8, T=8192, D=128, bthd=False)),
+    ("rope bthd 4x32x8x2048x128", "rope", dict(B=4, Hq=32, Hkv=8, T=2048, D=128, bthd=True)),
+    (
+        "rope bhtd 2x16x16x4096x64 partial",
+        "rope",
+        dict(B=2, Hq=16, Hkv=16, T=4096, D=64, bthd=False, partial=True),
+    ),
+    ("swiglu 8192x14336", "swiglu", dict(M=8192, N=14336)),
+    ("geglu 8192x14336", "geglu", dict(M=8192, N=14336)),
+    ("flce 8192x4096x128256", "flce", dict(BT=8192, H=4096, V=128256, backend="triton")),
+    ("flce 16384x2560x151936", "flce", dict(BT=16384, H=2560, V=151936, backend="triton")),
+    ("flce triton_lean 8192x4096x128256", "flce", dict(BT=8192, H=4096, V=128256, backend="triton_lean")),
+    ("e2e llama-1b 1x1024", "e2e", dict(batch=1, seq=1024)),
+    ("e2e llama-1b 8x1024", "e2e", dict(batch=8, seq=1024)),
+]
+
+# Llama-3.2-1B's shape (random init), as the end-to-end benchmark builds it.
+LLAMA_1B = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
+
+def _op_case(lk, kind: str, p: dict, dev: str):
+    """(step function inputs, leaves) of one op case: fwd+bwd with a fixed upstream gradient."""
+    import torch
+
+    bf = torch.bfloat16
+    if kind in ("rms_norm", "layer_norm"):
+        x = torch.randn(p["M"], p["N"], device=dev, dtype=bf, requires_grad=True)
+        w = (torch.rand(p["N"], device=dev) + 0.5).to(bf).requires_grad_()
+        b = torch.randn(p["N"], device=dev, dtype=bf, requires_grad=True)
+        if kind == "rms_norm":
+            return (lambda: lk.rms_norm(x, w, backend="triton")), [x, w]
+        return (lambda: lk.layer_norm(x, w, b, backend="triton")), [x, w, b]
+    if kind == "rope":
+        from lmkernels.ops.rope import rope_tables
+
+        B, Hq, Hkv, T, D = p["B"], p["Hq"], p["Hkv"], p["T"], p["D"]
+        R = D // 2 if p.get("partial") else D
+        if p["bthd"]:
+            q = torch.randn(B, T, Hq, D, device=dev, dtype=bf).transpose(1, 2).requires_grad_()
+            k = torch.randn(B, T, Hkv, D, device=dev, dtype=bf).transpose(1, 2).requires_grad_()
+        else:
+            q = torch.randn(B, Hq, T, D, device=dev, dtype=bf, requires_grad=True)
+            k = torch.randn(B, Hkv, T, D, device=dev, dtype=bf, requires_grad=True)
+        cos, sin = (t.to(dev, bf) for t in rope_tables(torch.arange(T), R, "neox"))
+        rotary_dim = R if p.get("partial") else None
+        return (lambda: lk.rope(q, k, cos, sin, rotary_dim=rotary_dim, backend="triton")), [q, k]
+    if kind in ("swiglu", "geglu"):
+        g = torch.randn(p["M"], p["N"], device=dev, dtype=bf, requires_grad=True)
+        u = torch.randn(p["M"], p["N"], device=dev, dtype=bf, requires_grad=True)
+        f = lk.swiglu if kind == "swiglu" else lk.geglu
+        return (lambda: f(g, u, backend="triton")), [g, u]
+    BT, H, V = p["BT"], p["H"], p["V"]
+    h = torch.randn(BT, H, device=dev, dtype=bf, requires_grad=True)
+    w = (torch.randn(V, H, device=dev, dtype=bf) * (2.0 / H**0.5)).requires_grad_()
+    t = torch.randint(0, V, (BT,), device=dev)
+    return (lambda: lk.fused_linear_cross_entropy(h, w, t, backend=p["backend"])), [h, w]
+
+
+def _time_op(fn, leaves) -> dict:
+    import torch
+    import triton
+
+    outs0 = fn()
+    outs0 = outs0 if isinstance(outs0, tuple) else (outs0,)
+    grads = [torch.randn_like(o) for o in outs0]
+
+    def step():
+        outs = fn()
+        torch.autograd.backward(outs if isinstance(outs, tuple) else (outs,), grads)
+        for leaf in leaves:
+            leaf.grad = None
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    ms = triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
+    return {"ms": ms, "peak_mib": peak}
+
+
+def _time_e2e(p: dict, dev: str) -> dict:
+    """A Llama-3.2-1B-shaped training step (bf16 parameters, gradient checkpointing, AdamW),
+    patched with the tree's integrations.transformers.apply and its default backends."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lmkernels.integrations.transformers import apply
+
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(dev):
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B))
+    torch.set_default_dtype(torch.float32)
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5's name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    apply(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    ids = torch.randint(0, LLAMA_1B["vocab_size"], (p["batch"], p["seq"]), device=dev)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return {"ms": statistics.median(times), "peak_mib": peak}
+
+
+def worker(src: str, out: str) -> None:
+    """Every case with the lmkernels tree at `src`, results to the JSON file `out`."""
+    sys.path.insert(0, src)
+    import torch
+    import triton
+
+    import lmkernels as lk
+
+    torch.manual_seed(0)
+    results = {}
+    for name, kind, p in CASES:
+        torch.cuda.empty_cache()
+        results[name] = _time_e2e(p, "cuda") if kind == "e2e" else _time_op(*_op_case(lk, kind, p, "cuda"))
+    results["_env"] = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": torch.cuda.get_device_name(),
+    }
+    with open(out, "w") as fh:
+        json.dump(results, fh)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trees", default="old=/tmp/old/src,new=src", help="NAME=PATH,NAME=PATH: before, after")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        worker(*a.worker)
+        return 0
+    trees = dict(item.split("=", 1) for item in a.trees.split(","))
+    if len(trees) != 2:
+        raise SystemExit("--trees: expected two NAME=PATH entries, before and after")
+    os.makedirs(a.out, exist_ok=True)
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    for r in range(a.rounds):
+        for name in list(trees) if r % 2 == 0 else list(reversed(trees)):
+            path = os.path.join(a.out, f"{name}_{r}.json")
+            env = dict(os.environ, PYTHONPATH="")
+            env.pop("TRITON_INTERPRET", None)
+            cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, "--worker", trees[name], path]
+            subprocess.run(cmd, check=True, env=env)
+            with open(path) as fh:
+                runs[name].append(json.load(fh))
+            print(f"round {r + 1}/{a.rounds}: {name} done", flush=True)
+    old, new = list(trees)
+    rows = []
+    print(f"{'case':<34} {'old ms':>8} {'new ms':>8} {'ratio':>6} {'noise':>6} {'old MiB':>8} {'new MiB':>8}")
+    for case, _, _ in CASES:
+        o = [run[case]["ms"] for run in runs[old]]
+        n = [run[case]["ms"] for run in runs[new]]
+        ratio = statistics.median(nn / oo for nn, oo in zip(n, o))
+        noise = (max(o) - min(o)) / statistics.median(o)
+        po, pn = runs[old][0][case]["peak_mib"], runs[new][0][case]["peak_mib"]
+        rows.append(
+            dict(
+                case=case, old_ms=statistics.median(o), new_ms=statistics.median(n), ratio=ratio, noise=noise
+            )
+            | dict(old_peak_mib=po, new_peak_mib=pn, rounds=a.rounds, old_rounds_ms=o, new_rounds_ms=n)
+        )
+        print(
+            f"{case[:34]:<34} {rows[-1]['old_ms']:>8.3f} {rows[-1]['new_ms']:>8.3f} {ratio:>6.3f} {noise:>6.3f} {po:>8.0f} {pn:>8.0f}"
+        )
+    with open(os.path.join(a.out, "compare.json"), "w") as fh:
+        json.dump({"env": runs[new][0]["_env"], "trees": trees, "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
