@@ -190,6 +190,22 @@ def worker(src: str, out: str) -> None:
         json.dump(results, fh)
 
 
+def summarize(runs: dict[str, list[dict]], names: list[str]) -> list[dict]:
+    """Per case: the median over rounds of new/old, the old tree's spread, the peaks."""
+    old, new = names
+    rows = []
+    for case, _, _ in CASES:
+        o = [run[case]["ms"] for run in runs[old]]
+        n = [run[case]["ms"] for run in runs[new]]
+        rows.append(
+            dict(case=case, old_ms=statistics.median(o), new_ms=statistics.median(n), rounds=len(o))
+            | dict(ratio=statistics.median(nn / oo for nn, oo in zip(n, o)))
+            | dict(noise=(max(o) - min(o)) / statistics.median(o), old_rounds_ms=o, new_rounds_ms=n)
+            | dict(old_peak_mib=runs[old][0][case]["peak_mib"], new_peak_mib=runs[new][0][case]["peak_mib"])
+        )
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trees", default="old=/tmp/old/src,new=src", help="NAME=PATH,NAME=PATH: before, after")
@@ -215,26 +231,15 @@ def main(argv=None) -> int:
             with open(path) as fh:
                 runs[name].append(json.load(fh))
             print(f"round {r + 1}/{a.rounds}: {name} done", flush=True)
-    old, new = list(trees)
-    rows = []
+        rows = summarize(runs, list(trees))  # after every round: a cut-short run keeps its rounds
+        with open(os.path.join(a.out, "compare.json"), "w") as fh:
+            json.dump({"env": runs[list(trees)[1]][0]["_env"], "trees": trees, "rows": rows}, fh, indent=1)
     print(f"{'case':<34} {'old ms':>8} {'new ms':>8} {'ratio':>6} {'noise':>6} {'old MiB':>8} {'new MiB':>8}")
-    for case, _, _ in CASES:
-        o = [run[case]["ms"] for run in runs[old]]
-        n = [run[case]["ms"] for run in runs[new]]
-        ratio = statistics.median(nn / oo for nn, oo in zip(n, o))
-        noise = (max(o) - min(o)) / statistics.median(o)
-        po, pn = runs[old][0][case]["peak_mib"], runs[new][0][case]["peak_mib"]
-        rows.append(
-            dict(
-                case=case, old_ms=statistics.median(o), new_ms=statistics.median(n), ratio=ratio, noise=noise
-            )
-            | dict(old_peak_mib=po, new_peak_mib=pn, rounds=a.rounds, old_rounds_ms=o, new_rounds_ms=n)
-        )
+    for row in rows:
         print(
-            f"{case[:34]:<34} {rows[-1]['old_ms']:>8.3f} {rows[-1]['new_ms']:>8.3f} {ratio:>6.3f} {noise:>6.3f} {po:>8.0f} {pn:>8.0f}"
+            f"{row['case'][:34]:<34} {row['old_ms']:>8.3f} {row['new_ms']:>8.3f} {row['ratio']:>6.3f} "
+            f"{row['noise']:>6.3f} {row['old_peak_mib']:>8.0f} {row['new_peak_mib']:>8.0f}"
         )
-    with open(os.path.join(a.out, "compare.json"), "w") as fh:
-        json.dump({"env": runs[new][0]["_env"], "trees": trees, "rows": rows}, fh, indent=1)
     return 0
 
 

@@ -99,8 +99,9 @@ def environment() -> dict[str, str]:
             info["device"] = torch.cuda.get_device_name()
     except ImportError:
         pass
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    info["commit"] = commit.stdout.strip() or "unknown"
+    from lmkernels.harness.bench.data import commit
+
+    info["commit"] = commit(ROOT) or "unknown"  # $LMKERNELS_COMMIT on a copy of the tree
     return info
 
 
