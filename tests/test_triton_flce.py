@@ -300,6 +300,35 @@ def test_fast_mode_default_accumulation(monkeypatch):
     assert not accum(16 * 9, lean=True)  # lean: its own super-chunk rule
 
 
+def test_fast_mode_default_wide_chunks(monkeypatch):
+    """Where 8 chunks of BT / 8 tokens pass CHUNK_BYTES the default takes memory_budget=2's chunks
+    (bf16 sums over <= 8 of them) if they exist, else the fp32 accumulator: never more memory than
+    that accumulator and its chunk."""
+    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", None)
+    monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
+
+    def default(BT, H, V, dtype=torch.bfloat16, accum=None):
+        return flce_plan.plan(BT, H, V, 2, dtype, accum, False, None, True, True)
+
+    def budget_2(BT, H, V):
+        return flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, 2.0, True, True)
+
+    for BT, H, V in [(16384, 2560, 151936), (16384, 3584, 152064)]:  # the measured shapes
+        plan = default(BT, H, V)
+        assert not plan.accum_fp32 and not plan.lean
+        assert plan.chunk_bytes == budget_2(BT, H, V).chunk_bytes
+        tokens = plan.chunk_bytes // (4 * V)
+        assert flce_plan.cdiv(BT, tokens) <= flce_plan.MAX_SUPER_CHUNKS
+        assert plan.chunk_bytes <= 4 * V * H + flce_plan.CHUNK_BYTES
+    # 32768 x 2048 x 128256: budget 2's chunks would be 13: the fp32 accumulator stays.
+    assert default(32768, 2048, 128256).accum_fp32
+    # Not for fp16 weights, nor where the caller asked for an accumulation dtype.
+    assert default(16384, 2560, 151936, torch.float16).accum_fp32
+    assert default(16384, 2560, 151936, accum=torch.float32).accum_fp32
+    # Shapes whose 8 chunks fit CHUNK_BYTES keep them.
+    assert default(8192, 4096, 128256).chunk_bytes == 1024 * 128256 * 4
+
+
 def test_memory_budget_plans(monkeypatch):
     """memory_budget: the fast mode where one of its configurations fits f x the gradients'
     bytes beside them, the largest chunks that do; else the lean mode within the budget."""

@@ -269,5 +269,5 @@ def plot_pareto_panels(
         list(handles.values()), list(handles), loc="lower center", ncol=min(6, len(handles)), fontsize=8
     )
     fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.14 / n_rows, 1, 1))
+    fig.tight_layout(rect=(0, 0.12 / n_rows, 1, 1))
     return save_figure(fig, path)

@@ -187,3 +187,36 @@ def tests_part(ctx: Context, args: list[str]):
         got = json.loads(lines[-1])
         record = {k: got.get(k) for k in ("group", "tool", "pytest", "exit", "seconds", "sanitizer_errors")}
     ctx.emit([record], ("tests",))
+
+
+# --- before / after a change -------------------------------------------------------------------------
+
+COMPARE_OLD_ENV = "LMKERNELS_COMPARE_OLD"  # src/ of the checkout before the change
+
+
+def compare_part(ctx: Context):
+    """benchmarks/compare_trees.py: the ops, FLCE modes and end-to-end steps of the tree before a
+    change ($LMKERNELS_COMPARE_OLD, e.g. `git archive REV src | tar -x -C /tmp/old`: /tmp/old/src)
+    against this one, in turns, in one run."""
+    if ctx.done(("compare",)):
+        return
+    if ctx.dry_run:
+        rows = [
+            {"case": c, "old_ms": 1.0, "new_ms": 1.0 + d, "ratio": 1.0 + d, "noise": 0.01, "rounds": 3}
+            | {"old_peak_mib": 100.0, "new_peak_mib": 100.0}
+            for c, d in (("rms_norm 16384x4096", 0.001), ("flce 8192x4096x128256", -0.002))
+        ]
+        old = "dry-run"
+    else:
+        old = os.environ.get(COMPARE_OLD_ENV)
+        if not old or not Path(old, "lmkernels").is_dir():
+            raise SystemExit(
+                f"part compare: set {COMPARE_OLD_ENV} to the src/ folder of the tree before the change"
+            )
+        root = repo_root()
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, str(root / "benchmarks" / "compare_trees.py"), "--out", tmp]
+            _run([*cmd, "--trees", f"old={old},new={root / 'src'}"], ctx.time_left(), ctx.log, cwd=root)
+            rows = json.loads((Path(tmp) / "compare.json").read_text())["rows"]
+    method = "GPU time, launch queue filled ahead, L2 flushed (ops, FLCE); wall time per step (e2e)"
+    ctx.emit([{"old_tree": old, "method": method} | r for r in rows], ("compare",))

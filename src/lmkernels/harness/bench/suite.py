@@ -26,6 +26,7 @@ from lmkernels.harness.bench.grids import DESIGN_EXTRAS, FLCE, ROPE_GRIDS
 from lmkernels.harness.bench.parts import Context, Part
 from lmkernels.harness.bench.parts_perf import dist_part, e2e_part, flce_part, ops_part
 from lmkernels.harness.bench.parts_validation import (
+    compare_part,
     converge_part,
     dist_checks_part,
     families_part,
@@ -126,6 +127,9 @@ README = {
         "end to end, torch.compile(model), batch 8/32, 4 rounds", e2e_part, dict(args=E2E_ARGS["e2e-compile"])
     ),
     "dist": Part("2 GPUs: FSDP2, FSDP2 + lm_head alone, TP=2; plain, lmkernels, Liger", dist_part, gpus=2),
+    "compare": Part(
+        "the tree before a change ($LMKERNELS_COMPARE_OLD) against this one, in turns", compare_part
+    ),
 }
 VALIDATION = {
     name: Part(

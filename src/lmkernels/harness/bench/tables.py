@@ -22,10 +22,12 @@ from typing import Any
 
 from lmkernels.harness.bench import data
 from lmkernels.harness.bench.tables_perf import (
+    compare_table,
     dist_table,
     e2e_compile,
     e2e_table,
     flce_design,
+    flce_pareto,
     flce_ranges,
     flce_regimes,
     ops_summary,
@@ -43,6 +45,8 @@ TABLES: dict[str, Callable[[list[dict[str, Any]], str], str]] = {
     "flce": flce_design,
     "flce-ranges": flce_ranges,
     "flce-regimes": flce_regimes,
+    "flce-pareto": flce_pareto,
+    "compare": compare_table,
     "ops": ops_summary,
     "e2e": e2e_table,
     "e2e-compile": e2e_compile,

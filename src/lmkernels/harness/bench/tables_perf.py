@@ -8,6 +8,7 @@ import re
 import statistics
 from typing import Any
 
+from lmkernels.harness.bench.frontier_report import COUNTED_REGIMES, pareto_verdicts
 from lmkernels.harness.bench.tables_common import (
     CONFIG_TITLES,
     IMPL_TITLES,
@@ -25,13 +26,14 @@ from lmkernels.harness.bench.tables_common import (
 )
 
 DESIGN_FLCE = "8192x4096x128256"
+OURS = ("triton", "triton_lean")
 
 
 # --- FLCE ---------------------------------------------------------------------------------------------
 
 
-def _flce_run(rows: list[dict[str, Any]], several_regimes: bool) -> list[dict[str, Any]]:
-    """The latest FLCE run with the design shape (and with several regimes if asked)."""
+def _flce_run(rows: list[dict[str, Any]], several_regimes: bool | None = None) -> list[dict[str, Any]]:
+    """The latest FLCE run with the design shape (with several regimes, or one, if asked)."""
     runs: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         if r["part"] == "flce":
@@ -40,7 +42,7 @@ def _flce_run(rows: list[dict[str, Any]], several_regimes: bool) -> list[dict[st
         rs
         for rs in runs.values()
         if any(r["shape"] == DESIGN_FLCE for r in rs)
-        and (len({r["regime"] for r in rs}) > 1) == several_regimes
+        and (several_regimes is None or (len({r["regime"] for r in rs}) > 1) == several_regimes)
     ]
     return max(good, key=lambda rs: rs[0].get("date") or "") if good else []
 
@@ -52,7 +54,7 @@ def _impl_order(rows: list[dict[str, Any]]) -> list[str]:
 
 def flce_design(rows: list[dict[str, Any]], path: str) -> str:
     """Every implementation at the design shape, Gaussian logits (or the run's one regime)."""
-    run = _flce_run(rows, several_regimes=False) or _flce_run(rows, several_regimes=True)
+    run = _flce_run(rows)
     regime = "gaussian" if any(r["regime"] == "gaussian" for r in run) else (run[0]["regime"] if run else "")
     here = [r for r in run if r["shape"] == DESIGN_FLCE and r["regime"] == regime]
     base, cce = _ok(here, impl="compile_naive"), _ok(here, impl="cce")
@@ -73,7 +75,7 @@ def flce_design(rows: list[dict[str, Any]], path: str) -> str:
 def flce_ranges(rows: list[dict[str, Any]], path: str) -> str:
     """Per implementation, over every shape of the same run: time and peak against
     torch.compile of the plain loss, peak against CCE's default call."""
-    run = _flce_run(rows, several_regimes=False) or _flce_run(rows, several_regimes=True)
+    run = [r for r in _flce_run(rows) if r["regime"] in COUNTED_REGIMES]
     by_case: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in run:
         if r["status"] == "ok":
@@ -114,6 +116,72 @@ def flce_regimes(rows: list[dict[str, Any]], path: str) -> str:
         "peak MiB",
     ]
     return "\n".join([*_table(header, body), "", caption(here, path, ", part flce")])
+
+
+def _flce_cell(r: dict[str, Any] | None, name: bool = False) -> str:
+    if r is None:
+        return "-"
+    what = f"{_ms(r['gpu_ms'])} ms / {r['peak_mib']:.0f}"
+    return f"{what} ({IMPL_TITLES.get(r['impl'], r['impl']).removeprefix('lmkernels ')})" if name else what
+
+
+def flce_pareto(rows: list[dict[str, Any]], path: str) -> str:
+    """Per shape (Gaussian logits): the default, our fastest and our leanest setting, the peers,
+    and which peer is >= 2% faster than the default at less memory."""
+    run = [r for r in _flce_run(rows) if r["regime"] == "gaussian" and r["status"] == "ok"]
+    verdicts = pareto_verdicts([r | {"variant": r["impl"]} for r in run])
+    body = []
+    for shape in dict.fromkeys(r["shape"] for r in run):
+        here = [r for r in run if r["shape"] == shape]
+        ours = [r for r in here if r["backend"] in OURS]
+        fastest = min(ours, key=lambda r: r["gpu_ms"], default=None)
+        leanest = min(ours, key=lambda r: (r["peak_mib"], r["gpu_ms"]), default=None)
+        peers = [_flce_cell(_ok(here, impl=i)) for i in ("compile_naive", "liger", "cce")]
+        beaten = [v["peer"]["impl"] for v in verdicts if v["shape"] == shape and v["dominates_default"]]
+        names = ", ".join(IMPL_TITLES.get(i, i).split(",")[0] for i in beaten) or "none"
+        body.append(
+            [
+                shape,
+                _flce_cell(_ok(here, impl="triton")),
+                _flce_cell(fastest, True),
+                _flce_cell(leanest, True),
+                *peers,
+                names,
+            ]
+        )
+    header = [
+        "shape (BT x H x V)",
+        "default",
+        "fastest of ours",
+        "leanest of ours",
+        "torch.compile",
+        "Liger",
+        "CCE",
+    ]
+    header.append("faster and leaner than the default")
+    return "\n".join(
+        [*_table(header, body), "", caption(run, path, ", part flce, Gaussian logits; GPU ms / peak MiB")]
+    )
+
+
+def compare_table(rows: list[dict[str, Any]], path: str) -> str:
+    """The before/after comparison of two source trees (benchmarks/compare_trees.py), latest run."""
+    runs = latest([r for r in rows if r["part"] == "compare"], lambda r: "compare")
+    run = runs.get("compare", [])
+    body = [
+        [
+            r["case"],
+            f"{r['old_ms']:.4g}",
+            f"{r['new_ms']:.4g}",
+            f"{r['ratio']:.3f}",
+            f"{r['noise'] * 100:.1f}%",
+        ]
+        + [f"{r['old_peak_mib']:.0f} / {r['new_peak_mib']:.0f}"]
+        for r in run
+    ]
+    header = ["case", "before ms", "after ms", "after / before", "noise", "peak MiB before / after"]
+    extra = f", part compare; before: {run[0]['old_tree']}; {run[0]['method']}" if run else ""
+    return "\n".join([*_table(header, body), "", caption(run, path, extra)])
 
 
 # --- ops ----------------------------------------------------------------------------------------------

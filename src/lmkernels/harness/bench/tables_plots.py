@@ -53,7 +53,7 @@ def _bytes_of(points, op, shape) -> int:
 def plot_flce(rows: list[dict[str, Any]], path: Path) -> Path | None:
     from lmkernels.harness.plots import plot_ratio_panels
 
-    run = _flce_run(rows, several_regimes=False) or _flce_run(rows, several_regimes=True)
+    run = _flce_run(rows)
     base = {(r["shape"], r["regime"]): r for r in run if r["impl"] == "compile_naive" and r["status"] == "ok"}
     pts = [
         {"shape": r["shape"], "regime": r["regime"], "variant": r["impl"]}
@@ -63,6 +63,18 @@ def plot_flce(rows: list[dict[str, Any]], path: Path) -> Path | None:
     ]
     title = f"FLCE fwd+bwd GPU time / torch.compile of the plain loss, {run[0]['device']}" if run else ""
     return plot_ratio_panels(pts, "ratio", path, "time / torch.compile", title)
+
+
+def plot_flce_pareto(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Time against peak memory per shape (Gaussian logits), the latest FLCE run."""
+    from lmkernels.harness.plots import plot_pareto_panels
+
+    run = [r for r in _flce_run(rows) if r["regime"] == "gaussian" and r["status"] == "ok"]
+    cases: dict[tuple, dict[str, dict[str, Any]]] = {}
+    for r in run:
+        cases.setdefault((r["shape"], r["regime"]), {})[r["impl"]] = r | {"ms": r.get("wall_ms")}
+    title = f"FLCE fwd+bwd, time against peak memory, {run[0]['device']}, Gaussian logits" if run else ""
+    return plot_pareto_panels(cases, ("triton", "triton_lean"), path, title)
 
 
 def plot_e2e(rows: list[dict[str, Any]], path: Path) -> Path | None:
@@ -96,6 +108,7 @@ def plots(rows: list[dict[str, Any]], folder: Path, gpu: str) -> list[Path]:
     out = [
         plot_ops(rows, folder / f"{gpu}-ops.png"),
         plot_flce(rows, folder / f"{gpu}-flce.png"),
+        plot_flce_pareto(rows, folder / f"{gpu}-flce-pareto.png"),
         plot_e2e(rows, folder / f"{gpu}-e2e.png"),
     ]
     return [p for p in out if p is not None]
