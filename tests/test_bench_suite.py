@@ -228,3 +228,25 @@ def test_tuner_runs_candidates_through_the_launchers(monkeypatch):
             name = next(n for n in named if n.startswith(kind))
             assert case.check(case.launch(named[name])) is None, (op, name)
     assert case.check(lambda q, k: (q * 1.01, k)) is not None  # the check can fail
+
+
+def test_compare_trees_summary_pairs_rounds():
+    """benchmarks/compare_trees.py: per case the median of the per-round ratios, and the old
+    tree's own spread as the noise."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "compare_trees", Path(__file__).parent.parent / "benchmarks" / "compare_trees.py"
+    )
+    compare_trees = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare_trees)
+    case = compare_trees.CASES[0][0]
+    run = lambda ms: (
+        {c: {"ms": 1.0, "peak_mib": 5.0} for c, _, _ in compare_trees.CASES}
+        | {case: {"ms": ms, "peak_mib": 5.0}}
+    )  # noqa: E731
+    runs = {"old": [run(1.0), run(1.2), run(1.0)], "new": [run(1.1), run(1.2), run(0.9)]}
+    (row,) = [r for r in compare_trees.summarize(runs, ["old", "new"]) if r["case"] == case]
+    assert row["ratio"] == pytest.approx(1.0)  # per-round ratios 1.1, 1.0, 0.9
+    assert row["noise"] == pytest.approx(0.2) and row["rounds"] == 3
+    assert row["old_ms"] == 1.0 and row["new_ms"] == 1.1

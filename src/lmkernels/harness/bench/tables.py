@@ -26,6 +26,7 @@ from lmkernels.harness.bench.tables_perf import (
     dist_table,
     e2e_compile,
     e2e_table,
+    flce_budgets,
     flce_design,
     flce_pareto,
     flce_ranges,
@@ -43,6 +44,7 @@ MARK = re.compile(r"<!-- bench:([\w-]+) ([\w-]+) -->\n.*?<!-- /bench -->", re.S)
 
 TABLES: dict[str, Callable[[list[dict[str, Any]], str], str]] = {
     "flce": flce_design,
+    "flce-budgets": flce_budgets,
     "flce-ranges": flce_ranges,
     "flce-regimes": flce_regimes,
     "flce-pareto": flce_pareto,

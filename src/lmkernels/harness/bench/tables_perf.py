@@ -52,9 +52,10 @@ def _impl_order(rows: list[dict[str, Any]]) -> list[str]:
     return [i for i in IMPL_TITLES if i in seen] + [i for i in seen if i not in IMPL_TITLES]
 
 
-def flce_design(rows: list[dict[str, Any]], path: str) -> str:
-    """Every implementation at the design shape, Gaussian logits (or the run's one regime)."""
-    run = _flce_run(rows)
+def flce_design(rows: list[dict[str, Any]], path: str, budgets: bool = False) -> str:
+    """Every implementation at the design shape, Gaussian logits (or the run's one regime); the
+    memory_budget settings with budgets=True."""
+    run = [r for r in _flce_run(rows) if budgets or not r["impl"].startswith("budget_")]
     regime = "gaussian" if any(r["regime"] == "gaussian" for r in run) else (run[0]["regime"] if run else "")
     here = [r for r in run if r["shape"] == DESIGN_FLCE and r["regime"] == regime]
     base, cce = _ok(here, impl="compile_naive"), _ok(here, impl="cce")
@@ -70,6 +71,10 @@ def flce_design(rows: list[dict[str, Any]], path: str) -> str:
     header = ["FLCE, 8192 x 4096 x 128256", "GPU ms", "peak MiB", "time / compile", "peak / CCE"]
     extra = f", part flce, {REGIME_TITLES.get(regime, regime)} logits"
     return "\n".join([*_table(header, body), "", caption(here, path, extra)])
+
+
+def flce_budgets(rows: list[dict[str, Any]], path: str) -> str:
+    return flce_design(rows, path, budgets=True)
 
 
 def flce_ranges(rows: list[dict[str, Any]], path: str) -> str:
