@@ -465,9 +465,13 @@ def run_worker(args) -> None:
         step_s = statistics.median(times[2:] if len(times) > 2 else times)
         result["step_ms"] = step_s * 1e3
         result["tokens_per_s_per_gpu"] = args.batch * n_rep * args.seq / step_s / world
-        peak = torch.tensor(float(torch.cuda.max_memory_allocated() if cuda else 0), device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        result["peak_gib"] = peak.item() / 2**30
+        # Every rank's peak (the table shows the largest): under pipeline parallel the fused loss
+        # lowers only the last stage's, so which rank holds the largest decides the ratio.
+        own = torch.tensor([float(torch.cuda.max_memory_allocated() if cuda else 0)], device=device)
+        peaks = [torch.zeros_like(own) for _ in range(world)]
+        dist.all_gather(peaks, own)
+        result["rank_peaks_gib"] = [round(p.item() / 2**30, 3) for p in peaks]
+        result["peak_gib"] = max(result["rank_peaks_gib"])
     except Exception as exc:  # recorded: a peer that cannot run a wrapping is a result too
         import traceback
 

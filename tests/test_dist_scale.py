@@ -95,4 +95,5 @@ def test_tiny_cpu_run(tmp_path):
     (row,) = rows
     assert len(row["losses"]) == 3 and all(5 < x < 8 for x in row["losses"]), row  # ln(1000) = 6.9
     assert row["tokens_per_s_per_gpu"] > 0 and row["step_ms"] > 0
+    assert len(row["rank_peaks_gib"]) == 2 and row["peak_gib"] == max(row["rank_peaks_gib"])  # 0 on the CPU
     assert "| pp | 2 | lmk |" in (tmp_path / "dist_scale.md").read_text()
