@@ -44,20 +44,7 @@ CASES = [
     ("e2e llama-1b 8x1024", "e2e", dict(batch=8, seq=1024)),
 ]
 
-# Llama-3.2-1B's shape (random init), as the end-to-end benchmark builds it.
-LLAMA_1B = dict(
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-)
+MODEL_ENV = "LMKERNELS_COMPARE_MODEL"  # the e2e model's config (JSON), from the driver to the workers
 
 
 def _op_case(lk, kind: str, p: dict, dev: str):
@@ -144,16 +131,19 @@ def _time_op(fn, leaves) -> dict:
 
 def _time_e2e(p: dict, dev: str) -> dict:
     """A Llama-3.2-1B-shaped training step (bf16 parameters, gradient checkpointing, AdamW),
-    patched with the tree's integrations.transformers.apply and its default backends."""
+    patched with the tree's integrations.transformers.apply and its default backends. The
+    config is the end-to-end benchmark's (e2e_setup.LLAMA_1B), passed in by the driver: a worker
+    imports only the lmkernels of the tree it measures."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lmkernels.integrations.transformers import apply
 
+    config = json.loads(os.environ[MODEL_ENV])
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(dev):
-        model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B))
+        model = LlamaForCausalLM(LlamaConfig(**config))
     torch.set_default_dtype(torch.float32)
     enable = getattr(model, "activation_checkpointing_enable", None)  # transformers 5's name
     if enable is not None:
@@ -164,7 +154,7 @@ def _time_e2e(p: dict, dev: str) -> dict:
     model.train()
     apply(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
-    ids = torch.randint(0, LLAMA_1B["vocab_size"], (p["batch"], p["seq"]), device=dev)
+    ids = torch.randint(0, config["vocab_size"], (p["batch"], p["seq"]), device=dev)
 
     def step():
         model(input_ids=ids, labels=ids).loss.backward()
@@ -194,6 +184,8 @@ def worker(src: str, out: str) -> None:
 
     import lmkernels as lk
 
+    if not os.path.abspath(lk.__file__).startswith(os.path.abspath(src)):
+        raise SystemExit(f"worker: imported lmkernels from {lk.__file__}, not from the tree {src}")
     torch.manual_seed(0)
     torch.cuda.set_device(0)
     results = {}
@@ -238,12 +230,14 @@ def main(argv=None) -> int:
     trees = dict(item.split("=", 1) for item in a.trees.split(","))
     if len(trees) != 2:
         raise SystemExit("--trees: expected two NAME=PATH entries, before and after")
+    from lmkernels.harness.bench.e2e_setup import LLAMA_1B
+
     os.makedirs(a.out, exist_ok=True)
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for r in range(a.rounds):
         for name in list(trees) if r % 2 == 0 else list(reversed(trees)):
             path = os.path.join(a.out, f"{name}_{r}.json")
-            env = dict(os.environ, PYTHONPATH="")
+            env = dict(os.environ, PYTHONPATH="", **{MODEL_ENV: json.dumps(LLAMA_1B)})
             env.pop("TRITON_INTERPRET", None)
             cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, "--worker", trees[name], path]
             subprocess.run(cmd, check=True, env=env)
