@@ -58,6 +58,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# The distributed benchmark's model (Llama-3.2-1B's shape, untied embeddings, --layers layers),
+# its tiny CPU variant and the NCCL settings of the lent machines.
+from lmkernels.harness.bench.dist import MODEL as LLAMA_1B
+from lmkernels.harness.bench.dist import NCCL_ENV, TINY
+
 CONFIGS = ("plain", "lmk", "liger")
 # mode: (minimum GPUs, the GPU count must be even, one-line description)
 MODES = {
@@ -71,30 +76,6 @@ MODES = {
     "pp": (2, False, "pipeline parallel (1F1B), one stage per GPU"),
 }
 TP_2D = 2
-LLAMA_1B = dict(
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
-TINY = dict(
-    LLAMA_1B,
-    vocab_size=1000,
-    hidden_size=64,
-    intermediate_size=256,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=4096,
-)
-# Multicast over NVLink is unavailable on the lent machines (see the device notes).
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LR = 3e-4
 
 
