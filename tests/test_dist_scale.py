@@ -17,6 +17,7 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import dist_scale  # noqa: E402
+import dist_scale_worker  # noqa: E402
 
 
 def _rows(out: Path) -> tuple[dict, list[dict]]:
@@ -52,7 +53,7 @@ def test_arguments_checked_before_any_run(tmp_path):
     assert dist_scale.check_config("lmk:triton/flce=eager") is None
     assert dist_scale.main(["--out", str(tmp_path), "--modes", "fsdp,zero4", "--dry-run"]) == 2
     assert dist_scale.mode_problem("pp", 4, layers=2) == "needs >= 4 layers for 4 stages"
-    assert dist_scale.replicas("fsdp_tp_hf", 8) == 4 and dist_scale.replicas("tp", 4) == 1
+    assert dist_scale_worker.replicas("fsdp_tp_hf", 8) == 4 and dist_scale_worker.replicas("tp", 4) == 1
 
 
 def test_comparisons_and_table():

@@ -1,0 +1,361 @@
+"""One run of benchmarks/dist_scale.py under torchrun: the model built under one distributed
+wrapping (the modes of dist_scale.py's docstring), patched by one configuration, trained for
+--steps steps; rank 0 writes the row. The driver (dist_scale.py) launches it with `--worker`;
+the wrappings, the configurations and the constants both sides share live here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# The distributed benchmark's model (Llama-3.2-1B's shape, untied embeddings, --layers layers),
+# its tiny CPU variant and the NCCL settings of the lent machines.
+from lmkernels.harness.bench.dist import MODEL as LLAMA_1B
+from lmkernels.harness.bench.dist import TINY
+
+CONFIGS = ("plain", "lmk", "liger")
+# mode: (minimum GPUs, the GPU count must be even, one-line description)
+MODES = {
+    "fsdp": (1, False, "FSDP2, fully_shard per decoder layer + root"),
+    "fsdp_lm_head": (1, False, "FSDP2, + embeddings and lm_head alone"),
+    "tp": (2, False, "tensor parallel over all GPUs, transformers' tp plan"),
+    "fsdp_tp_hf": (4, True, "FSDP2 x TP (tp 2), transformers' DistributedConfig"),
+    "fsdp_tp_torch": (4, True, "FSDP2 x TP (tp 2), torch styles + sequence parallel"),
+    "zero2": (1, False, "DeepSpeed ZeRO-2"),
+    "zero3": (1, False, "DeepSpeed ZeRO-3"),
+    "pp": (2, False, "pipeline parallel (1F1B), one stage per GPU"),
+}
+TP_2D = 2
+LR = 3e-4
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_config(name: str) -> tuple[str, str | None]:
+    """Configuration name -> (kind, backend spec): "lmk:triton/flce=eager" -> ("lmk",
+    "triton,flce=eager"); ValueError for an unknown name."""
+    kind, _, backend = name.partition(":")
+    if kind not in CONFIGS or (kind != "lmk" and backend):
+        raise ValueError(f"unknown configuration {name!r}: plain, lmk[:BACKEND] or liger")
+    return kind, backend.replace("/", ",") or None
+
+
+def replicas(mode: str, n: int) -> int:
+    """Data-parallel replicas of a mode on n GPUs (each takes --batch sequences per step)."""
+    return {"tp": 1, "pp": 1, "fsdp_tp_hf": n // TP_2D, "fsdp_tp_torch": n // TP_2D}.get(mode, n)
+
+
+# --- the worker: one (N, mode, config) under torchrun ---------------------------------------------
+
+
+def model_config(args):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**(TINY if args.tiny else LLAMA_1B), num_hidden_layers=args.layers)
+
+
+def patch_instance(model, config: str):
+    kind, backend = parse_config(config)
+    if kind == "lmk":
+        from lmkernels.integrations import transformers as lk_hf
+
+        lk_hf.apply(model, backend=backend)
+    elif kind == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(model=model, cross_entropy=False, fused_linear_cross_entropy=True)
+    return model
+
+
+def patch_classes(config: str) -> None:
+    """The class patch, for models that transformers parallelizes while loading them."""
+    kind, backend = parse_config(config)
+    if kind == "lmk":
+        from lmkernels.integrations import transformers as lk_hf
+
+        lk_hf.apply("llama", backend=backend)
+    elif kind == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(cross_entropy=False, fused_linear_cross_entropy=True)
+
+
+def new_model(args, device):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM(model_config(args))
+
+
+def checkpoint(args, device, rank: int, dtype) -> Path:
+    """A saved random-init checkpoint (the same weights as new_model) for from_pretrained."""
+    import torch
+    import torch.distributed as dist
+
+    path = Path(args.ckpt_dir) / f"{'tiny' if args.tiny else 'llama'}-{args.layers}l-{str(dtype)[6:]}"
+    if rank == 0 and not (path / "config.json").exists():
+        new_model(args, device).to(dtype).save_pretrained(path)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    dist.barrier()
+    return path
+
+
+def mp_policy(device):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    bf16 = torch.bfloat16 if device.type == "cuda" else torch.float32  # gloo on the CPU: fp32
+    return MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32)
+
+
+def build_fsdp(args, device, lm_head_alone: bool):
+    from torch.distributed.fsdp import fully_shard
+
+    model = patch_instance(new_model(args, device), args.config)
+    policy = mp_policy(device)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    if lm_head_alone:
+        fully_shard(model.model.embed_tokens, mp_policy=policy)
+        fully_shard(model.lm_head, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def build_hf_distributed(args, device, rank: int, tp: int, fsdp: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cuda = device.type == "cuda"
+    # tp alone: bf16 weights; with FSDP2: fp32 weights, transformers' bf16 MixedPrecisionPolicy
+    dtype = torch.bfloat16 if cuda and fsdp == 1 else torch.float32
+    path = checkpoint(args, device, rank, dtype)
+    patch_classes(args.config)
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:  # transformers before DistributedConfig: TP alone through tp_plan
+        if fsdp > 1:
+            raise
+        return AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=dtype)
+    dc = DistributedConfig(tp_size=tp, fsdp_size=fsdp, fsdp_mixed_precision=cuda and fsdp > 1)
+    return AutoModelForCausalLM.from_pretrained(path, distributed_config=dc, dtype=dtype)
+
+
+def build_fsdp_tp_torch(args, device):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lmkernels.distributed.plans import sequence_parallel_plan
+
+    world = int(os.environ["WORLD_SIZE"])
+    mesh = init_device_mesh(device.type, (world // TP_2D, TP_2D), mesh_dim_names=("dp", "tp"))
+    model = patch_instance(new_model(args, device), args.config)
+    parallelize_module(model, mesh["tp"], sequence_parallel_plan(model))
+    policy = mp_policy(device)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
+    fully_shard(model.lm_head, mesh=mesh["dp"], mp_policy=policy)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+    return model
+
+
+def ds_config(args, stage: int, cuda: bool) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": cuda},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+
+
+def build_zero(args, device, stage: int):
+    import deepspeed
+    import torch
+
+    if device.type == "cpu":  # the CPU run: skip DeepSpeed's shared-memory op build (~70 s of g++)
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    model = patch_instance(new_model(args, device), args.config)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    engine, opt, *_ = deepspeed.initialize(
+        model=model, optimizer=opt, config=ds_config(args, stage, device.type == "cuda")
+    )
+    return engine, opt
+
+
+def _run_layers(layers, rotary_emb, h):
+    import torch
+
+    b, t = h.shape[:2]
+    positions = torch.arange(t, device=h.device).unsqueeze(0).expand(b, -1)
+    cos_sin = rotary_emb(h, position_ids=positions)
+    for layer in layers:
+        out = layer(h, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+        h = out[0] if isinstance(out, tuple) else out
+    return h
+
+
+def build_pp(args, device, rank: int, world: int):
+    """(schedule, this stage's module): stage k holds layers [k L/N, (k+1) L/N) (the last stage
+    the rest too), stage 0 the embeddings, the last stage the final norm and lm_head."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    model = patch_instance(new_model(args, device), args.config)
+    layers = model.model.layers
+    per = len(layers) // world
+    mine = nn.ModuleList(layers[rank * per : (rank + 1) * per if rank < world - 1 else len(layers)])
+    first, last = rank == 0, rank == world - 1
+
+    base, lm_head = model.model, model.lm_head
+
+    class Stage(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers, self.rotary_emb = mine, base.rotary_emb
+            self.embed_tokens = base.embed_tokens if first else None
+            self.norm, self.lm_head = (base.norm, lm_head) if last else (None, None)
+
+        def forward(self, x):
+            h = self.embed_tokens(x) if first else x
+            h = _run_layers(self.layers, self.rotary_emb, h)
+            return self.norm(h) if last else h
+
+    stage_mod = Stage()
+    kind, backend = parse_config(args.config)
+
+    def loss_fn(hidden, labels):  # every rank passes it: without one a schedule runs no backward
+        w = stage_mod.lm_head.weight
+        target = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        if kind == "lmk":
+            from lmkernels.integrations.lm_head_loss import causal_lm_loss
+
+            return causal_lm_loss(hidden, w, None, shift_labels=target, backend=backend)
+        if kind == "liger":
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            low = torch.bfloat16 if device.type == "cuda" else w.dtype  # what autocast gives a linear
+            h = hidden.reshape(-1, w.shape[1]).to(low)
+            return LigerFusedLinearCrossEntropyLoss()(w.to(low), h, target.reshape(-1))
+        logits = stage_mod.lm_head(hidden).float()  # transformers' ForCausalLMLoss upcasts too
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    n_mb = 2 * world if args.batch % (2 * world) == 0 else world
+    if args.batch % n_mb:
+        raise ValueError(f"pp: --batch {args.batch} is not a multiple of {world} microbatches")
+    stage = PipelineStage(stage_mod, stage_index=rank, num_stages=world, device=device)
+    return Schedule1F1B(stage, n_microbatches=n_mb, loss_fn=loss_fn), stage_mod
+
+
+def run_worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    mode = args.mode
+    result = {"gpus": world, "mode": mode, "config": args.config, "status": "ok", "losses": []}
+    try:
+        from lmkernels.distributed import foreach_safe_param_groups
+
+        n_rep = replicas(mode, world)
+        # which replica this rank is (ranks of a tp group / a pipeline share one)
+        replica = {"tp": 0, "pp": 0}.get(mode, rank // TP_2D if mode.startswith("fsdp_tp") else rank)
+        engine = opt = sched = None
+        if mode in ("zero2", "zero3"):
+            engine, opt = build_zero(args, device, int(mode[-1]))
+            model = engine
+        elif mode == "pp":
+            sched, model = build_pp(args, device, rank, world)
+        elif mode == "tp":
+            model = build_hf_distributed(args, device, rank, tp=world, fsdp=1)
+        elif mode == "fsdp_tp_hf":
+            model = build_hf_distributed(args, device, rank, tp=TP_2D, fsdp=world // TP_2D)
+        elif mode == "fsdp_tp_torch":
+            model = build_fsdp_tp_torch(args, device)
+        else:
+            model = build_fsdp(args, device, lm_head_alone=mode == "fsdp_lm_head")
+        model.train()
+        if opt is None:
+            opt = torch.optim.AdamW(foreach_safe_param_groups(model.parameters()), lr=LR)
+        vocab = model_config(args).vocab_size
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and mode == "pp")
+        times = []
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        for step in range(args.steps):
+            # The same batches for every config: step s's global batch, this replica's rows.
+            g = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, vocab, (args.batch * n_rep, args.seq), generator=g)
+            ids = ids.chunk(n_rep)[replica].to(device)
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            if mode == "pp":
+                mb_losses = []
+                with autocast:
+                    if rank == 0:
+                        sched.step(ids)
+                    else:
+                        sched.step(target=ids, losses=mb_losses)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                loss = torch.stack(mb_losses).mean().detach() if mb_losses else torch.zeros((), device=device)
+            else:
+                kw = {}
+                if mode == "fsdp_tp_torch":  # the embedding output is sequence-sharded (see plans.py)
+                    kw["position_ids"] = torch.arange(args.seq, device=device).expand(ids.shape[0], -1)
+                loss = model(input_ids=ids, labels=ids, **kw).loss
+                if engine is not None:
+                    engine.backward(loss)
+                    engine.step()
+                else:
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            loss = loss.detach().float().clone()
+            dist.all_reduce(loss)
+            # pp: only the last stage holds the loss; elsewhere every rank holds its replica's
+            result["losses"].append(loss.item() if mode == "pp" else loss.item() / world)
+            if rank == 0:
+                log(f"  step {step:2d} loss {result['losses'][-1]:.4f} {times[-1] * 1e3:8.1f} ms")
+        step_s = statistics.median(times[2:] if len(times) > 2 else times)
+        result["step_ms"] = step_s * 1e3
+        result["tokens_per_s_per_gpu"] = args.batch * n_rep * args.seq / step_s / world
+        # Every rank's peak (the table shows the largest): under pipeline parallel the fused loss
+        # lowers only the last stage's, so which rank holds the largest decides the ratio.
+        own = torch.tensor([float(torch.cuda.max_memory_allocated() if cuda else 0)], device=device)
+        peaks = [torch.zeros_like(own) for _ in range(world)]
+        dist.all_gather(peaks, own)
+        result["rank_peaks_gib"] = [round(p.item() / 2**30, 3) for p in peaks]
+        result["peak_gib"] = max(result["rank_peaks_gib"])
+    except Exception as exc:  # recorded: a peer that cannot run a wrapping is a result too
+        import traceback
+
+        result.update(status="error", error=f"{type(exc).__name__}: {str(exc)[:400]}")
+        log(f"rank {rank}: {result['error']}\n{traceback.format_exc()[-1500:]}")
+    if rank == 0:
+        Path(args.json).write_text(json.dumps(result))
+    dist.destroy_process_group()
