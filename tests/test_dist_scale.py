@@ -1,10 +1,9 @@
-"""benchmarks/dist_scale.py without GPUs: its plan of runs (--dry-run), its argument checks, and
+"""The distributed benchmark (lmkernels.harness.bench.scale, benchmarks/dist_scale.py) without GPUs: its plan of runs (--dry-run), its argument checks, and
 one tiny run on the CPU (gloo) through torchrun, the path every GPU run takes."""
 
 from __future__ import annotations
 
 import json
-import sys
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -15,9 +14,8 @@ pytest.importorskip("transformers", reason="the benchmark trains transformers mo
 if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available in this torch build", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import dist_scale  # noqa: E402
-import dist_scale_worker  # noqa: E402
+from lmkernels.harness.bench import scale as dist_scale  # noqa: E402
+from lmkernels.harness.bench import scale_worker as dist_scale_worker  # noqa: E402
 
 
 def _rows(out: Path) -> tuple[dict, list[dict]]:

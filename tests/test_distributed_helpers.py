@@ -1,10 +1,7 @@
 """Single-process tests of the distributed helpers: foreach_safe_param_groups, and the
-configuration names of benchmarks/dist_train.py (checked before any torchrun starts)."""
+configuration names of the distributed benchmark (checked before any torchrun starts)."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -59,16 +56,15 @@ def test_groups_keep_their_options():
         foreach_safe_param_groups([{"lr": 0.1}])
 
 
-def test_dist_train_configurations():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import dist_train
+def test_distributed_benchmark_configurations():
+    from lmkernels.harness.bench import scale
 
-    for ok in ("plain", "lmk", "lmk:triton", "lmk:eager/flce=triton", "liger", "lmk:triton-noflce"):
-        assert dist_train.check_config(ok) is None, ok
-    assert "unknown backend 'trition'" in dist_train.check_config("lmk:eager/flce=trition")
-    assert "+compile" in dist_train.check_config("lmk+compile")
-    assert "unknown configuration" in dist_train.check_config("lmkernels")
-    assert dist_train.slug("lmk:triton/flce=eager") == "lmk_triton_flce_eager"
+    for ok in ("plain", "lmk", "lmk:triton", "lmk:eager/flce=triton", "liger"):
+        assert scale.check_config(ok) is None, ok
+    assert "unknown backend 'trition'" in scale.check_config("lmk:eager/flce=trition")
+    assert "unknown configuration 'lmk+compile'" in scale.check_config("lmk+compile")
+    assert "unknown configuration" in scale.check_config("lmkernels")
+    assert scale.slug("lmk:triton/flce=eager") == "lmk_triton_flce_eager"
 
 
 def _zero3_like_lm_head(partitioned: bool):

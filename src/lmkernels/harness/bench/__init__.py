@@ -17,7 +17,7 @@ benchmarks/*.py in a checkout):
 
 - frontier.py, frontier_report.py   FLCE against every peer, 8 lm_head shapes x 3 logit regimes
 - e2e.py, e2e_setup.py, e2e_report.py  end-to-end training, configurations taking turns
-- dist.py, dist_report.py          FSDP2 and tensor parallel on 2 GPUs (launches torchrun)
+- scale.py, scale_worker.py        every distributed wrapping on 1-4 GPUs (launches torchrun)
 - families.py                      bf16 training of the patched families against plain
 
 And the suites behind the README and the docs:

@@ -1,6 +1,6 @@
 """What every end-to-end benchmark shares: model presets and their construction, the patching
 configurations, random token batches, the optimizer and training step, the timing loop and the
-memory timeline. Used by the end-to-end benchmark (e2e.py) and the distributed one (dist.py, which
+memory timeline. Used by the end-to-end benchmark (e2e.py) and the distributed one (scale.py, which
 calls build_model / patch / train_step / time_steps on its own ranks).
 
 Configurations (names as on the command line):
@@ -42,7 +42,7 @@ LLAMA_1B = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=True,
 )
-# The tiny models' sizes (over a full-size preset's other fields), here and in dist.py: to
+# The tiny models' sizes (over a full-size preset's other fields), here and in scale_worker.py: to
 # check the scripts themselves on the CPU.
 TINY_SIZES = dict(
     vocab_size=1000,

@@ -304,7 +304,7 @@ def e2e_part(ctx: Context, args: str):
 def dist_rows(
     runs: list[dict[str, Any]], batch: int = 8, seq: int = 1024, layers: int = 8
 ) -> list[dict[str, Any]]:
-    """Data rows from the distributed benchmark's runs (dist.py's dist.json)."""
+    """Data rows from the distributed benchmark's runs (scale.py's dist_scale.json)."""
     out = []
     for r in runs:
         if r["status"] == "skipped":
@@ -333,10 +333,10 @@ def dist_part(ctx: Context):
                 for i, c in enumerate(DIST_CONFIGS)
             ]
         else:
-            from lmkernels.harness.bench import dist
+            from lmkernels.harness.bench import scale
 
             with tempfile.TemporaryDirectory() as tmp:
-                argv = ["--out", tmp, "--modes", mode, "--configs", ",".join(DIST_CONFIGS)]
-                dist.main([*argv, "--budget", f"{ctx.time_left() - 30:.0f}"])
-                runs = json.loads((Path(tmp) / "dist.json").read_text())["runs"]
+                argv = ["--out", tmp, "--gpus", "2", "--modes", mode, "--configs", ",".join(DIST_CONFIGS)]
+                scale.main([*argv, "--budget", f"{ctx.time_left() - 30:.0f}"])
+                runs = json.loads((Path(tmp) / "dist_scale.json").read_text())["runs"]
         ctx.emit(dist_rows(runs), (mode,))

@@ -141,7 +141,7 @@ def dist_checks_part(ctx: Context):
         if ctx.dry_run:
             checks = {"fsdp_layers_root": [{"ok": True, "loss_rel_err": 1e-7}] * 2}
         else:
-            from lmkernels.harness.bench.dist import NCCL_ENV
+            from lmkernels.harness.bench.scale_worker import NCCL_ENV
 
             with tempfile.TemporaryDirectory() as tmp:
                 out = str(Path(tmp) / f"checks_{backend}.json")

@@ -1,7 +1,8 @@
-"""One run of benchmarks/dist_scale.py under torchrun: the model built under one distributed
-wrapping (the modes of dist_scale.py's docstring), patched by one configuration, trained for
---steps steps; rank 0 writes the row. The driver (dist_scale.py) launches it with `--worker`;
-the wrappings, the configurations and the constants both sides share live here.
+"""One run of the distributed benchmark (scale.py) under torchrun: the model built under one
+distributed wrapping (the modes of scale.py's docstring), patched by one configuration, trained
+for --steps steps; rank 0 writes the row. The driver launches it (`-m
+lmkernels.harness.bench.scale --worker`); the wrappings, the configurations and the constants
+both sides share live here.
 """
 
 from __future__ import annotations
@@ -13,10 +14,17 @@ import sys
 import time
 from pathlib import Path
 
-# The distributed benchmark's model (Llama-3.2-1B's shape, untied embeddings, --layers layers),
-# its tiny CPU variant and the NCCL settings of the lent machines.
-from lmkernels.harness.bench.dist import MODEL as LLAMA_1B
-from lmkernels.harness.bench.dist import TINY
+from lmkernels.harness.bench.e2e_setup import LLAMA_1B as E2E_LLAMA_1B
+from lmkernels.harness.bench.e2e_setup import TINY_SIZES
+
+# The Llama-3.2-1B shape of the single-GPU benchmark, with untied embeddings (so lm_head can be
+# sharded on its own) and the layer count from --layers; its tiny variant checks the code on the CPU.
+LLAMA_1B = {k: v for k, v in E2E_LLAMA_1B.items() if k != "num_hidden_layers"} | {
+    "tie_word_embeddings": False
+}
+TINY = LLAMA_1B | TINY_SIZES
+# Multicast over NVLink is unavailable on the lent machines (see the device notes).
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 CONFIGS = ("plain", "lmk", "liger")
 # mode: (minimum GPUs, the GPU count must be even, one-line description)
