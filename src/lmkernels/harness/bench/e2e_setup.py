@@ -1,7 +1,7 @@
 """What every end-to-end benchmark shares: model presets and their construction, the patching
 configurations, random token batches, the optimizer and training step, the timing loop and the
-memory timeline. Used by the end-to-end benchmark (e2e.py) and the distributed one (scale.py, which
-calls build_model / patch / train_step / time_steps on its own ranks).
+memory timeline. Used by the end-to-end benchmark (e2e.py); the distributed one (scale_worker.py)
+takes its model preset and tiny sizes.
 
 Configurations (names as on the command line):
   plain                transformers as is
