@@ -23,10 +23,10 @@ CHUNK_ENV = "LMKERNELS_FLCE_CHUNK_TOKENS"
 # (grad_W + grad_hidden): the recomputed logits block plus the fp32 grad_hidden accumulator.
 LEAN_EXTRA_FRACTION = 0.08
 # Smallest blocks the budget may shrink to: below these the GEMMs lose their efficiency. Blocks
-# of 512 vocabulary columns (memory_budget=0) measured 3-17x the lean default's time for 2-8% less
-# peak (H100, H200, 8 lm_head shapes), while the lean default's blocks (3200 columns at 4096 x
-# 2048 x 128256, 6784 at 8192 x 4096 x 128256) ran at 1.27-1.57x torch.compile's time. The floor
-# of 2048 columns is not yet measured on the GPU.
+# of 512 vocabulary columns (memory_budget=0) measured 1.4-13.5x the lean default's time for
+# 1.5-7% less peak (H100, H200, 8 lm_head shapes), while the lean default's blocks (3200 columns
+# at 4096 x 2048 x 128256, 6784 at 8192 x 4096 x 128256) ran at 1.21-1.57x torch.compile's time.
+# The floor of 2048 columns is not yet measured on the GPU.
 MIN_SUPER_CHUNK = 256
 MIN_VOCAB_BLOCK = 2048
 # grad_W rows summed over super-chunks in the weight's dtype round once per super-chunk: at most
