@@ -35,23 +35,10 @@ def test_import_without_axolotl_names_the_package():
 def workdir(tmp_path_factory):
     """A tiny Llama checkpoint with a word-level tokenizer (nothing from the hub) and a jsonl
     completion dataset of rows with uneven lengths (padding: uneven ignored-token counts)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from lmkernels.integrations import transformers as lk_hf
+    import trainer_common
 
     root = tmp_path_factory.mktemp("axolotl")
-    model = lk_hf.tiny_model("llama", seed=0)
-    V = model.config.vocab_size
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, V)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
-    )
-    model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id = 0, 1, 2
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    V = trainer_common.save_tiny_checkpoint(root / "model").config.vocab_size
     rng = random.Random(0)
     with open(root / "data.jsonl", "w") as f:
         for _ in range(32):

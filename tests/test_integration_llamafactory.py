@@ -121,21 +121,10 @@ def test_launcher_usage():
 def workdir(tmp_path_factory):
     """A tiny Llama with a word-level tokenizer (nothing from the hub), an alpaca-format dataset
     of uneven lengths, and the torchaudio stand-in where torchaudio cannot load."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    import trainer_common
 
     root = tmp_path_factory.mktemp("llamafactory")
-    model = lk_hf.tiny_model("llama", seed=0)
-    V = model.config.vocab_size
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, V)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
-    )
-    model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id = 0, 1, 2
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    V = trainer_common.save_tiny_checkpoint(root / "model").config.vocab_size
     rng = random.Random(0)
 
     def words(lo, hi):

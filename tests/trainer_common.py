@@ -1,6 +1,7 @@
-"""Helpers of the trainer tests (test_integration_ecosystem.py, test_integration_trainers.py): tiny
-models, token rows, a word-level tokenizer, the training arguments the Trainer and TRL runs share,
-and a counter of lmkernels' fused-loss calls."""
+"""Helpers of the trainer tests (test_integration_ecosystem.py, test_integration_trainers.py, the
+Axolotl and LLaMA-Factory tests): tiny models, token rows, a word-level tokenizer and a local
+checkpoint of both, the training arguments the Trainer and TRL runs share, and a counter of
+lmkernels' fused-loss calls."""
 
 from __future__ import annotations
 
@@ -71,14 +72,26 @@ def run_args(tmp_path) -> dict:
     )
 
 
-def tokenizer():
+def tokenizer(vocab_size=V):
+    """A word-level tokenizer: <pad> <s> </s>, then words w3 .. w{vocab_size - 1}."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, V)}}
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def save_tiny_checkpoint(path, model_type="llama", seed=0):
+    """A tiny model and the word-level tokenizer over its vocabulary saved as a local checkpoint
+    (nothing from the hub), pad / bos / eos = 0 / 1 / 2: for trainers that load a model by path.
+    Returns the model."""
+    model = tiny(model_type, seed=seed)
+    model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id = 0, 1, 2
+    model.save_pretrained(path)
+    tokenizer(model.config.vocab_size).save_pretrained(path)
+    return model
 
 
 def texts(n=8, seed=0):
