@@ -73,6 +73,11 @@ def validation_summary(records: list[dict[str, Any]], path: str) -> str:
     return "\n".join([*_table(header, body), "", caption(used, path)])
 
 
+def _checks_cell(checks: list[dict[str, Any]] | None) -> str:
+    """A run's checks as "metric value/limit; ...": the converge and families verdicts."""
+    return "; ".join(f"{c['metric']} {_f(c['value'])}/{_f(c['limit'])}" for c in checks or [])
+
+
 def validation_report(records: list[dict[str, Any]], gpu: str, path: str) -> str:
     """<gpu>-validation.md: the summary, then each kind of evidence in full."""
     lines = [
@@ -127,7 +132,7 @@ def validation_report(records: list[dict[str, Any]], gpu: str, path: str) -> str
         body = [
             [r["family"], r["dtype"], r["variant"], "pass" if r["passed"] else "FAIL"]
             + [
-                "; ".join(f"{c['metric']} {_f(c['value'])}/{_f(c['limit'])}" for c in r["checks"]),
+                _checks_cell(r["checks"]),
                 r["commit"] or "-",
             ]
             for r in conv
@@ -149,7 +154,7 @@ def validation_report(records: list[dict[str, Any]], gpu: str, path: str) -> str
         body = [
             [r["family"], "pass" if r["passed"] else "FAIL", ", ".join(r.get("ops") or [])]
             + [
-                "; ".join(f"{c['metric']} {_f(c['value'])}/{_f(c['limit'])}" for c in r.get("checks") or []),
+                _checks_cell(r.get("checks")),
                 r["commit"] or "-",
             ]
             for r in fam
