@@ -342,22 +342,25 @@ def test_overrides_train_like_torchtitan(assets, plain_run, tmp_path):
     _assert_same_training(plain_run, fused)
 
 
+def _run_both(assets, tmp_path, name: str, args: list[str]) -> tuple[dict, dict]:
+    """torchtitan's llama3 and lmkernels' module on the debug model with the same arguments, 2
+    processes each: (plain, fused). The plain run never calls lmkernels."""
+    plain = _run(
+        assets, tmp_path, f"{name}-plain", ["--module=llama3", "--config=llama3_debugmodel", *args], 2
+    )
+    module = "--module=lmkernels.integrations.torchtitan"
+    fused = _run(assets, tmp_path, f"{name}-lmkernels", [module, "--config=llama3_debugmodel", *args], 2)
+    assert not any(n for r in plain["ranks"] for n in r["calls"].values())  # torchtitan's own
+    return plain, fused
+
+
 @needs_torchtitan
 def test_fsdp_two_processes(assets, tmp_path):
     """FSDP2 over 2 gloo processes (torchtitan shards lm_head with the final norm): the fused
     loss unshards lm_head through FSDP's hooks and its gradient is reduce-scattered as
     lm_head's own; equal to torchtitan's FSDP run without lmkernels."""
     fsdp = ["--parallelism.data_parallel_shard_degree=2", "--parallelism.spmd_backend=partial_dtensor"]
-    plain = _run(
-        assets, tmp_path, "fsdp-plain", ["--module=llama3", "--config=llama3_debugmodel", *fsdp], nproc=2
-    )
-    fused = _run(
-        assets,
-        tmp_path,
-        "fsdp-lmkernels",
-        ["--module=lmkernels.integrations.torchtitan", "--config=llama3_debugmodel", *fsdp],
-        nproc=2,
-    )
+    plain, fused = _run_both(assets, tmp_path, "fsdp", fsdp)
     _assert_lmkernels_ran(fused)
     assert plain["lm_head"] == fused["lm_head"] == "FSDPLinear"
     _assert_same_training(plain, fused)
@@ -372,17 +375,7 @@ def test_tensor_parallel_two_processes(assets, tmp_path):
     # (torch 2.13's fully_shard: "When dp_mesh_dims is provided, all parameters must be DTensors
     # on the full SPMD mesh ... Got plain tensor for parameter 'weight'").
     tp = ["--parallelism.tensor_parallel_degree=2", "--parallelism.spmd_backend=partial_dtensor"]
-    plain = _run(
-        assets, tmp_path, "tp-plain", ["--module=llama3", "--config=llama3_debugmodel", *tp], nproc=2
-    )
-    fused = _run(
-        assets,
-        tmp_path,
-        "tp-lmkernels",
-        ["--module=lmkernels.integrations.torchtitan", "--config=llama3_debugmodel", *tp],
-        nproc=2,
-    )
-    assert not any(n for r in plain["ranks"] for n in r["calls"].values())  # torchtitan's own
+    plain, fused = _run_both(assets, tmp_path, "tp", tp)
     for r in fused["ranks"]:
         _assert_lmkernels_ran(r, loss_op=VOCAB_PARALLEL)
         assert r["calls"]["rope"] == 0, r["calls"]
@@ -400,17 +393,7 @@ def test_pipeline_parallel_two_processes(assets, tmp_path):
         "--parallelism.pipeline_parallel_microbatch_size=1",
         "--training.disable_cuda_graphs",  # torchtitan's config check: its CUDA graphs refuse PP
     ]
-    plain = _run(
-        assets, tmp_path, "pp-plain", ["--module=llama3", "--config=llama3_debugmodel", *pp], nproc=2
-    )
-    fused = _run(
-        assets,
-        tmp_path,
-        "pp-lmkernels",
-        ["--module=lmkernels.integrations.torchtitan", "--config=llama3_debugmodel", *pp],
-        nproc=2,
-    )
-    assert not any(n for r in plain["ranks"] for n in r["calls"].values())  # torchtitan's own
+    plain, fused = _run_both(assets, tmp_path, "pp", pp)
     first, last = fused["ranks"]
     layers = {k.split(".")[1] for k in fused["params"] if k.startswith("layers.")}
     assert layers == {str(i) for i in range(6)} and "lm_head.weight" in fused["params"]  # both stages
