@@ -1,9 +1,12 @@
 """A part of a suite (`lmkernels bench --suite`): what it is (Part, the suites table's entries in
-suite.py) and the context it runs in (Context: where its rows go, their provenance, its budget)."""
+suite.py), the context it runs in (Context: where its rows go, their provenance, its budget), and
+what parts that run the repository's own commands share (repo_root, run_command)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,3 +62,24 @@ class Context:
             out.append(row | self.prov | ({"dry_run": True} if self.dry_run else {}))
         data.append_rows(self.path, out)
         self.written += len(out)
+
+
+def repo_root() -> Path:
+    """The checkout a part that runs the repository's tests or scripts needs."""
+    root = data.repo_root()
+    if root is None and (Path.cwd() / "tests").is_dir() and (Path.cwd() / "benchmarks").is_dir():
+        root = Path.cwd()
+    if root is None:
+        raise SystemExit("this part runs the repository's tests: run it from a checkout of lmkernels")
+    return root
+
+
+def run_command(cmd: list[str], timeout: float, log, cwd: Path | None = None, env=None) -> int:
+    """The repository's own command of a part, kernels compiled (not interpreted), within its budget."""
+    log("  $ " + " ".join(cmd))
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1", **(env or {}))
+    try:
+        return subprocess.run(cmd, cwd=cwd, env=env, timeout=max(timeout, 60)).returncode
+    except subprocess.TimeoutExpired:
+        log(f"  stopped at the time budget ({timeout:.0f} s)")
+        return -1

@@ -1,18 +1,21 @@
 """The measuring parts of the readme suite (`lmkernels bench --suite readme`): ops (norms, RoPE,
 GLUs against their peers and the copy floor), flce (the frontier benchmark), e2e (end-to-end
-training) and dist (2 GPUs); each turns its benchmark's results into data rows. With --dry-run
+training), dist (2 GPUs) and compare (the tree before a change against this one); each turns its
+benchmark's results into data rows. With --dry-run
 they make up timings instead (no GPU)."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from lmkernels.harness.bench.grids import DTYPE, FLCE, dims_of, ops_points, shape_label
-from lmkernels.harness.bench.parts import Context
+from lmkernels.harness.bench.parts import Context, repo_root, run_command
 
 OPS_IMPLS = ("triton", "compile", "liger")
 # The FLCE part: lmkernels' default, its lean backend and the memory-budget range against the
@@ -340,3 +343,38 @@ def dist_part(ctx: Context):
                 scale.main([*argv, "--budget", f"{ctx.time_left() - 30:.0f}"])
                 runs = json.loads((Path(tmp) / "dist_scale.json").read_text())["runs"]
         ctx.emit(dist_rows(runs), (mode,))
+
+
+# --- before / after a change -------------------------------------------------------------------------
+
+COMPARE_OLD_ENV = "LMKERNELS_COMPARE_OLD"  # src/ of the checkout before the change
+
+
+def compare_part(ctx: Context):
+    """benchmarks/compare_trees.py: the ops, FLCE modes and end-to-end steps of the tree before a
+    change ($LMKERNELS_COMPARE_OLD, e.g. `git archive REV src | tar -x -C /tmp/old`: /tmp/old/src)
+    against this one, in turns, in one run."""
+    if ctx.done(("compare",)):
+        return
+    if ctx.dry_run:
+        rows = [
+            {"case": c, "old_ms": 1.0, "new_ms": 1.0 + d, "ratio": 1.0 + d, "noise": 0.01, "rounds": 3}
+            | {"old_peak_mib": 100.0, "new_peak_mib": 100.0}
+            for c, d in (("rms_norm 16384x4096", 0.001), ("flce 8192x4096x128256", -0.002))
+        ]
+        old = "dry-run"
+    else:
+        old = os.environ.get(COMPARE_OLD_ENV)
+        if not old or not Path(old, "lmkernels").is_dir():
+            raise SystemExit(
+                f"part compare: set {COMPARE_OLD_ENV} to the src/ folder of the tree before the change"
+            )
+        root = repo_root()
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, str(root / "benchmarks" / "compare_trees.py"), "--out", tmp]
+            run_command(
+                [*cmd, "--trees", f"old={old},new={root / 'src'}"], ctx.time_left(), ctx.log, cwd=root
+            )
+            rows = json.loads((Path(tmp) / "compare.json").read_text())["rows"]
+    method = "GPU time, launch queue filled ahead, L2 flushed (ops, FLCE); wall time per step (e2e)"
+    ctx.emit([{"old_tree": old, "method": method} | r for r in rows], ("compare",))

@@ -6,34 +6,12 @@ data rows. With --dry-run they make up passing records instead (no GPU)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from lmkernels.harness.bench import data
-from lmkernels.harness.bench.parts import Context
-
-
-def repo_root() -> Path:
-    root = data.repo_root()
-    if root is None and (Path.cwd() / "tests").is_dir() and (Path.cwd() / "benchmarks").is_dir():
-        root = Path.cwd()
-    if root is None:
-        raise SystemExit("this part runs the repository's tests: run it from a checkout of lmkernels")
-    return root
-
-
-def _run(cmd: list[str], timeout: float, log, cwd: Path | None = None, env=None) -> int:
-    log("  $ " + " ".join(cmd))
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1", **(env or {}))
-    try:
-        return subprocess.run(cmd, cwd=cwd, env=env, timeout=max(timeout, 60)).returncode
-    except subprocess.TimeoutExpired:
-        log(f"  stopped at the time budget ({timeout:.0f} s)")
-        return -1
+from lmkernels.harness.bench.parts import Context, repo_root, run_command
 
 
 def grid_records(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -67,7 +45,7 @@ def grid_part(ctx: Context, ops: str, dtypes: str | None):
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [sys.executable, *"-m lmkernels validate --device cuda --full --backend triton".split()]
             cmd += ["--op", ops, *(["--dtype", dtypes] if dtypes else []), "--out", tmp, "--no-progress"]
-            _run(cmd, ctx.time_left(), ctx.log)
+            run_command(cmd, ctx.time_left(), ctx.log)
             report = Path(tmp) / "validation.json"
             results = json.loads(report.read_text())["results"] if report.exists() else []
     ctx.emit(grid_records(results), ("grid",))
@@ -95,7 +73,7 @@ def converge_part(ctx: Context):
             with tempfile.TemporaryDirectory() as tmp:
                 cmd = [sys.executable, *"-m lmkernels converge --family all --backend triton".split()]
                 cmd += ["--dtype", dtype, "--device", "cuda", "--out", tmp, "--no-progress"]
-                _run(cmd, ctx.time_left(), ctx.log)
+                run_command(cmd, ctx.time_left(), ctx.log)
                 found = list(Path(tmp).glob("converge-*.json"))
                 if not found:
                     continue
@@ -148,8 +126,8 @@ def dist_checks_part(ctx: Context):
                 script = str(root / "tests" / "distributed_checks.py")
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
                 cmd += [script, "--device", "cuda", "--backend", backend, "--timeout", "150", "--out", out]
-                _run(cmd, ctx.time_left() / 2, ctx.log, cwd=root, env=NCCL_ENV)
-                _run([sys.executable, script, "--merge", "--out", out], 120, ctx.log, cwd=root)
+                run_command(cmd, ctx.time_left() / 2, ctx.log, cwd=root, env=NCCL_ENV)
+                run_command([sys.executable, script, "--merge", "--out", out], 120, ctx.log, cwd=root)
                 if not Path(out).exists():
                     continue
                 checks = json.loads(Path(out).read_text())["checks"]
@@ -177,7 +155,7 @@ def tests_part(ctx: Context, args: list[str]):
         root = repo_root()
         with tempfile.TemporaryDirectory() as tmp:
             cmd = [sys.executable, str(root / "benchmarks" / "gpu_tests.py"), *args, "--out", tmp]
-            _run(
+            run_command(
                 [*cmd, "--timeout", f"{max(ctx.time_left() - 20, 60):.0f}"],
                 ctx.time_left() + 60,
                 ctx.log,
@@ -187,36 +165,3 @@ def tests_part(ctx: Context, args: list[str]):
         got = json.loads(lines[-1])
         record = {k: got.get(k) for k in ("group", "tool", "pytest", "exit", "seconds", "sanitizer_errors")}
     ctx.emit([record], ("tests",))
-
-
-# --- before / after a change -------------------------------------------------------------------------
-
-COMPARE_OLD_ENV = "LMKERNELS_COMPARE_OLD"  # src/ of the checkout before the change
-
-
-def compare_part(ctx: Context):
-    """benchmarks/compare_trees.py: the ops, FLCE modes and end-to-end steps of the tree before a
-    change ($LMKERNELS_COMPARE_OLD, e.g. `git archive REV src | tar -x -C /tmp/old`: /tmp/old/src)
-    against this one, in turns, in one run."""
-    if ctx.done(("compare",)):
-        return
-    if ctx.dry_run:
-        rows = [
-            {"case": c, "old_ms": 1.0, "new_ms": 1.0 + d, "ratio": 1.0 + d, "noise": 0.01, "rounds": 3}
-            | {"old_peak_mib": 100.0, "new_peak_mib": 100.0}
-            for c, d in (("rms_norm 16384x4096", 0.001), ("flce 8192x4096x128256", -0.002))
-        ]
-        old = "dry-run"
-    else:
-        old = os.environ.get(COMPARE_OLD_ENV)
-        if not old or not Path(old, "lmkernels").is_dir():
-            raise SystemExit(
-                f"part compare: set {COMPARE_OLD_ENV} to the src/ folder of the tree before the change"
-            )
-        root = repo_root()
-        with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, str(root / "benchmarks" / "compare_trees.py"), "--out", tmp]
-            _run([*cmd, "--trees", f"old={old},new={root / 'src'}"], ctx.time_left(), ctx.log, cwd=root)
-            rows = json.loads((Path(tmp) / "compare.json").read_text())["rows"]
-    method = "GPU time, launch queue filled ahead, L2 flushed (ops, FLCE); wall time per step (e2e)"
-    ctx.emit([{"old_tree": old, "method": method} | r for r in rows], ("compare",))

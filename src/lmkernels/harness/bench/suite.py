@@ -24,9 +24,8 @@ from typing import Any
 from lmkernels.harness.bench import data
 from lmkernels.harness.bench.grids import DESIGN_EXTRAS, FLCE, ROPE_GRIDS
 from lmkernels.harness.bench.parts import Context, Part
-from lmkernels.harness.bench.parts_perf import dist_part, e2e_part, flce_part, ops_part
+from lmkernels.harness.bench.parts_perf import compare_part, dist_part, e2e_part, flce_part, ops_part
 from lmkernels.harness.bench.parts_validation import (
-    compare_part,
     converge_part,
     dist_checks_part,
     families_part,
