@@ -41,6 +41,12 @@ def _round_down(x: int, multiple: int) -> int:
     return x // multiple * multiple
 
 
+def _chunk_rows(nbytes: int, V: int) -> int:
+    """Tokens of fp32 logits that fit nbytes, a multiple of 128 (cuBLAS tile height), below 2^31
+    logits per chunk (0 or less: none fit)."""
+    return _round_down(min(nbytes // (4 * V), 2**31 // V), 128)
+
+
 def _chunk_override() -> int:
     """Tokens per forward chunk fixed by CHUNK_TOKENS or the environment (0: not fixed)."""
     return CHUNK_TOKENS or int(os.environ.get(CHUNK_ENV, "0") or 0)
@@ -92,7 +98,7 @@ def fast_wide_chunk(BT: int, H: int, V: int, itemsize: int) -> int | None:
     if _chunk_override() > 0:
         return None
     room = min(2 * (BT + V) * H * itemsize, 4 * V * H + CHUNK_BYTES)
-    rows = _round_down(min(room // (4 * V), 2**31 // V), 128)
+    rows = _chunk_rows(room, V)
     return rows if rows > 0 and cdiv(BT, rows) <= MAX_SUPER_CHUNKS else None
 
 
@@ -152,11 +158,11 @@ def plan(
         # The fast mode: a chunk of fp32 logits, and grad_W summed in its own dtype over at most
         # MAX_SUPER_CHUNKS chunks, or else in an fp32 accumulator that the budget pays for too.
         # A budget may pass CHUNK_BYTES (the default's cap), not 2^31 logits per chunk.
-        rows = _round_down(min(extra // (4 * V), 2**31 // V), 128)
+        rows = _chunk_rows(extra, V)
         summed = own_ok and (rows >= BT or cdiv(BT, max(rows, 1)) <= MAX_SUPER_CHUNKS)
         if rows > 0 and (not need_weight or summed):
             return Plan(False, False, rows * V * 4, extra)
-        rows = _round_down(min((extra - V * H * 4) // (4 * V), 2**31 // V), 128)
+        rows = _chunk_rows(extra - V * H * 4, V)
         if rows > 0 and need_weight and fp32_ok:
             return Plan(False, True, rows * V * 4, extra)
     return Plan(True, grad_accum_dtype == torch.float32, grad_bytes + extra, extra)
