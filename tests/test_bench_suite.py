@@ -155,12 +155,10 @@ def test_stepcheck_verdict():
 
 
 def _tuner(monkeypatch):
-    """benchmarks/tune_norms.py and its candidates, the folder on the path as when it runs."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("tune_norms", ROOT / "benchmarks" / "tune_norms.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, importlib.import_module("tune_norms_candidates")
+    """`lmkernels tune`'s module and its candidates."""
+    from lmkernels.harness.tune import candidates, norms
+
+    return norms, candidates
 
 
 def test_tuner_candidates_and_report(monkeypatch):
@@ -215,6 +213,18 @@ def test_tuner_candidates_and_report(monkeypatch):
     assert tune.tuned_entry(rows[:2], base) is None  # one half improved: a candidate already timed
 
 
+def test_tune_cli_errors_name_the_argument(capsys):
+    """`lmkernels tune`: a typo names the option and the known values; no GPU is one line."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["tune", "--out", "x", "--ops", "rmsnorm"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--ops: unknown op 'rmsnorm' (did you mean" in err and "Traceback" not in err
+    if not __import__("torch").cuda.is_available():
+        assert cli.main(["tune", "--out", "x"]) == 2
+        assert "on a CUDA GPU; none is visible here" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU interpreter")
 def test_tuner_runs_candidates_through_the_launchers(monkeypatch):
     """Each kind of candidate, passed to the launchers, matches the fp32 reference (the
@@ -233,7 +243,6 @@ def test_tuner_runs_candidates_through_the_launchers(monkeypatch):
 def test_compare_trees_summary_pairs_rounds():
     """benchmarks/compare_trees.py: per case the median of the per-round ratios, and the old
     tree's own spread as the noise."""
-    import importlib.util
 
     spec = importlib.util.spec_from_file_location(
         "compare_trees", Path(__file__).parent.parent / "benchmarks" / "compare_trees.py"

@@ -1,4 +1,4 @@
-"""The `lmkernels` command: list, explain, validate, converge, bench, patch-report."""
+"""The `lmkernels` command: list, explain, validate, converge, bench, tune, patch-report."""
 
 from __future__ import annotations
 
@@ -265,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (
         "lmkernels.convergence.cli",
         "lmkernels.harness.bench.cli",
+        "lmkernels.harness.tune.cli",
         "lmkernels.integrations.transformers.cli",
     ):
         try:

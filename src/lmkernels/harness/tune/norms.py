@@ -1,9 +1,9 @@
 """Tune the launch configurations of the RMSNorm, LayerNorm and RoPE Triton kernels (one GPU).
 
-    python benchmarks/tune_norms.py --out DIR                      # norms and RoPE, the tune grid
-    python benchmarks/tune_norms.py --out DIR --ops rope --grid final --table-only
+    lmkernels tune --out DIR                       # norms and RoPE, the tune grid
+    lmkernels tune --out DIR --ops rope --grid final --table-only
 
-A candidate (tune_norms_candidates.py) is an entry of the device's tables (configs.tables_for)
+A candidate (candidates.py) is an entry of the device's tables (configs.tables_for)
 with some fields replaced (dataclasses.replace): a norm's NormEntry (forward fields, backward fields, const_n), the wide
 path's WidePath and ColumnConfig, RoPE's RopeTileConfig and RopePosConfig. Each is resolved into
 a launch configuration the way the op bodies resolve the table's (a copy of the table holding the
@@ -37,8 +37,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import shlex
-import sys
 import time
 from dataclasses import replace
 
@@ -52,8 +50,7 @@ from lmkernels.backends.triton.configs.records import (
     RopeTileConfig,
     WidePath,
 )
-from lmkernels.harness.bench.grids import NORM_GRIDS, ROPE_GRIDS
-from tune_norms_candidates import (
+from lmkernels.harness.tune.candidates import (
     DEVICE,
     _block,
     as_json,
@@ -65,34 +62,9 @@ from tune_norms_candidates import (
     tables,
     variants,
 )
+from lmkernels.harness.tune.grids import NORMS, ROPES
 
 E = 2  # bytes per bf16 element
-NORMS = {
-    **NORM_GRIDS,
-    "tune": [(16384, n) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)]
-    + [(4096, 1024), (4096, 16384), (65536, 1024), (65536, 4096), (65536, 16384)],
-}
-ROPES = {
-    **ROPE_GRIDS,
-    "tune": [
-        (1, 32, 8, 1024, 128, None),
-        (1, 32, 8, 8192, 128, None),
-        (1, 32, 8, 131072, 128, None),
-        (4, 32, 32, 4096, 128, None),
-        (2, 16, 16, 8192, 64, None),
-        (1, 16, 4, 16384, 256, None),
-        (1, 32, 8, 16384, 128, 64),
-    ],
-    # The tile table's keys over batch sizes, for the choice between the tile and position kernel.
-    "tiles": [
-        (b, hq, hkv, t, d, r)
-        for b in (1, 4, 8)
-        for t in (1024, 8192)
-        for hq, hkv, d, r in ((16, 16, 64, None), (16, 4, 256, None), (32, 8, 128, 64), (32, 32, 128, None))
-    ],
-}
-for _grids in (NORMS, ROPES):
-    _grids["all"] = _grids["final"] + _grids["offgrid"]
 
 
 # --- the measured cases ---------------------------------------------------------------------------
@@ -442,26 +414,17 @@ def warm(group, table_only, layout, part, parts):
     return f"{group[0][0]} {[s for _, s in group]} part {part + 1}/{parts}"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
-    p.add_argument("--ops", default="rms_norm,layer_norm,rope")
-    p.add_argument("--grid", default="tune", choices=sorted(set(NORMS) | set(ROPES)))
-    p.add_argument("--reps", type=int, default=30, help="GPU-timed calls per variant (median)")
-    p.add_argument("--jobs", type=int, default=12, help="compiling worker processes")
-    p.add_argument("--warm-budget", type=float, default=150.0, help="seconds for the parallel compile")
-    p.add_argument("--budget", type=float, default=330.0, help="seconds; later points are skipped")
-    p.add_argument("--table-only", action="store_true", help="the committed tables and the peers only")
-    p.add_argument("--no-peers", dest="peers", action="store_false", help="no torch.compile, no Liger")
-    p.add_argument(
-        "--rope-layout", default="bhtd", choices=["bhtd", "bthd"], help="bthd: as transformers passes q, k"
-    )
-    args = p.parse_args(argv)
+def run(args: argparse.Namespace, command: str) -> int:
+    """Tune the points of args on this GPU; `command` is recorded in the report."""
+    if not torch.cuda.is_available():
+        from lmkernels.registry import LMKernelsError
+
+        raise LMKernelsError("lmkernels tune times kernels on a CUDA GPU; none is visible here")
     torch._dynamo.config.cache_size_limit = torch._dynamo.config.accumulated_cache_size_limit = 4096
     os.environ.pop("TRITON_INTERPRET", None)
     start = time.time()
     log = lambda msg: print(f"[{time.time() - start:6.1f}s] {msg}", flush=True)  # noqa: E731
-    grids = {op: (ROPES if op == "rope" else NORMS).get(args.grid, []) for op in args.ops.split(",")}
+    grids = {op: (ROPES if op == "rope" else NORMS).get(args.grid, []) for op in args.ops}
     # The ops take turns, so that a budget that runs out cuts every op's last points.
     jobs = [(op, g[i]) for i in range(max(map(len, grids.values()))) for op, g in grids.items() if i < len(g)]
     if args.jobs > 1:
@@ -488,7 +451,7 @@ def main(argv=None) -> int:
     from lmkernels.harness.bench.roofline import copy_bandwidth_gbps
 
     meta = {"device": torch.cuda.get_device_name(), **versions(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    meta["command"] = shlex.join(["python", *sys.argv]) if argv is None else shlex.join(argv)
+    meta["command"] = command
     meta["copy_gbps"] = copy_bandwidth_gbps(DEVICE)
     log(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s")
     os.makedirs(args.out, exist_ok=True)
@@ -509,7 +472,3 @@ def main(argv=None) -> int:
         f.write(md)
     print(md)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The candidates benchmarks/tune_norms.py times: entries of the device's tables
+"""The candidates `lmkernels tune` times: entries of the device's tables
 (configs.tables_for) with some fields replaced (dataclasses.replace), a norm's NormEntry (forward
 fields, backward fields, const_n), the wide path's WidePath and ColumnConfig, RoPE's
 RopeTileConfig and RopePosConfig; their names in the report, their JSON form in tune.json, and

@@ -1,0 +1,64 @@
+"""The tuner's points and arguments: light enough for the CLI to build its parser without
+loading the kernels."""
+
+from __future__ import annotations
+
+import argparse
+
+from lmkernels import cliargs
+from lmkernels.harness.bench.grids import NORM_GRIDS, ROPE_GRIDS
+
+OPS = ("rms_norm", "layer_norm", "rope")
+# A norm's points: (rows, columns); RoPE's: (batch, q heads, kv heads, tokens, head dim, rotary dim).
+NORMS = {
+    **NORM_GRIDS,
+    "tune": [(16384, n) for n in (1024, 2048, 3584, 4096, 5120, 8192, 11008, 16384)]
+    + [(4096, 1024), (4096, 16384), (65536, 1024), (65536, 4096), (65536, 16384)],
+}
+ROPES = {
+    **ROPE_GRIDS,
+    "tune": [
+        (1, 32, 8, 1024, 128, None),
+        (1, 32, 8, 8192, 128, None),
+        (1, 32, 8, 131072, 128, None),
+        (4, 32, 32, 4096, 128, None),
+        (2, 16, 16, 8192, 64, None),
+        (1, 16, 4, 16384, 256, None),
+        (1, 32, 8, 16384, 128, 64),
+    ],
+    # The tile table's keys over batch sizes, for the choice between the tile and position kernel.
+    "tiles": [
+        (b, hq, hkv, t, d, r)
+        for b in (1, 4, 8)
+        for t in (1024, 8192)
+        for hq, hkv, d, r in ((16, 16, 64, None), (16, 4, 256, None), (32, 8, 128, 64), (32, 32, 128, None))
+    ],
+}
+for _grids in (NORMS, ROPES):
+    _grids["all"] = _grids["final"] + _grids["offgrid"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="report directory (tune.json, tune.md)")
+    p.add_argument(
+        "--ops",
+        type=cliargs.choice_list(OPS, "op"),
+        default=list(OPS),
+        help=f"comma-separated, of {', '.join(OPS)} (default: all)",
+    )
+    p.add_argument("--grid", default="tune", choices=sorted(set(NORMS) | set(ROPES)))
+    p.add_argument(
+        "--reps", type=cliargs.positive_int, default=30, help="GPU-timed calls per variant (median)"
+    )
+    p.add_argument("--jobs", type=cliargs.positive_int, default=12, help="compiling worker processes")
+    p.add_argument(
+        "--warm-budget", type=cliargs.positive_float, default=150.0, help="seconds for the parallel compile"
+    )
+    p.add_argument(
+        "--budget", type=cliargs.positive_float, default=330.0, help="seconds; later points are skipped"
+    )
+    p.add_argument("--table-only", action="store_true", help="the committed tables and the peers only")
+    p.add_argument("--no-peers", dest="peers", action="store_false", help="no torch.compile, no Liger")
+    p.add_argument(
+        "--rope-layout", default="bhtd", choices=["bhtd", "bthd"], help="bthd: as transformers passes q, k"
+    )
