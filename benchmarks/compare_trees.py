@@ -45,6 +45,13 @@ CASES = [
 ]
 
 MODEL_ENV = "LMKERNELS_COMPARE_MODEL"  # the e2e model's config (JSON), from the driver to the workers
+CASES_ENV = "LMKERNELS_COMPARE_CASES"  # --cases, from the driver to the workers
+
+
+def selected_cases() -> list[tuple[str, str, dict]]:
+    """The CASES whose names contain one of --cases' comma-separated words (all without it)."""
+    words = [w for w in os.environ.get(CASES_ENV, "").split(",") if w]
+    return [c for c in CASES if not words or any(w in c[0] for w in words)]
 
 
 def _op_case(lk, kind: str, p: dict, dev: str):
@@ -189,7 +196,7 @@ def worker(src: str, out: str) -> None:
     torch.manual_seed(0)
     torch.cuda.set_device(0)
     results = {}
-    for name, kind, p in CASES:
+    for name, kind, p in selected_cases():
         torch.cuda.empty_cache()
         results[name] = _time_e2e(p, "cuda") if kind == "e2e" else _time_op(*_op_case(lk, kind, p, "cuda"))
     results["_env"] = {
@@ -205,7 +212,7 @@ def summarize(runs: dict[str, list[dict]], names: list[str]) -> list[dict]:
     """Per case: the median over rounds of new/old, the old tree's spread, the peaks."""
     old, new = names
     rows = []
-    for case, _, _ in CASES:
+    for case, _, _ in selected_cases():
         o = [run[case]["ms"] for run in runs[old]]
         n = [run[case]["ms"] for run in runs[new]]
         rows.append(
@@ -221,12 +228,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trees", default="old=/tmp/old/src,new=src", help="NAME=PATH,NAME=PATH: before, after")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--cases", default="", help="comma-separated words: only the cases whose names hold one")
     ap.add_argument("--out", required=True)
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         worker(*a.worker)
         return 0
+    os.environ[CASES_ENV] = a.cases
+    if not selected_cases():
+        raise SystemExit(
+            f"--cases {a.cases!r}: no case's name holds one of these; cases: {[c[0] for c in CASES]}"
+        )
     trees = dict(item.split("=", 1) for item in a.trees.split(","))
     if len(trees) != 2:
         raise SystemExit("--trees: expected two NAME=PATH entries, before and after")

@@ -300,33 +300,46 @@ def test_fast_mode_default_accumulation(monkeypatch):
     assert not accum(16 * 9, lean=True)  # lean: its own super-chunk rule
 
 
-def test_fast_mode_default_wide_chunks(monkeypatch):
-    """Where 8 chunks of BT / 8 tokens pass CHUNK_BYTES the default takes memory_budget=2's chunks
-    (bf16 sums over <= 8 of them) if they exist, else the fp32 accumulator: never more memory than
-    that accumulator and its chunk."""
+def test_fast_mode_default_chunks(monkeypatch):
+    """The default fast mode's plan: bf16 inputs get 8 chunks of bf16 logits (grad_W summed in
+    bf16) wherever 8 chunks of BT / 8 tokens fit CHUNK_BYTES of bf16; past that, memory_budget=2's
+    fp32 chunks if at most 8 of them cover the tokens, else the fp32 accumulator: never more
+    memory than that accumulator and its chunk. fp16, or an asked-for fp32 accumulation, keep
+    fp32 logits."""
     monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", None)
     monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
 
-    def default(BT, H, V, dtype=torch.bfloat16, accum=None):
-        return flce_plan.plan(BT, H, V, 2, dtype, accum, False, None, True, True)
+    def default(BT, H, V, dtype=torch.bfloat16, accum=None, grads_now=True):
+        return flce_plan.plan(BT, H, V, 2, dtype, accum, False, None, grads_now, True)
 
     def budget_2(BT, H, V):
         return flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, 2.0, True, True)
 
-    for BT, H, V in [(16384, 2560, 151936), (16384, 3584, 152064)]:  # the measured shapes
+    # The measured heads, 4k-32k tokens.
+    for BT, H, V in [
+        (32768, 2048, 128256),
+        (16384, 2560, 151936),
+        (16384, 3584, 152064),
+        (8192, 4096, 128256),
+    ]:
         plan = default(BT, H, V)
-        assert not plan.accum_fp32 and not plan.lean
-        assert plan.chunk_bytes == budget_2(BT, H, V).chunk_bytes
-        tokens = plan.chunk_bytes // (4 * V)
-        assert flce_plan.cdiv(BT, tokens) <= flce_plan.MAX_SUPER_CHUNKS
-        assert plan.chunk_bytes <= 4 * V * H + flce_plan.CHUNK_BYTES
-    # 32768 x 2048 x 128256: budget 2's chunks would be 13: the fp32 accumulator stays.
-    assert default(32768, 2048, 128256).accum_fp32
-    # Not for fp16 weights, nor where the caller asked for an accumulation dtype.
+        assert not plan.fp32_logits and not plan.accum_fp32 and not plan.lean
+        assert plan.chunk_bytes == BT // 8 * V * 2 <= flce_plan.CHUNK_BYTES
+    assert default(4096, 2304, 256000).chunk_bytes == flce_plan.MIN_FAST_CHUNK_TOKENS * 256000 * 2
+    # fp16, an fp32 accumulation asked for, a forward without gradients: fp32 logits.
+    assert default(16384, 2560, 151936, torch.float16).fp32_logits
     assert default(16384, 2560, 151936, torch.float16).accum_fp32
-    assert default(16384, 2560, 151936, accum=torch.float32).accum_fp32
-    # Shapes whose 8 chunks fit CHUNK_BYTES keep them.
-    assert default(8192, 4096, 128256).chunk_bytes == 1024 * 128256 * 4
+    assert default(16384, 2560, 151936, accum=torch.float32).fp32_logits
+    assert default(8192, 4096, 128256, grads_now=False).fp32_logits
+    # Past 8 bf16 chunks: the wide fp32 chunks where at most 8 cover the tokens...
+    BT, H, V = 32768, 4096, 151936
+    plan = default(BT, H, V)
+    assert plan.fp32_logits and not plan.accum_fp32
+    assert plan.chunk_bytes == budget_2(BT, H, V).chunk_bytes
+    assert flce_plan.cdiv(BT, plan.chunk_bytes // (4 * V)) <= flce_plan.MAX_SUPER_CHUNKS
+    assert plan.chunk_bytes <= 4 * V * H + flce_plan.CHUNK_BYTES
+    # ... else the fp32 accumulator.
+    assert default(65536, 2048, 128256).accum_fp32
 
 
 def test_memory_budget_plans(monkeypatch):
@@ -469,11 +482,13 @@ def test_allocations_per_step(dtype, accum, reduction, mode):
     expected = {V * H * size: 1, BT * H * size: 1}
     if dtype != torch.float32:
         # fp32 V x H: the fast mode's grad_W accumulator (fp32 accumulation asked for, gradients
-        # computed in the forward; the default sums these few chunks in bf16) and, without fp32-output GEMMs for 16-bit inputs (CPU), one weight
-        # upcast per loop (the forward's, and the recomputing backward's). The lean backward
-        # never holds a V x H accumulator: grad_W rows are written block by block.
+        # computed in the forward; the default sums these few chunks in bf16) and, without
+        # fp32-output GEMMs for 16-bit inputs (CPU), one weight upcast per loop with fp32 logits
+        # (the forward's, and the recomputing backward's; the default's forward has bf16 logits).
+        # The lean backward never holds a V x H accumulator: grad_W rows are written block by block.
         in_forward = mode == "fast" and reduction == "mean"
-        upcasts = 0 if kernels._cuda_fp32_out(hidden) else (1 if in_forward else 2)
+        bf16_logits = in_forward and accum is None
+        upcasts = 0 if kernels._cuda_fp32_out(hidden) or bf16_logits else (1 if in_forward else 2)
         expected[V * H * 4] = (accum == torch.float32 and in_forward) + upcasts
     assert counts == expected
     assert remaining == (V * H + BT * H) * size  # hidden.grad and weight.grad
@@ -574,6 +589,7 @@ def _forward_args(inputs, reduction, grads, lean, stats=True):
         True,
         lean,
         0 if not lean else 1 << 20,  # chunk_bytes (0: the default's) and block_bytes: flce_plan.plan's
+        lean,  # fp32_logits: the fast mode takes the input dtype's (bf16 inputs: bf16 logits)
         1 << 20,
         stats,
     )

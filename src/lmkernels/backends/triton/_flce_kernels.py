@@ -2,9 +2,10 @@
 
 flce.py (the op, its autograd and the design notes) calls two loops:
 
-- `run_chunks`: token chunks over the whole vocabulary. Per chunk cuBLAS writes fp32 logits,
-  `_flce_rows_kernel` turns each row into logsumexp + loss and (when a gradient is given)
-  d loss / d logits in the input dtype over the logits, and cuBLAS takes grad_hidden / grad_W /
+- `run_chunks`: token chunks over the whole vocabulary. Per chunk cuBLAS writes the logits
+  (fp32, or bf16 as the model's lm_head rounds them: the plan's choice), `_flce_rows_kernel`
+  turns each row into logsumexp + loss and (when a gradient is given) d loss / d logits in the
+  input dtype over the logits, and cuBLAS takes grad_hidden / grad_W /
   grad_bias from those. The forward uses it: the "fast" mode computes every gradient here
   (6*BT*H*V flops in all), the "lean" mode only the logsumexp.
 - `run_blocks`: the recomputing backward, blocked over (token super-chunk x vocabulary block)
@@ -53,7 +54,7 @@ def _tanh(x):
 
 @triton.jit
 def _flce_rows_kernel(
-    logits_ptr,  # (rows, V) fp32, row stride stride_logits
+    logits_ptr,  # (rows, V) fp32 or the input dtype, row stride stride_logits
     dlogits_ptr,  # the same memory seen in the gradient dtype, row stride stride_dlogits
     target_ptr,
     bias_ptr,
@@ -121,7 +122,7 @@ def _flce_rows_kernel(
             start = (n_blocks - 1 - i) * BLOCK_V
             c = start + cols  # col_start is 0 here
             mask = c < n_cols
-            z = tl.load(z_row + c, mask=mask, other=0.0)
+            z = tl.load(z_row + c, mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 z += tl.load(bias_ptr + c, mask=mask, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
@@ -145,7 +146,7 @@ def _flce_rows_kernel(
         # A +inf logit makes the logsumexp +inf, as torch.logsumexp has it (s is nan then).
         lse = tl.where(m == float("inf"), m, m + tl.log(s))
 
-        z_t = tl.load(z_row + t, mask=t_ok, other=0.0)
+        z_t = tl.load(z_row + t, mask=t_ok, other=0.0).to(tl.float32)
         if HAS_BIAS:
             z_t += tl.load(bias_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
@@ -178,7 +179,7 @@ def _flce_rows_kernel(
             local = start + cols
             mask = local < n_cols
             c = col_start + local  # column in the full vocabulary
-            z = tl.load(z_row + local, mask=mask, other=0.0)
+            z = tl.load(z_row + local, mask=mask, other=0.0).to(tl.float32)
             # dlogits overwrite the logits in place. With a 2-byte dtype, column c lands on the
             # bytes of fp32 column c // 2, which another warp loads: wait until every warp has
             # loaded this block (and so all earlier ones) before any store. Pass 1's
@@ -389,9 +390,10 @@ class Rows:
 
 
 def _dlogits_view(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The input-dtype dlogits the kernel writes over fp32 `logits` (rows, n): the same bytes
-    per row start, so a 16-bit row has stride 2n elements; cuBLAS takes that leading dimension."""
-    return logits if dtype == torch.float32 else logits.view(dtype)[:, : logits.shape[1]]
+    """The input-dtype dlogits the kernel writes over `logits` (rows, n): the logits themselves
+    where they have that dtype; over fp32 logits the same bytes per row start, so a 16-bit row
+    has stride 2n elements (cuBLAS takes that leading dimension)."""
+    return logits if logits.dtype == dtype else logits.view(dtype)[:, : logits.shape[1]]
 
 
 def _gemm_ready(dlogits: torch.Tensor) -> torch.Tensor:
@@ -422,14 +424,26 @@ def _finish(grad_h, grad_w, grad_b, unscale, weight_dtype):
 
 
 def run_chunks(
-    hidden, weight, rows, grad, need_hidden, need_weight, need_bias, accum_fp32, max_bytes=None, stats=False
+    hidden,
+    weight,
+    rows,
+    grad,
+    need_hidden,
+    need_weight,
+    need_bias,
+    accum_fp32,
+    max_bytes=None,
+    stats=False,
+    fp32_logits=True,
 ):
     """Token chunks over the whole vocabulary (the forward; "fast" mode computes gradients).
 
     rows: a Rows. grad: upstream gradient per token ((BT,) or 0-dim), or None for loss and
     logsumexp only. Returns loss (BT,), lse (BT,), grad hidden / weight / bias (None where not
-    asked), and with `stats` the per-token entropy and top1 (else None). Peak beyond the results:
-    one chunk of fp32 logits (at most max_bytes), plus the fp32 grad_W accumulator with accum_fp32.
+    asked), and with `stats` the per-token entropy and top1 (else None). fp32_logits False: the
+    chunks hold logits in the input dtype (the GEMM's output rounded as a plain lm_head's is).
+    Peak beyond the results: one chunk of logits (at most max_bytes), plus the fp32 grad_W
+    accumulator with accum_fp32.
     """
     BT, H = hidden.shape
     V = weight.shape[0]
@@ -446,16 +460,20 @@ def run_chunks(
     grad_b = torch.zeros(V, dtype=torch.float32, device=device) if write_grad and need_bias else None
     grad, unscale = _fp16_scaling(grad, dtype, need_weight, accum_fp32)
 
-    chunk = flce_chunk_tokens(BT, V, max_bytes)
-    buffer = torch.empty((chunk, V), dtype=torch.float32, device=device)
+    logits_dtype = torch.float32 if fp32_logits else dtype
+    chunk = flce_chunk_tokens(BT, V, max_bytes, logits_dtype.itemsize)
+    buffer = torch.empty((chunk, V), dtype=logits_dtype, device=device)
     # Without fp32-output GEMMs for low-precision inputs (CPU) upcast the weight once, not per chunk.
-    w_fp32 = weight if dtype == torch.float32 or _cuda_fp32_out(hidden) else weight.float()
+    w_fp32 = weight if not fp32_logits or dtype == torch.float32 or _cuda_fp32_out(hidden) else weight.float()
     with _precise_matmuls(dtype, device):
         for start in range(0, BT, chunk):
             stop = min(start + chunk, BT)
             h = hidden[start:stop]
             logits = buffer[: stop - start]
-            _mm_fp32(h, w_fp32.T, out=logits)
+            if fp32_logits:
+                _mm_fp32(h, w_fp32.T, out=logits)
+            else:
+                torch.mm(h, weight.T, out=logits)
             dlogits = _dlogits_view(logits, dtype)
             rows.launch(logits, dlogits, slice(start, stop), lse, loss, grad, 0, False, stat_buffers)
             if not write_grad:
