@@ -412,7 +412,7 @@ SPEC = register_op(
         # the result by more ulps than an elementwise op; 4x eager's error still catches any
         # real bug (those are O(1) relative).
         # bf16/fp16: eager (what a model gets) rounds the logits and d loss / d logits to the
-        # input dtype; a fused kernel keeps the logits in fp32 but must round d loss / d logits
+        # input dtype; a fused kernel may keep the logits in fp32 but must round d loss / d logits
         # too before the tensor-core GEMMs (Liger and CCE do the same): the same roundings in
         # other places, whose errors differ by a factor that class weights and label smoothing
         # (terms of uneven size, sums that nearly cancel) can push past 2x. A wrong gradient

@@ -426,7 +426,7 @@ register(
     "triton",
     fused_linear_cross_entropy_triton,
     priority=100,
-    description="fast: gradients computed in the forward from 1 GiB chunks of fp32 logits",
+    description="fast: gradients computed in the forward from chunks of logits (<= 1 GiB)",
     **_CAPABILITIES,
 )
 register(
