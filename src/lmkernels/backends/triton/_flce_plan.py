@@ -123,14 +123,13 @@ class Plan:
 def bf16_logits_chunk(BT: int, V: int, weight_dtype: torch.dtype, itemsize: int) -> int | None:
     """The default fast mode's chunks for bf16 inputs: bf16 logits (as the model's lm_head and
     the eager reference round them: loss error equal to eager's, gradient errors 1.03-1.06x
-    eager's, measured at 2048 tokens of 6 grid heads) in fast_weight_dtype_chunk's chunks of
+    eager's, measured at 2048 tokens of six grid heads) in fast_weight_dtype_chunk's chunks of
     at most CHUNK_BYTES of bf16, grad_W summed in bf16. Against fp32 logits chunks the GEMM
-    writes and the kernel reads half the bytes, and twice the tokens fit a chunk. Measured
-    (H100, bf16 fwd+bwd, GPU ms / peak MiB, fp32-logits default in the same run): 32768 x 2048
-    x 128256 79.0 / 1632 vs 88.2 / 2132; 16384 x 2560 x 151936 57.7 / 1416 vs 64.6 / 1786;
-    8192 x 4096 x 128256 40.3 / 1317 vs 42.6 / 1567; 16384 x 3584 x 152064 84.0 / 1746 vs
-    93.0 / 2117; Gemma 2 heads (256000, softcap 30) 4096 x 2304 25.6 / 1644 vs 27.3 / 2143,
-    8192 x 3584 77.2 / 2306 vs 78.2 / 2806. Returns the chunk's tokens, or None."""
+    writes and the kernel reads half the bytes, and twice the tokens fit a chunk. Measured on
+    the 8 grid heads against memory_budget=2's fp32 chunks in the same runs (H100, H200): 0.85-1.02x
+    the time at 0.51-0.82x the peak; at 32k tokens, where that budget runs the lean mode,
+    0.70-0.73x the time at the same peak (benchmarks/data, part flce). Returns the chunk's
+    tokens, or None."""
     if weight_dtype != torch.bfloat16 or itemsize != 2:
         return None
     return fast_weight_dtype_chunk(BT, V, logit_bytes=2)

@@ -32,8 +32,11 @@ OURS = ("triton", "triton_lean")
 # --- FLCE ---------------------------------------------------------------------------------------------
 
 
-def _flce_run(rows: list[dict[str, Any]], several_regimes: bool | None = None) -> list[dict[str, Any]]:
-    """The latest FLCE run with the design shape (with several regimes, or one, if asked)."""
+def _flce_run(
+    rows: list[dict[str, Any]], several_regimes: bool | None = None, with_impl: str | None = None
+) -> list[dict[str, Any]]:
+    """The latest FLCE run with the design shape (with several regimes, or one, if asked; with
+    a row of impl `with_impl`, if given)."""
     runs: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         if r["part"] == "flce":
@@ -43,6 +46,7 @@ def _flce_run(rows: list[dict[str, Any]], several_regimes: bool | None = None) -
         for rs in runs.values()
         if any(r["shape"] == DESIGN_FLCE for r in rs)
         and (several_regimes is None or (len({r["regime"] for r in rs}) > 1) == several_regimes)
+        and (with_impl is None or any(r["impl"] == with_impl for r in rs))
     ]
     return max(good, key=lambda rs: rs[0].get("date") or "") if good else []
 
@@ -54,8 +58,11 @@ def _impl_order(rows: list[dict[str, Any]]) -> list[str]:
 
 def flce_design(rows: list[dict[str, Any]], path: str, budgets: bool = False) -> str:
     """Every implementation at the design shape, Gaussian logits (or the run's one regime); the
-    memory_budget settings with budgets=True."""
-    run = [r for r in _flce_run(rows) if budgets or not r["impl"].startswith("budget_")]
+    memory_budget settings with budgets=True (the latest run that measured the whole range)."""
+    if budgets:
+        run = _flce_run(rows, with_impl="budget_0")
+    else:
+        run = [r for r in _flce_run(rows) if not r["impl"].startswith("budget_")]
     regime = "gaussian" if any(r["regime"] == "gaussian" for r in run) else (run[0]["regime"] if run else "")
     here = [r for r in run if r["shape"] == DESIGN_FLCE and r["regime"] == regime]
     base, cce = _ok(here, impl="compile_naive"), _ok(here, impl="cce")
@@ -170,9 +177,10 @@ def flce_pareto(rows: list[dict[str, Any]], path: str) -> str:
 
 
 def compare_table(rows: list[dict[str, Any]], path: str) -> str:
-    """The before/after comparison of two source trees (benchmarks/compare_trees.py), latest run."""
-    runs = latest([r for r in rows if r["part"] == "compare"], lambda r: "compare")
-    run = runs.get("compare", [])
+    """The before/after comparison of two source trees (benchmarks/compare_trees.py): per case
+    the latest run that measured it, its commit beside it."""
+    runs = latest([r for r in rows if r["part"] == "compare"], lambda r: r["case"])
+    run = [rs[0] for rs in runs.values()]
     body = [
         [
             r["case"],
@@ -180,11 +188,14 @@ def compare_table(rows: list[dict[str, Any]], path: str) -> str:
             f"{r['new_ms']:.4g}",
             f"{r['ratio']:.3f}",
             f"{r['noise'] * 100:.1f}%",
+            f"{r['old_peak_mib']:.0f} / {r['new_peak_mib']:.0f}",
+            f"{r['rounds']}",
+            r["commit"] or "-",
         ]
-        + [f"{r['old_peak_mib']:.0f} / {r['new_peak_mib']:.0f}"]
         for r in run
     ]
     header = ["case", "before ms", "after ms", "after / before", "noise", "peak MiB before / after"]
+    header += ["rounds", "after: commit"]
     extra = f", part compare; before: {run[0]['old_tree']}; {run[0]['method']}" if run else ""
     return "\n".join([*_table(header, body), "", caption(run, path, extra)])
 
