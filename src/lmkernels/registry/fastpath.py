@@ -17,7 +17,7 @@ it read (a cache would only add guards).
 Measured on a 2-core CPU (benchmarks/dispatch_overhead.py): the public function with the eager
 backend costs 4.5 us (rms_norm) and 6.5 us (rope) more than the bare reference, within the
 10 us bound; functions generated from source per op (no binding loop, attribute reads inlined)
-cost 1.7 / 2.2 us in the same session, a gain that does not pay for generated code.
+cost 1.7 / 2.2 us in the same run, a gain that does not pay for generated code.
 """
 
 from __future__ import annotations
