@@ -50,7 +50,7 @@ CASES_ENV = "LMKERNELS_COMPARE_CASES"  # --cases, from the driver to the workers
 
 def selected_cases() -> list[tuple[str, str, dict]]:
     """The CASES whose names contain one of --cases' comma-separated words (all without it)."""
-    words = [w for w in os.environ.get(CASES_ENV, "").split(",") if w]
+    words = [w.strip() for w in os.environ.get(CASES_ENV, "").split(",") if w.strip()]
     return [c for c in CASES if not words or any(w in c[0] for w in words)]
 
 
@@ -236,10 +236,10 @@ def main(argv=None) -> int:
         worker(*a.worker)
         return 0
     os.environ[CASES_ENV] = a.cases
-    if not selected_cases():
-        raise SystemExit(
-            f"--cases {a.cases!r}: no case's name holds one of these; cases: {[c[0] for c in CASES]}"
-        )
+    words = [w.strip() for w in a.cases.split(",") if w.strip()]
+    unmatched = [w for w in words if not any(w in c[0] for c in CASES)]
+    if unmatched:
+        raise SystemExit(f"--cases: no case's name holds {unmatched}; cases: {[c[0] for c in CASES]}")
     trees = dict(item.split("=", 1) for item in a.trees.split(","))
     if len(trees) != 2:
         raise SystemExit("--trees: expected two NAME=PATH entries, before and after")

@@ -220,6 +220,8 @@ def test_tune_cli_errors_name_the_argument(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--ops: unknown op 'rmsnorm' (did you mean" in err and "Traceback" not in err
+    assert cli.main(["tune", "--out", "x", "--ops", "rms_norm", "--grid", "tiles"]) == 2
+    assert "--grid tiles has no points for rms_norm" in capsys.readouterr().err
     if not __import__("torch").cuda.is_available():
         assert cli.main(["tune", "--out", "x"]) == 2
         assert "on a CUDA GPU; none is visible here" in capsys.readouterr().err

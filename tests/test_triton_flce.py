@@ -326,6 +326,7 @@ def test_fast_mode_default_chunks(monkeypatch):
         assert not plan.fp32_logits and not plan.accum_fp32 and not plan.lean
         assert plan.chunk_bytes == BT // 8 * V * 2 <= flce_plan.CHUNK_BYTES
     assert default(4096, 2304, 256000).chunk_bytes == flce_plan.MIN_FAST_CHUNK_TOKENS * 256000 * 2
+    assert default(8192, 4096, 128256, accum=torch.bfloat16) == default(8192, 4096, 128256)  # asked for
     # fp16, an fp32 accumulation asked for, a forward without gradients: fp32 logits.
     assert default(16384, 2560, 151936, torch.float16).fp32_logits
     assert default(16384, 2560, 151936, torch.float16).accum_fp32
@@ -487,7 +488,7 @@ def test_allocations_per_step(dtype, accum, reduction, mode):
         # (the forward's, and the recomputing backward's; the default's forward has bf16 logits).
         # The lean backward never holds a V x H accumulator: grad_W rows are written block by block.
         in_forward = mode == "fast" and reduction == "mean"
-        bf16_logits = in_forward and accum is None
+        bf16_logits = in_forward and accum in (None, torch.bfloat16) and dtype == torch.bfloat16
         upcasts = 0 if kernels._cuda_fp32_out(hidden) or bf16_logits else (1 if in_forward else 2)
         expected[V * H * 4] = (accum == torch.float32 and in_forward) + upcasts
     assert counts == expected
@@ -595,10 +596,12 @@ def _forward_args(inputs, reduction, grads, lean, stats=True):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lean", [False, True], ids=["fast", "lean"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_opcheck_forward(reduction, lean):
-    inputs = make({"BT": 12, "H": 16, "V": 40}, torch.float32, {"with_bias": True, "with_class_weight": True})
+def test_opcheck_forward(reduction, lean, dtype):
+    """The forward op's schema, fake and autograd registration; bf16 fast: bf16 logits chunks."""
+    inputs = make({"BT": 12, "H": 16, "V": 40}, dtype, {"with_bias": True, "with_class_weight": True})
     for name in GRAD_NAMES:
         inputs[name].requires_grad_(True)
     torch.library.opcheck(
@@ -666,8 +669,9 @@ def test_peak_memory_cuda(monkeypatch, accum, mode):
 
     lean: grad_W + grad_hidden + the backward's fp32 logits block and grad_hidden accumulator
     (flce_blocks' sizes), the forward never above that. fast: the forward holds the gradients,
-    a chunk of fp32 logits and (fp32 accumulation) the V x H accumulator plus its conversion;
-    the backward of a "mean" loss allocates nothing.
+    a chunk of logits (bf16 ones when grad_W is summed in bf16, fp32 with fp32 accumulation) and
+    (fp32 accumulation) the V x H accumulator plus its conversion; the backward of a "mean" loss
+    allocates nothing.
     """
     monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", None)
     monkeypatch.setattr(flce_plan, "BLOCK_OVERRIDE", None)
@@ -700,13 +704,13 @@ def test_peak_memory_cuda(monkeypatch, accum, mode):
         if not whole:  # the budget holds: 8% above the gradients
             assert max(peak_forward, peak_backward) <= (grad_h + grad_w) * 1.08 + slack
     else:
-        chunk = flce_plan.fast_weight_dtype_chunk(BT, V)
+        chunk = flce_plan.bf16_logits_chunk(BT, V, torch.bfloat16, 2)
         if accum == torch.float32 or chunk is None:
             # the fp32 accumulator, then the conversion's result next to it
             logits = flce_plan.flce_chunk_tokens(BT, V) * V * 4
             expected = grad_h + 2 * grad_w + max(logits, grad_w)
-        else:  # 8 chunks summed in bf16 straight into grad_W
-            expected = grad_h + grad_w + chunk * V * 4
+        else:  # 8 chunks of bf16 logits, summed in bf16 straight into grad_W
+            expected = grad_h + grad_w + chunk * V * 2
         assert peak_forward < BT * V * 4  # below the fp32 logits that eager materializes
         assert peak_forward <= expected + slack, f"forward peak {peak_forward / 2**20:.0f} MiB"
         assert peak_backward - (before_backward - base) <= 2**20, "the fast backward allocated"

@@ -14,8 +14,8 @@ import torch
 
 from lmkernels.backends.triton._common import cdiv
 
-# Token chunks of run_chunks: at most CHUNK_BYTES of fp32 logits (the "fast" mode), or the
-# lean budget below when that is smaller. CHUNK_TOKENS / the environment variable override it.
+# Token chunks of run_chunks: at most CHUNK_BYTES of logits (fp32, or bf16 in the default fast
+# mode for bf16 inputs), or the lean budget below when that is smaller. CHUNK_TOKENS / the environment variable override it.
 CHUNK_BYTES = 1 << 30
 CHUNK_TOKENS: int | None = None
 CHUNK_ENV = "LMKERNELS_FLCE_CHUNK_TOKENS"
@@ -163,7 +163,7 @@ def plan(
         grad_accum_dtype is None and weight_dtype == torch.float16
     )
     if memory_budget is None and not lean_default:
-        if grads_now and need_weight and grad_accum_dtype is None:
+        if grads_now and need_weight and grad_accum_dtype in (None, weight_dtype):
             tokens = bf16_logits_chunk(BT, V, weight_dtype, itemsize)
             if tokens is not None:
                 return Plan(False, False, tokens * V * 2, CHUNK_BYTES, fp32_logits=False)

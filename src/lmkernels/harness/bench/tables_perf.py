@@ -196,7 +196,9 @@ def compare_table(rows: list[dict[str, Any]], path: str) -> str:
     ]
     header = ["case", "before ms", "after ms", "after / before", "noise", "peak MiB before / after"]
     header += ["rounds", "after: commit"]
-    extra = f", part compare; before: {run[0]['old_tree']}; {run[0]['method']}" if run else ""
+    before = ", ".join(dict.fromkeys(r["old_tree"] for r in run))
+    methods = "; ".join(dict.fromkeys(r["method"] for r in run))
+    extra = f", part compare; before: {before}; {methods}" if run else ""
     return "\n".join([*_table(header, body), "", caption(run, path, extra)])
 
 

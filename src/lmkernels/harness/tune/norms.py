@@ -63,6 +63,7 @@ from lmkernels.harness.tune.candidates import (
     variants,
 )
 from lmkernels.harness.tune.grids import NORMS, ROPES
+from lmkernels.registry import LMKernelsError
 
 E = 2  # bytes per bf16 element
 
@@ -416,15 +417,19 @@ def warm(group, table_only, layout, part, parts):
 
 def run(args: argparse.Namespace, command: str) -> int:
     """Tune the points of args on this GPU; `command` is recorded in the report."""
+    grids = {op: (ROPES if op == "rope" else NORMS).get(args.grid, []) for op in args.ops}
+    if not any(grids.values()):
+        raise LMKernelsError(f"--grid {args.grid} has no points for {', '.join(args.ops)}")
     if not torch.cuda.is_available():
-        from lmkernels.registry import LMKernelsError
-
         raise LMKernelsError("lmkernels tune times kernels on a CUDA GPU; none is visible here")
+    try:
+        os.makedirs(args.out, exist_ok=True)  # now, not after minutes of compiling
+    except OSError as e:
+        raise LMKernelsError(f"--out {args.out}: cannot create it ({e.strerror})") from None
     torch._dynamo.config.cache_size_limit = torch._dynamo.config.accumulated_cache_size_limit = 4096
     os.environ.pop("TRITON_INTERPRET", None)
     start = time.time()
     log = lambda msg: print(f"[{time.time() - start:6.1f}s] {msg}", flush=True)  # noqa: E731
-    grids = {op: (ROPES if op == "rope" else NORMS).get(args.grid, []) for op in args.ops}
     # The ops take turns, so that a budget that runs out cuts every op's last points.
     jobs = [(op, g[i]) for i in range(max(map(len, grids.values()))) for op, g in grids.items() if i < len(g)]
     if args.jobs > 1:
