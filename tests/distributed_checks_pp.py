@@ -15,52 +15,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 import distributed_common as common
 from distributed_common import compare, global_batches, optimizer, params, patched, reference, registry, tiny
+from lmkernels.distributed.pipeline import DecoderStage
 
 CHECKS, check = registry()
 MICROBATCHES = 2
 
 
-def _layers(layers, rotary_emb, h):
-    b, t = h.shape[:2]
-    positions = torch.arange(t, device=h.device).unsqueeze(0).expand(b, -1)
-    cos_sin = rotary_emb(h, position_ids=positions)
-    for layer in layers:
-        # no attention mask: SDPA runs causal, as transformers does for an unpadded batch
-        out = layer(h, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
-        h = out[0] if isinstance(out, tuple) else out
-    return h
-
-
-class FirstStage(nn.Module):
-    def __init__(self, model, split: int):
-        super().__init__()
-        self.embed_tokens = model.model.embed_tokens
-        self.rotary_emb = model.model.rotary_emb
-        self.layers = nn.ModuleList(model.model.layers[:split])
-
-    def forward(self, ids):
-        return _layers(self.layers, self.rotary_emb, self.embed_tokens(ids))
-
-
-class LastStage(nn.Module):
-    """Returns the final hidden states; the loss function reads lm_head's weight."""
-
-    def __init__(self, model, split: int):
-        super().__init__()
-        self.rotary_emb = model.model.rotary_emb
-        self.layers = nn.ModuleList(model.model.layers[split:])
-        self.norm = model.model.norm
-        self.lm_head = model.lm_head
-
-    def forward(self, h):
-        return self.norm(_layers(self.layers, self.rotary_emb, h))
-
-
-def fused_causal_lm_loss(stage: LastStage, backend: str):
+def fused_causal_lm_loss(stage: DecoderStage, backend: str):
     """loss_fn(hidden, labels) of the last stage: transformers' causal-LM loss (labels shifted
     left, mean over labelled tokens) through the fused op."""
     import lmkernels
@@ -81,8 +45,7 @@ def pp_run(ctx, schedule_name: str):
     rank, world = ctx["rank"], ctx["world"]
     assert world == 2, "the pipeline checks split the model in 2 stages"
     model = patched(tiny())
-    split = len(model.model.layers) // 2
-    stage_mod = FirstStage(model, split) if rank == 0 else LastStage(model, split)
+    stage_mod = DecoderStage(model, rank, world)
     stage = PipelineStage(stage_mod, stage_index=rank, num_stages=world, device=common.DEVICE)
     # Every rank passes loss_fn: a schedule without one runs no backward (stage 0 never calls it).
     loss_fn = fused_causal_lm_loss(stage_mod, common.BACKEND)

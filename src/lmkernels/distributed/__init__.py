@@ -11,6 +11,8 @@
   (sequence parallel), weight gradients leaving as Partial.
 - `sequence_parallel_plan(model)`: torch parallel styles with sequence parallel for a transformers
   Llama-style model (plans.py), for FSDP2 x TP on a 2-D mesh.
+- `pipeline.DecoderStage(model, index, count)`: one pipeline stage of a transformers decoder-only
+  model for torch.distributed.pipelining, lm_head kept on the last stage for a fused loss.
 - `zero.call_as_forward`: DeepSpeed ZeRO-3, the loss run as lm_head's forward so that ZeRO-3's
   hooks gather its weight (integrations/lm_head_loss.py calls it for ZeRO-3 parameters).
 

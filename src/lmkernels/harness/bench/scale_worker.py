@@ -204,47 +204,17 @@ def build_zero(args, device, stage: int):
     return engine, opt
 
 
-def _run_layers(layers, rotary_emb, h):
-    import torch
-
-    b, t = h.shape[:2]
-    positions = torch.arange(t, device=h.device).unsqueeze(0).expand(b, -1)
-    cos_sin = rotary_emb(h, position_ids=positions)
-    for layer in layers:
-        out = layer(h, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
-        h = out[0] if isinstance(out, tuple) else out
-    return h
-
-
 def build_pp(args, device, rank: int, world: int):
-    """(schedule, this stage's module): stage k holds layers [k L/N, (k+1) L/N) (the last stage
-    the rest too), stage 0 the embeddings, the last stage the final norm and lm_head."""
+    """(schedule, this stage's module): lmkernels.distributed.pipeline.DecoderStage, the loss of
+    the config on the last stage."""
     import torch
     import torch.nn.functional as F
-    from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+    from lmkernels.distributed.pipeline import DecoderStage
+
     model = patch_instance(new_model(args, device), args.config)
-    layers = model.model.layers
-    per = len(layers) // world
-    mine = nn.ModuleList(layers[rank * per : (rank + 1) * per if rank < world - 1 else len(layers)])
-    first, last = rank == 0, rank == world - 1
-
-    base, lm_head = model.model, model.lm_head
-
-    class Stage(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers, self.rotary_emb = mine, base.rotary_emb
-            self.embed_tokens = base.embed_tokens if first else None
-            self.norm, self.lm_head = (base.norm, lm_head) if last else (None, None)
-
-        def forward(self, x):
-            h = self.embed_tokens(x) if first else x
-            h = _run_layers(self.layers, self.rotary_emb, h)
-            return self.norm(h) if last else h
-
-    stage_mod = Stage()
+    stage_mod = DecoderStage(model, rank, world)
     kind, backend = parse_config(args.config)
 
     def loss_fn(hidden, labels):  # every rank passes it: without one a schedule runs no backward

@@ -1,0 +1,39 @@
+"""A transformers decoder-only causal LM cut into pipeline stages for torch.distributed.pipelining.
+
+`DecoderStage(model, index, count)` holds stage `index` of `count`: layers [k L/N, (k+1) L/N)
+(the last stage the rest too); stage 0 also embeds the token ids, the last stage also applies
+the final norm and holds lm_head, returning the final hidden states. The loss then runs on the
+last stage as the schedule's loss_fn, on those hidden states and `stage.lm_head.weight`
+(lmkernels.fused_linear_cross_entropy or integrations.lm_head_loss.causal_lm_loss): the logits
+never exist on any stage. Layers run as the model's own forward runs them, without an attention
+mask (SDPA runs causal, as transformers does for an unpadded batch).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class DecoderStage(nn.Module):
+    def __init__(self, model: nn.Module, index: int, count: int):
+        super().__init__()
+        base = model.model
+        per = len(base.layers) // count
+        stop = (index + 1) * per if index < count - 1 else len(base.layers)
+        self.first, self.last = index == 0, index == count - 1
+        self.layers = nn.ModuleList(base.layers[index * per : stop])
+        self.rotary_emb = base.rotary_emb
+        self.embed_tokens = base.embed_tokens if self.first else None
+        self.norm = base.norm if self.last else None
+        self.lm_head = model.lm_head if self.last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.first else x
+        b, t = h.shape[:2]
+        positions = torch.arange(t, device=h.device).unsqueeze(0).expand(b, -1)
+        cos_sin = self.rotary_emb(h, position_ids=positions)
+        for layer in self.layers:
+            out = layer(h, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+            h = out[0] if isinstance(out, tuple) else out
+        return self.norm(h) if self.last else h
