@@ -30,16 +30,32 @@ def test_dry_run_plans_every_wrapping(tmp_path):
         assert key in env
     status = {(r["gpus"], r["mode"], r["config"]): r for r in rows}
     assert len(status) == 3 * len(dist_scale.MODES) * 2
-    zero_ok = find_spec("deepspeed") is not None
+    zero_ok, titan_ok = find_spec("deepspeed") is not None, find_spec("torchtitan") is not None
     for (n, mode, _), r in status.items():
         least, even, _ = dist_scale.MODES[mode]
         runnable = n >= least and not (even and n % 2) and (zero_ok or not mode.startswith("zero"))
+        runnable &= titan_ok or not mode.startswith("titan")
         assert r["status"] == ("planned" if runnable else "n/a"), (n, mode, r)
         if runnable:
             assert f"--nproc-per-node {n} " in r["command"] and f"--mode {mode} " in r["command"]
         else:
             assert r["error"]
     assert "needs >= 4 GPUs" in status[(2, "fsdp_tp_torch", "lmk")]["error"]
+    if not titan_ok:
+        assert status[(2, "titan_pp", "lmk")]["error"] == "torchtitan is not installed"
+
+
+def test_torchtitan_runs_named_where_they_cannot_run(tmp_path):
+    """Liger has no torchtitan integration, and the torchtitan runs need GPUs: both are rows
+    that say why, whatever is installed."""
+    assert dist_scale.run_problem("titan_fsdp", "liger", tiny=False) == "Liger has no torchtitan integration"
+    assert "GPUs" in dist_scale.run_problem("titan_pp", "lmk", tiny=True)
+    assert dist_scale.run_problem("titan_tp", "lmk", tiny=False) is None
+    assert dist_scale.run_problem("pp", "liger", tiny=True) is None
+    assert dist_scale.main(["--out", str(tmp_path), "--tiny", "--gpus", "2", "--modes", "titan_pp"]) == 0
+    _, rows = _rows(tmp_path)
+    assert [r["status"] for r in rows] == ["n/a"] * 3
+    assert dist_scale_worker.replicas("titan_pp", 4) == 2 and dist_scale_worker.replicas("titan_fsdp", 4) == 4
     assert (tmp_path / "dist_scale.md").read_text().count("| planned |") == sum(
         r["status"] == "planned" for r in rows
     )

@@ -35,7 +35,8 @@ VOCAB_PARALLEL = "vocab_parallel_cross_entropy"  # the loss of a vocabulary-shar
 #  1. the device type: torchtitan takes "cuda" when torch finds no accelerator -> "cpu";
 #  2. torch.cpu gets the memory-statistics functions torchtitan's memory monitor calls, and a
 #     current_device() that returns an index (for barrier(device_ids=...));
-#  3. torch.distributed.set_timeout (newer torch) -> torch 2.13's _set_pg_timeout;
+#  3. torch.distributed.set_timeout (newer torch) -> torch 2.13's _set_pg_timeout (3 and 7:
+#     lmkernels.harness.bench.scale_titan.older_torch_shims, which the GPU benchmark uses too);
 #  4. FlexAttention has no CPU backward -> SDPA with the same mask, made dense from the
 #     BlockMask's own mask_mod (causal within each packed document, as FlexAttention computes);
 #  5. gloo has no PREMUL_SUM, which FSDP2 uses for torchtitan's gradient divide factor -> plain
@@ -54,7 +55,6 @@ def _cpu_shims() -> None:
 
     import torch
     import torch._utils
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     torch._utils._get_available_device_type = lambda: "cpu"  # 1 (before torchtitan is imported)
@@ -69,8 +69,6 @@ def _cpu_shims() -> None:
         if not hasattr(torch.cpu, name):
             setattr(torch.cpu, name, fn)
     torch.cpu.current_device = lambda: 0
-    if not hasattr(dist, "set_timeout"):  # 3
-        dist.set_timeout = dist.distributed_c10d._set_pg_timeout
 
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.attention.flex_attention import create_block_mask, create_mask
@@ -104,26 +102,9 @@ def _cpu_shims() -> None:
 
     FSDPModule.set_gradient_divide_factor = set_factor_sum
 
-    from torch.distributed.pipelining import schedules
+    from lmkernels.harness.bench.scale_titan import older_torch_shims
 
-    def premade_microbatches(step):  # 7
-        def step_mbs(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **kwargs):
-            if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
-                return step(self, *args, **kwargs)
-            assert not args and not kwargs.pop("return_outputs", False), kwargs
-            losses, loss_kwargs = kwargs.pop("losses", None), kwargs.pop("loss_kwargs", None)
-            assert not kwargs, kwargs
-            for stage in getattr(self, "_stages", None) or [self._stage]:
-                stage.has_backward = self._has_backward
-                stage.clear_runtime_states()
-            self._step_microbatches(
-                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs=False, loss_kwargs=loss_kwargs
-            )
-
-        return step_mbs
-
-    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
-        cls.step = premade_microbatches(cls.step)
+    older_torch_shims()  # 3, 7
 
 
 # ---- the launcher (runs under torchrun) --------------------------------------------------------
@@ -559,7 +540,32 @@ def test_fused_loss_matches_chunked_loss(backend):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
 
 
+@needs_torchtitan
+def test_benchmark_worker_pipeline_parallel(tmp_path):
+    """The torchtitan runs of the distributed benchmark (benchmarks/dist_scale.py --modes
+    titan_*: lmkernels.harness.bench.scale_titan) on the debug model, 2 CPU processes, pipeline
+    parallel: torchtitan trains under the benchmark's own config function and measurements."""
+    out = tmp_path / "row.json"
+    worker = ["--worker", "--mode", "titan_pp", "--config", "lmk", "--json", str(out)]
+    worker += ["--ckpt-dir", str(tmp_path), "--steps", "4", "--batch", "2", "--seq", "64", "--tiny"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += [os.path.abspath(__file__), "--bench", *worker]
+    env = dict(os.environ, OMP_NUM_THREADS="1", LMKERNELS_BACKEND="eager")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-5000:]
+    row = json.loads(out.read_text())
+    assert row["status"] == "ok", row
+    assert row["layout"] == {"dp_shard": 1, "tp": 1, "pp": 2}
+    assert len(row["losses"]) == 4 and all(0 < x < 20 for x in row["losses"]), row["losses"]
+    assert row["tokens_per_s_per_gpu"] > 0 and len(row["rank_peaks_gib"]) == 2
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--bench":  # the benchmark's worker (scale.py --worker ARGS) under torchrun
+        _cpu_shims()
+        from lmkernels.harness.bench.scale import main
+
+        sys.exit(main(sys.argv[2:]))
     # The launcher: tests/test_integration_torchtitan.py OUT -- TORCHTITAN_ARGS (under torchrun)
     sep = sys.argv.index("--")
     _launch(sys.argv[1], sys.argv[sep + 1 :])

@@ -30,6 +30,12 @@ Modes (N = GPUs of the run; --batch B sequences of --seq S tokens per data-paral
                  the last stage's loss: plain lm_head + cross entropy, lmkernels'
                  fused op (lmkernels.integrations.lm_head_loss.causal_lm_loss), Liger's
                  LigerFusedLinearCrossEntropyLoss                                        N >= 2
+  titan_fsdp     torchtitan's own trainer on its Llama-3 1B (16 layers, tied embeddings;
+                 scale_titan.py), FSDP2 over the N GPUs; B sequences per rank            N >= 1
+  titan_tp       torchtitan, TP 2 x FSDP2 N/2 (sequence parallel: torchtitan's plan)     N >= 2, even
+  titan_pp       torchtitan, PP 2 stages (1F1B, B micro-batches) x FSDP2 N/2             N >= 2, even
+                 (the titan modes: configs plain = torchtitan as is, lmk = with
+                 lmkernels.integrations.torchtitan; --layers does not apply; GPU only)
 Configs (--configs): plain (transformers), lmk[:BACKEND] (lmkernels.integrations.transformers,
 backend auto or a spec with '/' for its commas: lmk:triton/flce=eager), liger
 (apply_liger_kernel_to_llama). Where transformers applies the parallelism while loading (tp,
@@ -39,7 +45,8 @@ records its error (Liger under DTensor layouts, say).
 
 Per run (rank 0 writes it): the loss of every step (mean over data-parallel ranks), tokens/s/GPU
 (tokens of all replicas per step / median step time after the first 2 steps / N), peak
-torch.cuda.max_memory_allocated (max over ranks, GiB). The driver adds, per (N, mode): each
+torch.cuda.max_memory_allocated over those timed steps (every rank's, and the largest, GiB; the
+one-GPU benchmark's definition) and over all steps (`peak_all_steps_gib`). The driver adds, per (N, mode): each
 config's largest loss difference to plain's (relative), its tokens/s and peak ratios to plain and
 to Liger, and for the 2-D modes the ratio to the same config's fsdp run at the same N. Outputs
 in --out: dist_scale.json (environment: device, GPU count, versions, lmkernels commit, command;
@@ -93,6 +100,8 @@ def missing_package(mode: str, config: str) -> str | None:
 
     if mode.startswith("zero") and find_spec("deepspeed") is None:
         return "deepspeed is not installed"
+    if mode.startswith("titan") and find_spec("torchtitan") is None:
+        return "torchtitan is not installed"
     if config.startswith("liger") and find_spec("liger_kernel") is None:
         return "liger-kernel is not installed"
     return None
@@ -107,6 +116,16 @@ def mode_problem(mode: str, n: int, layers: int) -> str | None:
         return f"needs a multiple of {TP_2D} GPUs"
     if mode == "pp" and layers < n:
         return f"needs >= {n} layers for {n} stages"
+    return None
+
+
+def run_problem(mode: str, config: str, tiny: bool) -> str | None:
+    """Why this (mode, config) cannot run whatever the GPU count (None: it can)."""
+    if mode.startswith("titan"):
+        if config.startswith("liger"):
+            return "Liger has no torchtitan integration"
+        if tiny:
+            return "torchtitan runs on GPUs here (the CPU checks: tests/test_integration_torchtitan.py)"
     return None
 
 
@@ -297,7 +316,7 @@ def main(argv=None) -> int:
                 problem = mode_problem(mode, n, args.layers)
                 for config in configs:
                     row = {"gpus": n, "mode": mode, "config": config}
-                    why_not = problem or missing_package(mode, config)
+                    why_not = problem or run_problem(mode, config, args.tiny) or missing_package(mode, config)
                     if why_not:
                         rows.append({**row, "status": "n/a", "error": why_not})
                         continue

@@ -37,9 +37,13 @@ MODES = {
     "zero2": (1, False, "DeepSpeed ZeRO-2"),
     "zero3": (1, False, "DeepSpeed ZeRO-3"),
     "pp": (2, False, "pipeline parallel (1F1B), one stage per GPU"),
+    "titan_fsdp": (1, False, "torchtitan's trainer and Llama-3 1B, FSDP2"),
+    "titan_tp": (2, True, "torchtitan, TP 2 (x FSDP2 over the rest)"),
+    "titan_pp": (2, True, "torchtitan, PP 2 stages (x FSDP2 over the rest)"),
 }
 TP_2D = 2
 LR = 3e-4
+WARMUP_STEPS = 2  # not timed
 
 
 def log(msg: str) -> None:
@@ -57,7 +61,8 @@ def parse_config(name: str) -> tuple[str, str | None]:
 
 def replicas(mode: str, n: int) -> int:
     """Data-parallel replicas of a mode on n GPUs (each takes --batch sequences per step)."""
-    return {"tp": 1, "pp": 1, "fsdp_tp_hf": n // TP_2D, "fsdp_tp_torch": n // TP_2D}.get(mode, n)
+    halves = {"fsdp_tp_hf", "fsdp_tp_torch", "titan_tp", "titan_pp"}
+    return 1 if mode in ("tp", "pp") else n // TP_2D if mode in halves else n
 
 
 # --- the worker: one (N, mode, config) under torchrun ---------------------------------------------
@@ -240,6 +245,105 @@ def build_pp(args, device, rank: int, world: int):
     return Schedule1F1B(stage, n_microbatches=n_mb, loss_fn=loss_fn), stage_mod
 
 
+def train(args, result: dict, device, rank: int, world: int) -> None:
+    """The transformers model under args.mode, trained args.steps steps; fills `result`."""
+    import torch
+    import torch.distributed as dist
+
+    from lmkernels.distributed import foreach_safe_param_groups
+
+    cuda = device.type == "cuda"
+    mode = args.mode
+    n_rep = replicas(mode, world)
+    # which replica this rank is (ranks of a tp group / a pipeline share one)
+    replica = {"tp": 0, "pp": 0}.get(mode, rank // TP_2D if mode.startswith("fsdp_tp") else rank)
+    engine = opt = sched = None
+    if mode in ("zero2", "zero3"):
+        engine, opt = build_zero(args, device, int(mode[-1]))
+        model = engine
+    elif mode == "pp":
+        sched, model = build_pp(args, device, rank, world)
+    elif mode == "tp":
+        model = build_hf_distributed(args, device, rank, tp=world, fsdp=1)
+    elif mode == "fsdp_tp_hf":
+        model = build_hf_distributed(args, device, rank, tp=TP_2D, fsdp=world // TP_2D)
+    elif mode == "fsdp_tp_torch":
+        model = build_fsdp_tp_torch(args, device)
+    else:
+        model = build_fsdp(args, device, lm_head_alone=mode == "fsdp_lm_head")
+    model.train()
+    if opt is None:
+        opt = torch.optim.AdamW(foreach_safe_param_groups(model.parameters()), lr=LR)
+    vocab = model_config(args).vocab_size
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and mode == "pp")
+    times, warmup_peak = [], 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(args.steps):
+        # The same batches for every config: step s's global batch, this replica's rows.
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, vocab, (args.batch * n_rep, args.seq), generator=g)
+        ids = ids.chunk(n_rep)[replica].to(device)
+        if cuda:
+            torch.cuda.synchronize()
+            if step == WARMUP_STEPS:  # the peak of the timed steps, as the one-GPU benchmark's
+                warmup_peak = torch.cuda.max_memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        if mode == "pp":
+            mb_losses = []
+            with autocast:
+                if rank == 0:
+                    sched.step(ids)
+                else:
+                    sched.step(target=ids, losses=mb_losses)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss = torch.stack(mb_losses).mean().detach() if mb_losses else torch.zeros((), device=device)
+        else:
+            kw = {}
+            if mode == "fsdp_tp_torch":  # the embedding output is sequence-sharded (see plans.py)
+                kw["position_ids"] = torch.arange(args.seq, device=device).expand(ids.shape[0], -1)
+            loss = model(input_ids=ids, labels=ids, **kw).loss
+            if engine is not None:
+                engine.backward(loss)
+                engine.step()
+            else:
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        loss = loss.detach().float().clone()
+        dist.all_reduce(loss)
+        # pp: only the last stage holds the loss; elsewhere every rank holds its replica's
+        result["losses"].append(loss.item() if mode == "pp" else loss.item() / world)
+        if rank == 0:
+            log(f"  step {step:2d} loss {result['losses'][-1]:.4f} {times[-1] * 1e3:8.1f} ms")
+    step_s = statistics.median(times[WARMUP_STEPS:] if len(times) > WARMUP_STEPS else times)
+    result["step_ms"] = step_s * 1e3
+    result["tokens_per_s_per_gpu"] = args.batch * n_rep * args.seq / step_s / world
+    timed_peak = torch.cuda.max_memory_allocated() if cuda else 0
+    record_peaks(result, timed_peak, max(timed_peak, warmup_peak), device)
+
+
+def record_peaks(result: dict, timed: float, every_step: float, device) -> None:
+    """Every rank's peak allocated bytes over the timed steps (`rank_peaks_gib`, the largest:
+    `peak_gib`) and over all steps, the warmup's first optimizer step included
+    (`peak_all_steps_gib`). Under pipeline parallel the fused loss lowers only the last stage's
+    peak, so which rank holds the largest decides the ratio."""
+    import torch
+    import torch.distributed as dist
+
+    own = torch.tensor([float(timed), float(every_step)], device=device)
+    peaks = [torch.zeros_like(own) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, own)
+    result["rank_peaks_gib"] = [round(p[0].item() / 2**30, 3) for p in peaks]
+    result["peak_gib"] = max(result["rank_peaks_gib"])
+    result["peak_all_steps_gib"] = round(max(p[1].item() for p in peaks) / 2**30, 3)
+
+
 def run_worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -250,85 +354,14 @@ def run_worker(args) -> None:
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
-    mode = args.mode
-    result = {"gpus": world, "mode": mode, "config": args.config, "status": "ok", "losses": []}
+    result = {"gpus": world, "mode": args.mode, "config": args.config, "status": "ok", "losses": []}
     try:
-        from lmkernels.distributed import foreach_safe_param_groups
+        if args.mode.startswith("titan"):  # torchtitan's own trainer, loop and measurements
+            from lmkernels.harness.bench.scale_titan import run_titan
 
-        n_rep = replicas(mode, world)
-        # which replica this rank is (ranks of a tp group / a pipeline share one)
-        replica = {"tp": 0, "pp": 0}.get(mode, rank // TP_2D if mode.startswith("fsdp_tp") else rank)
-        engine = opt = sched = None
-        if mode in ("zero2", "zero3"):
-            engine, opt = build_zero(args, device, int(mode[-1]))
-            model = engine
-        elif mode == "pp":
-            sched, model = build_pp(args, device, rank, world)
-        elif mode == "tp":
-            model = build_hf_distributed(args, device, rank, tp=world, fsdp=1)
-        elif mode == "fsdp_tp_hf":
-            model = build_hf_distributed(args, device, rank, tp=TP_2D, fsdp=world // TP_2D)
-        elif mode == "fsdp_tp_torch":
-            model = build_fsdp_tp_torch(args, device)
+            run_titan(args, result, device, rank, world)
         else:
-            model = build_fsdp(args, device, lm_head_alone=mode == "fsdp_lm_head")
-        model.train()
-        if opt is None:
-            opt = torch.optim.AdamW(foreach_safe_param_groups(model.parameters()), lr=LR)
-        vocab = model_config(args).vocab_size
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda and mode == "pp")
-        times = []
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        for step in range(args.steps):
-            # The same batches for every config: step s's global batch, this replica's rows.
-            g = torch.Generator().manual_seed(step)
-            ids = torch.randint(0, vocab, (args.batch * n_rep, args.seq), generator=g)
-            ids = ids.chunk(n_rep)[replica].to(device)
-            if cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            if mode == "pp":
-                mb_losses = []
-                with autocast:
-                    if rank == 0:
-                        sched.step(ids)
-                    else:
-                        sched.step(target=ids, losses=mb_losses)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                loss = torch.stack(mb_losses).mean().detach() if mb_losses else torch.zeros((), device=device)
-            else:
-                kw = {}
-                if mode == "fsdp_tp_torch":  # the embedding output is sequence-sharded (see plans.py)
-                    kw["position_ids"] = torch.arange(args.seq, device=device).expand(ids.shape[0], -1)
-                loss = model(input_ids=ids, labels=ids, **kw).loss
-                if engine is not None:
-                    engine.backward(loss)
-                    engine.step()
-                else:
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-            loss = loss.detach().float().clone()
-            dist.all_reduce(loss)
-            # pp: only the last stage holds the loss; elsewhere every rank holds its replica's
-            result["losses"].append(loss.item() if mode == "pp" else loss.item() / world)
-            if rank == 0:
-                log(f"  step {step:2d} loss {result['losses'][-1]:.4f} {times[-1] * 1e3:8.1f} ms")
-        step_s = statistics.median(times[2:] if len(times) > 2 else times)
-        result["step_ms"] = step_s * 1e3
-        result["tokens_per_s_per_gpu"] = args.batch * n_rep * args.seq / step_s / world
-        # Every rank's peak (the table shows the largest): under pipeline parallel the fused loss
-        # lowers only the last stage's, so which rank holds the largest decides the ratio.
-        own = torch.tensor([float(torch.cuda.max_memory_allocated() if cuda else 0)], device=device)
-        peaks = [torch.zeros_like(own) for _ in range(world)]
-        dist.all_gather(peaks, own)
-        result["rank_peaks_gib"] = [round(p.item() / 2**30, 3) for p in peaks]
-        result["peak_gib"] = max(result["rank_peaks_gib"])
+            train(args, result, device, rank, world)
     except Exception as exc:  # recorded: a peer that cannot run a wrapping is a result too
         import traceback
 

@@ -1,0 +1,200 @@
+"""The torchtitan runs of the distributed benchmark (scale.py's titan_* modes): torchtitan's own
+trainer (its config system, dataloader, activation checkpointing, parallelisms, CUDA graphs)
+on its Llama-3 1B model, without and with lmkernels (lmkernels.integrations.torchtitan), under
+torchrun; rank 0 writes the row.
+
+The model is torchtitan's `model_registry("1B")` (16 layers, hidden 2048, vocab 128256, tied
+embeddings) in the training setup of torchtitan's llama3 debug config (AdamW, warmup, selective
+activation checkpointing, no torch.compile: torchtitan's defaults), with the pipeline schedule
+left at torchtitan's default (1F1B). The text is generated here: a word-level tokenizer of 2048
+words and documents of random words (the runs measure speed and memory; the loss only has to
+match between the two runs). With --tiny the debug model runs instead (the CPU check in
+tests/test_integration_torchtitan.py, which adds its CPU shims). `llama3_1b` is a torchtitan
+config function:
+
+    torchrun ... -m torchtitan.train --module lmkernels.harness.bench.scale_titan --config llama3_1b
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+# mode: (tensor parallel degree, pipeline parallel degree); data parallel (FSDP2) takes the rest
+TITAN_LAYOUT = {"titan_fsdp": (1, 1), "titan_tp": (2, 1), "titan_pp": (1, 2)}
+WORDS = 2048
+
+
+def llama3_1b():
+    """torchtitan's llama3 debug training config with the Llama-3 1B model."""
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+    from torchtitan.models.llama3 import model_registry
+
+    config = llama3_debug()
+    config.model_spec = model_registry("1B")
+    config.loss.loss_fn.global_vocab_size = decoder_vocab_size(config.model_spec)
+    return config
+
+
+def llama3_debug():
+    """torchtitan's llama3 debug config (6 layers, vocab 2048: the CPU check of --tiny) with
+    torchtitan's default pipeline schedule."""
+    from torchtitan.models.llama3 import config_registry
+
+    config = config_registry.llama3_debugmodel()
+    config.parallelism.pipeline_parallel_schedule = "1F1B"
+    return config
+
+
+def older_torch_shims() -> None:
+    """What torchtitan 0.3 calls that an older torch (2.11-2.13) lacks, done with that torch's
+    own parts; nothing changes where torch has them.
+    - torch.distributed.set_timeout -> the process group's _set_pg_timeout.
+    - torch.distributed.fsdp.DataParallelMeshDims, which torchtitan imports for its full_dtensor
+      SPMD backend (these runs take partial_dtensor) -> a placeholder class.
+    - Pipeline schedules handed micro-batches already split (`step(arg_mbs=, kwarg_mbs=,
+      target_mbs=)`): an older step() takes the whole batch and would pass the lists to the model
+      as keyword arguments -> what step() does around the schedule's own _step_microbatches."""
+    import inspect
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    if not hasattr(dist, "set_timeout"):
+        dist.set_timeout = dist.distributed_c10d._set_pg_timeout
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):  # imported by the full_dtensor backend only
+        fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
+    if "arg_mbs" in inspect.signature(schedules.PipelineScheduleSingle.step).parameters:
+        return
+
+    def premade_microbatches(step):
+        def step_mbs(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **kwargs):
+            if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+                return step(self, *args, **kwargs)
+            assert not args and not kwargs.pop("return_outputs", False), kwargs
+            losses, loss_kwargs = kwargs.pop("losses", None), kwargs.pop("loss_kwargs", None)
+            assert not kwargs, kwargs
+            for stage in getattr(self, "_stages", None) or [self._stage]:
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            self._step_microbatches(
+                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs=False, loss_kwargs=loss_kwargs
+            )
+
+        return step_mbs
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        cls.step = premade_microbatches(cls.step)
+
+
+def write_assets(root: Path, tokens: int, seed: int = 0) -> tuple[Path, Path]:
+    """(tokenizer folder, dataset folder) under root: a word-level tokenizer of WORDS words and
+    a c4_test-style JSON-lines file of documents (10-1000 words) holding >= `tokens` words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok_dir, data_dir = root / "tokenizer", root / "text"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"})
+    )
+    rng = random.Random(seed)
+    with open(data_dir / "data.json", "w") as f:
+        written = 0
+        while written < tokens:
+            n = rng.randrange(10, 1000)
+            f.write(json.dumps({"text": " ".join(f"w{rng.randrange(3, WORDS)}" for _ in range(n))}) + "\n")
+            written += n
+    return tok_dir, data_dir
+
+
+def titan_argv(
+    args, mode: str, world: int, kind: str, tok_dir: Path, data_dir: Path, dump: Path
+) -> list[str]:
+    tp, pp = TITAN_LAYOUT[mode]
+    here, fn = "lmkernels.harness.bench.scale_titan", "llama3_debug" if args.tiny else "llama3_1b"
+    if kind == "lmk":
+        argv = ["--module=lmkernels.integrations.torchtitan", f"--config={here}.{fn}"]
+    else:
+        argv = [f"--module={here}", f"--config={fn}"]
+    argv += [
+        f"--hf_assets_path={tok_dir}",
+        f"--dataloader.dataset_path={data_dir}",
+        f"--dump_folder={dump}",
+        f"--training.steps={args.steps}",
+        f"--training.seq_len={args.seq}",
+        f"--training.local_batch_size={args.batch}",
+        "--metrics.log_freq=1",
+        "--debug.seed=42",  # the same initial weights in every run
+        f"--parallelism.data_parallel_shard_degree={world // (tp * pp)}",
+        f"--parallelism.tensor_parallel_degree={tp}",
+        f"--parallelism.pipeline_parallel_degree={pp}",
+        # torchtitan's default SPMD backend (spmd_types) needs a newer torch than 2.13 for FSDP2
+        # (its TP run fails without lmkernels too); partial_dtensor is DTensor on TP/PP only.
+        "--parallelism.spmd_backend=partial_dtensor",
+    ]
+    if pp > 1:  # torchtitan's CUDA graphs do not take pipeline parallel (its config check says so)
+        argv.append("--training.disable_cuda_graphs")
+    return argv
+
+
+def run_titan(args, result: dict, device, rank: int, world: int) -> None:
+    """Train under torchtitan; fill `result` (every rank) with the last rank's losses (a
+    pipeline's last stage computes the loss), tokens/s/GPU and every rank's peak."""
+    import torch
+    import torch.distributed as dist
+
+    from lmkernels.harness.bench.scale_worker import WARMUP_STEPS, parse_config, record_peaks
+
+    older_torch_shims()
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import init_logger
+
+    kind, backend = parse_config(args.config)
+    if backend:
+        os.environ["LMKERNELS_BACKEND"] = backend
+    tp, pp = TITAN_LAYOUT[args.mode]
+    dp = world // (tp * pp)
+    root = Path(args.ckpt_dir) / "titan"
+    tokens = 2 * args.steps * args.batch * args.seq * dp
+    if rank == 0:
+        write_assets(root, tokens)
+    dist.barrier()
+    init_logger()
+    dump = root / f"dump-{args.mode}-{world}-{kind}"
+    argv = titan_argv(args, args.mode, world, kind, root / "tokenizer", root / "text", dump)
+    trainer = ConfigManager().parse_args(argv).build()
+    times, losses, peaks = [], [], []
+    log = trainer.metrics_processor.log
+
+    def record(step, global_avg_loss, *a, **k):  # after each step (log_freq 1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated())  # torchtitan resets it in log()
+        times.append(time.perf_counter())
+        losses.append(float(global_avg_loss))
+        return log(step, global_avg_loss, *a, **k)
+
+    trainer.metrics_processor.log = record
+    trainer.train()
+    trainer.close()
+    # log() follows each step: the gaps from the end of the warmup steps time the others
+    gaps = [b - a for a, b in zip(times[WARMUP_STEPS - 1 :], times[WARMUP_STEPS:])]
+    step_s = statistics.median(gaps) if gaps else float("nan")
+    every = [None] * world
+    dist.all_gather_object(every, losses)
+    result["losses"] = every[-1]  # the last stage's under pipeline parallel
+    result["step_ms"] = step_s * 1e3
+    result["tokens_per_s_per_gpu"] = args.batch * dp * args.seq / step_s / world
+    result["layout"] = {"dp_shard": dp, "tp": tp, "pp": pp}
+    record_peaks(result, max(peaks[WARMUP_STEPS:], default=0), max(peaks, default=0), device)
