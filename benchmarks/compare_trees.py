@@ -40,8 +40,7 @@ CASES = [
     ("flce 8192x4096x128256", "flce", dict(BT=8192, H=4096, V=128256, backend="triton")),
     ("flce 16384x2560x151936", "flce", dict(BT=16384, H=2560, V=151936, backend="triton")),
     ("flce triton_lean 8192x4096x128256", "flce", dict(BT=8192, H=4096, V=128256, backend="triton_lean")),
-    ("e2e llama-1b 1x1024", "e2e", dict(batch=1, seq=1024)),
-    ("e2e llama-1b 8x1024", "e2e", dict(batch=8, seq=1024)),
+    *((f"e2e llama-1b {b}x1024", "e2e", dict(batch=b, seq=1024)) for b in (1, 2, 4, 8, 16, 32)),
 ]
 
 MODEL_ENV = "LMKERNELS_COMPARE_MODEL"  # the e2e model's config (JSON), from the driver to the workers

@@ -112,3 +112,8 @@ def test_tiny_cpu_run(tmp_path):
     assert row["tokens_per_s_per_gpu"] > 0 and row["step_ms"] > 0
     assert len(row["rank_peaks_gib"]) == 2 and row["peak_gib"] == max(row["rank_peaks_gib"])  # 0 on the CPU
     assert "| pp | 2 | lmk |" in (tmp_path / "dist_scale.md").read_text()
+    (data_row,) = [json.loads(line) for line in (tmp_path / "data.jsonl").read_text().splitlines()]
+    assert data_row["part"] == "dist" and data_row["mode"] == "pp" and data_row["losses"] == row["losses"]
+    for key in ("device", "gpu", "gpus", "versions", "commit", "date", "command", "run", "peer"):
+        assert data_row[key] is not None, key
+    assert data_row["peer"].startswith("lmkernels") and data_row["gpus"] == 2

@@ -313,11 +313,13 @@ def dist_rows(
         if r["status"] == "skipped":
             continue
         peak = r.get("peak_gib")
+        extra = {k: r[k] for k in ("rank_peaks_gib", "peak_all_steps_gib", "layout") if k in r}
         out.append(
             {"mode": r["mode"], "config": r["config"], "status": r["status"], "note": r.get("error", "")}
             | {"batch": batch, "seq": seq, "layers": layers}
             | {"tokens_per_s_per_gpu": r.get("tokens_per_s_per_gpu"), "step_ms": r.get("step_ms")}
             | {"peak_mib": peak * 1024 if peak else None, "losses": r.get("losses")}
+            | extra
         )
     return out
 

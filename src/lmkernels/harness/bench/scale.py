@@ -50,14 +50,18 @@ one-GPU benchmark's definition) and over all steps (`peak_all_steps_gib`). The d
 config's largest loss difference to plain's (relative), its tokens/s and peak ratios to plain and
 to Liger, and for the 2-D modes the ratio to the same config's fsdp run at the same N. Outputs
 in --out: dist_scale.json (environment: device, GPU count, versions, lmkernels commit, command;
-then one row per run) and dist_scale.md (the table). --budget (s) skips runs past it.
+then one row per run), dist_scale.md (the table) and data.jsonl (the runs as rows of the data
+files, with their provenance: append it to benchmarks/data/<gpu>.jsonl, where the README's and
+docs' tables come from). --budget (s) skips runs past it.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -161,7 +165,17 @@ def environment(args) -> dict:
     env["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
     from importlib.metadata import PackageNotFoundError, version
 
-    for pkg in ("transformers", "accelerate", "deepspeed", "triton", "liger-kernel", "lmkernels"):
+    env["python"] = platform.python_version()
+    env["date"] = datetime.datetime.now().isoformat(timespec="seconds")
+    for pkg in (
+        "transformers",
+        "accelerate",
+        "deepspeed",
+        "triton",
+        "liger-kernel",
+        "torchtitan",
+        "lmkernels",
+    ):
         try:
             env[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -225,6 +239,38 @@ def compare_rows(rows: list[dict]) -> None:
             r["tokens_vs_fsdp"] = r["tokens_per_s_per_gpu"] / f["tokens_per_s_per_gpu"]
             if f["peak_gib"]:
                 r["peak_vs_fsdp"] = r["peak_gib"] / f["peak_gib"]
+
+
+def data_rows(rows: list[dict], env: dict) -> list[dict]:
+    """The runs as rows of the benchmark data files (benchmarks/data/<gpu>.jsonl, part dist):
+    each with the peer's configuration in words and the run's provenance."""
+    from lmkernels.harness.bench import data
+    from lmkernels.harness.bench.parts_perf import dist_rows
+
+    gpu = data.gpu_kind(env["device"])
+    vers = {"python": env.get("python"), "torch": env["torch"], "cuda": env.get("cuda")}
+    vers |= {k: env.get(k) for k in ("triton", "transformers", "liger-kernel", "deepspeed", "nccl")}
+    date = env["date"]
+    run = f"dist-scale-{date[:16]}-{gpu}x{env['gpus_present']}"
+    out = []
+    ran = [r for r in rows if r["status"] not in ("n/a", "skipped", "planned")]
+    for r, row in zip(ran, dist_rows(ran, env["batch"], env["seq"], env["model"]["layers"])):
+        kind = r["config"].split(":")[0]
+        words = data.peer(r["config"], "dist", vers)
+        if r["mode"].startswith("zero"):
+            words += f", DeepSpeed {vers['deepspeed']} ZeRO-{r['mode'][-1]} bf16"
+        elif r["mode"].startswith("titan"):
+            words = (
+                f"torchtitan {env.get('torchtitan')} Llama-3 1B, "
+                + ("with lmkernels.integrations.torchtitan" if kind == "lmk" else "as is")
+                + " (scale_titan.py)"
+            )
+        row |= {"part": "dist", "peer": words, "loss_collectives": r.get("loss_collectives")}
+        row |= {"loss_collective_bytes": r.get("loss_collective_bytes")}
+        row |= {"device": env["device"], "gpu": gpu, "gpus": r["gpus"], "versions": vers}
+        row |= {"commit": env["lmkernels_commit"], "date": date, "command": env["command"], "run": run}
+        out.append(data.ordered(row))
+    return out
 
 
 def _x(v, fmt="{:.2f}x"):
@@ -309,6 +355,11 @@ def main(argv=None) -> int:
         compare_rows(rows)
         (out / "dist_scale.json").write_text(json.dumps({"environment": env, "runs": rows}, indent=1))
         (out / "dist_scale.md").write_text(summary(rows, env))
+        if not args.dry_run:  # the rows of the data files: append them to benchmarks/data/<gpu>.jsonl
+            lines = [
+                json.dumps(r) for r in data_rows([r for r in rows if "losses" in r or r.get("error")], env)
+            ]
+            (out / "data.jsonl").write_text("".join(line + "\n" for line in lines))
 
     with tempfile.TemporaryDirectory(prefix="lmk-scale-") as tmp:
         for n in gpus:

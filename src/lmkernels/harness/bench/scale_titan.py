@@ -17,6 +17,7 @@ config function:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -30,13 +31,19 @@ WORDS = 2048
 
 
 def llama3_1b():
-    """torchtitan's llama3 debug training config with the Llama-3 1B model."""
+    """torchtitan's llama3 debug training config with the Llama-3 1B model, untied."""
+    import torch
     from torchtitan.models.common.config_utils import decoder_vocab_size
     from torchtitan.models.llama3 import model_registry
 
     config = llama3_debug()
     config.model_spec = model_registry("1B")
     config.loss.loss_fn.global_vocab_size = decoder_vocab_size(config.model_spec)
+    # Untied, as torchtitan's 8B (its pipeline parallel refuses tied weights): the embeddings
+    # get their own initialization, and lm_head can be the last stage's alone.
+    model = config.model_spec.model
+    model.enable_weight_tying = False
+    model.tok_embeddings.param_init = {"weight": functools.partial(torch.nn.init.normal_, std=1.0)}
     return config
 
 
@@ -56,6 +63,8 @@ def older_torch_shims() -> None:
     - torch.distributed.set_timeout -> the process group's _set_pg_timeout.
     - torch.distributed.fsdp.DataParallelMeshDims, which torchtitan imports for its full_dtensor
       SPMD backend (these runs take partial_dtensor) -> a placeholder class.
+    - FlexAttention's create_block_mask(separate_full_blocks=True): what an older torch's
+      create_block_mask always does -> the keyword dropped (False is refused).
     - Pipeline schedules handed micro-batches already split (`step(arg_mbs=, kwarg_mbs=,
       target_mbs=)`): an older step() takes the whole batch and would pass the lists to the model
       as keyword arguments -> what step() does around the schedule's own _step_microbatches."""
@@ -67,9 +76,20 @@ def older_torch_shims() -> None:
     if not hasattr(dist, "set_timeout"):
         dist.set_timeout = dist.distributed_c10d._set_pg_timeout
     import torch.distributed.fsdp as fsdp
+    from torch.nn.attention import flex_attention
 
     if not hasattr(fsdp, "DataParallelMeshDims"):  # imported by the full_dtensor backend only
         fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
+    create = flex_attention.create_block_mask
+    if "separate_full_blocks" not in inspect.signature(create).parameters:
+
+        @functools.wraps(create)
+        def create_block_mask(*args, separate_full_blocks: bool = True, **kwargs):
+            if not separate_full_blocks:
+                raise NotImplementedError("this torch's create_block_mask always separates full blocks")
+            return create(*args, **kwargs)
+
+        flex_attention.create_block_mask = create_block_mask
     if "arg_mbs" in inspect.signature(schedules.PipelineScheduleSingle.step).parameters:
         return
 
