@@ -50,7 +50,7 @@ one-GPU benchmark's definition) and over all steps (`peak_all_steps_gib`). The d
 config's largest loss difference to plain's (relative), its tokens/s and peak ratios to plain and
 to Liger, and for the 2-D modes the ratio to the same config's fsdp run at the same N. Outputs
 in --out: dist_scale.json (environment: device, GPU count, versions, lmkernels commit, command;
-then one row per run), dist_scale.md (the table) and data.jsonl (the runs as rows of the data
+then one row per run), dist_scale.md (the table), logs/ (each run's output) and data.jsonl (the runs as rows of the data
 files, with their provenance: append it to benchmarks/data/<gpu>.jsonl, where the README's and
 docs' tables come from). --budget (s) skips runs past it.
 """
@@ -204,18 +204,25 @@ def command(args, n: int, mode: str, config: str, part: Path, ckpt_dir: str) -> 
     return cmd
 
 
-def launch(cmd: list[str], args, n: int, mode: str, config: str, part: Path, timeout: float) -> dict:
+def launch(
+    cmd: list[str], args, n: int, mode: str, config: str, part: Path, timeout: float, log_path: Path
+) -> dict:
+    """Run one worker; its output goes to log_path, its row comes back."""
     env = {**os.environ, **NCCL_ENV, "OMP_NUM_THREADS": "1" if args.tiny else "4"}
     if args.tiny:  # the CPU run: Triton kernels (lmk:triton...) on the interpreter
         env.setdefault("TRITON_INTERPRET", "1")
     row = {"gpus": n, "mode": mode, "config": config}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        proc = subprocess.run(cmd, env=env, timeout=timeout, capture_output=True, text=True)
+        with open(log_path, "w") as f:
+            proc = subprocess.run(
+                cmd, env=env, timeout=timeout, stdout=f, stderr=subprocess.STDOUT, text=True
+            )
     except subprocess.TimeoutExpired:
         return {**row, "status": "timeout", "error": f"over {timeout:.0f} s"}
     if part.exists():
         return json.loads(part.read_text())
-    return {**row, "status": "crashed", "error": proc.stderr[-600:]}
+    return {**row, "status": "crashed", "error": f"exit {proc.returncode}: " + log_path.read_text()[-600:]}
 
 
 def compare_rows(rows: list[dict]) -> None:
@@ -382,7 +389,8 @@ def main(argv=None) -> int:
                         continue
                     log(f"{n} GPUs / {mode} / {config} ({left:.0f} s of budget left)")
                     start = time.monotonic()
-                    row = launch(cmd, args, n, mode, config, part, left + 30)
+                    log_path = out / "logs" / f"{n}-{mode}-{slug(config)}.log"
+                    row = launch(cmd, args, n, mode, config, part, left + 30, log_path)
                     row["wall_s"] = round(time.monotonic() - start, 1)
                     row.update(loss_collectives(args, n, mode, config))
                     log(f"  -> {row['status']} {row.get('error', '')[:100]}")
