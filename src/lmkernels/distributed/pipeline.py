@@ -7,6 +7,10 @@ last stage as the schedule's loss_fn, on those hidden states and `stage.lm_head.
 (lmkernels.fused_linear_cross_entropy or integrations.lm_head_loss.causal_lm_loss): the logits
 never exist on any stage. Layers run as the model's own forward runs them, without an attention
 mask (SDPA runs causal, as transformers does for an unpadded batch).
+
+A patched model's modules hold their patched forwards as bound methods (reference cycles): the
+layers of the other stages are freed by Python's cycle collector, not when the model is
+dropped. Drop it and run gc.collect() after cutting, as the benchmark's pipeline runs do.
 """
 
 from __future__ import annotations
