@@ -313,7 +313,8 @@ def dist_rows(
         if r["status"] == "skipped":
             continue
         peak = r.get("peak_gib")
-        extra = {k: r[k] for k in ("rank_peaks_gib", "peak_all_steps_gib", "layout") if k in r}
+        keep = ("rank_peaks_gib", "peak_all_steps_gib", "layout", "torch_shims", "cuda_graphs")
+        extra = {k: r[k] for k in keep if k in r}
         out.append(
             {"mode": r["mode"], "config": r["config"], "status": r["status"], "note": r.get("error", "")}
             | {"batch": batch, "seq": seq, "layers": layers}

@@ -57,7 +57,7 @@ def llama3_debug():
     return config
 
 
-def older_torch_shims() -> None:
+def older_torch_shims() -> list[str]:
     """What torchtitan 0.3 calls that an older torch (2.11-2.13) lacks, done with that torch's
     own parts; nothing changes where torch has them.
     - torch.distributed.set_timeout -> the process group's _set_pg_timeout.
@@ -67,19 +67,24 @@ def older_torch_shims() -> None:
       create_block_mask always does -> the keyword dropped (False is refused).
     - Pipeline schedules handed micro-batches already split (`step(arg_mbs=, kwarg_mbs=,
       target_mbs=)`): an older step() takes the whole batch and would pass the lists to the model
-      as keyword arguments -> what step() does around the schedule's own _step_microbatches."""
+      as keyword arguments -> what step() does around the schedule's own _step_microbatches.
+    - PipelineStage(get_mesh=): the callback that re-wraps a stage's incoming activations as
+      DTensors (full_dtensor backend) -> dropped.
+    Returns the names of those it applied."""
     import inspect
 
     import torch.distributed as dist
-    from torch.distributed.pipelining import schedules
-
-    if not hasattr(dist, "set_timeout"):
-        dist.set_timeout = dist.distributed_c10d._set_pg_timeout
     import torch.distributed.fsdp as fsdp
+    from torch.distributed.pipelining import PipelineStage, schedules
     from torch.nn.attention import flex_attention
 
-    if not hasattr(fsdp, "DataParallelMeshDims"):  # imported by the full_dtensor backend only
+    applied = []
+    if not hasattr(dist, "set_timeout"):
+        dist.set_timeout = dist.distributed_c10d._set_pg_timeout
+        applied.append("set_timeout")
+    if not hasattr(fsdp, "DataParallelMeshDims"):
         fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
+        applied.append("DataParallelMeshDims")
     create = flex_attention.create_block_mask
     if "separate_full_blocks" not in inspect.signature(create).parameters:
 
@@ -90,8 +95,19 @@ def older_torch_shims() -> None:
             return create(*args, **kwargs)
 
         flex_attention.create_block_mask = create_block_mask
+        applied.append("create_block_mask")
+    init = PipelineStage.__init__
+    if "get_mesh" not in inspect.signature(init).parameters:
+
+        @functools.wraps(init)
+        def stage_init(self, *args, get_mesh=None, **kwargs):
+            init(self, *args, **kwargs)
+
+        PipelineStage.__init__ = stage_init
+        applied.append("PipelineStage(get_mesh)")
     if "arg_mbs" in inspect.signature(schedules.PipelineScheduleSingle.step).parameters:
-        return
+        return applied
+    applied.append("step(arg_mbs)")
 
     def premade_microbatches(step):
         def step_mbs(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **kwargs):
@@ -111,6 +127,7 @@ def older_torch_shims() -> None:
 
     for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
         cls.step = premade_microbatches(cls.step)
+    return applied
 
 
 def write_assets(root: Path, tokens: int, seed: int = 0) -> tuple[Path, Path]:
@@ -139,8 +156,12 @@ def write_assets(root: Path, tokens: int, seed: int = 0) -> tuple[Path, Path]:
 
 
 def titan_argv(
-    args, mode: str, world: int, kind: str, tok_dir: Path, data_dir: Path, dump: Path
+    args, mode: str, world: int, kind: str, tok_dir: Path, data_dir: Path, dump: Path, graphs: bool = True
 ) -> list[str]:
+    """torchtitan's command line of one run. graphs=False: without torchtitan's CUDA graphs
+    (which pipeline parallel refuses, and which fail in the backward on a torch older than
+    torchtitan 0.3's, with or without lmkernels: "The tensor has a non-zero number of elements,
+    but its data is not allocated yet" under FSDP2, torch 2.11)."""
     tp, pp = TITAN_LAYOUT[mode]
     here, fn = "lmkernels.harness.bench.scale_titan", "llama3_debug" if args.tiny else "llama3_1b"
     if kind == "lmk":
@@ -163,7 +184,7 @@ def titan_argv(
         # (its TP run fails without lmkernels too); partial_dtensor is DTensor on TP/PP only.
         "--parallelism.spmd_backend=partial_dtensor",
     ]
-    if pp > 1:  # torchtitan's CUDA graphs do not take pipeline parallel (its config check says so)
+    if pp > 1 or not graphs:
         argv.append("--training.disable_cuda_graphs")
     return argv
 
@@ -176,7 +197,7 @@ def run_titan(args, result: dict, device, rank: int, world: int) -> None:
 
     from lmkernels.harness.bench.scale_worker import WARMUP_STEPS, parse_config, record_peaks
 
-    older_torch_shims()
+    shims = older_torch_shims()
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
 
@@ -192,7 +213,9 @@ def run_titan(args, result: dict, device, rank: int, world: int) -> None:
     dist.barrier()
     init_logger()
     dump = root / f"dump-{args.mode}-{world}-{kind}"
-    argv = titan_argv(args, args.mode, world, kind, root / "tokenizer", root / "text", dump)
+    argv = titan_argv(args, args.mode, world, kind, root / "tokenizer", root / "text", dump, graphs=not shims)
+    result["torch_shims"] = shims
+    result["cuda_graphs"] = "--training.disable_cuda_graphs" not in argv
     trainer = ConfigManager().parse_args(argv).build()
     times, losses, peaks = [], [], []
     log = trainer.metrics_processor.log
