@@ -18,6 +18,7 @@ import triton.language as tl  # noqa: E402
 import lmkernels  # noqa: E402
 from lmkernels.backends.triton import _launch  # noqa: E402
 from lmkernels.backends.triton._common import pdl_enter  # noqa: E402
+from lmkernels.registry import LMKernelsError  # noqa: E402
 
 GPU = torch.cuda.is_available() and torch.version.hip is None and not _launch.interpreting()
 
@@ -197,6 +198,46 @@ def test_constexprs_by_position_are_keyed_by_value(enabled):
     assert [c[0] for c in kernel.calls] == ["slow", "slow", "slow", "slow", "fast", "fast"]
     # The positional constexprs go through in place, the remaining one (PDL) from its default.
     assert kernel.calls[-1][1][9:] == (x, 4, 0.5, 2, 9, False)
+
+
+def _freed(n=4):
+    """A tensor with elements whose storage was resized to 0 (as FSDP2 frees an unsharded
+    parameter between its uses): data_ptr() is 0, and torch does not raise for it."""
+    t = torch.zeros(n)
+    t.untyped_storage().resize_(0)
+    return t
+
+
+def test_no_launch_with_a_freed_tensor(enabled):
+    """A tensor argument without memory never reaches a kernel, first launch or cached: the
+    kernel would access address 0 (an illegal memory access on a GPU, ending the process's CUDA
+    context). The error names the kernel and the argument."""
+    kernel = _Recorder(_probe_kernel)
+    x = torch.zeros(4)
+    _launch.launch(kernel, (1,), x, 4, 0.5, A=2)
+    _launch.launch(kernel, (1,), x, 4, 0.5, A=2)
+    for _ in range(2):
+        with pytest.raises(
+            LMKernelsError, match=r"_probe: tensor argument 0 \(shape \(4,\), torch.float32\) has no"
+        ):
+            _launch.launch(kernel, (1,), _freed(), 4, 0.5, A=2)
+    assert [c[0] for c in kernel.calls] == ["slow", "fast"]
+    empty = torch.zeros(0)  # no elements: nothing to read, a null pointer is fine
+    _launch.launch(kernel, (1,), empty, 0, 0.5, A=2)
+
+
+def test_ops_refuse_freed_tensors_forward_and_backward():
+    """Through the library, on the path this machine takes: a freed weight in the forward, and
+    a weight freed between the forward and the backward (what torch reports as "data is not
+    allocated yet" for its own ops)."""
+    x = torch.randn(4, 64, requires_grad=True)
+    with pytest.raises(LMKernelsError, match="no allocated memory"):
+        lmkernels.rms_norm(x, _freed(64), backend="triton")
+    w = torch.ones(64, requires_grad=True)
+    y = lmkernels.rms_norm(x, w, backend="triton")
+    w.untyped_storage().resize_(0)
+    with pytest.raises(LMKernelsError, match="no allocated memory"):
+        y.sum().backward()
 
 
 def test_other_kernel_objects_stay_on_triton(enabled):

@@ -36,6 +36,7 @@ USE_FAST_LAUNCH = os.environ.get("LMKERNELS_FAST_LAUNCH", "1") != "0"
 
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _NOT_CACHED = object()  # a cache entry: this key's launches take Triton's path
+_UNALLOCATED = object()  # ends a key whose tensor argument has elements but no memory
 _current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else None
 
 
@@ -44,6 +45,7 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
     has it. grid: a tuple of 1-3 ints. Non-constexpr parameters go by position, constexprs and
     options by keyword."""
     if not _enabled() or type(kernel) is not _JIT_FUNCTION or _hooks_set():
+        check_allocated(kernel, args)
         kernel[grid](*args, **kwargs)
         return
     state = kernel.__dict__.get("_lmk_launches")
@@ -52,8 +54,11 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
     cache, constexprs = state
     key = launch_key(args, kwargs, constexprs)
     if key[1] is None:  # an argument type the key does not cover
+        check_allocated(kernel, args)
         kernel[grid](*args, **kwargs)
         return
+    if key[1] and key[1][-1] is _UNALLOCATED:
+        check_allocated(kernel, args)
     try:
         entry = cache.get(key)
     except TypeError:  # an unhashable keyword value: Triton's path
@@ -71,6 +76,23 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
     # The arguments as Triton's path hands them over: every parameter in order, constexprs too
     # (the launcher skips them); no launch metadata and no hooks (_hooks_set).
     run(grid[0], g1, g2, stream(key[0]), function, metadata, None, None, None, *args, *tail)
+
+
+def check_allocated(kernel: Any, args: tuple) -> None:
+    """LMKernelsError for a tensor argument with elements but no memory (its storage freed or
+    resized to 0, as FSDP2 does to an unsharded parameter between its uses): a kernel would read
+    or write address 0, an illegal memory access that ends the CUDA context, where torch's own
+    ops raise "The tensor has a non-zero number of elements, but its data is not allocated yet"."""
+    for i, a in enumerate(args):
+        if type(a) in _TENSOR_TYPES and not a.data_ptr() and a.numel():
+            from lmkernels.registry import LMKernelsError
+
+            name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
+            raise LMKernelsError(
+                f"{name}: tensor argument {i} (shape {tuple(a.shape)}, {a.dtype}) has no allocated "
+                f"memory (its storage was freed or resized to 0, e.g. an FSDP2 parameter used "
+                f"outside the forward and backward of the module that owns it)"
+            )
 
 
 def launch_key(args: tuple, kwargs: dict, constexprs: tuple = ()) -> tuple:
@@ -94,8 +116,12 @@ def launch_key(args: tuple, kwargs: dict, constexprs: tuple = ()) -> tuple:
             else:
                 append(4 + (not a & 15) + (0 if -(1 << 63) <= a < (1 << 63) else 2))
         elif kind in _TENSOR_TYPES:
+            ptr = a.data_ptr()
             append(a.dtype)
-            append(not a.data_ptr() & 15)
+            append(not ptr & 15)
+            if not ptr and a.numel():  # its storage is freed: the launch must not happen
+                append(_UNALLOCATED)
+                break
         elif kind is float or kind is bool or a is None:
             append(kind)
         else:

@@ -304,28 +304,9 @@ def e2e_part(ctx: Context, args: str):
 # --- distributed --------------------------------------------------------------------------------------
 
 
-def dist_rows(
-    runs: list[dict[str, Any]], batch: int = 8, seq: int = 1024, layers: int = 8
-) -> list[dict[str, Any]]:
-    """Data rows from the distributed benchmark's runs (scale.py's dist_scale.json)."""
-    out = []
-    for r in runs:
-        if r["status"] == "skipped":
-            continue
-        peak = r.get("peak_gib")
-        keep = ("rank_peaks_gib", "peak_all_steps_gib", "layout", "torch_shims", "cuda_graphs")
-        extra = {k: r[k] for k in keep if k in r}
-        out.append(
-            {"mode": r["mode"], "config": r["config"], "status": r["status"], "note": r.get("error", "")}
-            | {"batch": batch, "seq": seq, "layers": layers}
-            | {"tokens_per_s_per_gpu": r.get("tokens_per_s_per_gpu"), "step_ms": r.get("step_ms")}
-            | {"peak_mib": peak * 1024 if peak else None, "losses": r.get("losses")}
-            | extra
-        )
-    return out
-
-
 def dist_part(ctx: Context):
+    from lmkernels.harness.bench.scale import dist_rows
+
     for mode in DIST_MODES:
         if ctx.done((mode,)):
             continue

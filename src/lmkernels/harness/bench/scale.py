@@ -79,6 +79,7 @@ from lmkernels.harness.bench.scale_worker import (
     log,
     parse_config,
     run_worker,
+    train,
 )
 
 
@@ -248,11 +249,29 @@ def compare_rows(rows: list[dict]) -> None:
                 r["peak_vs_fsdp"] = r["peak_gib"] / f["peak_gib"]
 
 
+def dist_rows(runs: list[dict], batch: int = 8, seq: int = 1024, layers: int = 8) -> list[dict]:
+    """Data rows from the distributed benchmark's runs (scale.py's dist_scale.json)."""
+    out = []
+    for r in runs:
+        if r["status"] == "skipped":
+            continue
+        peak = r.get("peak_gib")
+        keep = ("rank_peaks_gib", "peak_all_steps_gib", "layout", "torch_shims", "cuda_graphs")
+        extra = {k: r[k] for k in keep if k in r}
+        out.append(
+            {"mode": r["mode"], "config": r["config"], "status": r["status"], "note": r.get("error", "")}
+            | {"batch": batch, "seq": seq, "layers": layers}
+            | {"tokens_per_s_per_gpu": r.get("tokens_per_s_per_gpu"), "step_ms": r.get("step_ms")}
+            | {"peak_mib": peak * 1024 if peak else None, "losses": r.get("losses")}
+            | extra
+        )
+    return out
+
+
 def data_rows(rows: list[dict], env: dict) -> list[dict]:
     """The runs as rows of the benchmark data files (benchmarks/data/<gpu>.jsonl, part dist):
     each with the peer's configuration in words and the run's provenance."""
     from lmkernels.harness.bench import data
-    from lmkernels.harness.bench.parts_perf import dist_rows
 
     gpu = data.gpu_kind(env["device"])
     vers = {"python": env.get("python"), "torch": env["torch"], "cuda": env.get("cuda")}
@@ -338,7 +357,12 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
-        run_worker(args)
+        if args.mode.startswith("titan"):  # torchtitan's own trainer, loop and measurements
+            from lmkernels.harness.bench.scale_titan import run_titan
+
+            run_worker(args, run_titan)
+        else:
+            run_worker(args, train)
         return 0
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

@@ -353,7 +353,10 @@ def record_peaks(result: dict, timed: float, every_step: float, device) -> None:
     result["peak_all_steps_gib"] = round(max(p[1].item() for p in peaks) / 2**30, 3)
 
 
-def run_worker(args) -> None:
+def run_worker(args, train_fn) -> None:
+    """Under torchrun: the process group, then train_fn(args, result, device, rank, world) (this
+    module's train, or scale_titan's run_titan), its error recorded as the row; rank 0 writes
+    the row."""
     import torch
     import torch.distributed as dist
 
@@ -365,12 +368,7 @@ def run_worker(args) -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     result = {"gpus": world, "mode": args.mode, "config": args.config, "status": "ok", "losses": []}
     try:
-        if args.mode.startswith("titan"):  # torchtitan's own trainer, loop and measurements
-            from lmkernels.harness.bench.scale_titan import run_titan
-
-            run_titan(args, result, device, rank, world)
-        else:
-            train(args, result, device, rank, world)
+        train_fn(args, result, device, rank, world)
     except Exception as exc:  # recorded: a peer that cannot run a wrapping is a result too
         import traceback
 
