@@ -43,6 +43,9 @@ def test_dry_run_plans_every_wrapping(tmp_path):
     assert "needs >= 4 GPUs" in status[(2, "fsdp_tp_torch", "lmk")]["error"]
     if not titan_ok:
         assert status[(2, "titan_pp", "lmk")]["error"] == "torchtitan is not installed"
+    assert (tmp_path / "dist_scale.md").read_text().count("| planned |") == sum(
+        r["status"] == "planned" for r in rows
+    )
 
 
 def test_torchtitan_runs_named_where_they_cannot_run(tmp_path):
@@ -56,9 +59,6 @@ def test_torchtitan_runs_named_where_they_cannot_run(tmp_path):
     _, rows = _rows(tmp_path)
     assert [r["status"] for r in rows] == ["n/a"] * 3
     assert dist_scale_worker.replicas("titan_pp", 4) == 2 and dist_scale_worker.replicas("titan_fsdp", 4) == 4
-    assert (tmp_path / "dist_scale.md").read_text().count("| planned |") == sum(
-        r["status"] == "planned" for r in rows
-    )
 
 
 def test_arguments_checked_before_any_run(tmp_path):

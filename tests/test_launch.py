@@ -114,6 +114,13 @@ def _probe(x_ptr, n, scale, A: tl.constexpr, B: tl.constexpr = 7, PDL: tl.conste
 _probe_kernel = triton.runtime.jit.JITFunction(_probe)
 
 
+def _two_tensors(x_ptr, y_ptr, n):
+    tl.store(y_ptr + tl.arange(0, 4), tl.load(x_ptr + tl.arange(0, 4)), mask=tl.arange(0, 4) < n)
+
+
+_two_tensors_kernel = triton.runtime.jit.JITFunction(_two_tensors)
+
+
 class _Recorder:
     """Stands in for a jit function (its parameters, its source) whose launches through Triton's
     path ("slow") return a compiled kernel whose launcher records the launches ("fast")."""
@@ -200,10 +207,10 @@ def test_constexprs_by_position_are_keyed_by_value(enabled):
     assert kernel.calls[-1][1][9:] == (x, 4, 0.5, 2, 9, False)
 
 
-def _freed(n=4):
+def _freed(n=4, offset=0):
     """A tensor with elements whose storage was resized to 0 (as FSDP2 frees an unsharded
-    parameter between its uses): data_ptr() is 0, and torch does not raise for it."""
-    t = torch.zeros(n)
+    parameter between its uses): its data_ptr() is its offset from 0, torch does not raise."""
+    t = torch.zeros(n + offset)[offset:]
     t.untyped_storage().resize_(0)
     return t
 
@@ -216,12 +223,17 @@ def test_no_launch_with_a_freed_tensor(enabled):
     x = torch.zeros(4)
     _launch.launch(kernel, (1,), x, 4, 0.5, A=2)
     _launch.launch(kernel, (1,), x, 4, 0.5, A=2)
-    for _ in range(2):
+    for freed in (_freed(), _freed(), _freed(offset=2)):  # a view of a freed storage too
         with pytest.raises(
             LMKernelsError, match=r"_probe: tensor argument 0 \(shape \(4,\), torch.float32\) has no"
         ):
-            _launch.launch(kernel, (1,), _freed(), 4, 0.5, A=2)
-    assert [c[0] for c in kernel.calls] == ["slow", "fast"]
+            _launch.launch(kernel, (1,), freed, 4, 0.5, A=2)
+    two = _Recorder(_two_tensors_kernel)  # not the first argument; then past a key the cache lacks
+    with pytest.raises(LMKernelsError, match="tensor argument 1 "):
+        _launch.launch(two, (1,), x, _freed(), 4)
+    with pytest.raises(LMKernelsError, match="tensor argument 1 "):
+        _launch.launch(two, (1,), "text", _freed(), 4)
+    assert [c[0] for c in kernel.calls] == ["slow", "fast"] and two.calls == []
     empty = torch.zeros(0)  # no elements: nothing to read, a null pointer is fine
     _launch.launch(kernel, (1,), empty, 0, 0.5, A=2)
 

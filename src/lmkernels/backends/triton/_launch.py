@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from lmkernels.backends.triton import _version, interpreting
+from lmkernels.registry import LMKernelsError
 
 # LMKERNELS_FAST_LAUNCH=0: every launch through Triton's own path (to rule the cache out; A/B).
 USE_FAST_LAUNCH = os.environ.get("LMKERNELS_FAST_LAUNCH", "1") != "0"
@@ -37,6 +38,7 @@ USE_FAST_LAUNCH = os.environ.get("LMKERNELS_FAST_LAUNCH", "1") != "0"
 _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _NOT_CACHED = object()  # a cache entry: this key's launches take Triton's path
 _UNALLOCATED = object()  # ends a key whose tensor argument has elements but no memory
+_LOW_ADDRESSES = 1 << 32
 _current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else None
 
 
@@ -57,8 +59,10 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
         check_allocated(kernel, args)
         kernel[grid](*args, **kwargs)
         return
-    if key[1] and key[1][-1] is _UNALLOCATED:
+    if key[1] and key[1][-1] is _UNALLOCATED:  # never cached: the key stops at that tensor
         check_allocated(kernel, args)
+        kernel[grid](*args, **kwargs)
+        return
     try:
         entry = cache.get(key)
     except TypeError:  # an unhashable keyword value: Triton's path
@@ -79,20 +83,22 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
 
 
 def check_allocated(kernel: Any, args: tuple) -> None:
-    """LMKernelsError for a tensor argument with elements but no memory (its storage freed or
-    resized to 0, as FSDP2 does to an unsharded parameter between its uses): a kernel would read
-    or write address 0, an illegal memory access that ends the CUDA context, where torch's own
-    ops raise "The tensor has a non-zero number of elements, but its data is not allocated yet"."""
+    """LMKernelsError for a positional tensor argument with elements but no memory (its storage
+    freed or resized to 0, as FSDP2 does to an unsharded parameter between its uses): a kernel
+    would read or write near address 0, an illegal memory access that ends the process's CUDA
+    context. (The library passes every tensor by position.)"""
     for i, a in enumerate(args):
-        if type(a) in _TENSOR_TYPES and not a.data_ptr() and a.numel():
-            from lmkernels.registry import LMKernelsError
-
+        if type(a) in _TENSOR_TYPES and a.data_ptr() < _LOW_ADDRESSES and a.numel() and _freed(a):
             name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
             raise LMKernelsError(
                 f"{name}: tensor argument {i} (shape {tuple(a.shape)}, {a.dtype}) has no allocated "
                 f"memory (its storage was freed or resized to 0, e.g. an FSDP2 parameter used "
                 f"outside the forward and backward of the module that owns it)"
             )
+
+
+def _freed(t: torch.Tensor) -> bool:
+    return not t.untyped_storage().data_ptr()
 
 
 def launch_key(args: tuple, kwargs: dict, constexprs: tuple = ()) -> tuple:
@@ -119,7 +125,9 @@ def launch_key(args: tuple, kwargs: dict, constexprs: tuple = ()) -> tuple:
             ptr = a.data_ptr()
             append(a.dtype)
             append(not ptr & 15)
-            if not ptr and a.numel():  # its storage is freed: the launch must not happen
+            # A freed storage's views point at their offset from address 0; device memory lies
+            # far above 4 GiB, so only such pointers pay for the storage's own check.
+            if ptr < _LOW_ADDRESSES and a.numel() and _freed(a):
                 append(_UNALLOCATED)
                 break
         elif kind is float or kind is bool or a is None:

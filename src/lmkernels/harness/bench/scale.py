@@ -30,7 +30,7 @@ Modes (N = GPUs of the run; --batch B sequences of --seq S tokens per data-paral
                  the last stage's loss: plain lm_head + cross entropy, lmkernels'
                  fused op (lmkernels.integrations.lm_head_loss.causal_lm_loss), Liger's
                  LigerFusedLinearCrossEntropyLoss                                        N >= 2
-  titan_fsdp     torchtitan's own trainer on its Llama-3 1B (16 layers, tied embeddings;
+  titan_fsdp     torchtitan's own trainer on its Llama-3 1B (16 layers, untied;
                  scale_titan.py), FSDP2 over the N GPUs; B sequences per rank            N >= 1
   titan_tp       torchtitan, TP 2 x FSDP2 N/2 (sequence parallel: torchtitan's plan)     N >= 2, even
   titan_pp       torchtitan, PP 2 stages (1F1B, B micro-batches) x FSDP2 N/2             N >= 2, even
@@ -68,6 +68,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from lmkernels.harness.bench import data
 from lmkernels.harness.bench.data import commit
 from lmkernels.harness.bench.scale_worker import (
     CONFIGS,
@@ -260,7 +261,7 @@ def dist_rows(runs: list[dict], batch: int = 8, seq: int = 1024, layers: int = 8
         extra = {k: r[k] for k in keep if k in r}
         out.append(
             {"mode": r["mode"], "config": r["config"], "status": r["status"], "note": r.get("error", "")}
-            | {"batch": batch, "seq": seq, "layers": layers}
+            | {"batch": batch, "seq": seq, "layers": r.get("layers", layers)}
             | {"tokens_per_s_per_gpu": r.get("tokens_per_s_per_gpu"), "step_ms": r.get("step_ms")}
             | {"peak_mib": peak * 1024 if peak else None, "losses": r.get("losses")}
             | extra
@@ -271,11 +272,12 @@ def dist_rows(runs: list[dict], batch: int = 8, seq: int = 1024, layers: int = 8
 def data_rows(rows: list[dict], env: dict) -> list[dict]:
     """The runs as rows of the benchmark data files (benchmarks/data/<gpu>.jsonl, part dist):
     each with the peer's configuration in words and the run's provenance."""
-    from lmkernels.harness.bench import data
 
     gpu = data.gpu_kind(env["device"])
     vers = {"python": env.get("python"), "torch": env["torch"], "cuda": env.get("cuda")}
-    vers |= {k: env.get(k) for k in ("triton", "transformers", "liger-kernel", "deepspeed", "nccl")}
+    vers |= {
+        k: env.get(k) for k in ("triton", "transformers", "liger-kernel", "deepspeed", "torchtitan", "nccl")
+    }
     date = env["date"]
     run = f"dist-scale-{date[:16]}-{gpu}x{env['gpus_present']}"
     out = []
@@ -289,6 +291,11 @@ def data_rows(rows: list[dict], env: dict) -> list[dict]:
             words = (
                 f"torchtitan {env.get('torchtitan')} Llama-3 1B, "
                 + ("with lmkernels.integrations.torchtitan" if kind == "lmk" else "as is")
+                + (
+                    f", backend {r['config'].split(':', 1)[1].replace('/', ',')}"
+                    if ":" in r["config"]
+                    else ""
+                )
                 + " (scale_titan.py)"
             )
         row |= {"part": "dist", "peer": words, "loss_collectives": r.get("loss_collectives")}

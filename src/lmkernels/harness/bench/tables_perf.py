@@ -305,6 +305,11 @@ def dist_table(rows: list[dict[str, Any]], path: str) -> str:
     """Per GPU count and wrapping (the latest run of each): tokens/s/GPU, peak, ratios, loss
     differences."""
     points = latest([r for r in rows if r["part"] == "dist"], lambda r: (r["gpus"], r["mode"]))
+    # A wrapping whose plain run fails there is the environment's problem, with nothing to
+    # compare: its rows stay in the data file (docs/scaling.md cites them), out of the table.
+    points = {
+        k: rs for k, rs in points.items() if any(r["config"] == "plain" and r["status"] == "ok" for r in rs)
+    }
     order = {m: i for i, m in enumerate(MODE_TITLES)}
     body, used = [], []
     for gpus, mode in sorted(points, key=lambda k: (k[0], order.get(k[1], len(order)), k[1])):
