@@ -61,6 +61,16 @@ def test_torchtitan_runs_named_where_they_cannot_run(tmp_path):
     assert dist_scale_worker.replicas("titan_pp", 4) == 2 and dist_scale_worker.replicas("titan_fsdp", 4) == 4
 
 
+def test_torchtitan_peaks_of_the_timed_steps():
+    """The peak of a torchtitan run: after the warmup steps, or every step's under CUDA graphs
+    (their replays allocate nothing new)."""
+    from lmkernels.harness.bench.scale_titan import step_peaks
+
+    assert step_peaks([9, 5, 3, 4], graphs=False, warmup=2) == (4, 9)
+    assert step_peaks([9, 5, 3, 4], graphs=True, warmup=2) == (9, 9)
+    assert step_peaks([], graphs=False, warmup=2) == (0, 0)
+
+
 def test_arguments_checked_before_any_run(tmp_path):
     assert "unknown backend 'trition'" in dist_scale.check_config("lmk:eager/flce=trition")
     assert "unknown configuration" in dist_scale.check_config("lmkernels")

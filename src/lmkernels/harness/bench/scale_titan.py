@@ -240,7 +240,12 @@ def run_titan(args, result: dict, device, rank: int, world: int) -> None:
     result["step_ms"] = step_s * 1e3
     result["tokens_per_s_per_gpu"] = args.batch * dp * args.seq / step_s / world
     result["layout"] = {"dp_shard": dp, "tp": tp, "pp": pp}
-    # A replayed CUDA graph's memory is reserved in its pool, not allocated anew: with graphs
-    # the capture's step (all steps) is the peak that counts.
-    timed = max(peaks if graphs else peaks[WARMUP_STEPS:], default=0)
-    record_peaks(result, timed, max(peaks, default=0), device)
+    record_peaks(result, *step_peaks(peaks, graphs, WARMUP_STEPS), device)
+
+
+def step_peaks(peaks: list[int], graphs: bool, warmup: int) -> tuple[int, int]:
+    """(the timed steps' peak, every step's) from each step's peak allocated bytes. A replayed
+    CUDA graph's memory is reserved in its pool, not allocated anew: with graphs the capture's
+    step (every step's peak) is the one that counts for the timed steps too."""
+    every = max(peaks, default=0)
+    return (every if graphs else max(peaks[warmup:], default=0)), every
