@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import distributed_common as common
 from distributed_common import compare, global_batches, optimizer, params, patched, reference, registry, tiny
-from lmkernels.distributed.pipeline import DecoderStage
+from lmkernels.distributed.pipeline import DecoderStage, schedule_step
 
 CHECKS, check = registry()
 MICROBATCHES = 2
@@ -54,11 +54,7 @@ def pp_run(ctx, schedule_name: str):
     opt = optimizer(stage_mod)
     losses = []
     for ids in global_batches(world):  # every step the whole global batch, in microbatches
-        mb_losses = []
-        if rank == 0:
-            sched.step(ids)
-        else:
-            sched.step(target=ids, losses=mb_losses)
+        mb_losses = schedule_step(sched, ids, first=rank == 0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(torch.stack(mb_losses).mean().item() if mb_losses else None)

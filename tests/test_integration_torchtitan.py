@@ -188,30 +188,11 @@ STEPS, SEQ, BATCH = 4, 64, 2
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    """torchtitan's test assets, made here: a word-level tokenizer of the debug model's 2048
-    tokens and a c4_test-style dataset of documents of uneven lengths (packed by torchtitan's
-    dataloader: several documents per sequence, so the block-causal masks matter)."""
-    import random
+    """(tokenizer, dataset) folders: the distributed benchmark's word-level tokenizer of the
+    debug model's 2048 tokens and about 64 documents of 10-90 words (several per sequence)."""
+    from lmkernels.harness.bench.scale_titan import write_assets
 
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    root = tmp_path_factory.mktemp("torchtitan")
-    tok_dir, data_dir = root / "tokenizer", root / "c4_test"
-    tok_dir.mkdir()
-    data_dir.mkdir()
-    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 2048)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(tok_dir / "tokenizer.json"))
-    (tok_dir / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"})
-    )
-    rng = random.Random(0)
-    with open(data_dir / "data.json", "w") as f:
-        for _ in range(64):
-            words = " ".join(f"w{rng.randrange(3, 2048)}" for _ in range(rng.randrange(10, 90)))
-            f.write(json.dumps({"text": words}) + "\n")
-    return root
+    return write_assets(tmp_path_factory.mktemp("torchtitan"), tokens=64 * 50, max_words=90)
 
 
 def _run(assets, tmp_path, name: str, args: list[str], nproc: int = 1, env: dict | None = None) -> dict:
@@ -219,8 +200,8 @@ def _run(assets, tmp_path, name: str, args: list[str], nproc: int = 1, env: dict
 
     out = tmp_path / f"{name}.pt"
     common = [
-        f"--hf_assets_path={assets / 'tokenizer'}",
-        f"--dataloader.dataset_path={assets / 'c4_test'}",
+        f"--hf_assets_path={assets[0]}",
+        f"--dataloader.dataset_path={assets[1]}",
         f"--dump_folder={tmp_path / name}",
         f"--training.steps={STEPS}",
         f"--training.seq_len={SEQ}",

@@ -41,3 +41,15 @@ class DecoderStage(nn.Module):
             out = layer(h, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
             h = out[0] if isinstance(out, tuple) else out
         return self.norm(h) if self.last else h
+
+
+def schedule_step(schedule, ids: torch.Tensor, first: bool) -> list[torch.Tensor]:
+    """One step of a torch.distributed.pipelining schedule on this rank's stage: the first stage
+    takes the token ids as input, the others as the targets of the last stage's loss_fn. Returns
+    the micro-batches' losses (filled on the last stage only)."""
+    losses: list[torch.Tensor] = []
+    if first:
+        schedule.step(ids)
+    else:
+        schedule.step(target=ids, losses=losses)
+    return losses

@@ -88,7 +88,7 @@ def check_allocated(kernel: Any, args: tuple) -> None:
     would read or write near address 0, an illegal memory access that ends the process's CUDA
     context. (The library passes every tensor by position.)"""
     for i, a in enumerate(args):
-        if type(a) in _TENSOR_TYPES and a.data_ptr() < _LOW_ADDRESSES and a.numel() and _freed(a):
+        if type(a) in _TENSOR_TYPES and _no_memory(a, a.data_ptr()):
             name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
             raise LMKernelsError(
                 f"{name}: tensor argument {i} (shape {tuple(a.shape)}, {a.dtype}) has no allocated "
@@ -97,8 +97,11 @@ def check_allocated(kernel: Any, args: tuple) -> None:
             )
 
 
-def _freed(t: torch.Tensor) -> bool:
-    return not t.untyped_storage().data_ptr()
+def _no_memory(t: torch.Tensor, ptr: int) -> bool:
+    """Whether tensor t (data pointer ptr) has elements but a freed storage. A freed storage's
+    views point at their offset from address 0; memory lies far above 4 GiB, so only such low
+    pointers pay for the storage's own check."""
+    return ptr < _LOW_ADDRESSES and t.numel() > 0 and not t.untyped_storage().data_ptr()
 
 
 def launch_key(args: tuple, kwargs: dict, constexprs: tuple = ()) -> tuple:
@@ -125,9 +128,7 @@ def launch_key(args: tuple, kwargs: dict, constexprs: tuple = ()) -> tuple:
             ptr = a.data_ptr()
             append(a.dtype)
             append(not ptr & 15)
-            # A freed storage's views point at their offset from address 0; device memory lies
-            # far above 4 GiB, so only such pointers pay for the storage's own check.
-            if ptr < _LOW_ADDRESSES and a.numel() and _freed(a):
+            if _no_memory(a, ptr):
                 append(_UNALLOCATED)
                 break
         elif kind is float or kind is bool or a is None:

@@ -287,17 +287,11 @@ def data_rows(rows: list[dict], env: dict) -> list[dict]:
         words = data.peer(r["config"], "dist", vers)
         if r["mode"].startswith("zero"):
             words += f", DeepSpeed {vers['deepspeed']} ZeRO-{r['mode'][-1]} bf16"
-        elif r["mode"].startswith("titan"):
-            words = (
-                f"torchtitan {env.get('torchtitan')} Llama-3 1B, "
-                + ("with lmkernels.integrations.torchtitan" if kind == "lmk" else "as is")
-                + (
-                    f", backend {r['config'].split(':', 1)[1].replace('/', ',')}"
-                    if ":" in r["config"]
-                    else ""
-                )
-                + " (scale_titan.py)"
-            )
+        elif r["mode"].startswith("titan"):  # torchtitan's trainer, not transformers' model
+            how = "as is" if kind == "plain" else "with lmkernels.integrations.torchtitan"
+            backend = words.partition(", backend ")[2]
+            words = f"torchtitan {env.get('torchtitan')} Llama-3 1B {how} (scale_titan.py)"
+            words += f", backend {backend}" if backend else ""
         row |= {"part": "dist", "peer": words, "loss_collectives": r.get("loss_collectives")}
         row |= {"loss_collective_bytes": r.get("loss_collective_bytes")}
         row |= {"device": env["device"], "gpu": gpu, "gpus": r["gpus"], "versions": vers}
@@ -394,9 +388,7 @@ def main(argv=None) -> int:
         (out / "dist_scale.json").write_text(json.dumps({"environment": env, "runs": rows}, indent=1))
         (out / "dist_scale.md").write_text(summary(rows, env))
         if not args.dry_run:  # the rows of the data files: append them to benchmarks/data/<gpu>.jsonl
-            lines = [
-                json.dumps(r) for r in data_rows([r for r in rows if "losses" in r or r.get("error")], env)
-            ]
+            lines = [json.dumps(r) for r in data_rows(rows, env)]
             (out / "data.jsonl").write_text("".join(line + "\n" for line in lines))
 
     with tempfile.TemporaryDirectory(prefix="lmk-scale-") as tmp:

@@ -130,9 +130,10 @@ def older_torch_shims() -> list[str]:
     return applied
 
 
-def write_assets(root: Path, tokens: int, seed: int = 0) -> tuple[Path, Path]:
+def write_assets(root: Path, tokens: int, max_words: int = 1000, seed: int = 0) -> tuple[Path, Path]:
     """(tokenizer folder, dataset folder) under root: a word-level tokenizer of WORDS words and
-    a c4_test-style JSON-lines file of documents (10-1000 words) holding >= `tokens` words."""
+    a c4_test-style JSON-lines file of documents (10 to max_words words: several per sequence,
+    packed by torchtitan's dataloader, so its block-causal masks matter) of >= `tokens` words."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     tok_dir, data_dir = root / "tokenizer", root / "text"
@@ -149,7 +150,7 @@ def write_assets(root: Path, tokens: int, seed: int = 0) -> tuple[Path, Path]:
     with open(data_dir / "data.json", "w") as f:
         written = 0
         while written < tokens:
-            n = rng.randrange(10, 1000)
+            n = rng.randrange(10, max_words)
             f.write(json.dumps({"text": " ".join(f"w{rng.randrange(3, WORDS)}" for _ in range(n))}) + "\n")
             written += n
     return tok_dir, data_dir

@@ -260,6 +260,7 @@ def train(args, result: dict, device, rank: int, world: int) -> None:
     import torch.distributed as dist
 
     from lmkernels.distributed import foreach_safe_param_groups
+    from lmkernels.distributed.pipeline import schedule_step
 
     cuda = device.type == "cuda"
     mode = args.mode
@@ -300,12 +301,8 @@ def train(args, result: dict, device, rank: int, world: int) -> None:
                 torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         if mode == "pp":
-            mb_losses = []
             with autocast:
-                if rank == 0:
-                    sched.step(ids)
-                else:
-                    sched.step(target=ids, losses=mb_losses)
+                mb_losses = schedule_step(sched, ids, first=rank == 0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             loss = torch.stack(mb_losses).mean().detach() if mb_losses else torch.zeros((), device=device)
