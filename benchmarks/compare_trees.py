@@ -207,6 +207,15 @@ def worker(src: str, out: str) -> None:
         json.dump(results, fh)
 
 
+def parse_cpus(text: str) -> set[int]:
+    """'2-9' or '0,2-5' -> the CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def summarize(runs: dict[str, list[dict]], names: list[str]) -> list[dict]:
     """Per case: the median over rounds of new/old, the old tree's spread, the peaks."""
     old, new = names
@@ -229,6 +238,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cases", default="", help="comma-separated words: only the cases whose names hold one")
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--cpus",
+        default="",
+        help="CPU list for every worker, e.g. 2-9: a host-bound step's time then varies less",
+    )
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
@@ -242,6 +256,8 @@ def main(argv=None) -> int:
     trees = dict(item.split("=", 1) for item in a.trees.split(","))
     if len(trees) != 2:
         raise SystemExit("--trees: expected two NAME=PATH entries, before and after")
+    if a.cpus:
+        os.sched_setaffinity(0, parse_cpus(a.cpus))  # the workers inherit it
     from lmkernels.harness.bench.e2e_setup import LLAMA_1B
 
     os.makedirs(a.out, exist_ok=True)
@@ -258,7 +274,8 @@ def main(argv=None) -> int:
             print(f"round {r + 1}/{a.rounds}: {name} done", flush=True)
         rows = summarize(runs, list(trees))  # after every round: a cut-short run keeps its rounds
         with open(os.path.join(a.out, "compare.json"), "w") as fh:
-            json.dump({"env": runs[list(trees)[1]][0]["_env"], "trees": trees, "rows": rows}, fh, indent=1)
+            meta = {"env": runs[list(trees)[1]][0]["_env"], "trees": trees, "cpus": a.cpus or "all"}
+            json.dump(meta | {"rows": rows}, fh, indent=1)
     print(f"{'case':<34} {'old ms':>8} {'new ms':>8} {'ratio':>6} {'noise':>6} {'old MiB':>8} {'new MiB':>8}")
     for row in rows:
         print(

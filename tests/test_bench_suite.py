@@ -261,3 +261,14 @@ def test_compare_trees_summary_pairs_rounds():
     assert row["ratio"] == pytest.approx(1.0)  # per-round ratios 1.1, 1.0, 0.9
     assert row["noise"] == pytest.approx(0.2) and row["rounds"] == 3
     assert row["old_ms"] == 1.0 and row["new_ms"] == 1.1
+
+
+def test_compare_trees_cpu_list():
+    """compare_trees --cpus: ranges and single CPUs, as taskset writes them."""
+    spec = importlib.util.spec_from_file_location(
+        "compare_trees", Path(__file__).parent.parent / "benchmarks" / "compare_trees.py"
+    )
+    compare_trees = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare_trees)
+    assert compare_trees.parse_cpus("0,2-5") == {0, 2, 3, 4, 5}
+    assert compare_trees.parse_cpus("7") == {7}
