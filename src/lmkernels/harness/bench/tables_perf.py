@@ -304,7 +304,9 @@ def e2e_compile(rows: list[dict[str, Any]], path: str) -> str:
 def dist_table(rows: list[dict[str, Any]], path: str) -> str:
     """Per GPU count and wrapping (the latest run of each): tokens/s/GPU, peak, ratios, loss
     differences."""
-    points = latest([r for r in rows if r["part"] == "dist"], lambda r: (r["gpus"], r["mode"]))
+    points = latest(
+        [r for r in rows if r["part"] == "dist"], lambda r: (r["gpus"], r["mode"], r.get("seq", 1024))
+    )
     # A wrapping whose plain run fails there is the environment's problem, with nothing to
     # compare: its rows stay in the data file (docs/scaling.md cites them), out of the table.
     points = {
@@ -312,8 +314,8 @@ def dist_table(rows: list[dict[str, Any]], path: str) -> str:
     }
     order = {m: i for i, m in enumerate(MODE_TITLES)}
     body, used = [], []
-    for gpus, mode in sorted(points, key=lambda k: (k[0], order.get(k[1], len(order)), k[1])):
-        rs = points[gpus, mode]
+    for gpus, mode, seq in sorted(points, key=lambda k: (k[0], order.get(k[1], len(order)), k[1], k[2])):
+        rs = points[gpus, mode, seq]
         used += rs
         by = {c: next((r for r in rs if r["config"] == c), None) for c in ("plain", "lmk", "liger")}
         cells, peaks = [], []
@@ -339,7 +341,7 @@ def dist_table(rows: list[dict[str, Any]], path: str) -> str:
             diff = f"{max(abs(a - b) for a, b in zip(lmk['losses'], plain['losses'])):.1e}"
         body.append(
             [
-                MODE_TITLES.get(mode, mode),
+                MODE_TITLES.get(mode, mode) + (f", {seq}-token sequences" if seq != 1024 else ""),
                 str(gpus),
                 *cells,
                 *vs,
