@@ -9,6 +9,12 @@ per round, so drift cancels; a case's ratio new/old is the median over rounds of
 ratios, and the spread of the old tree's own rounds is the noise it is read against. Per case:
 fwd+bwd GPU time (median of 30 steps, each with the launch queue filled ahead and the L2 flushed;
 an end-to-end case: the median wall time of 20 training steps) and peak memory above the inputs. Writes DIR/compare.json (one row per case) and prints a table.
+
+A training step of a few thousand tokens is host-bound, and its time varies from one process to
+the next by far more than a change's few percent. --same-process runs the end-to-end cases with
+both trees in one process per round (a copy of the old tree renamed to `lmkold`), their steps
+alternating on one model each; the noise is then the spread of the per-round ratios.
+--cpus pins the workers to a CPU list.
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 # (case, kind, sizes): bf16, shapes of the README's benchmarks.
@@ -45,6 +53,8 @@ CASES = [
 
 MODEL_ENV = "LMKERNELS_COMPARE_MODEL"  # the e2e model's config (JSON), from the driver to the workers
 CASES_ENV = "LMKERNELS_COMPARE_CASES"  # --cases, from the driver to the workers
+OLD_PACKAGE = "lmkold"  # --same-process: the old tree's package, renamed
+PAIRED_STEPS = 10  # --same-process: steps per tree and half-round (the order flips between)
 
 
 def selected_cases() -> list[tuple[str, str, dict]]:
@@ -135,15 +145,13 @@ def _time_op(fn, leaves) -> dict:
     return {"ms": _gpu_time_ms(step), "peak_mib": peak}
 
 
-def _time_e2e(p: dict, dev: str) -> dict:
+def _e2e_step(p: dict, dev: str, apply):
     """A Llama-3.2-1B-shaped training step (bf16 parameters, gradient checkpointing, AdamW),
-    patched with the tree's integrations.transformers.apply and its default backends. The
-    config is the end-to-end benchmark's (e2e_setup.LLAMA_1B), passed in by the driver: a worker
-    imports only the lmkernels of the tree it measures."""
+    patched by `apply` (a tree's integrations.transformers.apply, default backends), warmed up.
+    The config is the end-to-end benchmark's (e2e_setup.LLAMA_1B), passed in by the driver: a
+    worker imports only the lmkernels trees it measures."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from lmkernels.integrations.transformers import apply
 
     config = json.loads(os.environ[MODEL_ENV])
     torch.manual_seed(0)
@@ -170,16 +178,36 @@ def _time_e2e(p: dict, dev: str) -> dict:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    return step
+
+
+def _timed_ms(step) -> float:
+    import torch
+
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _step_peak_mib(step) -> float:
+    """Peak memory of one step above what was allocated before it."""
+    import torch
+
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return {"ms": statistics.median(times), "peak_mib": peak}
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _time_e2e(p: dict, dev: str) -> dict:
+    """The median wall time of 20 steps and the step's peak."""
+    from lmkernels.integrations.transformers import apply
+
+    step = _e2e_step(p, dev, apply)
+    peak = _step_peak_mib(step)
+    return {"ms": statistics.median(_timed_ms(step) for _ in range(20)), "peak_mib": peak}
 
 
 def worker(src: str, out: str) -> None:
@@ -216,17 +244,73 @@ def parse_cpus(text: str) -> set[int]:
     return cpus
 
 
-def summarize(runs: dict[str, list[dict]], names: list[str]) -> list[dict]:
-    """Per case: the median over rounds of new/old, the old tree's spread, the peaks."""
+def renamed_tree(src: str, dest: str, name: str = OLD_PACKAGE) -> str:
+    """A copy of the tree at `src` whose package is `name` (every "lmkernels" in its code
+    renamed, torch.library namespace and environment variables included), so that it imports
+    beside the other tree in one process. Returns the folder to put on sys.path."""
+    target = os.path.join(dest, name)
+    shutil.copytree(os.path.join(src, "lmkernels"), target, ignore=shutil.ignore_patterns("__pycache__"))
+    for root, _, files in os.walk(target):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(root, f)
+                with open(path) as fh:
+                    text = fh.read().replace("lmkernels", name).replace("LMKERNELS", name.upper())
+                with open(path, "w") as fh:
+                    fh.write(text)
+    return dest
+
+
+def paired_worker(old_root: str, new_src: str, out: str) -> None:
+    """The end-to-end cases with both trees in one process (the old one renamed): per case one
+    model patched by each, their steps alternating, so that the host's state, which varies
+    from one process to the next by more than a host-bound step's difference, is shared."""
+    sys.path[:0] = [new_src, old_root]
+    import importlib
+
+    import torch
+
+    apply = {
+        "old": importlib.import_module(f"{OLD_PACKAGE}.integrations.transformers").apply,
+        "new": importlib.import_module("lmkernels.integrations.transformers").apply,
+    }
+    torch.cuda.set_device(0)
+    results: dict[str, dict] = {"old": {}, "new": {}}
+    for name, kind, p in selected_cases():
+        if kind != "e2e":
+            continue
+        torch.cuda.empty_cache()
+        steps = {tree: _e2e_step(p, "cuda", fn) for tree, fn in apply.items()}
+        peaks = {tree: _step_peak_mib(step) for tree, step in steps.items()}
+        times: dict[str, list[float]] = {"old": [], "new": []}
+        for i in range(2 * PAIRED_STEPS):
+            for tree in ("old", "new") if i % 2 == 0 else ("new", "old"):
+                times[tree].append(_timed_ms(steps[tree]))
+        for tree in steps:
+            results[tree][name] = {"ms": statistics.median(times[tree]), "peak_mib": peaks[tree]}
+        del steps
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "same_process": True}
+    with open(out, "w") as fh:
+        json.dump(results | {"_env": env}, fh)
+
+
+def summarize(runs: dict[str, list[dict]], names: list[str], paired: bool = False) -> list[dict]:
+    """Per case: the median over rounds of new/old, the noise, the peaks. The noise is the old
+    tree's spread over rounds, or with both trees in each round's process (`paired`), the
+    spread of the per-round ratios (the process-to-process spread cancels in each ratio)."""
     old, new = names
     rows = []
     for case, _, _ in selected_cases():
+        if case not in runs[old][0]:
+            continue
         o = [run[case]["ms"] for run in runs[old]]
         n = [run[case]["ms"] for run in runs[new]]
+        ratios = [nn / oo for nn, oo in zip(n, o)]
+        noise = max(ratios) - min(ratios) if paired else (max(o) - min(o)) / statistics.median(o)
         rows.append(
             dict(case=case, old_ms=statistics.median(o), new_ms=statistics.median(n), rounds=len(o))
-            | dict(ratio=statistics.median(nn / oo for nn, oo in zip(n, o)))
-            | dict(noise=(max(o) - min(o)) / statistics.median(o), old_rounds_ms=o, new_rounds_ms=n)
+            | dict(ratio=statistics.median(ratios))
+            | dict(noise=noise, old_rounds_ms=o, new_rounds_ms=n)
             | dict(old_peak_mib=runs[old][0][case]["peak_mib"], new_peak_mib=runs[new][0][case]["peak_mib"])
         )
     return rows
@@ -243,10 +327,19 @@ def main(argv=None) -> int:
         default="",
         help="CPU list for every worker, e.g. 2-9: a host-bound step's time then varies less",
     )
+    ap.add_argument(
+        "--same-process",
+        action="store_true",
+        help="the end-to-end cases with both trees in one process per round (the old one renamed)",
+    )
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--paired-worker", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         worker(*a.worker)
+        return 0
+    if a.paired_worker:
+        paired_worker(*a.paired_worker)
         return 0
     os.environ[CASES_ENV] = a.cases
     words = [w.strip() for w in a.cases.split(",") if w.strip()]
@@ -256,26 +349,38 @@ def main(argv=None) -> int:
     trees = dict(item.split("=", 1) for item in a.trees.split(","))
     if len(trees) != 2:
         raise SystemExit("--trees: expected two NAME=PATH entries, before and after")
+    if a.same_process and any(kind != "e2e" for _, kind, _ in selected_cases()):
+        raise SystemExit("--same-process runs the end-to-end cases only: add --cases llama-1b")
     if a.cpus:
         os.sched_setaffinity(0, parse_cpus(a.cpus))  # the workers inherit it
     from lmkernels.harness.bench.e2e_setup import LLAMA_1B
 
     os.makedirs(a.out, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH="", **{MODEL_ENV: json.dumps(LLAMA_1B)})
+    env.pop("TRITON_INTERPRET", None)
+    me = [sys.executable, os.path.abspath(__file__), "--out", a.out]
+    names = list(trees)
     runs: dict[str, list[dict]] = {name: [] for name in trees}
+    old_root = renamed_tree(trees[names[0]], tempfile.mkdtemp()) if a.same_process else ""
     for r in range(a.rounds):
-        for name in list(trees) if r % 2 == 0 else list(reversed(trees)):
+        if a.same_process:
+            path = os.path.join(a.out, f"paired_{r}.json")
+            subprocess.run([*me, "--paired-worker", old_root, trees[names[1]], path], check=True, env=env)
+            with open(path) as fh:
+                both = json.load(fh)
+            for name, tree in zip(names, ("old", "new")):
+                runs[name].append(both[tree] | {"_env": both["_env"]})
+            print(f"round {r + 1}/{a.rounds} done", flush=True)
+        for name in [] if a.same_process else names if r % 2 == 0 else names[::-1]:
             path = os.path.join(a.out, f"{name}_{r}.json")
-            env = dict(os.environ, PYTHONPATH="", **{MODEL_ENV: json.dumps(LLAMA_1B)})
-            env.pop("TRITON_INTERPRET", None)
-            cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, "--worker", trees[name], path]
-            subprocess.run(cmd, check=True, env=env)
+            subprocess.run([*me, "--worker", trees[name], path], check=True, env=env)
             with open(path) as fh:
                 runs[name].append(json.load(fh))
             print(f"round {r + 1}/{a.rounds}: {name} done", flush=True)
-        rows = summarize(runs, list(trees))  # after every round: a cut-short run keeps its rounds
+        rows = summarize(runs, names, paired=a.same_process)  # every round: a cut-short run keeps its rounds
         with open(os.path.join(a.out, "compare.json"), "w") as fh:
-            meta = {"env": runs[list(trees)[1]][0]["_env"], "trees": trees, "cpus": a.cpus or "all"}
-            json.dump(meta | {"rows": rows}, fh, indent=1)
+            meta = {"env": runs[names[1]][0]["_env"], "trees": trees, "cpus": a.cpus or "all"}
+            json.dump(meta | {"same_process": a.same_process, "rows": rows}, fh, indent=1)
     print(f"{'case':<34} {'old ms':>8} {'new ms':>8} {'ratio':>6} {'noise':>6} {'old MiB':>8} {'new MiB':>8}")
     for row in rows:
         print(
