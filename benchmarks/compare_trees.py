@@ -14,7 +14,6 @@ A training step of a few thousand tokens is host-bound, and its time varies from
 the next by far more than a change's few percent. --same-process runs the end-to-end cases with
 both trees in one process per round (a copy of the old tree renamed to `lmkold`), their steps
 alternating on one model each; the noise is then the spread of the per-round ratios.
---cpus pins the workers to a CPU list.
 """
 
 from __future__ import annotations
@@ -235,15 +234,6 @@ def worker(src: str, out: str) -> None:
         json.dump(results, fh)
 
 
-def parse_cpus(text: str) -> set[int]:
-    """'2-9' or '0,2-5' -> the CPU numbers."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
 def renamed_tree(src: str, dest: str, name: str = OLD_PACKAGE) -> str:
     """A copy of the tree at `src` whose package is `name` (every "lmkernels" in its code
     renamed, torch.library namespace and environment variables included), so that it imports
@@ -323,11 +313,6 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default="", help="comma-separated words: only the cases whose names hold one")
     ap.add_argument("--out", required=True)
     ap.add_argument(
-        "--cpus",
-        default="",
-        help="CPU list for every worker, e.g. 2-9: a host-bound step's time then varies less",
-    )
-    ap.add_argument(
         "--same-process",
         action="store_true",
         help="the end-to-end cases with both trees in one process per round (the old one renamed)",
@@ -351,8 +336,6 @@ def main(argv=None) -> int:
         raise SystemExit("--trees: expected two NAME=PATH entries, before and after")
     if a.same_process and any(kind != "e2e" for _, kind, _ in selected_cases()):
         raise SystemExit("--same-process runs the end-to-end cases only: add --cases llama-1b")
-    if a.cpus:
-        os.sched_setaffinity(0, parse_cpus(a.cpus))  # the workers inherit it
     from lmkernels.harness.bench.e2e_setup import LLAMA_1B
 
     os.makedirs(a.out, exist_ok=True)
@@ -379,7 +362,7 @@ def main(argv=None) -> int:
             print(f"round {r + 1}/{a.rounds}: {name} done", flush=True)
         rows = summarize(runs, names, paired=a.same_process)  # every round: a cut-short run keeps its rounds
         with open(os.path.join(a.out, "compare.json"), "w") as fh:
-            meta = {"env": runs[names[1]][0]["_env"], "trees": trees, "cpus": a.cpus or "all"}
+            meta = {"env": runs[names[1]][0]["_env"], "trees": trees}
             json.dump(meta | {"same_process": a.same_process, "rows": rows}, fh, indent=1)
     print(f"{'case':<34} {'old ms':>8} {'new ms':>8} {'ratio':>6} {'noise':>6} {'old MiB':>8} {'new MiB':>8}")
     for row in rows:

@@ -10,6 +10,8 @@ import dataclasses
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -263,12 +265,34 @@ def test_compare_trees_summary_pairs_rounds():
     assert row["old_ms"] == 1.0 and row["new_ms"] == 1.1
 
 
-def test_compare_trees_cpu_list():
-    """compare_trees --cpus: ranges and single CPUs, as taskset writes them."""
-    spec = importlib.util.spec_from_file_location(
-        "compare_trees", Path(__file__).parent.parent / "benchmarks" / "compare_trees.py"
+def test_compare_trees_same_process_imports_both_trees(tmp_path):
+    """compare_trees --same-process: a renamed copy of a tree imports beside the tree itself
+    (own package, own torch.library namespace) and each patches its own model; the two
+    patched models compute the same loss."""
+    script = f"""
+import importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("ct", {str(Path(__file__).parent.parent / "benchmarks" / "compare_trees.py")!r})
+ct = importlib.util.module_from_spec(spec); spec.loader.exec_module(ct)
+root = ct.renamed_tree({str(Path(__file__).parent.parent / "src")!r}, {str(tmp_path)!r})
+sys.path[:0] = [root]
+import lmkernels.integrations.transformers as new, lmkold.integrations.transformers as old
+import lmkold
+assert lmkold.__file__.startswith(root), lmkold.__file__
+from transformers import LlamaConfig, LlamaForCausalLM
+cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+ids = torch.randint(0, 300, (2, 16))
+losses = []
+for tree in (old, new):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    tree.apply(model)
+    losses.append(model(input_ids=ids, labels=ids).loss.item())
+print(losses)
+assert losses[0] == losses[1]
+"""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent / "src"))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
-    compare_trees = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare_trees)
-    assert compare_trees.parse_cpus("0,2-5") == {0, 2, 3, 4, 5}
-    assert compare_trees.parse_cpus("7") == {7}
+    assert done.returncode == 0, done.stderr[-3000:]
