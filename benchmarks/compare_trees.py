@@ -13,12 +13,14 @@ an end-to-end case: the median wall time of 20 training steps) and peak memory a
 A training step of a few thousand tokens is host-bound, and its time varies from one process to
 the next by far more than a change's few percent. --same-process runs the end-to-end cases with
 both trees in one process per round (a copy of the old tree renamed to `lmkold`), their steps
-alternating on one model each; the noise is then the spread of the per-round ratios.
+alternating on one model each, the causal_mask op left out of both (see paired_worker); the
+noise is then the spread of the per-round ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -260,10 +262,14 @@ def paired_worker(old_root: str, new_src: str, out: str) -> None:
 
     import torch
 
-    apply = {
-        "old": importlib.import_module(f"{OLD_PACKAGE}.integrations.transformers").apply,
-        "new": importlib.import_module("lmkernels.integrations.transformers").apply,
-    }
+    # Without the causal_mask op (the same code in both trees): its patch replaces transformers'
+    # mask functions in the modeling module, shared by both models, and the tree applied second
+    # finds the first one's wrapper there and keeps building the mask, a host sync per forward.
+    apply = {}
+    for tree, package in (("old", OLD_PACKAGE), ("new", "lmkernels")):
+        hf = importlib.import_module(f"{package}.integrations.transformers")
+        ops = tuple(op for op in hf.SUPPORTED_OPS if op != "causal_mask")
+        apply[tree] = functools.partial(hf.apply, ops=ops)
     torch.cuda.set_device(0)
     results: dict[str, dict] = {"old": {}, "new": {}}
     for name, kind, p in selected_cases():

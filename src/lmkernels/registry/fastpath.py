@@ -42,32 +42,30 @@ _NO_ENTRY: _Entry = (_NEVER, None, None, False)
 _MISSING = object()
 _CACHES: list[tuple[dict[tuple, _Entry], list[_Entry]]] = []
 _CACHE_LIMIT = 4096  # distinct signatures per op; past it the cache starts over (e.g. many shapes)
-_VALUE_TYPES = (int, float, bool, str)
+_VALUE_TYPES = frozenset({int, float, bool, str, type(None)})
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+
+# os.environ.get costs ~0.5 us when the variable is unset (a KeyError raised and caught inside
+# os._Environ.__getitem__; os.getenv and `in` take the same route), a sixth of the whole cached
+# dispatch. Its backing dict, which os.environ updates on every change, answers in 20 ns; it is a
+# CPython detail, so any other Python gets the public call.
+if isinstance(getattr(os.environ, "_data", None), dict):
+    _env_get, _ENV_KEY = os.environ._data.get, os.environ.encodekey(ENV_VAR)
+else:
+    _env_get, _ENV_KEY = os.environ.get, ENV_VAR
 
 
-def _tensor_key(t):
-    return (t.__class__, t.shape, t.dtype, t.is_cpu or t.device, t.requires_grad)
-
-
-def _maybe_key(v):
-    """A parameter defaulting to None: None, a tensor, or an option passed in its place."""
-    if v is None:
-        return None
-    if v.__class__ in _VALUE_TYPES or not isinstance(v, torch.Tensor):
-        return (v.__class__, v)
-    return _tensor_key(v)
-
-
-def _option_key(v):
-    return (v.__class__, v)
-
-
-def _keyer(p: inspect.Parameter) -> Callable[[Any], Any]:
-    """How a parameter enters the key: no default: a tensor; default None: optional tensor or
-    option; any other default: an option."""
-    if p.default is p.empty:
-        return _tensor_key
-    return _maybe_key if p.default is None else _option_key
+def _key(v):
+    """How an input enters the key: a tensor as its class, shape, dtype, device and
+    requires_grad; anything else as its class and value. The common classes are tested by
+    identity: isinstance(v, torch.Tensor) costs ~0.3 us for a non-tensor (the tensor
+    metaclass's slow route)."""
+    cls = v.__class__
+    if cls in _PLAIN_TENSORS:
+        return (cls, v.shape, v.dtype, v.is_cpu or v.device, v.requires_grad)
+    if cls in _VALUE_TYPES or not isinstance(v, torch.Tensor):
+        return (cls, v)
+    return (cls, v.shape, v.dtype, v.is_cpu or v.device, v.requires_grad)
 
 
 def _op_body(op: str, params: list[inspect.Parameter]) -> Callable[..., Any]:
@@ -75,28 +73,34 @@ def _op_body(op: str, params: list[inspect.Parameter]) -> Callable[..., Any]:
     call the impl."""
     names = tuple(p.name for p in params)
     defaults = tuple(_MISSING if p.default is p.empty else p.default for p in params)
-    keyers = tuple(_keyer(p) for p in params)
     n_positional = sum(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)
+    n_required = max((i + 1 for i, d in enumerate(defaults) if d is _MISSING), default=0)
     cache: dict[tuple, _Entry] = {}
     last = [_NO_ENTRY]
     _CACHES.append((cache, last))
 
+    # per count of positional arguments: the names and defaults of the inputs after them
+    tails = [(names[n:], defaults[n:]) for n in range(len(names) + 1)]
+
     def body(*args: Any, backend: str | None = None, **kwargs: Any) -> Any:
-        if len(args) > n_positional:
-            raise TypeError(f"{op}() takes {n_positional} positional arguments, got {len(args)}")
-        values = list(args)
-        for name, default in zip(names[len(args) :], defaults[len(args) :]):
-            value = kwargs.pop(name, default)
-            if value is _MISSING:
-                raise TypeError(f"{op}() missing required argument {name!r}")
-            values.append(value)
+        n = len(args)
+        if n > n_positional:
+            raise TypeError(f"{op}() takes {n_positional} positional arguments, got {n}")
+        tail_names, tail_defaults = tails[n]
         if kwargs:
-            raise TypeError(f"{op}() got unexpected keyword arguments {sorted(kwargs)}")
+            values = args + tuple(map(kwargs.pop, tail_names, tail_defaults))  # binds at C speed
+            if kwargs:
+                raise TypeError(f"{op}() got unexpected keyword arguments {sorted(kwargs)}")
+        else:
+            values = args + tail_defaults
+        if n < n_required:
+            missing = [name for name, v in zip(names[n:n_required], values[n:]) if v is _MISSING]
+            if missing:
+                raise TypeError(f"{op}() missing required argument {missing[0]!r}")
         if torch.compiler.is_dynamo_compiling():
             return _traced(op, backend, **dict(zip(names, values)))
         try:
-            state = (backend, _CONTEXT.get(), os.environ.get(ENV_VAR), torch.is_grad_enabled())
-            key = (*state, *[keyer(v) for keyer, v in zip(keyers, values)])
+            key = (backend, _CONTEXT.get(), _env_get(_ENV_KEY), torch.is_grad_enabled(), *map(_key, values))
         except Exception:  # an input that cannot be keyed: the checks on the slow path say why
             key = None
         entry = last[0]

@@ -187,7 +187,7 @@ def compare_table(rows: list[dict[str, Any]], path: str) -> str:
             f"{r['old_ms']:.4g}",
             f"{r['new_ms']:.4g}",
             f"{r['ratio']:.3f}",
-            f"{r['noise'] * 100:.1f}%",
+            f"{r['noise'] * 100:.1f}%" if r["rounds"] > 1 else "-",  # one round: no spread to read
             f"{r['old_peak_mib']:.0f} / {r['new_peak_mib']:.0f}",
             f"{r['rounds']}",
             r["commit"] or "-",
