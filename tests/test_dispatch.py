@@ -326,6 +326,12 @@ def test_fast_path_key_edge_cases(toys, monkeypatch):
     assert ref() is None  # no cache entry keeps it alive
     lmkernels.rms_norm(X, torch.nn.Parameter(W), backend="toy_a")  # a subclass: its own entry
     assert len(checks) == 3
+    checks.clear()
+    monkeypatch.setattr(spec, "check_inputs", lambda **kw: checks.append(1))  # accepts the tensor
+    eps = torch.tensor(1e-6)
+    for _ in range(2):  # an option passed as a tensor that the checks accept: never remembered
+        lmkernels.rms_norm(X, W, eps=eps, backend="toy_a")
+    assert len(checks) == 2
 
 
 def test_value_checks_run_on_every_call(monkeypatch):

@@ -3,14 +3,15 @@ dispatch.py for the precedence rules), call it, with a host cost of a few micros
 
 The checks that need no data (OpSpec.check_inputs) and the resolution are remembered per
 backend argument, override state (use_backend), env value, grad mode and input signature, so a
-repeated call costs building one flat tuple and comparing it with the previous call's (a dict
+repeated call costs building one tuple and comparing it with the previous call's (a dict
 lookup when that differs). In the signature a tensor is its class, shape, dtype, device and
 requires_grad (only CPU tensors get True for the device: a torch.device costs more to build,
 hash and compare than the other four together); an option is its class and value
-(16 == 16.0 == True, but a check may accept only one of them). An input that cannot be keyed
-(a required tensor that is something else, an unhashable option) takes the slow path, where
-check_inputs says what is wrong with it; an option passed as a tensor is resolved on every call
-(its key would hold the tensor). Value checks (OpSpec.check_values) run on every call. Under
+(16 == 16.0 == True, but a check may accept only one of them). An input the key cannot stand
+for (an unhashable option; a tensor passed for an option, which the key would hold by its
+signature, not its value) is checked and resolved on every call and never remembered, as is a
+call whose checks fail (say, a required tensor that is something else: check_inputs says
+what). Value checks (OpSpec.check_values) run on every call. Under
 torch.compile everything is resolved afresh: dynamo traces it once per graph and guards on what
 it read (a cache would only add guards).
 
@@ -76,6 +77,7 @@ def _op_body(op: str, params: list[inspect.Parameter]) -> Callable[..., Any]:
     defaults = tuple(_MISSING if p.default is p.empty else p.default for p in params)
     n_positional = sum(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)
     n_required = max((i + 1 for i, d in enumerate(defaults) if d is _MISSING), default=0)
+    options = tuple(p.name for p in params if p.default is not p.empty and p.default is not None)
     cache: dict[tuple, _Entry] = {}
     last = [_NO_ENTRY]
     _CACHES.append((cache, last))
@@ -109,7 +111,7 @@ def _op_body(op: str, params: list[inspect.Parameter]) -> Callable[..., Any]:
             try:
                 entry = cache[key]
             except (KeyError, TypeError):  # TypeError: an unhashable option value
-                entry = _resolve_and_remember(cache, key, op, backend, **dict(zip(names, values)))
+                entry = _resolve_and_remember(cache, key, op, backend, options, **dict(zip(names, values)))
             last[0] = entry
         _, fn, check_values, positional = entry
         if check_values is not None:
@@ -166,7 +168,10 @@ def dispatch(op: str, backend: str | None, **inputs: Any) -> Any:
     return body(backend=backend, **inputs)
 
 
-def _resolve_and_remember(cache, key, op, backend, **inputs) -> _Entry:
+def _resolve_and_remember(cache, key, op, backend, options, /, **inputs) -> _Entry:
+    """Check and resolve; remember the entry under `key` unless the key cannot stand for the
+    inputs: an unhashable option value, or a tensor passed for one of `options` (the parameters
+    with a value default), which the key holds by signature, not by value."""
     spec = get_op(op)
     spec.check_inputs(**inputs)
     fn = resolve(op, inputs, backend).fn
@@ -177,8 +182,8 @@ def _resolve_and_remember(cache, key, op, backend, **inputs) -> _Entry:
         hash(key)
     except TypeError:  # an unhashable option value: resolved on every call, never remembered
         return (_NEVER, fn, check_values, positional)
-    if any(isinstance(v, torch.Tensor) for v in key):
-        return (_NEVER, fn, check_values, positional)  # an option passed as a tensor: kept alive
+    if any(isinstance(inputs[name], torch.Tensor) for name in options):
+        return (_NEVER, fn, check_values, positional)
     if len(cache) >= _CACHE_LIMIT:
         cache.clear()
     entry = cache[key] = (key, fn, check_values, positional)
