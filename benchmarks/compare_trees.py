@@ -13,14 +13,15 @@ an end-to-end case: the median wall time of 20 training steps) and peak memory a
 A training step of a few thousand tokens is host-bound, and its time varies from one process to
 the next by far more than a change's few percent. --same-process runs the end-to-end cases with
 both trees in one process per round (a copy of the old tree renamed to `lmkold`), their steps
-alternating on one model each, the causal_mask op left out of both (see paired_worker); the
-noise is then the spread of the per-round ratios.
+alternating on one model each (side_by_side keeps each tree's module-level patches its own);
+the noise is then the spread of the per-round ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import shutil
@@ -29,6 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 # (case, kind, sizes): bf16, shapes of the README's benchmarks.
 CASES = [
@@ -55,7 +58,8 @@ CASES = [
 MODEL_ENV = "LMKERNELS_COMPARE_MODEL"  # the e2e model's config (JSON), from the driver to the workers
 CASES_ENV = "LMKERNELS_COMPARE_CASES"  # --cases, from the driver to the workers
 OLD_PACKAGE = "lmkold"  # --same-process: the old tree's package, renamed
-PAIRED_STEPS = 10  # --same-process: steps per tree and half-round (the order flips between)
+PAIRED_STEPS = 10  # --same-process: 2 x this many timed steps per tree, the order flipping per pair
+_MISSING = object()
 
 
 def selected_cases() -> list[tuple[str, str, dict]]:
@@ -253,38 +257,102 @@ def renamed_tree(src: str, dest: str, name: str = OLD_PACKAGE) -> str:
     return dest
 
 
+def _transformers_globals() -> dict[str, dict]:
+    """A copy of the globals of every loaded transformers module."""
+    return {
+        name: dict(vars(module))
+        for name, module in list(sys.modules.items())
+        if name.split(".")[0] == "transformers" and module is not None
+    }
+
+
+def side_by_side(builds: dict[str, Callable[[], Any]]) -> tuple[dict[str, Any], Callable[[str], None]]:
+    """Run each build (one that patches a model) as if it were alone, and return what each
+    made, with `use(name)`, which puts that build's changes to transformers' module globals
+    back in place. A patch also replaces functions in the modeling module (rope's
+    apply_rotary_pos_emb, causal_mask's mask functions) that both trees' models call: without
+    this, the tree patched second wraps the first one's functions, and a model runs the other
+    tree's code there. The model's transformers modules must be imported before the call."""
+    stock = _transformers_globals()
+    made, after = {}, {}
+    for name, build in builds.items():
+        made[name] = build()
+        after[name] = _transformers_globals()
+        for module, values in stock.items():  # back to stock for the next build
+            globals_ = vars(sys.modules[module])
+            for key in [k for k, v in globals_.items() if values.get(k, _MISSING) is not v]:
+                if key in values:
+                    globals_[key] = values[key]
+                else:
+                    del globals_[key]
+    changed = {
+        (module, key)
+        for state in after.values()
+        for module, values in stock.items()
+        for key, value in state.get(module, {}).items()
+        if values.get(key, _MISSING) is not value
+    }
+    own = {
+        name: [
+            (vars(sys.modules[module]), key, state[module].get(key, stock[module].get(key, _MISSING)))
+            for module, key in sorted(changed)
+        ]
+        for name, state in after.items()
+    }
+
+    def use(name: str) -> None:
+        for globals_, key, value in own[name]:
+            if value is _MISSING:
+                globals_.pop(key, None)
+            else:
+                globals_[key] = value
+
+    return made, use
+
+
 def paired_worker(old_root: str, new_src: str, out: str) -> None:
     """The end-to-end cases with both trees in one process (the old one renamed): per case one
-    model patched by each, their steps alternating, so that the host's state, which varies
-    from one process to the next by more than a host-bound step's difference, is shared."""
+    model patched by each (side_by_side), their steps alternating, so that the host's state,
+    which varies from one process to the next by more than a host-bound step's difference, is
+    shared. The old tree reads LMKOLD_* environment variables: each LMKERNELS_* one is copied."""
+    prefix = OLD_PACKAGE.upper() + "_"
+    for key, value in list(os.environ.items()):
+        if key.startswith("LMKERNELS_"):
+            os.environ.setdefault(prefix + key[len("LMKERNELS_") :], value)
     sys.path[:0] = [new_src, old_root]
     import importlib
 
     import torch
+    import transformers.masking_utils  # noqa: F401  (side_by_side: imported before the patches)
+    import transformers.models.llama.modeling_llama  # noqa: F401
 
-    # Without the causal_mask op (the same code in both trees): its patch replaces transformers'
-    # mask functions in the modeling module, shared by both models, and the tree applied second
-    # finds the first one's wrapper there and keeps building the mask, a host sync per forward.
     apply = {}
-    for tree, package in (("old", OLD_PACKAGE), ("new", "lmkernels")):
-        hf = importlib.import_module(f"{package}.integrations.transformers")
-        ops = tuple(op for op in hf.SUPPORTED_OPS if op != "causal_mask")
-        apply[tree] = functools.partial(hf.apply, ops=ops)
+    for tree, package, root in (("old", OLD_PACKAGE, old_root), ("new", "lmkernels", new_src)):
+        module = importlib.import_module(package)
+        if not os.path.abspath(module.__file__).startswith(os.path.abspath(root)):
+            raise SystemExit(f"paired worker: imported {package} from {module.__file__}, not from {root}")
+        apply[tree] = importlib.import_module(f"{package}.integrations.transformers").apply
     torch.cuda.set_device(0)
     results: dict[str, dict] = {"old": {}, "new": {}}
     for name, kind, p in selected_cases():
         if kind != "e2e":
             continue
+        gc.collect()  # the previous case's models: patched forwards are reference cycles
         torch.cuda.empty_cache()
-        steps = {tree: _e2e_step(p, "cuda", fn) for tree, fn in apply.items()}
-        peaks = {tree: _step_peak_mib(step) for tree, step in steps.items()}
+        builds = {tree: functools.partial(_e2e_step, p, "cuda", fn) for tree, fn in apply.items()}
+        steps, use = side_by_side(builds)
+        peaks = {}
+        for tree, step in steps.items():
+            use(tree)
+            peaks[tree] = _step_peak_mib(step)
         times: dict[str, list[float]] = {"old": [], "new": []}
         for i in range(2 * PAIRED_STEPS):
             for tree in ("old", "new") if i % 2 == 0 else ("new", "old"):
+                use(tree)
                 times[tree].append(_timed_ms(steps[tree]))
         for tree in steps:
             results[tree][name] = {"ms": statistics.median(times[tree]), "peak_mib": peaks[tree]}
-        del steps
+        del steps, use
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "same_process": True}
     with open(out, "w") as fh:
         json.dump(results | {"_env": env}, fh)
@@ -350,7 +418,8 @@ def main(argv=None) -> int:
     me = [sys.executable, os.path.abspath(__file__), "--out", a.out]
     names = list(trees)
     runs: dict[str, list[dict]] = {name: [] for name in trees}
-    old_root = renamed_tree(trees[names[0]], tempfile.mkdtemp()) if a.same_process else ""
+    renamed = tempfile.TemporaryDirectory()  # removed at exit
+    old_root = renamed_tree(trees[names[0]], renamed.name) if a.same_process else ""
     for r in range(a.rounds):
         if a.same_process:
             path = os.path.join(a.out, f"paired_{r}.json")

@@ -265,33 +265,44 @@ def test_compare_trees_summary_pairs_rounds():
     assert row["old_ms"] == 1.0 and row["new_ms"] == 1.1
 
 
-def test_compare_trees_same_process_imports_both_trees(tmp_path):
+def test_compare_trees_same_process_keeps_each_tree_its_own(tmp_path):
     """compare_trees --same-process: a renamed copy of a tree imports beside the tree itself
-    (own package, own torch.library namespace) and each patches its own model; the two
-    patched models compute the same loss."""
+    (own package, own torch.library namespace), and with both models patched (side_by_side)
+    each runs its own tree's ops, also those patched in transformers' modeling module (rope),
+    and its own causal-mask skip (no mask built). The two patched models compute the same loss."""
+    root = Path(__file__).parent.parent
     script = f"""
 import importlib.util, sys, torch
-spec = importlib.util.spec_from_file_location("ct", {str(Path(__file__).parent.parent / "benchmarks" / "compare_trees.py")!r})
+spec = importlib.util.spec_from_file_location("ct", {str(root / "benchmarks" / "compare_trees.py")!r})
 ct = importlib.util.module_from_spec(spec); spec.loader.exec_module(ct)
-root = ct.renamed_tree({str(Path(__file__).parent.parent / "src")!r}, {str(tmp_path)!r})
-sys.path[:0] = [root]
-import lmkernels.integrations.transformers as new, lmkold.integrations.transformers as old
-import lmkold
-assert lmkold.__file__.startswith(root), lmkold.__file__
-from transformers import LlamaConfig, LlamaForCausalLM
+sys.path[:0] = [ct.renamed_tree({str(root / "src")!r}, {str(tmp_path)!r})]
+import lmkernels, lmkold
+import lmkernels.integrations.transformers as new_hf, lmkold.integrations.transformers as old_hf
+assert lmkold.__file__.startswith({str(tmp_path)!r}), lmkold.__file__
+from transformers import LlamaConfig, LlamaForCausalLM, masking_utils
+import transformers.models.llama.modeling_llama
+calls = []
+for package in (lmkold, lmkernels):
+    real = package.rope
+    package.rope = lambda *a, _real=real, _name=package.__name__, **k: (calls.append(_name), _real(*a, **k))[1]
+real_find = masking_utils.find_packed_sequence_indices
+masking_utils.find_packed_sequence_indices = lambda *a, **k: (calls.append("mask"), real_find(*a, **k))[1]
 cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=16)
 ids = torch.randint(0, 300, (2, 16))
-losses = []
-for tree in (old, new):
+def build(hf):
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    tree.apply(model)
-    losses.append(model(input_ids=ids, labels=ids).loss.item())
-print(losses)
-assert losses[0] == losses[1]
+    return hf.apply(LlamaForCausalLM(cfg), backend="eager")
+models, use = ct.side_by_side({{"old": lambda: build(old_hf), "new": lambda: build(new_hf)}})
+losses = {{}}
+for tree, package in (("old", "lmkold"), ("new", "lmkernels"), ("old", "lmkold")):
+    use(tree)
+    calls.clear()
+    losses[tree] = models[tree](input_ids=ids, labels=ids).loss.item()
+    assert calls and set(calls) == {{package}}, (tree, calls)
+assert losses["old"] == losses["new"], losses
 """
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent / "src"))
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )

@@ -8,12 +8,14 @@ lookup when that differs). In the signature a tensor is its class, shape, dtype,
 requires_grad (only CPU tensors get True for the device: a torch.device costs more to build,
 hash and compare than the other four together); an option is its class and value
 (16 == 16.0 == True, but a check may accept only one of them). An input the key cannot stand
-for (an unhashable option; a tensor passed for an option, which the key would hold by its
-signature, not its value) is checked and resolved on every call and never remembered, as is a
-call whose checks fail (say, a required tensor that is something else: check_inputs says
-what). Value checks (OpSpec.check_values) run on every call. Under
-torch.compile everything is resolved afresh: dynamo traces it once per graph and guards on what
-it read (a cache would only add guards).
+for (an unhashable option; a tensor passed for an option with a value default, such as eps,
+which the key would hold by its signature, not its value) is checked and resolved on every call
+and never remembered, as is a call whose checks fail (say, a required tensor that is something
+else: check_inputs says what). An option defaulting to None (rotary_dim, softcap) is keyed as an
+optional tensor would be: a tensor there by its signature (the ops' checks refuse one). Value
+checks (OpSpec.check_values) run on every call. Under torch.compile everything is resolved
+afresh: dynamo traces it once per graph and guards on what it read (a cache would only add
+guards).
 
 Measured on a 2-core CPU (benchmarks/dispatch_overhead.py, one tree after the other): the
 dispatch around a no-op impl costs 1.6 us (rms_norm) and 3.3 us (rope); functions generated
