@@ -307,3 +307,34 @@ assert losses["old"] == losses["new"], losses
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_dist_table_rows_per_size():
+    """The distributed table: one row per GPU count, wrapping and run size (the latest run of
+    each), a size other than the default named in the row; a wrapping whose plain run failed
+    stays out."""
+
+    def row(mode, config, seq, tps, run, status="ok"):
+        return (
+            dict(part="dist", mode=mode, config=config, gpus=2, batch=8, seq=seq, layers=8, status=status)
+            | dict(
+                tokens_per_s_per_gpu=tps,
+                peak_mib=1024.0,
+                losses=[1.0, 2.0],
+                note="",
+                run=run,
+                date=run,
+                commit="c",
+            )
+            | dict(device="GPU", gpu="h200", versions={"torch": "2.11"}, command="cmd")
+        )
+
+    rows = [row("pp", c, 1024, t, "r1") for c, t in (("plain", 100.0), ("lmk", 110.0))]
+    rows += [row("pp", c, 4096, t, "r2") for c, t in (("plain", 100.0), ("lmk", 125.0))]
+    rows += [row("pp", "lmk", 1024, 90.0, "r0")]  # an older run of the same size: replaced
+    rows += [row("fsdp", "plain", 1024, 0.0, "r3", status="failed"), row("fsdp", "lmk", 1024, 1.0, "r3")]
+    text = tables_perf.dist_table(rows, "data.jsonl")
+    body = [line for line in text.splitlines() if line.startswith("| pipeline") or line.startswith("| FSDP2")]
+    assert len(body) == 2, text
+    assert body[0].startswith("| pipeline parallel (1F1B) | 2 |") and "| 1.10x |" in body[0]
+    assert body[1].startswith("| pipeline parallel (1F1B), 4096 tokens each | 2 |") and "| 1.25x |" in body[1]

@@ -301,12 +301,27 @@ def e2e_compile(rows: list[dict[str, Any]], path: str) -> str:
 # --- distributed --------------------------------------------------------------------------------------
 
 
+DIST_SIZE = (8, 1024, 8)  # the scaling benchmark's default: sequences, tokens each, layers
+
+
+def _dist_size(r: dict[str, Any]) -> tuple[int, int, int]:
+    return (r.get("batch", 8), r.get("seq", 1024), r.get("layers", 8))
+
+
+def _dist_size_label(size: tuple[int, int, int]) -> str:
+    """What a run's size changes from the default, for its row's title."""
+    words = [
+        f"{value} {what}"
+        for value, default, what in zip(size, DIST_SIZE, ("sequences", "tokens each", "layers"))
+        if value != default
+    ]
+    return ", " + ", ".join(words) if words else ""
+
+
 def dist_table(rows: list[dict[str, Any]], path: str) -> str:
     """Per GPU count and wrapping (the latest run of each): tokens/s/GPU, peak, ratios, loss
     differences."""
-    points = latest(
-        [r for r in rows if r["part"] == "dist"], lambda r: (r["gpus"], r["mode"], r.get("seq", 1024))
-    )
+    points = latest([r for r in rows if r["part"] == "dist"], lambda r: (r["gpus"], r["mode"], _dist_size(r)))
     # A wrapping whose plain run fails there is the environment's problem, with nothing to
     # compare: its rows stay in the data file (docs/scaling.md cites them), out of the table.
     points = {
@@ -314,8 +329,8 @@ def dist_table(rows: list[dict[str, Any]], path: str) -> str:
     }
     order = {m: i for i, m in enumerate(MODE_TITLES)}
     body, used = [], []
-    for gpus, mode, seq in sorted(points, key=lambda k: (k[0], order.get(k[1], len(order)), k[1], k[2])):
-        rs = points[gpus, mode, seq]
+    for gpus, mode, size in sorted(points, key=lambda k: (k[0], order.get(k[1], len(order)), k[1], k[2])):
+        rs = points[gpus, mode, size]
         used += rs
         by = {c: next((r for r in rs if r["config"] == c), None) for c in ("plain", "lmk", "liger")}
         cells, peaks = [], []
@@ -341,7 +356,7 @@ def dist_table(rows: list[dict[str, Any]], path: str) -> str:
             diff = f"{max(abs(a - b) for a, b in zip(lmk['losses'], plain['losses'])):.1e}"
         body.append(
             [
-                MODE_TITLES.get(mode, mode) + (f", {seq}-token sequences" if seq != 1024 else ""),
+                MODE_TITLES.get(mode, mode) + _dist_size_label(size),
                 str(gpus),
                 *cells,
                 *vs,
