@@ -274,30 +274,27 @@ def side_by_side(builds: dict[str, Callable[[], Any]]) -> tuple[dict[str, Any], 
     this, the tree patched second wraps the first one's functions, and a model runs the other
     tree's code there. The model's transformers modules must be imported before the call."""
     stock = _transformers_globals()
-    made, after = {}, {}
+    made, changes = {}, {}
     for name, build in builds.items():
         made[name] = build()
-        after[name] = _transformers_globals()
-        for module, values in stock.items():  # back to stock for the next build
-            globals_ = vars(sys.modules[module])
-            for key in [k for k, v in globals_.items() if values.get(k, _MISSING) is not v]:
-                if key in values:
-                    globals_[key] = values[key]
-                else:
-                    del globals_[key]
-    changed = {
-        (module, key)
-        for state in after.values()
-        for module, values in stock.items()
-        for key, value in state.get(module, {}).items()
-        if values.get(key, _MISSING) is not value
-    }
+        changes[name] = {
+            (module, key): value
+            for module, values in stock.items()
+            for key, value in vars(sys.modules[module]).items()
+            if values.get(key, _MISSING) is not value
+        }
+        for module, key in changes[name]:  # back to stock for the next build
+            if key in stock[module]:
+                vars(sys.modules[module])[key] = stock[module][key]
+            else:
+                del vars(sys.modules[module])[key]
+    changed = sorted(set().union(*changes.values()))
     own = {
         name: [
-            (vars(sys.modules[module]), key, state[module].get(key, stock[module].get(key, _MISSING)))
-            for module, key in sorted(changed)
+            (vars(sys.modules[module]), key, mine.get((module, key), stock[module].get(key, _MISSING)))
+            for module, key in changed
         ]
-        for name, state in after.items()
+        for name, mine in changes.items()
     }
 
     def use(name: str) -> None:
@@ -418,8 +415,9 @@ def main(argv=None) -> int:
     me = [sys.executable, os.path.abspath(__file__), "--out", a.out]
     names = list(trees)
     runs: dict[str, list[dict]] = {name: [] for name in trees}
-    renamed = tempfile.TemporaryDirectory()  # removed at exit
-    old_root = renamed_tree(trees[names[0]], renamed.name) if a.same_process else ""
+    if a.same_process:
+        renamed = tempfile.TemporaryDirectory()  # removed at exit
+        old_root = renamed_tree(trees[names[0]], renamed.name)
     for r in range(a.rounds):
         if a.same_process:
             path = os.path.join(a.out, f"paired_{r}.json")
@@ -429,12 +427,13 @@ def main(argv=None) -> int:
             for name, tree in zip(names, ("old", "new")):
                 runs[name].append(both[tree] | {"_env": both["_env"]})
             print(f"round {r + 1}/{a.rounds} done", flush=True)
-        for name in [] if a.same_process else names if r % 2 == 0 else names[::-1]:
-            path = os.path.join(a.out, f"{name}_{r}.json")
-            subprocess.run([*me, "--worker", trees[name], path], check=True, env=env)
-            with open(path) as fh:
-                runs[name].append(json.load(fh))
-            print(f"round {r + 1}/{a.rounds}: {name} done", flush=True)
+        else:
+            for name in names if r % 2 == 0 else names[::-1]:
+                path = os.path.join(a.out, f"{name}_{r}.json")
+                subprocess.run([*me, "--worker", trees[name], path], check=True, env=env)
+                with open(path) as fh:
+                    runs[name].append(json.load(fh))
+                print(f"round {r + 1}/{a.rounds}: {name} done", flush=True)
         rows = summarize(runs, names, paired=a.same_process)  # every round: a cut-short run keeps its rounds
         with open(os.path.join(a.out, "compare.json"), "w") as fh:
             meta = {"env": runs[names[1]][0]["_env"], "trees": trees}

@@ -65,11 +65,9 @@ def _key(v):
     identity: isinstance(v, torch.Tensor) costs ~0.3 us for a non-tensor (the tensor
     metaclass's slow route)."""
     cls = v.__class__
-    if cls in _PLAIN_TENSORS:
+    if cls in _PLAIN_TENSORS or (cls not in _VALUE_TYPES and isinstance(v, torch.Tensor)):
         return (cls, v.shape, v.dtype, v.is_cpu or v.device, v.requires_grad)
-    if cls in _VALUE_TYPES or not isinstance(v, torch.Tensor):
-        return (cls, v)
-    return (cls, v.shape, v.dtype, v.is_cpu or v.device, v.requires_grad)
+    return (cls, v)
 
 
 def _op_body(op: str, params: list[inspect.Parameter]) -> Callable[..., Any]:
@@ -98,10 +96,10 @@ def _op_body(op: str, params: list[inspect.Parameter]) -> Callable[..., Any]:
                 raise TypeError(f"{op}() got unexpected keyword arguments {sorted(kwargs)}")
         else:
             values = args + tail_defaults
-        if n < n_required:
-            missing = [name for name, v in zip(names[n:n_required], values[n:]) if v is _MISSING]
-            if missing:
-                raise TypeError(f"{op}() missing required argument {missing[0]!r}")
+        if n < n_required:  # required inputs passed by keyword, or missing
+            for name, value in zip(names[n:n_required], values[n:]):
+                if value is _MISSING:
+                    raise TypeError(f"{op}() missing required argument {name!r}")
         if torch.compiler.is_dynamo_compiling():
             return _traced(op, backend, **dict(zip(names, values)))
         try:

@@ -55,11 +55,8 @@ def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
         state = kernel._lmk_launches = ({}, tuple(i for i, p in enumerate(kernel.params) if p.is_constexpr))
     cache, constexprs = state
     key = launch_key(args, kwargs, constexprs)
-    if key[1] is None:  # an argument type the key does not cover
-        check_allocated(kernel, args)
-        kernel[grid](*args, **kwargs)
-        return
-    if key[1] and key[1][-1] is _UNALLOCATED:  # never cached: the key stops at that tensor
+    if key[1] is None or (key[1] and key[1][-1] is _UNALLOCATED):
+        # an argument type the key does not cover, or a tensor without memory (never cached)
         check_allocated(kernel, args)
         kernel[grid](*args, **kwargs)
         return

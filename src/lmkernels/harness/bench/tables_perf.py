@@ -305,7 +305,7 @@ DIST_SIZE = (8, 1024, 8)  # the scaling benchmark's default: sequences, tokens e
 
 
 def _dist_size(r: dict[str, Any]) -> tuple[int, int, int]:
-    return (r.get("batch", 8), r.get("seq", 1024), r.get("layers", 8))
+    return tuple(r.get(field, default) for field, default in zip(("batch", "seq", "layers"), DIST_SIZE))
 
 
 def _dist_size_label(size: tuple[int, int, int]) -> str:
