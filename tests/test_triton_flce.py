@@ -32,13 +32,25 @@ GRAD_NAMES = ("hidden", "weight", "bias")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def fix_sizes(monkeypatch, chunk_tokens: int | None, blocks: tuple[int, int] | None) -> None:
+    """Fix the plan's sizes through its environment variables (None: the plan's own rule)."""
+    if chunk_tokens is None:
+        monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
+    else:
+        monkeypatch.setenv(flce_plan.CHUNK_ENV, str(chunk_tokens))
+    if blocks is None:
+        monkeypatch.delenv(flce_plan.BLOCKS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(flce_plan.BLOCKS_ENV, f"{blocks[0]},{blocks[1]}")
+
+
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     """16 tokens per chunk unless a test says otherwise: BT=37 runs 16 + 16 + 5; the blocked
     backward runs super-chunks of 16 tokens (all tokens when grad_W is rounded once) and
     vocabulary blocks of 48 columns: V=131 runs 48 + 48 + 35."""
-    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", 16)
-    monkeypatch.setattr(flce_plan, "BLOCK_OVERRIDE", (16, 48))
+    monkeypatch.setenv(flce_plan.CHUNK_ENV, "16")
+    monkeypatch.setenv(flce_plan.BLOCKS_ENV, "16,48")
 
 
 BACKENDS = {"lean": "triton_lean", "fast": "triton"}
@@ -186,7 +198,7 @@ def test_matches_fp64(monkeypatch, dtype, shape, case):
     if shape == "12x16x5000":
         # Vocabulary windows of 4500 + 500 columns: the first spans two BLOCK_V blocks of the
         # kernel with a masked tail (48-column windows would mean 105 blocks: slow to interpret).
-        monkeypatch.setattr(flce_plan, "BLOCK_OVERRIDE", (16, 4500))
+        monkeypatch.setenv(flce_plan.BLOCKS_ENV, "16,4500")
     compare(make(SHAPES[shape], dtype, CASES[case]), dtype)
 
 
@@ -236,14 +248,12 @@ def test_int32_target():
 )
 @pytest.mark.parametrize("accum", [None, torch.bfloat16], ids=["fp32-accum", "bf16-lean"])
 def test_chunk_and_block_sizes(monkeypatch, chunk, blocks, accum, mode):
-    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", chunk)
-    monkeypatch.setattr(flce_plan, "BLOCK_OVERRIDE", blocks)
+    fix_sizes(monkeypatch, chunk, blocks)
     case = {"reduction": "mean", "with_bias": True, "label_smoothing": 0.1, "grad_accum_dtype": accum}
     compare(make(SHAPES["37x64x131"], torch.bfloat16, case), torch.bfloat16)
 
 
 def test_chunk_size_rule(monkeypatch):
-    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", None)
     monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
     assert flce_plan.flce_chunk_tokens(8192, 128256) == 2048  # <= 1 GiB of fp32 logits, 128-aligned
     assert flce_plan.flce_chunk_tokens(65536, 32000) == 8320
@@ -253,13 +263,32 @@ def test_chunk_size_rule(monkeypatch):
     assert flce_plan.flce_chunk_tokens(8192, 128256, max_bytes=256 * 2**20) == 512  # a smaller cap
     monkeypatch.setenv(flce_plan.CHUNK_ENV, "200")
     assert flce_plan.flce_chunk_tokens(8192, 128256) == 200
-    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", 300)  # the module constant wins over the variable
-    assert flce_plan.flce_chunk_tokens(8192, 128256) == 300
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("CHUNK_ENV", "abc"),
+        ("CHUNK_ENV", "0"),
+        ("BLOCKS_ENV", "16"),
+        ("BLOCKS_ENV", "16,-4"),
+        ("BLOCKS_ENV", "a,b"),
+    ],
+)
+def test_size_variables_refuse_malformed_values(monkeypatch, name, value):
+    variable = getattr(flce_plan, name)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(
+        lmkernels.LMKernelsError, match=f"{variable}: expected .*positive integer.*got '{value}'"
+    ):
+        flce_plan.flce_chunk_tokens(37, 131) if name == "CHUNK_ENV" else flce_plan.flce_blocks(
+            37, 64, 131, 1 << 20, False, True
+        )
 
 
 def test_block_size_rule(monkeypatch):
     """The lean backward's blocks fit the budget: fp32 logits block + fp32 grad_hidden accumulator."""
-    monkeypatch.setattr(flce_plan, "BLOCK_OVERRIDE", None)
+    monkeypatch.delenv(flce_plan.BLOCKS_ENV, raising=False)
     BT, H, V = 8192, 4096, 128256
     budget = flce_plan.lean_budget_bytes(BT, H, V, 2)
     assert budget == int(0.08 * (V + BT) * H * 2)
@@ -280,14 +309,13 @@ def test_block_size_rule(monkeypatch):
 def test_fast_mode_default_accumulation(monkeypatch):
     """The fast mode's default sums grad_W in bf16 over at most MAX_SUPER_CHUNKS chunks where they
     fit CHUNK_BYTES of logits, else keeps the fp32 accumulator (and always for fp16 weights)."""
-    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", None)
     monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
     assert flce_plan.fast_weight_dtype_chunk(8192, 128256) == 1024  # 8 chunks of 501 MiB
     assert flce_plan.fast_weight_dtype_chunk(2048, 128256) == 1024  # never below 1024 tokens
     assert flce_plan.fast_weight_dtype_chunk(16384, 128256) == 2048  # 8 chunks of 1002 MiB
     assert flce_plan.fast_weight_dtype_chunk(32768, 128256) is None  # 8 chunks would be 2004 MiB each
     assert flce_plan.fast_weight_dtype_chunk(37, 131) == 1024  # one chunk
-    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", 16)
+    monkeypatch.setenv(flce_plan.CHUNK_ENV, "16")
     assert flce_plan.fast_weight_dtype_chunk(37, 131) == 16  # 3 chunks
     assert flce_plan.fast_weight_dtype_chunk(16 * 9, 131) is None  # 9 chunks
 
@@ -306,7 +334,6 @@ def test_fast_mode_default_chunks(monkeypatch):
     fp32 chunks if at most 8 of them cover the tokens, else the fp32 accumulator: never more
     memory than that accumulator and its chunk. fp16, or an asked-for fp32 accumulation, keep
     fp32 logits."""
-    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", None)
     monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
 
     def default(BT, H, V, dtype=torch.bfloat16, accum=None, grads_now=True):
@@ -346,7 +373,6 @@ def test_fast_mode_default_chunks(monkeypatch):
 def test_memory_budget_plans(monkeypatch):
     """memory_budget: the fast mode where one of its configurations fits f x the gradients'
     bytes beside them, the largest chunks that do; else the lean mode within the budget."""
-    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", None)
     monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
     BT, H, V = 16384, 2560, 151936
     grads = (BT + V) * H * 2
@@ -673,8 +699,8 @@ def test_peak_memory_cuda(monkeypatch, accum, mode):
     (fp32 accumulation) the V x H accumulator plus its conversion; the backward of a "mean" loss
     allocates nothing.
     """
-    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", None)
-    monkeypatch.setattr(flce_plan, "BLOCK_OVERRIDE", None)
+    monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
+    monkeypatch.delenv(flce_plan.BLOCKS_ENV, raising=False)
     BT, H, V = 8192, 1024, 128256
     inputs = make({"BT": BT, "H": H, "V": V}, torch.bfloat16, {"grad_accum_dtype": accum})
     hidden = inputs["hidden"].requires_grad_(True)
@@ -724,8 +750,8 @@ def test_fp16_tiny_dlogits(monkeypatch, reduction, accum, mode):
     upstream gradient carries it) put most unscaled dlogits below fp16's normal range
     (6.1e-5), which gave errors several times eager's. The kernel scales them up and the
     gradients back down."""
-    monkeypatch.setattr(flce_plan, "CHUNK_TOKENS", 128)
-    monkeypatch.setattr(flce_plan, "BLOCK_OVERRIDE", (128, 1024))
+    monkeypatch.setenv(flce_plan.CHUNK_ENV, "128")
+    monkeypatch.setenv(flce_plan.BLOCKS_ENV, "128,1024")
     inputs = make({"BT": 256, "H": 32, "V": 2048}, torch.float16, {"reduction": reduction})
     inputs["grad_accum_dtype"] = accum
     c = 1.0 if reduction == "mean" else 1.0 / 256

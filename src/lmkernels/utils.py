@@ -132,6 +132,19 @@ def data_checks_enabled() -> bool:
     return os.environ.get("LMKERNELS_CHECK_VALUES", "1") not in ("0", "false", "False")
 
 
+def env_sizes(name: str, count: int) -> tuple[int, ...] | None:
+    """The environment variable `name` as `count` positive integers separated by commas, or None
+    where it is unset or empty."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    parts = text.split(",")
+    if len(parts) != count or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        what = "a positive integer" if count == 1 else f"{count} positive integers separated by commas"
+        fail(f"{name}: expected {what}, got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
 def cuda_capability() -> tuple[int, int] | None:
     if not torch.cuda.is_available():
         return None

@@ -33,12 +33,11 @@ written over the chunk's logits. Elsewhere torch ops do it in about three times 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
 from lmkernels.registry import LMKernelsError
+from lmkernels.utils import env_sizes
 
 CHUNK_BYTES = 512 * 2**20  # fp32 logits of one chunk; the softcap's backward holds twice that
 CHUNK_ENV = "LMKERNELS_FLCE_CHUNK_TOKENS"
@@ -58,9 +57,9 @@ def shard_range(vocab_size: int, world_size: int, rank: int) -> tuple[int, int]:
 
 
 def _chunk_tokens(n_tokens: int, v_local: int) -> int:
-    override = int(os.environ.get(CHUNK_ENV, "0") or 0)
-    if override > 0:
-        return override
+    fixed = env_sizes(CHUNK_ENV, 1)
+    if fixed is not None:
+        return fixed[0]
     return max(1, min(n_tokens, CHUNK_BYTES // (4 * max(v_local, 1))))
 
 

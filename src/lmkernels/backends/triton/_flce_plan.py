@@ -4,21 +4,23 @@ chunks and the recomputing backward's blocks are, from the shapes, the options a
 (flce.py's docstring has the design). Plain host arithmetic: the loops in _flce_kernels.py ask
 it for their sizes, flce.py for the plan of a call.
 
-CHUNK_TOKENS and BLOCK_OVERRIDE fix the sizes for tests and tuning (set them on this module).
+Two environment variables fix the sizes (tests, tuning): LMKERNELS_FLCE_CHUNK_TOKENS the tokens
+per forward chunk, LMKERNELS_FLCE_BLOCKS="TOKENS,COLUMNS" the recomputing backward's super-chunk
+tokens and vocabulary block.
 """
 
 import dataclasses
-import os
 
 import torch
 
 from lmkernels.backends.triton._common import cdiv
+from lmkernels.utils import env_sizes
 
 # Token chunks of run_chunks: at most CHUNK_BYTES of logits (fp32, or bf16 in the default fast
-# mode for bf16 inputs), or the lean budget below when that is smaller. CHUNK_TOKENS / the environment variable override it.
+# mode for bf16 inputs), or the lean budget below when that is smaller; CHUNK_ENV overrides it.
 CHUNK_BYTES = 1 << 30
-CHUNK_TOKENS: int | None = None
 CHUNK_ENV = "LMKERNELS_FLCE_CHUNK_TOKENS"
+BLOCKS_ENV = "LMKERNELS_FLCE_BLOCKS"
 # Memory the lean mode may use beyond the gradients it returns, as a fraction of their bytes
 # (grad_W + grad_hidden): the recomputed logits block plus the fp32 grad_hidden accumulator.
 LEAN_EXTRA_FRACTION = 0.08
@@ -34,7 +36,6 @@ MIN_VOCAB_BLOCK = 2048
 # super-chunk, 1.7x with 4, 2.2x with 8, 2.9x with 16; the policy allows 3x).
 MAX_SUPER_CHUNKS = 8
 MIN_FAST_CHUNK_TOKENS = 1024  # see fast_weight_dtype_chunk
-BLOCK_OVERRIDE: tuple[int, int] | None = None  # (super-chunk tokens, vocab block): tests, tuning
 
 
 def _round_down(x: int, multiple: int) -> int:
@@ -48,8 +49,9 @@ def _chunk_rows(nbytes: int, V: int) -> int:
 
 
 def _chunk_override() -> int:
-    """Tokens per forward chunk fixed by CHUNK_TOKENS or the environment (0: not fixed)."""
-    return CHUNK_TOKENS or int(os.environ.get(CHUNK_ENV, "0") or 0)
+    """Tokens per forward chunk fixed by the environment (0: not fixed)."""
+    fixed = env_sizes(CHUNK_ENV, 1)
+    return fixed[0] if fixed else 0
 
 
 def lean_budget_bytes(BT: int, H: int, V: int, itemsize: int) -> int:
@@ -201,9 +203,9 @@ def flce_blocks(
     super-chunks split the tokens evenly, with half the budget for the accumulator, and at
     most MAX_SUPER_CHUNKS of them (accuracy wins over the budget there).
     """
-    if BLOCK_OVERRIDE is not None:
-        tokens = BT if whole_tokens else min(BLOCK_OVERRIDE[0], BT)
-        return max(1, tokens), max(1, min(BLOCK_OVERRIDE[1], V))
+    fixed = env_sizes(BLOCKS_ENV, 2)
+    if fixed is not None:
+        return (BT if whole_tokens else min(fixed[0], BT)), min(fixed[1], V)
     acc_per_token = 4 * H if accumulate_h else 0
     if whole_tokens or BT <= MIN_SUPER_CHUNK:
         tokens = BT
