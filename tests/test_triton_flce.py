@@ -49,8 +49,7 @@ def small_chunks(monkeypatch):
     """16 tokens per chunk unless a test says otherwise: BT=37 runs 16 + 16 + 5; the blocked
     backward runs super-chunks of 16 tokens (all tokens when grad_W is rounded once) and
     vocabulary blocks of 48 columns: V=131 runs 48 + 48 + 35."""
-    monkeypatch.setenv(flce_plan.CHUNK_ENV, "16")
-    monkeypatch.setenv(flce_plan.BLOCKS_ENV, "16,48")
+    fix_sizes(monkeypatch, 16, (16, 48))
 
 
 BACKENDS = {"lean": "triton_lean", "fast": "triton"}
@@ -699,8 +698,7 @@ def test_peak_memory_cuda(monkeypatch, accum, mode):
     (fp32 accumulation) the V x H accumulator plus its conversion; the backward of a "mean" loss
     allocates nothing.
     """
-    monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
-    monkeypatch.delenv(flce_plan.BLOCKS_ENV, raising=False)
+    fix_sizes(monkeypatch, None, None)
     BT, H, V = 8192, 1024, 128256
     inputs = make({"BT": BT, "H": H, "V": V}, torch.bfloat16, {"grad_accum_dtype": accum})
     hidden = inputs["hidden"].requires_grad_(True)
@@ -750,8 +748,7 @@ def test_fp16_tiny_dlogits(monkeypatch, reduction, accum, mode):
     upstream gradient carries it) put most unscaled dlogits below fp16's normal range
     (6.1e-5), which gave errors several times eager's. The kernel scales them up and the
     gradients back down."""
-    monkeypatch.setenv(flce_plan.CHUNK_ENV, "128")
-    monkeypatch.setenv(flce_plan.BLOCKS_ENV, "128,1024")
+    fix_sizes(monkeypatch, 128, (128, 1024))
     inputs = make({"BT": 256, "H": 32, "V": 2048}, torch.float16, {"reduction": reduction})
     inputs["grad_accum_dtype"] = accum
     c = 1.0 if reduction == "mean" else 1.0 / 256

@@ -305,7 +305,7 @@ def e2e_part(ctx: Context, args: str):
 
 
 def dist_part(ctx: Context):
-    from lmkernels.harness.bench.scale import dist_rows
+    from lmkernels.harness.bench.scale import DEFAULT_SIZE, dist_rows
 
     for mode in DIST_MODES:
         if ctx.done((mode,)):
@@ -326,7 +326,7 @@ def dist_part(ctx: Context):
                 argv = ["--out", tmp, "--gpus", "2", "--modes", mode, "--configs", ",".join(DIST_CONFIGS)]
                 scale.main([*argv, "--budget", f"{ctx.time_left() - 30:.0f}"])
                 runs = json.loads((Path(tmp) / "dist_scale.json").read_text())["runs"]
-        ctx.emit(dist_rows(runs), (mode,))
+        ctx.emit(dist_rows(runs, *DEFAULT_SIZE), (mode,))
 
 
 # --- before / after a change -------------------------------------------------------------------------

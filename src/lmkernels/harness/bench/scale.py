@@ -69,7 +69,6 @@ import time
 from pathlib import Path
 
 from lmkernels.harness.bench import data
-from lmkernels.harness.bench.data import commit
 from lmkernels.harness.bench.scale_worker import (
     CONFIGS,
     LLAMA_1B,
@@ -82,6 +81,8 @@ from lmkernels.harness.bench.scale_worker import (
     run_worker,
     train,
 )
+
+DEFAULT_SIZE = (8, 1024, 8)  # a run's default size: sequences per replica, tokens each, layers
 
 
 def check_config(name: str) -> str | None:
@@ -183,7 +184,7 @@ def environment(args) -> dict:
         except PackageNotFoundError:
             env[pkg] = None
     env.update({k: os.environ.get(k) for k in NCCL_ENV})
-    env["lmkernels_commit"] = commit()  # the lmkernels tree measured ($LMKERNELS_COMMIT on a copy)
+    env["lmkernels_commit"] = data.commit()  # the lmkernels tree measured ($LMKERNELS_COMMIT on a copy)
     env["model"] = {"layers": args.layers, **(TINY if args.tiny else LLAMA_1B)}
     env["batch"], env["seq"], env["steps"] = args.batch, args.seq, args.steps
     return env
@@ -250,8 +251,9 @@ def compare_rows(rows: list[dict]) -> None:
                 r["peak_vs_fsdp"] = r["peak_gib"] / f["peak_gib"]
 
 
-def dist_rows(runs: list[dict], batch: int = 8, seq: int = 1024, layers: int = 8) -> list[dict]:
-    """Data rows from the distributed benchmark's runs (scale.py's dist_scale.json)."""
+def dist_rows(runs: list[dict], batch: int, seq: int, layers: int) -> list[dict]:
+    """Data rows from the distributed benchmark's runs (scale.py's dist_scale.json) of that
+    size (a torchtitan run names its own layers)."""
     out = []
     for r in runs:
         if r["status"] == "skipped":
@@ -338,9 +340,10 @@ def parse_args(argv=None):
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--configs", default=",".join(CONFIGS), help="plain, lmk[:BACKEND], liger")
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--batch", type=int, default=8, help="sequences per data-parallel replica per step")
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
+    batch, seq, layers = DEFAULT_SIZE
+    p.add_argument("--batch", type=int, default=batch, help="sequences per data-parallel replica per step")
+    p.add_argument("--seq", type=int, default=seq)
+    p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--budget", type=float, default=3600.0, help="seconds; later runs are skipped")
     p.add_argument("--tiny", action="store_true", help="hidden-64 vocab-1000 model on the CPU (gloo)")
     p.add_argument("--dry-run", action="store_true", help="write the planned runs and commands, run nothing")

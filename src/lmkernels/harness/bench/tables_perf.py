@@ -9,6 +9,7 @@ import statistics
 from typing import Any
 
 from lmkernels.harness.bench.frontier_report import COUNTED_REGIMES, pareto_verdicts
+from lmkernels.harness.bench.scale import DEFAULT_SIZE
 from lmkernels.harness.bench.tables_common import (
     CONFIG_TITLES,
     IMPL_TITLES,
@@ -301,18 +302,15 @@ def e2e_compile(rows: list[dict[str, Any]], path: str) -> str:
 # --- distributed --------------------------------------------------------------------------------------
 
 
-DIST_SIZE = (8, 1024, 8)  # the scaling benchmark's default: sequences, tokens each, layers
-
-
 def _dist_size(r: dict[str, Any]) -> tuple[int, int, int]:
-    return tuple(r.get(field, default) for field, default in zip(("batch", "seq", "layers"), DIST_SIZE))
+    return tuple(r.get(field, default) for field, default in zip(("batch", "seq", "layers"), DEFAULT_SIZE))
 
 
 def _dist_size_label(size: tuple[int, int, int]) -> str:
     """What a run's size changes from the default, for its row's title."""
     words = [
         f"{value} {what}"
-        for value, default, what in zip(size, DIST_SIZE, ("sequences", "tokens each", "layers"))
+        for value, default, what in zip(size, DEFAULT_SIZE, ("sequences", "tokens each", "layers"))
         if value != default
     ]
     return ", " + ", ".join(words) if words else ""
