@@ -151,7 +151,7 @@ def check_vocab_parallel_flce(ctx):
     for opts, use_bias, lean, chunk, triton_rows in grid:
         if triton_rows and (use_bias or not chunk):
             continue  # the kernel path in several chunks is enough (the interpreter is slow)
-        vp.TRITON_ROWS = triton_rows
+        os.environ[vp.ROWS_ENV] = "triton" if triton_rows else "torch"
         os.environ["LMKERNELS_FLCE_CHUNK_TOKENS"] = chunk  # empty: the default, all 37 tokens at once
         h0, w0 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         b0 = bias.clone().requires_grad_() if use_bias else None
@@ -165,7 +165,7 @@ def check_vocab_parallel_flce(ctx):
         got = dtensor_linear_cross_entropy(h1, w1, target, bias=b1, backend=backend, **opts)
         (got * up).sum().backward()
         del os.environ["LMKERNELS_FLCE_CHUNK_TOKENS"]
-        vp.TRITON_ROWS = None
+        del os.environ[vp.ROWS_ENV]
         pairs = [(got.detach(), expected.detach()), (h1.grad, h0.grad), (full(w1.grad), w0.grad)]
         if use_bias:
             pairs.append((full(b1.grad), b0.grad))
@@ -195,7 +195,7 @@ def check_vocab_parallel_flce(ctx):
     tol = SPEC.tolerances[torch.bfloat16]
     bf16 = {}
     for opts, triton_rows in itertools.product(({}, {"label_smoothing": 0.1}), paths):
-        vp.TRITON_ROWS = triton_rows
+        os.environ[vp.ROWS_ENV] = "triton" if triton_rows else "torch"
         h32 = hidden.bfloat16().double().requires_grad_()
         w32 = weight.bfloat16().double().requires_grad_()
         ref_fn(h32, w32, target, **opts).backward()
@@ -209,7 +209,7 @@ def check_vocab_parallel_flce(ctx):
             loss = dtensor_linear_cross_entropy(h2, w2, target, **opts)
         finally:
             del os.environ["LMKERNELS_FLCE_CHUNK_TOKENS"]
-            vp.TRITON_ROWS = None
+            del os.environ[vp.ROWS_ENV]
         loss.backward(retain_graph=True)
         try:
             loss.backward()

@@ -115,3 +115,21 @@ def test_zero3_partition_not_gathered_raises_and_restores_forward():
     with pytest.raises(LMKernelsError, match="ZeRO-3 partition that was not gathered.*deepspeed.initialize"):
         lm_head_loss(lm_head, torch.randn(2, 5, 16), torch.randint(0, 40, (2, 5)))
     assert "forward" not in vars(lm_head)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("triton", True), ("torch", False), (" torch ", False), ("cuda", None)]
+)
+def test_vocab_parallel_rows_variable(monkeypatch, value, expected):
+    """LMKERNELS_VOCAB_PARALLEL_ROWS picks the elementwise passes' implementation; another value
+    is refused with the variable named, never read as the default."""
+    import lmkernels
+    from lmkernels.distributed import vocab_parallel as vp
+
+    monkeypatch.setenv(vp.ROWS_ENV, value)
+    weight = torch.zeros(4, 2)
+    if expected is None:
+        with pytest.raises(lmkernels.LMKernelsError, match=f"{vp.ROWS_ENV}: expected one of .*got 'cuda'"):
+            vp._use_triton(weight, None)
+    else:
+        assert vp._use_triton(weight, None) is expected

@@ -33,18 +33,20 @@ written over the chunk's logits. Elsewhere torch ops do it in about three times 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from lmkernels.registry import LMKernelsError
-from lmkernels.utils import env_sizes
+from lmkernels.utils import check_choice, env_sizes
 
 CHUNK_BYTES = 512 * 2**20  # fp32 logits of one chunk; the softcap's backward holds twice that
 CHUNK_ENV = "LMKERNELS_FLCE_CHUNK_TOKENS"
 MAX_LOW_PRECISION_SUMS = 8  # as the Triton FLCE's MAX_SUPER_CHUNKS
-# The FLCE's Triton row kernel for the elementwise passes: None = where _use_triton allows,
-# True / False = always / never (tests force it to run the kernel on the CPU interpreter).
-TRITON_ROWS: bool | None = None
+# The elementwise passes' implementation: "triton" (the FLCE's row kernel) or "torch" (ops);
+# unset or empty: where _use_triton allows. Tests run the kernel on the CPU interpreter with it.
+ROWS_ENV = "LMKERNELS_VOCAB_PARALLEL_ROWS"
 _MM_FP32_OUT = True  # torch.mm(..., out_dtype=float32) works here (CUDA); cleared when it does not
 
 
@@ -250,11 +252,13 @@ def _chunks(n, vocab_size, group):
 
 def _use_triton(weight, bias) -> bool:
     """The FLCE's Triton row kernel does the elementwise work when it can: on CUDA (or when
-    TRITON_ROWS forces it, e.g. the CPU interpreter in tests), without a bias (its kernel reads
+    ROWS_ENV forces it, e.g. the CPU interpreter in tests), without a bias (its kernel reads
     a full-vocabulary bias), not in fp16 (whose dlogits need the FLCE's scaling), and not while
     torch.compile traces (torch ops are what it can trace)."""
-    if TRITON_ROWS is not None:
-        return TRITON_ROWS
+    forced = os.environ.get(ROWS_ENV, "").strip()
+    if forced:
+        check_choice(ROWS_ENV, forced, ("triton", "torch"))
+        return forced == "triton"
     if not weight.is_cuda or bias is not None or weight.dtype == torch.float16:
         return False
     if torch.compiler.is_compiling():
