@@ -12,7 +12,7 @@ an end-to-end case: the median wall time of 20 training steps) and peak memory a
 
 A training step of a few thousand tokens is host-bound, and its time varies from one process to
 the next by far more than a change's few percent. --same-process runs the end-to-end cases with
-both trees in one process per round (a copy of the old tree renamed to `lmkold`), their steps
+both trees in one process per round and case (a copy of the old tree renamed to `lmkold`), their steps
 alternating on one model each (side_by_side keeps each tree's module-level patches its own);
 the noise is then the spread of the per-round ratios.
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import inspect
 import json
 import os
 import shutil
@@ -272,8 +273,24 @@ def side_by_side(builds: dict[str, Callable[[], Any]]) -> tuple[dict[str, Any], 
     back in place. A patch also replaces functions in the modeling module (rope's
     apply_rotary_pos_emb, causal_mask's mask functions) that both trees' models call: without
     this, the tree patched second wraps the first one's functions, and a model runs the other
-    tree's code there. The model's transformers modules must be imported before the call."""
+    tree's code there. The model's transformers modules must be imported before the call.
+
+    Once per process: a tree installs its module-level functions only where it has not already
+    (while a model it patched lives), so a second call would take the first call's patches for
+    stock and both models would run one tree's functions there."""
     stock = _transformers_globals()
+    patched = [
+        f"{module}.{key}"
+        for module, values in stock.items()
+        for key, value in values.items()
+        if inspect.isfunction(value)
+        and any(getattr(value, f"_{package}_patch", False) for package in ("lmkernels", OLD_PACKAGE))
+    ]
+    if patched:
+        raise RuntimeError(
+            f"side_by_side: transformers' modules already hold patched functions ({', '.join(patched[:3])}): "
+            f"one call per process"
+        )
     made, changes = {}, {}
     for name, build in builds.items():
         made[name] = build()
@@ -419,13 +436,18 @@ def main(argv=None) -> int:
         renamed = tempfile.TemporaryDirectory()  # removed at exit
         old_root = renamed_tree(trees[names[0]], renamed.name)
     for r in range(a.rounds):
-        if a.same_process:
-            path = os.path.join(a.out, f"paired_{r}.json")
-            subprocess.run([*me, "--paired-worker", old_root, trees[names[1]], path], check=True, env=env)
-            with open(path) as fh:
-                both = json.load(fh)
+        if a.same_process:  # a process per case: side_by_side runs once per process
+            both = {"old": {}, "new": {}}
+            for i, (case, _, _) in enumerate(selected_cases()):
+                path = os.path.join(a.out, f"paired_{r}_{i}.json")
+                one = dict(env, **{CASES_ENV: case})
+                subprocess.run([*me, "--paired-worker", old_root, trees[names[1]], path], check=True, env=one)
+                with open(path) as fh:
+                    done = json.load(fh)
+                for tree in both:
+                    both[tree] |= done[tree]
             for name, tree in zip(names, ("old", "new")):
-                runs[name].append(both[tree] | {"_env": both["_env"]})
+                runs[name].append(both[tree] | {"_env": done["_env"]})
             print(f"round {r + 1}/{a.rounds} done", flush=True)
         else:
             for name in names if r % 2 == 0 else names[::-1]:

@@ -269,7 +269,8 @@ def test_compare_trees_same_process_keeps_each_tree_its_own(tmp_path):
     """compare_trees --same-process: a renamed copy of a tree imports beside the tree itself
     (own package, own torch.library namespace), and with both models patched (side_by_side)
     each runs its own tree's ops, also those patched in transformers' modeling module (rope),
-    and its own causal-mask skip (no mask built). The two patched models compute the same loss."""
+    and its own causal-mask skip (no mask built). The two patched models compute the same loss.
+    A second side_by_side in the process is refused (the trees' module patches are in place)."""
     root = Path(__file__).parent.parent
     script = f"""
 import importlib.util, sys, torch
@@ -301,6 +302,13 @@ for tree, package in (("old", "lmkold"), ("new", "lmkernels"), ("old", "lmkold")
     losses[tree] = models[tree](input_ids=ids, labels=ids).loss.item()
     assert calls and set(calls) == {{package}}, (tree, calls)
 assert losses["old"] == losses["new"], losses
+# A second call in this process would take the first one's patches for stock: refused.
+try:
+    ct.side_by_side({{"new": lambda: build(new_hf)}})
+except RuntimeError as e:
+    assert "one call per process" in str(e), e
+else:
+    raise AssertionError("a second side_by_side ran")
 """
     env = dict(os.environ, PYTHONPATH=str(root / "src"))
     done = subprocess.run(

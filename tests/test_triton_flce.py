@@ -329,10 +329,10 @@ def test_fast_mode_default_accumulation(monkeypatch):
 
 def test_fast_mode_default_chunks(monkeypatch):
     """The default fast mode's plan: bf16 inputs get 8 chunks of bf16 logits (grad_W summed in
-    bf16) wherever 8 chunks of BT / 8 tokens fit CHUNK_BYTES of bf16; past that, memory_budget=2's
-    fp32 chunks if at most 8 of them cover the tokens, else the fp32 accumulator: never more
-    memory than that accumulator and its chunk. fp16, or an asked-for fp32 accumulation, keep
-    fp32 logits."""
+    bf16) wherever 8 chunks of BT / 8 tokens fit CHUNK_BYTES of bf16, on long batches up to 16
+    (test_long_batch_chunks); past that, memory_budget=2's fp32 chunks if at most 8 of them
+    cover the tokens, else the fp32 accumulator: never more memory than that accumulator and
+    its chunk. fp16, or an asked-for fp32 accumulation, keep fp32 logits."""
     monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
 
     def default(BT, H, V, dtype=torch.bfloat16, accum=None, grads_now=True):
@@ -341,16 +341,16 @@ def test_fast_mode_default_chunks(monkeypatch):
     def budget_2(BT, H, V):
         return flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, 2.0, True, True)
 
-    # The measured heads, 4k-32k tokens.
-    for BT, H, V in [
-        (32768, 2048, 128256),
-        (16384, 2560, 151936),
-        (16384, 3584, 152064),
-        (8192, 4096, 128256),
+    # The measured heads, 4k-32k tokens: 8 chunks, or at 32k tokens 16 (of 2048 tokens).
+    for BT, H, V, chunks in [
+        (32768, 2048, 128256, 16),
+        (16384, 2560, 151936, 8),
+        (16384, 3584, 152064, 8),
+        (8192, 4096, 128256, 8),
     ]:
         plan = default(BT, H, V)
         assert not plan.fp32_logits and not plan.accum_fp32 and not plan.lean
-        assert plan.chunk_bytes == BT // 8 * V * 2 <= flce_plan.CHUNK_BYTES
+        assert plan.chunk_bytes == BT // chunks * V * 2 <= flce_plan.CHUNK_BYTES
     assert default(4096, 2304, 256000).chunk_bytes == flce_plan.MIN_FAST_CHUNK_TOKENS * 256000 * 2
     assert default(8192, 4096, 128256, accum=torch.bfloat16) == default(8192, 4096, 128256)  # asked for
     # fp16, an fp32 accumulation asked for, a forward without gradients: fp32 logits.
@@ -358,15 +358,51 @@ def test_fast_mode_default_chunks(monkeypatch):
     assert default(16384, 2560, 151936, torch.float16).accum_fp32
     assert default(16384, 2560, 151936, accum=torch.float32).fp32_logits
     assert default(8192, 4096, 128256, grads_now=False).fp32_logits
-    # Past 8 bf16 chunks: the wide fp32 chunks where at most 8 cover the tokens...
-    BT, H, V = 32768, 4096, 151936
+    # Past bf16 chunks (16 of 4096 tokens pass CHUNK_BYTES): the wide fp32 chunks where at
+    # most 8 cover the tokens...
+    BT, H, V = 65536, 8192, 256000
+    assert flce_plan.bf16_logits_chunk(BT, V, torch.bfloat16, 2) is None
     plan = default(BT, H, V)
     assert plan.fp32_logits and not plan.accum_fp32
     assert plan.chunk_bytes == budget_2(BT, H, V).chunk_bytes
     assert flce_plan.cdiv(BT, plan.chunk_bytes // (4 * V)) <= flce_plan.MAX_SUPER_CHUNKS
     assert plan.chunk_bytes <= 4 * V * H + flce_plan.CHUNK_BYTES
     # ... else the fp32 accumulator.
-    assert default(65536, 2048, 128256).accum_fp32
+    assert default(131072, 2048, 128256).accum_fp32
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="32768 rows take 4 minutes in the interpreter: runs on the GPU")
+def test_long_batch_matches_fp64(monkeypatch):
+    """The default's 16 chunks of 2048 tokens on a long bf16 batch, grad_W summed in bf16 16
+    times: within the policy against fp64, like eager bf16."""
+    fix_sizes(monkeypatch, None, None)
+    monkeypatch.setitem(BACKEND, "name", "triton")
+    BT, H, V = 32768, 32, 256
+    assert flce_plan.bf16_logits_chunk(BT, V, torch.bfloat16, 2) == BT // 16
+    compare(make({"BT": BT, "H": H, "V": V}, torch.bfloat16, {}), torch.bfloat16)
+
+
+def test_long_batch_chunks(monkeypatch):
+    """Long bf16 batches: where 8 chunks would pass LONG_CHUNK_TOKENS tokens each, up to 16
+    chunks of at least that many tokens (rounded up to 128), within CHUNK_BYTES of bf16 logits;
+    shorter batches keep 8 chunks of at least MIN_FAST_CHUNK_TOKENS; a fixed chunk size keeps the
+    8-chunk limit."""
+    monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
+
+    def tokens(BT, V=128256):
+        return flce_plan.bf16_logits_chunk(BT, V, torch.bfloat16, 2)
+
+    assert flce_plan.LONG_CHUNK_TOKENS == 2048 and flce_plan.LONG_MAX_CHUNKS == 16
+    assert tokens(16384) == 2048  # 8 chunks of 2048: unchanged
+    assert tokens(16512) == 2048  # 8 would be 2064 each: 9 chunks of 2048
+    assert tokens(20000) == 2048  # 10 chunks
+    assert tokens(32768) == 2048  # 16 chunks
+    assert tokens(40000) == 2560  # 16 chunks, 2500 rounded up to 128
+    assert tokens(65536) == 4096  # 16 chunks of 1002 MiB
+    assert tokens(65536 + 128 * 16) is None  # 16 chunks would pass CHUNK_BYTES
+    assert tokens(4096, 256000) == 1024
+    monkeypatch.setenv(flce_plan.CHUNK_ENV, "2048")
+    assert tokens(16384) == 2048 and tokens(32768) is None  # 16 fixed chunks: not the default's
 
 
 def test_memory_budget_plans(monkeypatch):
