@@ -25,8 +25,10 @@ rows are summed in the weight's dtype (one rounding each: measured 2.2x eager's 
 policy allows 3x) and the fast mode accumulate in it (one rounding per chunk). None, the
 default: both modes sum at most 8 chunks in the weight's dtype; the fast mode takes 8 token
 chunks when each holds at most CHUNK_BYTES of logits: bf16 logits for bf16 inputs
-(_flce_plan.bf16_logits_chunk: BT * V <= 2^32, e.g. 32k tokens at V = 128k; 0.85-1.02x the
-time at 0.51-0.82x the peak of fp32 chunks on the grid heads), fp32 ones for fp16 (BT * V <= 2^31);
+(_flce_plan.bf16_logits_chunk: 0.85-1.02x the time at 0.51-0.82x the peak of fp32 chunks on the
+grid heads; on long batches, where 8 chunks would pass 2048 tokens each, up to 16 chunks of at
+least 2048 tokens: at 32k tokens x 128k the same time at 0.69x the peak), fp32 ones for fp16
+(BT * V <= 2^31);
 past that, fp32 chunks within 2x the gradients' bytes where at most 8 of them
 cover the tokens (_flce_plan.fast_wide_chunk: 3-10% faster and 30-35% leaner than the
 accumulator at 16k tokens x 152k vocabulary); otherwise (or for fp16 weights) CHUNK_BYTES chunks
