@@ -34,6 +34,40 @@ def test_frontier_tiny_on_cpu(tmp_path):
     assert (tmp_path / "results.csv").read_text().startswith("shape,BT,H,V,softcap,regime,entropy")
 
 
+def test_frontier_rounds_on_cpu(tmp_path):
+    """--rounds: each case runs that many times, the variants' order rotated; a row holds the
+    median over rounds and every round's time. --only picks shapes by label."""
+    label = flce_frontier.shape_label(*flce_frontier.TINY_SHAPES[0])
+    argv = ["--device", "cpu", "--tiny", "--out", str(tmp_path), "--no-progress", "--no-plots"]
+    argv += ["--variants", "eager,compile_naive", "--regimes", "gaussian", "--only", label]
+    assert flce_frontier.main([*argv, "--rounds", "3"]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["shape"], r["variant"]) for r in rows] == [(label, "eager"), (label, "compile_naive")]
+    for r in rows:
+        assert r["rounds"] == 3 and len(r["gpu_ms_rounds"]) == 3
+    with pytest.raises(SystemExit, match="--only: unknown shapes"):
+        flce_frontier.main([*argv[:-1], "1x2x3"])
+
+
+def test_rounds_rotate_and_take_the_median():
+    table = {"a": 1, "b": 2, "c": 3}
+    assert [list(flce_frontier.rotated(table, k)) for k in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]
+    ]  # fmt: skip
+
+    def row(variant, ms, status="ok"):
+        return {"variant": variant, "status": status, "gpu_ms": ms, "ms": ms, "peak_mib": 1.0}
+
+    rounds = [
+        [row("a", 1.0), row("b", 5.0)],
+        [row("b", 7.0), row("a", 3.0)],
+        [row("a", 2.0), row("b", 6.0, "OOM")],
+    ]
+    a, b = flce_frontier.median_of_rounds(rounds, ["a", "b"])
+    assert a["gpu_ms"] == 2.0 and a["gpu_ms_rounds"] == [1.0, 3.0, 2.0] and a["rounds"] == 3
+    assert b["status"] == "OOM"  # a failed round is reported, not averaged away
+
+
 def test_variants_table_and_unknown_names():
     table = flce_frontier.variants(None)
     assert list(table)[: len(flce_frontier.VARIANTS)] == list(flce_frontier.VARIANTS)

@@ -25,6 +25,12 @@ the inputs: ~5 min for two regimes. eager (fp32 matmuls, ~10x) is LEFT_OUT for t
 --budget (default 460 s) stops starting new cases beyond it (recorded as skipped), so a slower
 machine still leaves a complete report.
 
+Two calls per big case settle differences of 10%, not 2%: a GPU's clock drifts with its heat over
+a run (one call at 32768 x 2048 x 128256: 80.0 and 86.5 ms GPU time in two runs on H100s, its
+wall time 80.0 in the second). To settle a close call,
+--rounds N runs each case N times, the variants' order rotated per round, and reports the
+median over rounds (gpu_ms_rounds keeps them); --only picks the shapes by label.
+
 The report's Pareto section (frontier_report.py) answers the questions a user asks of the
 numbers: which peer point is both faster and leaner than lmkernels' default, which budget
 setting matches each peer point, and where the lean end sits against compile_naive's time.
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -169,6 +176,33 @@ def run_case(table, shape, regime, dtype, device, rates, bar, task) -> list[dict
     return rows
 
 
+def rotated(table: dict[str, Any], k: int) -> dict[str, Any]:
+    """The table's variants starting at the k-th, wrapping around: each round leads with another."""
+    items = list(table.items())
+    k %= max(len(items), 1)
+    return dict(items[k:] + items[:k])
+
+
+def median_of_rounds(rounds: list[list[dict[str, Any]]], names: list[str]) -> list[dict[str, Any]]:
+    """One row per variant (in `names` order) from its rows of several rounds: the median GPU and
+    wall times, every round's GPU time, the first round's peak; a round that failed, as is."""
+    out = []
+    for name in names:
+        mine = [r for rows in rounds for r in rows if r["variant"] == name]
+        failed = [r for r in mine if r["status"] != "ok"]
+        if failed:
+            out.append(failed[0])
+            continue
+        row = dict(mine[0])
+        for key in ("gpu_ms", "ms", "ms_p20", "ms_p80"):
+            values = [r[key] for r in mine if r.get(key) is not None]
+            row[key] = statistics.median(values) if values else None
+        row["gpu_ms_rounds"] = [r.get("gpu_ms") for r in mine]
+        row["rounds"] = len(mine)
+        out.append(row)
+    return out
+
+
 def _options_id(options: dict[str, Any]) -> str:
     return ",".join(f"{k}={str(o).removeprefix('torch.')}" for k, o in options.items()) or "default"
 
@@ -196,6 +230,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", help=f"comma-separated subset (default all: {','.join(VARIANTS)}, ...)")
     p.add_argument("--regimes", default=",".join(REGIMES), help="comma-separated subset of the regimes")
     p.add_argument("--shapes", type=int, help="only the first N shapes")
+    p.add_argument("--only", help="comma-separated shape labels, e.g. 32768x2048x128256")
+    p.add_argument("--rounds", type=int, default=1, help="runs of each case, variants rotated")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--budget", type=float, default=460.0, help="seconds; later cases are skipped")
     p.add_argument("--no-plots", action="store_true")
@@ -217,6 +253,15 @@ def main(argv=None) -> int:
     _, not_run = backends_for(FLCE, [b for b, _ in table.values()])
     table = {n: (b, o) for n, (b, o) in table.items() if b not in not_run}
     shapes = (TINY_SHAPES if args.tiny else SHAPES)[: args.shapes]
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",")]
+        known = [shape_label(*s) for s in shapes]
+        unknown = [w for w in wanted if w not in known]
+        if unknown:
+            raise SystemExit(f"--only: unknown shapes {unknown}; known: {known}")
+        shapes = [s for s in shapes if shape_label(*s) in wanted]
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds: expected at least 1, got {args.rounds}")
     regimes = [r.strip() for r in args.regimes.split(",")]
     out = Path(args.out or f"lmkernels-results/flce-frontier-{time.strftime('%Y%m%d-%H%M%S')}")
     start = time.time()
@@ -230,7 +275,7 @@ def main(argv=None) -> int:
     rows: list[dict[str, Any]] = []
     columns = (TextColumn("{task.description:<40}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, disable=args.no_progress) as bar:
-        task = bar.add_task("flce frontier", total=len(shapes) * len(regimes) * len(table))
+        task = bar.add_task("flce frontier", total=len(shapes) * len(regimes) * len(table) * args.rounds)
         for i, shape in enumerate(shapes):
             if i == 0 or shape[:3] != shapes[i - 1][:3]:
                 torch._dynamo.reset()  # static shapes: drop the graphs compiled for the last shape
@@ -239,9 +284,16 @@ def main(argv=None) -> int:
                     skipped = empty_row("", "full", "skipped", f"time budget ({args.budget:.0f} s)")
                     base = {"op": FLCE, "shape": shape_label(*shape), "regime": regime, "softcap": shape[3]}
                     rows += [base | skipped | {"variant": n, "backend": b} for n, (b, _) in table.items()]
-                    bar.advance(task, len(table))
+                    bar.advance(task, len(table) * args.rounds)
                     continue
-                rows += run_case(table, shape, regime, dtype, args.device, meta, bar, task)
+                if args.rounds == 1:
+                    rows += run_case(table, shape, regime, dtype, args.device, meta, bar, task)
+                else:
+                    rounds = [
+                        run_case(rotated(table, k), shape, regime, dtype, args.device, meta, bar, task)
+                        for k in range(args.rounds)
+                    ]
+                    rows += median_of_rounds(rounds, list(table))
                 add_rooflines(rows, dtype, meta.get("copy_gbps"), meta.get("matmul_tflops"))
                 add_frontier_ratios(rows)
                 write_reports(rows, meta | {"partial": True}, out, plots=False)
