@@ -59,6 +59,7 @@ CASES = [
 MODEL_ENV = "LMKERNELS_COMPARE_MODEL"  # the e2e model's config (JSON), from the driver to the workers
 CASES_ENV = "LMKERNELS_COMPARE_CASES"  # --cases, from the driver to the workers
 OLD_PACKAGE = "lmkold"  # --same-process: the old tree's package, renamed
+_PACKAGES = ("lmkernels", OLD_PACKAGE)
 PAIRED_STEPS = 10  # --same-process: 2 x this many timed steps per tree, the order flipping per pair
 _MISSING = object()
 
@@ -276,21 +277,24 @@ def side_by_side(builds: dict[str, Callable[[], Any]]) -> tuple[dict[str, Any], 
     tree's code there. The model's transformers modules must be imported before the call.
 
     Once per process: a tree installs its module-level functions only where it has not already
-    (while a model it patched lives), so a second call would take the first call's patches for
-    stock and both models would run one tree's functions there."""
-    stock = _transformers_globals()
-    patched = [
+    (while a model it patched lives), so after a first call a tree's new model can run another
+    tree's functions, or transformers' own (which build the mask, a host sync per forward)."""
+    gc.collect()
+    earlier = [
         f"{module}.{key}"
-        for module, values in stock.items()
+        for module, values in _transformers_globals().items()
         for key, value in values.items()
-        if inspect.isfunction(value)
-        and any(getattr(value, f"_{package}_patch", False) for package in ("lmkernels", OLD_PACKAGE))
+        if inspect.isfunction(value) and any(getattr(value, f"_{p}_patch", False) for p in _PACKAGES)
     ]
-    if patched:
+    for package in _PACKAGES:
+        patching = sys.modules.get(f"{package}.integrations.transformers.patching")
+        if patching is not None and len(patching.PATCHED_MODELS):
+            earlier.append(f"{len(patching.PATCHED_MODELS)} live model(s) patched by {package}")
+    if earlier:
         raise RuntimeError(
-            f"side_by_side: transformers' modules already hold patched functions ({', '.join(patched[:3])}): "
-            f"one call per process"
+            f"side_by_side: patches of an earlier call ({', '.join(earlier[:3])}): one call per process"
         )
+    stock = _transformers_globals()
     made, changes = {}, {}
     for name, build in builds.items():
         made[name] = build()
