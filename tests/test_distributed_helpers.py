@@ -117,19 +117,33 @@ def test_zero3_partition_not_gathered_raises_and_restores_forward():
     assert "forward" not in vars(lm_head)
 
 
-@pytest.mark.parametrize(
-    ("value", "expected"), [("triton", True), ("torch", False), (" torch ", False), ("cuda", None)]
-)
-def test_vocab_parallel_rows_variable(monkeypatch, value, expected):
-    """LMKERNELS_VOCAB_PARALLEL_ROWS picks the elementwise passes' implementation; another value
-    is refused with the variable named, never read as the default."""
+@pytest.mark.parametrize("value", ["triton", "torch", " torch ", "cuda"])
+def test_vocab_parallel_rows_variable(monkeypatch, value):
+    """LMKERNELS_VOCAB_PARALLEL_ROWS picks the elementwise passes' implementation: torch always
+    runs; triton runs where the row kernel can (the CPU interpreter here) and is refused, with
+    the reason, where it cannot (a bias, fp16), never replaced by the torch ops; another value
+    is refused with the variable named."""
     import lmkernels
+    from lmkernels.backends.triton import triton_unavailable_reason
     from lmkernels.distributed import vocab_parallel as vp
 
     monkeypatch.setenv(vp.ROWS_ENV, value)
     weight = torch.zeros(4, 2)
-    if expected is None:
+    if value == "cuda":
         with pytest.raises(lmkernels.LMKernelsError, match=f"{vp.ROWS_ENV}: expected one of .*got 'cuda'"):
             vp._use_triton(weight, None)
+        return
+    if value.strip() == "torch":
+        assert vp._use_triton(weight, None) is False
+        assert vp._use_triton(weight.half(), torch.zeros(4)) is False
+        return
+    refused = f"{vp.ROWS_ENV}=triton: the row kernel cannot run here"
+    with pytest.raises(lmkernels.LMKernelsError, match=f"{refused} .*a bias"):
+        vp._use_triton(weight, torch.zeros(4))
+    with pytest.raises(lmkernels.LMKernelsError, match=f"{refused} .*fp16"):
+        vp._use_triton(weight.half(), None)
+    if triton_unavailable_reason() is None:  # the interpreter (CI) runs the kernel on the CPU
+        assert vp._use_triton(weight, None) is True
     else:
-        assert vp._use_triton(weight, None) is expected
+        with pytest.raises(lmkernels.LMKernelsError, match=refused):
+            vp._use_triton(weight, None)

@@ -252,20 +252,38 @@ def _chunks(n, vocab_size, group):
 
 def _use_triton(weight, bias) -> bool:
     """The FLCE's Triton row kernel does the elementwise work when it can: on CUDA (or when
-    ROWS_ENV forces it, e.g. the CPU interpreter in tests), without a bias (its kernel reads
-    a full-vocabulary bias), not in fp16 (whose dlogits need the FLCE's scaling), and not while
-    torch.compile traces (torch ops are what it can trace)."""
+    ROWS_ENV asks for it, e.g. on the CPU interpreter in tests), without a bias (its kernel
+    reads a full-vocabulary bias), not in fp16 (whose dlogits need the FLCE's scaling), and not
+    while torch.compile traces (torch ops are what it can trace). ROWS_ENV=triton where it
+    cannot run raises; ROWS_ENV=torch always takes the torch ops."""
     forced = os.environ.get(ROWS_ENV, "").strip()
     if forced:
         check_choice(ROWS_ENV, forced, ("triton", "torch"))
-        return forced == "triton"
-    if not weight.is_cuda or bias is not None or weight.dtype == torch.float16:
-        return False
-    if torch.compiler.is_compiling():
-        return False
-    from lmkernels.backends.triton import triton_unavailable_reason
+        if forced == "torch":
+            return False
+    reasons = [
+        why
+        for why, bad in (
+            ("a bias", bias is not None),
+            ("fp16", weight.dtype == torch.float16),
+            ("torch.compile tracing", torch.compiler.is_compiling()),
+        )
+        if bad
+    ]
+    if not forced and (reasons or not weight.is_cuda):
+        return False  # before importing the Triton backend
+    from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 
-    return triton_unavailable_reason() is None
+    unavailable = triton_unavailable_reason()
+    if not forced:
+        return unavailable is None
+    if weight.device.type not in triton_devices():
+        reasons.append(f"a {weight.device.type} weight")
+    if unavailable is not None:
+        reasons.append(unavailable)
+    if reasons:  # asked for by name: never a silent fallback
+        raise LMKernelsError(f"{ROWS_ENV}=triton: the row kernel cannot run here ({'; '.join(reasons)})")
+    return True
 
 
 class _TritonRows:
