@@ -280,9 +280,10 @@ def side_by_side(builds: dict[str, Callable[[], Any]]) -> tuple[dict[str, Any], 
     (while a model it patched lives), so after a first call a tree's new model can run another
     tree's functions, or transformers' own (which build the mask, a host sync per forward)."""
     gc.collect()
+    stock = _transformers_globals()
     earlier = [
         f"{module}.{key}"
-        for module, values in _transformers_globals().items()
+        for module, values in stock.items()
         for key, value in values.items()
         if inspect.isfunction(value) and any(getattr(value, f"_{p}_patch", False) for p in _PACKAGES)
     ]
@@ -294,7 +295,6 @@ def side_by_side(builds: dict[str, Callable[[], Any]]) -> tuple[dict[str, Any], 
         raise RuntimeError(
             f"side_by_side: patches of an earlier call ({', '.join(earlier[:3])}): one call per process"
         )
-    stock = _transformers_globals()
     made, changes = {}, {}
     for name, build in builds.items():
         made[name] = build()

@@ -256,33 +256,34 @@ def _use_triton(weight, bias) -> bool:
     reads a full-vocabulary bias), not in fp16 (whose dlogits need the FLCE's scaling), and not
     while torch.compile traces (torch ops are what it can trace). ROWS_ENV=triton where it
     cannot run raises; ROWS_ENV=torch always takes the torch ops."""
-    forced = os.environ.get(ROWS_ENV, "").strip()
-    if forced:
-        check_choice(ROWS_ENV, forced, ("triton", "torch"))
-        if forced == "torch":
-            return False
-    reasons = [
-        why
-        for why, bad in (
+    choice = os.environ.get(ROWS_ENV, "").strip()
+    if choice:
+        check_choice(ROWS_ENV, choice, ("triton", "torch"))
+    if choice == "torch":
+        return False
+    obstacles = [
+        what
+        for what, present in (
             ("a bias", bias is not None),
             ("fp16", weight.dtype == torch.float16),
             ("torch.compile tracing", torch.compiler.is_compiling()),
         )
-        if bad
+        if present
     ]
-    if not forced and (reasons or not weight.is_cuda):
-        return False  # before importing the Triton backend
+    if not choice:  # the default: CUDA, no obstacle, Triton usable (imported only then)
+        if obstacles or not weight.is_cuda:
+            return False
+        from lmkernels.backends.triton import triton_unavailable_reason
+
+        return triton_unavailable_reason() is None
     from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 
-    unavailable = triton_unavailable_reason()
-    if not forced:
-        return unavailable is None
     if weight.device.type not in triton_devices():
-        reasons.append(f"a {weight.device.type} weight")
-    if unavailable is not None:
-        reasons.append(unavailable)
-    if reasons:  # asked for by name: never a silent fallback
-        raise LMKernelsError(f"{ROWS_ENV}=triton: the row kernel cannot run here ({'; '.join(reasons)})")
+        obstacles.append(f"a {weight.device.type} weight")
+    if triton_unavailable_reason() is not None:
+        obstacles.append(triton_unavailable_reason())
+    if obstacles:  # asked for by name: never a silent fallback
+        raise LMKernelsError(f"{ROWS_ENV}=triton: the row kernel cannot run here ({'; '.join(obstacles)})")
     return True
 
 

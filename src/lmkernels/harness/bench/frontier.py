@@ -286,14 +286,11 @@ def main(argv=None) -> int:
                     rows += [base | skipped | {"variant": n, "backend": b} for n, (b, _) in table.items()]
                     bar.advance(task, len(table) * args.rounds)
                     continue
-                if args.rounds == 1:
-                    rows += run_case(table, shape, regime, dtype, args.device, meta, bar, task)
-                else:
-                    rounds = [
-                        run_case(rotated(table, k), shape, regime, dtype, args.device, meta, bar, task)
-                        for k in range(args.rounds)
-                    ]
-                    rows += median_of_rounds(rounds, list(table))
+                rounds = [
+                    run_case(rotated(table, k), shape, regime, dtype, args.device, meta, bar, task)
+                    for k in range(args.rounds)
+                ]
+                rows += rounds[0] if args.rounds == 1 else median_of_rounds(rounds, list(table))
                 add_rooflines(rows, dtype, meta.get("copy_gbps"), meta.get("matmul_tflops"))
                 add_frontier_ratios(rows)
                 write_reports(rows, meta | {"partial": True}, out, plots=False)
