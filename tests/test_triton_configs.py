@@ -15,7 +15,7 @@ from lmkernels.backends.triton.configs.entry_text import entry_text  # noqa: E40
 
 def _all_entries(tables):
     n, r = tables.norms, tables.rope
-    return [*n.entries, n.wide, n.column, n.sums, *r.position, *r.tile]
+    return [*n.entries, n.wide, n.column, n.sums, *r.position, *r.tile, *tables.flce.rows]
 
 
 @pytest.fixture
@@ -54,6 +54,7 @@ def test_interpreter_and_cpu_get_the_default_tables():
 def test_default_entries_are_hoppers():
     """Unmeasured elsewhere: the default tables are Hopper's, entry for entry."""
     assert default.TABLES.norms is hopper.TABLES.norms and default.TABLES.rope is hopper.TABLES.rope
+    assert default.TABLES.flce is hopper.TABLES.flce
     assert "unmeasured" in default.__doc__
 
 
@@ -65,6 +66,25 @@ def test_every_entry_says_why_with_a_number_and_no_history():
     text = inspect.getsource(hopper)
     for word in ("session", "results/", "2026-", "benchmarks/"):
         assert word not in text.lower(), word
+
+
+def test_flce_rows_launch_by_width():
+    """The widest entry a row reaches decides; the block never passes the row's power of 2,
+    and a block under 2048 runs 4 warps."""
+    table = records.FlceTable(
+        rows=(
+            records.FlceRowsEntry(min_cols=1, block=4096, num_warps=8, why="1"),
+            records.FlceRowsEntry(min_cols=65536, block=32768, num_warps=32, why="2"),
+        )
+    )
+    assert table.rows_launch(128256) == (32768, 32)
+    assert table.rows_launch(65536) == (32768, 32)
+    assert table.rows_launch(65535) == (4096, 8)
+    assert table.rows_launch(3000) == (4096, 8)
+    assert table.rows_launch(1000) == (1024, 4)
+    assert table.rows_launch(1) == (1, 4)
+    with pytest.raises(ValueError, match="min_cols 1"):
+        records.FlceTable(rows=(records.FlceRowsEntry(min_cols=2, block=4096, num_warps=8, why="1"),))
 
 
 @pytest.mark.parametrize("op", records.NORM_OPS)
@@ -95,7 +115,7 @@ def test_records_refuse_what_no_kernel_runs():
     with pytest.raises(ValueError, match="without a `why`"):
         rope = hopper.TABLES.rope
         tile = (*rope.tile, records.RopeTileConfig(half=8, tile_elements=1024, num_warps=2, min_programs=1))
-        records.Tables(name="x", norms=norms, rope=dataclasses.replace(rope, tile=tile))
+        records.Tables(name="x", norms=norms, rope=dataclasses.replace(rope, tile=tile), flce=hopper.FLCE)
 
 
 def _key_and_fields(e):

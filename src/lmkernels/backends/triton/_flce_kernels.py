@@ -26,9 +26,10 @@ import triton
 import triton.language as tl
 from torch.autograd.graph import increment_version
 
-from lmkernels.backends.triton._common import cdiv, next_power_of_2, pdl, pdl_enter, soft_bf16, to_dtype
+from lmkernels.backends.triton._common import cdiv, pdl, pdl_enter, soft_bf16, to_dtype
 from lmkernels.backends.triton._flce_plan import flce_blocks, flce_chunk_tokens
 from lmkernels.backends.triton._launch import launch
+from lmkernels.backends.triton.configs import tables_for
 from lmkernels.utils import empty
 
 FP16_DLOGITS_SCALE = 2.0**8  # fp16 dlogits are scaled up by this (flce.py's docstring)
@@ -180,11 +181,13 @@ def _flce_rows_kernel(
             mask = local < n_cols
             c = col_start + local  # column in the full vocabulary
             z = tl.load(z_row + local, mask=mask, other=0.0).to(tl.float32)
-            # dlogits overwrite the logits in place. With a 2-byte dtype, column c lands on the
-            # bytes of fp32 column c // 2, which another warp loads: wait until every warp has
-            # loaded this block (and so all earlier ones) before any store. Pass 1's
-            # reductions already synchronize the warps before pass 2 starts.
-            tl.debug_barrier()
+            # dlogits overwrite the logits in place. Over fp32 logits a 2-byte column c lands
+            # on the bytes of fp32 column c // 2, which another warp loads: wait until every
+            # warp has loaded this block (and so all earlier ones) before any store. Pass 1's
+            # reductions already synchronize the warps before pass 2 starts. In the logits'
+            # own dtype each column is stored by the thread that loaded it: nothing to wait for.
+            if logits_ptr.dtype.element_ty != dlogits_ptr.dtype.element_ty:
+                tl.debug_barrier()
             if HAS_BIAS:
                 z += tl.load(bias_ptr + c, mask=mask, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
@@ -349,7 +352,7 @@ class Rows:
         n_rows, n_cols = logits.shape
         dummy = lse  # stands in for absent optional pointers (never read: constexpr flags)
         g = grad if grad is None or grad.dim() == 0 else grad[rows]
-        block_v = min(4096, next_power_of_2(n_cols))
+        block_v, num_warps = tables_for(logits.device).flce.rows_launch(n_cols)
         launch(
             _flce_rows_kernel,
             (n_rows,),
@@ -384,7 +387,7 @@ class Rows:
             STATS=stats is not None,
             BLOCK_V=block_v,
             SOFT_BF16=soft_bf16(logits),
-            num_warps=8 if block_v >= 2048 else 4,
+            num_warps=num_warps,
             **pdl(logits),
         )
 

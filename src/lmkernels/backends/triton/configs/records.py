@@ -274,6 +274,40 @@ class RopeTable:
         return self._tile.get((half, partial))
 
 
+# --- fused linear cross entropy -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlceRowsEntry:
+    """_flce_rows_kernel's launch for rows (or vocabulary windows) of at least min_cols columns:
+    block columns per loop step (at most the row's width, rounded up to a power of 2), num_warps
+    warps (4 where the block is under 2048)."""
+
+    min_cols: int
+    block: int
+    num_warps: int
+    why: str = ""
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class FlceTable:
+    """The row kernel's entries; one with min_cols 1 serves every width."""
+
+    rows: tuple[FlceRowsEntry, ...]
+
+    def __post_init__(self):
+        widths = [e.min_cols for e in self.rows]
+        if len(set(widths)) != len(widths) or 1 not in widths:
+            raise ValueError("FlceTable: one entry per min_cols, and one with min_cols 1")
+        object.__setattr__(self, "_by_width", tuple(sorted(self.rows, key=lambda e: -e.min_cols)))
+
+    def rows_launch(self, n_cols: int) -> tuple[int, int]:
+        """(BLOCK_V, num_warps) for rows of n_cols columns."""
+        entry = next(e for e in self._by_width if n_cols >= e.min_cols)
+        block = min(entry.block, _pow2_ceil(n_cols))
+        return block, entry.num_warps if block >= 2048 else 4
+
+
 # --- a generation's tables ---------------------------------------------------------------------
 
 
@@ -284,11 +318,18 @@ class Tables:
     name: str
     norms: NormTable
     rope: RopeTable
+    flce: FlceTable
 
     def __post_init__(self):
         missing = [
             e
-            for e in (*self.norms.entries, self.norms.wide, *self.rope.position, *self.rope.tile)
+            for e in (
+                *self.norms.entries,
+                self.norms.wide,
+                *self.rope.position,
+                *self.rope.tile,
+                *self.flce.rows,
+            )
             if not e.why.strip()
         ]
         if missing:
