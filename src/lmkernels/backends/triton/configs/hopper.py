@@ -365,7 +365,7 @@ FLCE = FlceTable(
             min_cols=65536,
             block=32768,
             num_warps=32,
-            why="full rows of 128k-256k columns, bf16 or fp32 logits: 1.07-1.19x on an H100, 0.98-1.10x on an H200",
+            why="full rows of 128k-256k columns, bf16 or fp32 logits: 1.02-1.21x on an H100, 0.98-1.11x on an H200",
         ),
         FlceRowsEntry(
             min_cols=1,
