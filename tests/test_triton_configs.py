@@ -54,7 +54,9 @@ def test_interpreter_and_cpu_get_the_default_tables():
 def test_default_entries_are_hoppers():
     """Unmeasured elsewhere: the default tables are Hopper's, entry for entry."""
     assert default.TABLES.norms is hopper.TABLES.norms and default.TABLES.rope is hopper.TABLES.rope
-    assert default.TABLES.flce is hopper.TABLES.flce
+    # FLCE's rows: one launch everywhere (Hopper's 32 warps exceed a block on 64-wide wavefronts)
+    assert [e.min_cols for e in default.TABLES.flce.rows] == [1]
+    assert default.TABLES.flce.rows_launch(128256) == hopper.FLCE.rows_launch(4096) == (4096, 8)
     assert "unmeasured" in default.__doc__
 
 
@@ -83,8 +85,18 @@ def test_flce_rows_launch_by_width():
     assert table.rows_launch(3000) == (4096, 8)
     assert table.rows_launch(1000) == (1024, 4)
     assert table.rows_launch(1) == (1, 4)
+    assert table.rows_launch(0) == (1, 4)  # an empty vocabulary shard
     with pytest.raises(ValueError, match="min_cols 1"):
         records.FlceTable(rows=(records.FlceRowsEntry(min_cols=2, block=4096, num_warps=8, why="1"),))
+    with pytest.raises(ValueError, match="one entry per min_cols"):
+        records.FlceTable(
+            rows=(*table.rows, records.FlceRowsEntry(min_cols=1, block=2048, num_warps=8, why="3"))
+        )
+    with pytest.raises(ValueError, match="power-of-2"):
+        records.FlceRowsEntry(min_cols=1, block=3000, num_warps=8)
+    # Hopper's own: a full Llama 3 row takes the wide launch, a tensor-parallel half row the narrow
+    assert hopper.FLCE.rows_launch(128256) == (32768, 32)
+    assert hopper.FLCE.rows_launch(64128) == (4096, 8)
 
 
 @pytest.mark.parametrize("op", records.NORM_OPS)

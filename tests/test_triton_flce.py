@@ -813,3 +813,32 @@ def test_dlogits_gemms_read_only_the_row(n):
     expected = dlogits.double() @ weight.double()
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.bfloat16, torch.float32])
+def test_row_kernel_wide_launch_matches_fp64(logits_dtype):
+    """Hopper's launch for rows of 64k+ columns (blocks of 32768, 32 warps) and the narrow one
+    write the same logsumexp, loss and dlogits, each against fp64: the row kernel alone, over
+    bf16 logits in place and over fp32 logits (bf16 dlogits in their bytes), with label
+    smoothing and a softcap, one ignored row."""
+    from lmkernels.backends.triton.configs import default, hopper
+
+    rows, V, cap, smoothing = 3, 70001, 30.0, 0.1
+    assert hopper.FLCE.rows_launch(V) == (32768, 32)
+    gen = torch.Generator().manual_seed(0)
+    raw = (torch.randn(rows, V, generator=gen) * 4).to(logits_dtype).to(DEVICE)
+    target = torch.tensor([5, V - 1, -100], device=DEVICE)
+    z = raw.double().requires_grad_()
+    ref_loss = F.cross_entropy(cap * torch.tanh(z / cap), target, reduction="none", label_smoothing=smoothing)
+    ref_loss.sum().backward()
+    ref_lse = torch.logsumexp(cap * torch.tanh(raw.double() / cap), dim=1)
+    for table in (hopper.FLCE, default.FLCE):
+        logits = raw.clone()
+        dlogits = kernels._dlogits_view(logits, torch.bfloat16)
+        lse = torch.empty(rows, device=DEVICE)
+        loss = torch.empty(rows, device=DEVICE)
+        launcher = kernels.Rows(target, None, None, -100, smoothing, cap, 0.0, V, table)
+        launcher.launch(logits, dlogits, slice(0, rows), lse, loss, torch.ones((), device=DEVICE), 0, False)
+        torch.testing.assert_close(lse[:2].double(), ref_lse[:2], rtol=1e-6, atol=0)
+        torch.testing.assert_close(loss.double(), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dlogits.double(), z.grad, rtol=2**-8, atol=1e-9)

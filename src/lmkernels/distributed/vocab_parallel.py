@@ -293,13 +293,17 @@ class _TritonRows:
 
     def __init__(self, target, tg, opts, vocab_size, v_local, max_chunk, device):
         from lmkernels.backends.triton import _flce_kernels as kernels
+        from lmkernels.backends.triton.configs import tables_for
 
         ignore_index, _, smoothing, softcap, z_scale = opts
         self.kernels, self.tg, self.smoothing, self.softcap = kernels, tg, smoothing, softcap
         self.v_local, self.max_chunk, self.device = v_local, max_chunk, device
         # Pass 2 (dlogits): the full problem, the chunk's columns starting at the shard's first
         # vocabulary row. Pass 1 (this shard's logsumexp, forward only) is set up when first used.
-        self.grads = kernels.Rows(target, None, None, ignore_index, smoothing, softcap, z_scale, vocab_size)
+        self.table = tables_for(device).flce
+        self.grads = kernels.Rows(
+            target, None, None, ignore_index, smoothing, softcap, z_scale, vocab_size, self.table
+        )
         self.stats = None
 
     def local_stats(self, z, s, e):
@@ -315,7 +319,9 @@ class _TritonRows:
         if self.v_local:
             if self.stats is None:  # no target, no smoothing: only the logsumexp is wanted
                 no_target = torch.full((self.max_chunk,), -1, dtype=torch.long, device=self.device)
-                self.stats = self.kernels.Rows(no_target, None, None, -1, 0.0, cap, 0.0, self.v_local)
+                self.stats = self.kernels.Rows(
+                    no_target, None, None, -1, 0.0, cap, 0.0, self.v_local, self.table
+                )
                 self.scratch = torch.empty(self.max_chunk, dtype=torch.float32, device=self.device)
             self.stats.launch(z, None, slice(0, n), lse_local, self.scratch, None, 0, False)
         return lse_local, None, target_z, sum_z

@@ -94,8 +94,8 @@ def _op_body(op: str, params: list[inspect.Parameter]) -> Callable[..., Any]:
         # An input enters the key as a tensor's class, shape, dtype, device and requires_grad,
         # anything else's class and value. The common classes are tested by identity
         # (isinstance(v, torch.Tensor) costs ~0.3 us for a non-tensor: the tensor metaclass's
-        # slow route); the loop is inline, as a function call per input costs about what the
-        # rest of the key does.
+        # slow route). The loop is inline: 0.1-0.2 us per call less than a function call per
+        # input (dispatch_overhead.py, 2-core CPU).
         key = [backend, _CONTEXT.get(), _env_get(_ENV_KEY), torch.is_grad_enabled()]
         try:
             for v in values:

@@ -29,7 +29,6 @@ from torch.autograd.graph import increment_version
 from lmkernels.backends.triton._common import cdiv, pdl, pdl_enter, soft_bf16, to_dtype
 from lmkernels.backends.triton._flce_plan import flce_blocks, flce_chunk_tokens
 from lmkernels.backends.triton._launch import launch
-from lmkernels.backends.triton.configs import tables_for
 from lmkernels.utils import empty
 
 FP16_DLOGITS_SCALE = 2.0**8  # fp16 dlogits are scaled up by this (flce.py's docstring)
@@ -164,6 +163,9 @@ def _flce_rows_kernel(
             tl.store(top1_ptr + row, (t_ok & (z_t >= m)).to(tl.int8))
 
     if WRITE_GRAD:
+        if not LSE_GIVEN:
+            # Every warp has read the target's logit (z_t) before any warp overwrites it below.
+            tl.debug_barrier()
         # Pass 2: d loss / d z_c = g * (p_c * coef - (1-e) w_t [c == t] - (e/V) w_c), with
         # coef = (1-e) w_t + (e/V) sum(w) + 2 s lse, times 1 - tanh^2 through the softcap.
         g = tl.load(grad_ptr + row * grad_stride).to(tl.float32)
@@ -183,9 +185,8 @@ def _flce_rows_kernel(
             z = tl.load(z_row + local, mask=mask, other=0.0).to(tl.float32)
             # dlogits overwrite the logits in place. Over fp32 logits a 2-byte column c lands
             # on the bytes of fp32 column c // 2, which another warp loads: wait until every
-            # warp has loaded this block (and so all earlier ones) before any store. Pass 1's
-            # reductions already synchronize the warps before pass 2 starts. In the logits'
-            # own dtype each column is stored by the thread that loaded it: nothing to wait for.
+            # warp has loaded this block (and so all earlier ones) before any store. In the
+            # logits' own dtype each column is stored by the thread that loaded it.
             if logits_ptr.dtype.element_ty != dlogits_ptr.dtype.element_ty:
                 tl.debug_barrier()
             if HAS_BIAS:
@@ -337,13 +338,16 @@ def _fp16_grad_factor(grad, headroom):
 class Rows:
     """What every launch of _flce_rows_kernel shares for one FLCE call."""
 
-    def __init__(self, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, V):
+    def __init__(
+        self, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, V, table
+    ):
         self.target = target.contiguous()
         self.bias = bias.contiguous() if bias is not None else None
         self.class_weight = class_weight.contiguous() if class_weight is not None else None
         self.cw_sum = self.class_weight.float().sum() if class_weight is not None else None
         self.options = (int(ignore_index), float(label_smoothing), softcap, float(z_loss_scale))
         self.V = V
+        self.table = table  # FlceTable: the launch per row width (configs.tables_for)
 
     def launch(self, logits, dlogits, rows, lse, loss, grad, col_start, lse_given, stats=None):
         """One program per row of `logits` (rows = slice of the tokens, columns from col_start).
@@ -352,7 +356,7 @@ class Rows:
         n_rows, n_cols = logits.shape
         dummy = lse  # stands in for absent optional pointers (never read: constexpr flags)
         g = grad if grad is None or grad.dim() == 0 else grad[rows]
-        block_v, num_warps = tables_for(logits.device).flce.rows_launch(n_cols)
+        block_v, num_warps = self.table.rows_launch(n_cols)
         launch(
             _flce_rows_kernel,
             (n_rows,),

@@ -72,6 +72,7 @@ from lmkernels.backends.triton import _flce_kernels as kernels
 from lmkernels.backends.triton import _flce_plan as flce_plan
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton._common import call, eager_function, op_or_raw, traced
+from lmkernels.backends.triton.configs import tables_for
 from lmkernels.ops.flce import FlceOptions
 from lmkernels.registry.core import ConsumedInputsError, higher_order_error, register
 
@@ -118,7 +119,10 @@ def _forward_raw(
         scale = kernels.mean_scale(target, class_weight, ignore_index, V)
     elif grads_now:
         scale = torch.ones((), dtype=torch.float32, device=hidden.device)
-    rows = kernels.Rows(target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, V)
+    table = tables_for(hidden.device).flce
+    rows = kernels.Rows(
+        target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, V, table
+    )
     # The plan's chunk (_flce_plan.plan): lean, the backward's own peak; fast, the budget's.
     max_bytes = chunk_bytes or None
     loss, lse, gh, gw, gb, entropy, top1 = kernels.run_chunks(
@@ -217,7 +221,10 @@ def _backward_raw(
     grad = grad_loss.float()
     if reduction == "mean":
         grad = grad * kernels.mean_scale(target, class_weight, ignore_index, V)
-    rows = kernels.Rows(target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, V)
+    table = tables_for(hidden.device).flce
+    rows = kernels.Rows(
+        target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, V, table
+    )
     gh, gw, gb = kernels.run_blocks(
         hidden,
         weight,

@@ -371,7 +371,7 @@ FLCE = FlceTable(
             min_cols=1,
             block=4096,
             num_warps=8,
-            why="windows of 8k-32k columns: the best or within 2% of it on an H100 and an H200",
+            why="windows of 8k-32k columns: the best or within 3% of it on an H100 and an H200",
         ),
     ),
 )

@@ -277,16 +277,24 @@ class RopeTable:
 # --- fused linear cross entropy -----------------------------------------------------------------
 
 
+FLCE_NARROW_WARPS = 4  # the row kernel's warps where its block is under FLCE_NARROW_BLOCK columns
+FLCE_NARROW_BLOCK = 2048
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FlceRowsEntry:
     """_flce_rows_kernel's launch for rows (or vocabulary windows) of at least min_cols columns:
-    block columns per loop step (at most the row's width, rounded up to a power of 2), num_warps
-    warps (4 where the block is under 2048)."""
+    block columns per loop step (a power of 2; at most the row's width rounded up to one),
+    num_warps warps (FLCE_NARROW_WARPS where the block ends up under FLCE_NARROW_BLOCK)."""
 
     min_cols: int
     block: int
     num_warps: int
     why: str = ""
+
+    def __post_init__(self):
+        if self.min_cols < 1 or self.block < 1 or self.block & (self.block - 1):
+            raise ValueError(f"FlceRowsEntry: min_cols >= 1 and a power-of-2 block, got {self}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -302,10 +310,10 @@ class FlceTable:
         object.__setattr__(self, "_by_width", tuple(sorted(self.rows, key=lambda e: -e.min_cols)))
 
     def rows_launch(self, n_cols: int) -> tuple[int, int]:
-        """(BLOCK_V, num_warps) for rows of n_cols columns."""
-        entry = next(e for e in self._by_width if n_cols >= e.min_cols)
+        """(BLOCK_V, num_warps) for rows of n_cols columns (an empty row: the narrowest entry)."""
+        entry = next((e for e in self._by_width if n_cols >= e.min_cols), self._by_width[-1])
         block = min(entry.block, _pow2_ceil(n_cols))
-        return block, entry.num_warps if block >= 2048 else 4
+        return block, entry.num_warps if block >= FLCE_NARROW_BLOCK else FLCE_NARROW_WARPS
 
 
 # --- a generation's tables ---------------------------------------------------------------------
