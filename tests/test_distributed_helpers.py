@@ -147,3 +147,24 @@ def test_vocab_parallel_rows_variable(monkeypatch, value):
     else:
         with pytest.raises(lmkernels.LMKernelsError, match=refused):
             vp._use_triton(weight, None)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_vocab_parallel_empty_shard_stats(smoothing):
+    """A rank whose vocabulary shard has no rows (more ranks than rows): the row kernel's path
+    gives what the torch ops' does, a logsumexp of -inf, target logit 0 and no sum."""
+    from lmkernels.backends.triton import triton_unavailable_reason
+    from lmkernels.distributed import vocab_parallel as vp
+
+    if triton_unavailable_reason() is not None:
+        pytest.skip(triton_unavailable_reason())
+    target = torch.tensor([3, 7, -100])
+    tg = vp._Targets(target, -100, 8, 0, smoothing)  # this shard: columns 8 to 8, none
+    rows = vp._TritonRows(target, tg, (-100, None, smoothing, None, 0.0), 8, 0, 3, torch.device("cpu"))
+    z = torch.empty(3, 0)
+    lse, _, target_z, sum_z = rows.local_stats(z, 0, 3)
+    want_lse, _, want_t, want_sum = vp._local_stats_torch_(z.clone(), tg, 0, 3, smoothing)
+    assert torch.equal(lse, want_lse) and torch.equal(target_z, want_t)
+    assert (sum_z is None) == (want_sum is None)
+    if sum_z is not None:
+        assert torch.equal(sum_z, want_sum)

@@ -311,7 +311,10 @@ class _TritonRows:
         of the chunk (two with label smoothing)."""
         n, cap = z.shape[0], self.softcap
         tg = self.tg
-        target_z = torch.where(tg.in_shard[s:e], _cap(z.gather(1, tg.safe_t[s:e])[:, 0], cap), 0.0)
+        if self.v_local:
+            target_z = torch.where(tg.in_shard[s:e], _cap(z.gather(1, tg.safe_t[s:e])[:, 0], cap), 0.0)
+        else:  # a shard without vocabulary rows holds no target (gather needs a column)
+            target_z = z.new_zeros((n,))
         sum_z = None
         if self.smoothing:
             sum_z = z.sum(dim=1) if cap is None else torch.tanh(z / cap).sum(dim=1) * cap
