@@ -280,8 +280,9 @@ def _use_triton(weight, bias) -> bool:
 
     if weight.device.type not in triton_devices():
         obstacles.append(f"a {weight.device.type} weight")
-    if triton_unavailable_reason() is not None:
-        obstacles.append(triton_unavailable_reason())
+    unavailable = triton_unavailable_reason()
+    if unavailable is not None:
+        obstacles.append(unavailable)
     if obstacles:  # asked for by name: never a silent fallback
         raise LMKernelsError(f"{ROWS_ENV}=triton: the row kernel cannot run here ({'; '.join(obstacles)})")
     return True

@@ -90,13 +90,14 @@ def fast_weight_dtype_chunk(BT: int, V: int, logit_bytes: int = 4) -> int | None
     override = _chunk_override()
     if override > 0:
         return override if cdiv(BT, override) <= MAX_SUPER_CHUNKS else None
-    tokens = _even_chunks(BT, MAX_SUPER_CHUNKS, MIN_FAST_CHUNK_TOKENS)
+    return _even_chunks(BT, V, logit_bytes, MAX_SUPER_CHUNKS, MIN_FAST_CHUNK_TOKENS)
+
+
+def _even_chunks(BT: int, V: int, logit_bytes: int, chunks: int, min_tokens: int) -> int | None:
+    """Tokens per chunk for `chunks` even chunks of BT, rounded up to 128, at least min_tokens,
+    where such a chunk's logits fit CHUNK_BYTES; else None."""
+    tokens = max(cdiv(cdiv(BT, chunks), 128) * 128, min_tokens)
     return tokens if tokens * V * logit_bytes <= CHUNK_BYTES else None
-
-
-def _even_chunks(BT: int, chunks: int, min_tokens: int) -> int:
-    """Tokens per chunk for `chunks` even chunks of BT, rounded up to 128, at least min_tokens."""
-    return max(cdiv(cdiv(BT, chunks), 128) * 128, min_tokens)
 
 
 def fast_wide_chunk(BT: int, H: int, V: int, itemsize: int) -> int | None:
@@ -152,8 +153,7 @@ def bf16_logits_chunk(BT: int, V: int, weight_dtype: torch.dtype, itemsize: int)
         return None
     if _chunk_override() > 0 or cdiv(BT, MAX_SUPER_CHUNKS) <= LONG_CHUNK_TOKENS:
         return fast_weight_dtype_chunk(BT, V, logit_bytes=2)
-    tokens = _even_chunks(BT, LONG_MAX_CHUNKS, LONG_CHUNK_TOKENS)
-    return tokens if tokens * V * 2 <= CHUNK_BYTES else None
+    return _even_chunks(BT, V, 2, LONG_MAX_CHUNKS, LONG_CHUNK_TOKENS)
 
 
 def plan(

@@ -25,10 +25,9 @@ the inputs: ~5 min for two regimes. eager (fp32 matmuls, ~10x) is LEFT_OUT for t
 --budget (default 460 s) stops starting new cases beyond it (recorded as skipped), so a slower
 machine still leaves a complete report.
 
-Two calls per big case settle differences of 10%, not 2%: a GPU's clock drifts with its heat over
-a run (one call at 32768 x 2048 x 128256: 80.0 and 86.5 ms GPU time in two runs on H100s, its
-wall time 80.0 in the second). To settle a close call,
---rounds N runs each case N times, the variants' order rotated per round, and reports the
+Two calls per big case settle differences of 10%, not 2%: one call's GPU time moves between
+runs by more (at 32768 x 2048 x 128256: 80.0 and 86.5 ms in two runs on H100s, its wall time
+80.0 in the second). To settle a close call, --rounds N runs each case N times, the variants' order rotated per round, and reports the
 median over rounds (gpu_ms_rounds keeps them); --only picks the shapes by label.
 
 The report's Pareto section (frontier_report.py) answers the questions a user asks of the
