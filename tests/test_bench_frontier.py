@@ -3,9 +3,11 @@ variants, ratios, reports, plots) with the cheapest variants."""
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
+import torch
 
 from lmkernels.harness.bench import frontier as flce_frontier
 
@@ -66,6 +68,52 @@ def test_rounds_rotate_and_take_the_median():
     a, b = flce_frontier.median_of_rounds(rounds, ["a", "b"])
     assert a["gpu_ms"] == 2.0 and a["gpu_ms_rounds"] == [1.0, 3.0, 2.0] and a["rounds"] == 3
     assert b["status"] == "OOM"  # a failed round is reported, not averaged away
+
+
+def test_interleaved_timing_alternates_every_variant_behind_the_same_sleep(monkeypatch):
+    """interleaved_gpu_ms's order and sleep, with the CUDA parts replaced by recorders."""
+    measure = importlib.import_module("lmkernels.harness.bench.measure")  # not the function
+
+    calls, sleeps = [], set()
+    hosts = {"a": 2.0, "b": 5.0, "c": 1.0}
+    monkeypatch.setattr(measure, "_l2_flush_buffer", lambda: None)
+    monkeypatch.setattr(measure, "_sleep_cycles", lambda host_ms: int(host_ms * 1000))
+    monkeypatch.setattr(measure, "once_ms", lambda run, device: (0.0, hosts[run()]))
+
+    def queued(run, grads, cache, cycles):
+        sleeps.add(cycles)
+        calls.append(run())
+        return {"a": 1.0, "b": 2.0, "c": 3.0}[calls[-1]] + len(calls) / 100
+
+    monkeypatch.setattr(measure, "_queued_call_ms", queued)
+    runs = {name: ((lambda name=name: name), []) for name in "abc"}
+    got = measure.interleaved_gpu_ms(runs, 4)
+    assert calls == list("abccbaabccba")  # every other pass reversed: each name as often first
+    assert sleeps == {5000}  # one sleep for all, long enough for the slowest host
+    assert [round(got[n]) for n in "abc"] == [1, 2, 3]
+
+
+def test_interleaved_times_replace_the_block_times_or_leave_a_note(monkeypatch):
+    rows = [
+        {"variant": "a", "gpu_ms": 9.0},
+        {"variant": "b", "gpu_ms": 8.0},
+        {"variant": "c", "gpu_ms": None},
+    ]
+    monkeypatch.setattr(flce_frontier, "cleanup", lambda device: None)
+    monkeypatch.setattr(flce_frontier, "interleaved_gpu_ms", lambda timed, calls: {"a": 7.0, "b": 8.5})
+    timed = {"a": (None, []), "b": (None, [])}
+    flce_frontier._interleave(rows, timed, 8)
+    assert rows[0] == {"variant": "a", "gpu_ms": 7.0, "gpu_ms_alone": 9.0}
+    assert rows[1] == {"variant": "b", "gpu_ms": 8.5, "gpu_ms_alone": 8.0}
+    assert rows[2] == {"variant": "c", "gpu_ms": None} and timed == {}  # the inputs let go
+
+    def fails(timed, calls):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(flce_frontier, "interleaved_gpu_ms", fails)
+    rows = [{"variant": "a", "gpu_ms": 9.0, "note": ""}]
+    flce_frontier._interleave(rows, {"a": (None, [])}, 8)
+    assert rows[0]["gpu_ms"] == 9.0 and "interleaved timing failed (OutOfMemoryError" in rows[0]["note"]
 
 
 def test_variants_table_and_unknown_names():

@@ -164,23 +164,65 @@ def gpu_time_ms(
     syncs with the host inside the call cannot be queued ahead; its GPU time includes the wait.
     runs: how many calls (default: rep ms worth, 3 to MAX_GPU_RUNS).
     """
-    cache = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
+    cache = _l2_flush_buffer()
     zero_grads(grad_tensors)
     wall, host = once_ms(run, "cuda")  # after the caller's warm-up calls
-    cycles = int(_sleep_cycles_per_ms() * (1.5 * host + 0.2))
+    cycles = _sleep_cycles(host)
     n = runs or max(3, min(MAX_GPU_RUNS, int(rep / max(wall, 1e-3))))
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for start, end in events:
-        zero_grads(grad_tensors)
-        cache.zero_()
-        torch.cuda._sleep(cycles)
-        start.record()
-        run()
-        end.record()
-        # Wait before the next sleep: queued sleeps would otherwise pile up ahead of the host.
-        end.synchronize()
+    times = [_queued_call_ms(run, grad_tensors, cache, cycles) for _ in range(n)]
     zero_grads(grad_tensors)
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return statistics.median(times)
+
+
+def interleaved_gpu_ms(
+    runs: dict[str, tuple[Callable[[], Any], Sequence[torch.Tensor]]], calls: int
+) -> dict[str, float]:
+    """Median device time of one call per name (gpu_time_ms's method), the names' calls
+    alternating: each pass calls every name once, every other pass in reverse order, each call
+    behind the same sleep. Where a case holds the GPU at its power limit (32768 x 2048 x 128256
+    on H100 and H200: 700 W, the clock between 1.2 and 2.0 GHz), a call's time depends on the
+    load just before it: timed in a block of its own calls after its own wall-time runs, the same
+    code measured 79 and 88 ms in two runs on one H100. Alternating gives every name the same
+    history. runs: name -> (the call, the tensors whose gradients it sets)."""
+    cache = _l2_flush_buffer()
+    hosts = []
+    for run, grad_tensors in runs.values():
+        zero_grads(grad_tensors)
+        hosts.append(once_ms(run, "cuda")[1])
+    cycles = _sleep_cycles(max(hosts))
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(calls):
+        for name in names if i % 2 == 0 else names[::-1]:
+            times[name].append(_queued_call_ms(*runs[name], cache, cycles))
+    for _, grad_tensors in runs.values():
+        zero_grads(grad_tensors)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _l2_flush_buffer() -> torch.Tensor:
+    return torch.empty(256 * 2**20 // 4, dtype=torch.int32, device="cuda")
+
+
+def _sleep_cycles(host_ms: float) -> int:
+    """A sleep longer than the host needs to launch a call that takes host_ms to launch."""
+    return int(_sleep_cycles_per_ms() * (1.5 * host_ms + 0.2))
+
+
+def _queued_call_ms(
+    run: Callable[[], Any], grad_tensors: Sequence[torch.Tensor], cache: torch.Tensor, cycles: int
+) -> float:
+    """The device time of one call queued behind a sleep of `cycles` (gpu_time_ms)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    zero_grads(grad_tensors)
+    cache.zero_()
+    torch.cuda._sleep(cycles)
+    start.record()
+    run()
+    end.record()
+    # Wait before the next sleep: queued sleeps would otherwise pile up ahead of the host.
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def kernel_time_ms(run: Callable[[], Any], grad_tensors: Sequence[torch.Tensor], iters: int = 5) -> float:
@@ -212,8 +254,11 @@ def empty_row(backend: str, mode: str, status: str = "ok", note: str = "") -> di
     return {"backend": backend, "mode": mode, "status": status, **row, "note": note}
 
 
-def _measure(op, backend, inputs, mode, warmup, rep, grad_tensors, device, row, profile, min_runs, gpu_runs):
-    """Fills row; its closures, and the autograd graph they hold, die when it returns."""
+def _measure(
+    op, backend, inputs, mode, warmup, rep, grad_tensors, device, row, profile, min_runs, gpu_runs, keep
+):
+    """Fills row; its closures, and the autograd graph they hold, die when it returns, unless
+    keep (a dict) asks for the timed call: keep["run"]."""
     fn = backend_fn(op, backend, inputs)
     run = mode_fn(fn, inputs, mode)  # its first forward also compiles / autotunes
     run()  # one more warm-up call, outside the memory measurement (e.g. bwd's first backward)
@@ -224,6 +269,8 @@ def _measure(op, backend, inputs, mode, warmup, rep, grad_tensors, device, row, 
         row["gpu_ms"] = gpu_time_ms(run, grad_tensors, rep, gpu_runs)
         if profile:
             row["kernel_ms"] = kernel_time_ms(run, grad_tensors)
+    if keep is not None:
+        keep["run"] = run
 
 
 def measure(
@@ -236,20 +283,34 @@ def measure(
     profile: bool = True,
     min_runs: int = MIN_TIMED_RUNS,
     gpu_runs: int | None = None,
+    keep: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Time and peak memory of one backend on prepared inputs (see prepare_inputs) in one mode.
 
     Returns a row: status ("ok", "unsupported", "OOM", "error"), ms, ms_p20, ms_p80 (wall),
     gpu_ms (queue filled ahead), kernel_ms (profiler; profile=False skips it), peak_mib (None on
     the CPU, as the GPU times) and a note. min_runs: at least that many wall-timed calls;
-    gpu_runs: that many GPU-timed calls (default from rep). Never raises for a backend's failure.
+    gpu_runs: that many GPU-timed calls (default from rep); keep: a dict that receives the timed
+    call as keep["run"] (interleaved_gpu_ms). Never raises for a backend's failure.
     """
     device = next(v.device.type for v in inputs.values() if isinstance(v, torch.Tensor))
     row = empty_row(backend, mode)
     grad_tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
     try:
         _measure(
-            op, backend, inputs, mode, warmup, rep, grad_tensors, device, row, profile, min_runs, gpu_runs
+            op,
+            backend,
+            inputs,
+            mode,
+            warmup,
+            rep,
+            grad_tensors,
+            device,
+            row,
+            profile,
+            min_runs,
+            gpu_runs,
+            keep,
         )
     except Unsupported as e:
         row.update(empty_row(backend, mode, "unsupported", str(e)))
