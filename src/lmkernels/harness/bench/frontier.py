@@ -9,7 +9,7 @@ Grid: SHAPES below (the lm_heads of Llama 3 8B / 3B / 1B, Qwen 2.5 and Gemma 2 w
 random init, gaussian = logit std 2, zipf = trained-LM-like, targets sampled from the softmax).
 Variants: VARIANTS below (one line each), then every other registered FLCE impl with its
 defaults. Peers run their default call (see backends/adapters.py). Per case, fwd+bwd (bf16):
-GPU time (launch queue filled ahead), wall time (triton do_bench median), peak memory above
+GPU time (launch queue filled ahead, variants alternating), wall time (do_bench median), peak above
 the inputs, time and memory relative to compile_naive and to cce, % of the bf16 matmul rate
 (6*BT*H*V flops) measured in the same run. An out-of-memory or other failure is recorded with
 its reason. Outputs in --out: results.csv, results.json, summary.md, time_ratio.png,
@@ -231,7 +231,7 @@ def median_of_rounds(rounds: list[list[dict[str, Any]]], names: list[str]) -> li
             out.append(failed[0])
             continue
         row = dict(mine[0])
-        for key in ("gpu_ms", "ms", "ms_p20", "ms_p80"):
+        for key in ("gpu_ms", "gpu_ms_alone", "ms", "ms_p20", "ms_p80"):
             values = [r[key] for r in mine if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
         row["gpu_ms_rounds"] = [r.get("gpu_ms") for r in mine]

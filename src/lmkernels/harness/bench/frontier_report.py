@@ -197,7 +197,9 @@ def summary_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines += [f"- not run: {b}: {why}" for b, why in meta.get("not_run", {}).items()]
     lines += [
         "",
-        "fwd+bwd. GPU time: device time of one call with the launch queue filled ahead; wall: "
+        "fwd+bwd. GPU time: device time of one call with the launch queue filled ahead, the "
+        "variants' calls alternating (gpu_ms_alone in results.json: each variant's own calls in a "
+        "block); wall: "
         "do_bench median (host gaps included); peak: max_memory_allocated above the inputs; "
         "x / X: ratio to variant X in the same case (time: GPU time, or wall on the CPU); "
         "% mm: 6*BT*H*V flops per GPU second against the bf16 matmul rate. Peers run their default "

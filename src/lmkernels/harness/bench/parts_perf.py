@@ -192,7 +192,7 @@ def flce_rows(native: list[dict[str, Any]], meta: dict[str, Any]) -> list[dict[s
         if r.get("status") != "skipped":
             row = {"op": FLCE} | {new: r.get(old) for new, old in FLCE_FIELDS.items()}
             row["dims"] = row["dims"] or {k: r.get(k) for k in ("BT", "H", "V")}
-            row |= {k: r[k] for k in ("rounds", "gpu_ms_rounds") if k in r}  # --rounds N
+            row |= {k: r[k] for k in ("gpu_ms_alone", "rounds", "gpu_ms_rounds") if k in r}
             out.append(
                 row | {"dtype": meta.get("dtype", DTYPE), "mode": "full"} | _rate(meta, "matmul_tflops")
             )
