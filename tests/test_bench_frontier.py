@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import time
 
 import pytest
 import torch
@@ -69,51 +70,139 @@ def test_rounds_rotate_and_take_the_median():
     assert a["gpu_ms"] == 2.0 and a["gpu_ms_rounds"] == [1.0, 3.0, 2.0] and a["rounds"] == 3
     assert b["status"] == "OOM"  # a failed round is reported, not averaged away
 
+    # Rounds whose alternating pass failed keep their time alone: the median takes one method.
+    def alt(ms, alone, alternating=True):
+        return row("a", ms) | {"gpu_ms_alone": alone, "gpu_alternating": alternating}
+
+    (a,) = flce_frontier.median_of_rounds([[alt(1.0, 4.0)], [alt(9.0, 5.0, False)], [alt(2.0, 6.0)]], ["a"])
+    assert a["gpu_ms"] == 1.5 and a["gpu_ms_rounds"] == [1.0, 2.0] and a["gpu_alternating"]
+    assert a["gpu_ms_alone"] == 5.0 and a["rounds"] == 3
+
+
+class _Event:
+    """torch.cuda.Event's part that _queued_call_ms uses, on the CPU."""
+
+    def __init__(self, enable_timing=False):
+        self.t = 0.0
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
 
 def test_interleaved_timing_alternates_every_variant_behind_the_same_sleep(monkeypatch):
-    """interleaved_gpu_ms's order and sleep, with the CUDA parts replaced by recorders."""
+    """interleaved_gpu_ms's order, sleep and gradients, its CUDA calls replaced on the CPU."""
     measure = importlib.import_module("lmkernels.harness.bench.measure")  # not the function
 
-    calls, sleeps = [], set()
+    sleeps, calls = [], []
     hosts = {"a": 2.0, "b": 5.0, "c": 1.0}
-    monkeypatch.setattr(measure, "_l2_flush_buffer", lambda: None)
-    monkeypatch.setattr(measure, "_sleep_cycles", lambda host_ms: int(host_ms * 1000))
+    params = {n: torch.zeros(3, requires_grad=True) for n in "abc"}
+    monkeypatch.setattr(measure, "_l2_flush_buffer", lambda: torch.zeros(4))
+    monkeypatch.setattr(measure, "_sleep_cycles_per_ms", lambda: 1000.0)
     monkeypatch.setattr(measure, "once_ms", lambda run, device: (0.0, hosts[run()]))
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", sleeps.append)
 
-    def queued(run, grads, cache, cycles):
-        sleeps.add(cycles)
-        calls.append(run())
-        return {"a": 1.0, "b": 2.0, "c": 3.0}[calls[-1]] + len(calls) / 100
+    def call(name):
+        # No other variant's gradients live during a call, whatever ran before it.
+        assert all(params[n].grad is None for n in params if n != name)
+        params[name].grad = torch.ones(3)
+        calls.append(name)
+        time.sleep({"a": 0.001, "b": 0.003, "c": 0.005}[name])
+        return name
 
-    monkeypatch.setattr(measure, "_queued_call_ms", queued)
-    runs = {name: ((lambda name=name: name), []) for name in "abc"}
-    got = measure.interleaved_gpu_ms(runs, 4)
-    assert calls == list("abccbaabccba")  # every other pass reversed: each name as often first
-    assert sleeps == {5000}  # one sleep for all, long enough for the slowest host
-    assert [round(got[n]) for n in "abc"] == [1, 2, 3]
+    runs = {n: (lambda n=n: call(n), [params[n]]) for n in "abc"}
+    got, sleep_ms = measure.interleaved_gpu_ms(runs, 4)
+    assert calls[6:] == list("abccbaabccba")  # after one warm-up call each (and once_ms's)
+    assert set(sleeps) == {int(1000 * (1.5 * 5.0 + 0.2))} and len(sleeps) == 12
+    assert sleep_ms == pytest.approx(7.7, abs=1e-3)  # the slowest host's sleep, for all
+    assert got["a"] < got["b"] < got["c"]
+    assert all(p.grad is None for p in params.values())
 
 
-def test_interleaved_times_replace_the_block_times_or_leave_a_note(monkeypatch):
-    rows = [
-        {"variant": "a", "gpu_ms": 9.0},
-        {"variant": "b", "gpu_ms": 8.0},
-        {"variant": "c", "gpu_ms": None},
-    ]
+def test_alternate_times_the_variants_that_passed_or_leaves_a_note(monkeypatch):
+    made = {"hidden": torch.zeros(2, 3), "target": torch.zeros(2, dtype=torch.long)}
     monkeypatch.setattr(flce_frontier, "cleanup", lambda device: None)
-    monkeypatch.setattr(flce_frontier, "interleaved_gpu_ms", lambda timed, calls: {"a": 7.0, "b": 8.5})
-    timed = {"a": (None, []), "b": (None, [])}
-    flce_frontier._interleave(rows, timed, 8)
-    assert rows[0] == {"variant": "a", "gpu_ms": 7.0, "gpu_ms_alone": 9.0}
-    assert rows[1] == {"variant": "b", "gpu_ms": 8.5, "gpu_ms_alone": 8.0}
-    assert rows[2] == {"variant": "c", "gpu_ms": None} and timed == {}  # the inputs let go
+    monkeypatch.setattr(flce_frontier, "prepare_inputs", lambda spec, inputs, device: dict(inputs))
+    monkeypatch.setattr(flce_frontier, "backend_fn", lambda op, backend, inputs: backend)
+    monkeypatch.setattr(flce_frontier, "mode_fn", lambda fn, inputs, mode: fn)
+    seen = {}
 
-    def fails(timed, calls):
+    def timed(runs, calls):
+        seen.update(runs)
+        return {"a": 7.0, "b": 8.5}, 3.0
+
+    monkeypatch.setattr(flce_frontier, "interleaved_gpu_ms", timed)
+
+    def rows():
+        return [
+            {"variant": "a", "gpu_ms": 9.0, "note": ""},
+            {"variant": "b", "gpu_ms": 8.0, "note": ""},
+            {"variant": "c", "gpu_ms": None, "note": "OOM"},
+        ]
+
+    got = rows()
+    flce_frontier.alternate(got, {"a": ("triton", {}), "b": ("liger", {})}, made, "cuda")
+    assert {n: r[0] for n, r in seen.items()} == {"a": "triton", "b": "liger"}
+    assert got[0] | {} == {"variant": "a", "gpu_ms": 7.0, "gpu_ms_alone": 9.0, "note": "",
+                           "gpu_alternating": True, "gpu_sleep_ms": 3.0}  # fmt: skip
+    assert got[1]["gpu_ms"] == 8.5 and got[1]["gpu_ms_alone"] == 8.0
+    assert got[2] == {"variant": "c", "gpu_ms": None, "note": "OOM", "gpu_alternating": False}
+
+    one = rows()  # one variant, or the CPU: nothing to alternate, said so
+    flce_frontier.alternate(one, {"a": ("triton", {})}, made, "cuda")
+    assert one[0]["gpu_ms"] == 9.0 and one[0]["gpu_alternating"] is False
+    cpu = rows()
+    flce_frontier.alternate(cpu, {"a": ("triton", {}), "b": ("liger", {})}, made, "cpu")
+    assert cpu[1]["gpu_ms"] == 8.0 and cpu[1]["gpu_alternating"] is False
+
+    def fails(runs, calls):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(flce_frontier, "interleaved_gpu_ms", fails)
-    rows = [{"variant": "a", "gpu_ms": 9.0, "note": ""}]
-    flce_frontier._interleave(rows, {"a": (None, [])}, 8)
-    assert rows[0]["gpu_ms"] == 9.0 and "interleaved timing failed (OutOfMemoryError" in rows[0]["note"]
+    failed = rows()
+    flce_frontier.alternate(failed, {"a": ("triton", {}), "b": ("liger", {})}, made, "cuda")
+    assert failed[0]["gpu_ms"] == 9.0 and failed[0]["gpu_alternating"] is False
+    assert "alternating timing failed (OutOfMemoryError" in failed[1]["note"]
+    assert failed[2]["note"] == "OOM"
+
+
+def test_run_case_alternates_only_the_variants_that_passed(monkeypatch, tmp_path):
+    passed = {}
+    monkeypatch.setattr(flce_frontier, "alternate", lambda rows, p, made, device: passed.update(p))
+    table = {"compile_naive": ("compile_naive", {}), "nope": ("no_such_backend", {})}
+    rows = flce_frontier.run_case(
+        table, (64, 32, 256, None), "gaussian", torch.float32, "cpu", {}, _NoBar(), None
+    )
+    assert [r["status"] for r in rows] == ["ok", "unsupported"] and list(passed) == ["compile_naive"]
+
+
+def test_data_rows_keep_both_gpu_times():
+    from lmkernels.harness.bench.parts_perf import flce_rows
+
+    native = {"variant": "triton", "backend": "triton", "options": "default", "shape": "64x32x256"}
+    native |= {"status": "ok", "gpu_ms": 1.0, "gpu_ms_alone": 1.2, "gpu_alternating": True}
+    native |= {"gpu_sleep_ms": 3.0, "dims": {"BT": 64, "H": 32, "V": 256}}
+    (row,) = flce_rows([native], {"dtype": "bf16"})
+    assert (row["gpu_ms"], row["gpu_ms_alone"], row["gpu_alternating"], row["gpu_sleep_ms"]) == (
+        1.0,
+        1.2,
+        True,
+        3.0,
+    )
+
+
+class _NoBar:
+    def update(self, *a, **k):
+        pass
+
+    def advance(self, *a, **k):
+        pass
 
 
 def test_variants_table_and_unknown_names():

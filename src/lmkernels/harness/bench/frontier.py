@@ -27,9 +27,10 @@ machine still leaves a complete report.
 
 GPU time is measured twice per variant: in a block of the variant's own calls (gpu_ms_alone),
 then with every variant's calls alternating, each behind the same sleep (gpu_ms, what the report
-compares; measure.interleaved_gpu_ms). The big shapes hold the GPU at its power limit, where a
-call's time depends on the load before it: at 32768 x 2048 x 128256 the default timed alone
-measured 79 and 88 ms in two runs on one H100. To settle a close call, --rounds N runs each case
+compares; measure.interleaved_gpu_ms; alternate). A run spends most of its time at the GPU's
+power limit (docs/performance.md, Method), where a call's time depends on the load and the idle
+before it: at 32768 x 2048 x 128256 the default timed alone measured 79 to 90 ms in three runs
+on one H100. To settle a close call, --rounds N runs each case
 N times, the variants' order rotated per round, and reports the median over rounds
 (gpu_ms_rounds keeps them); --only picks the shapes by label.
 
@@ -50,7 +51,7 @@ from typing import Any
 
 import torch
 
-from lmkernels.harness.bench.backends import backends_for
+from lmkernels.harness.bench.backends import backend_fn, backends_for
 from lmkernels.harness.bench.frontier_report import MEM_BASE, REGIMES, TIME_BASE, write_reports
 from lmkernels.harness.bench.measure import (
     cleanup,
@@ -58,6 +59,7 @@ from lmkernels.harness.bench.measure import (
     interleaved_gpu_ms,
     is_oom,
     measure,
+    mode_fn,
     prepare_inputs,
 )
 from lmkernels.harness.bench.plan import FLCE
@@ -65,10 +67,11 @@ from lmkernels.harness.bench.roofline import add_rooflines
 from lmkernels.harness.bench.run import environment, reference_rates
 from lmkernels.registry.core import get_op, impls
 
-LEAN = "weight dtype"
-# GPU-timed calls per variant in the interleaved pass (run_case): cheap beside the rest of a case
-# (the 32k shape: 8 calls x 6 variants, ~5 s), and an odd number of calls per name is not needed.
-INTERLEAVED_CALLS = 8  # grad_accum_dtype = the weight's dtype, filled in at run time
+LEAN = "weight dtype"  # grad_accum_dtype = the weight's dtype, filled in at run time
+
+# GPU-timed calls per variant in the alternating pass (alternate): cheap beside the rest of a
+# case (the 32k shape: 8 calls x 6 variants, ~5 s).
+INTERLEAVED_CALLS = 8
 
 BUDGETS = (0.0, 0.25, 0.5, 1.0, 2.0)
 
@@ -172,45 +175,54 @@ def run_case(table, shape, regime, dtype, device, rates, bar, task) -> list[dict
         return [base | empty_row(n, "full", "OOM" if is_oom(e) else "error", note) for n in table]
     base["entropy"] = stats.get("mean_entropy")
     reps = repeats(spec.flops(dims), device, rates.get("matmul_tflops"))
-    rows, timed = [], {}
+    rows, passed = [], {}
     for name, (backend, options) in table.items():
         bar.update(task, description=f"{base['shape']} {regime} {name}")
         opts = {k: (dtype if o == LEAN else o) for k, o in options.items()}
-        keep: dict[str, Any] | None = {} if device.startswith("cuda") else None
         try:
             inputs = prepare_inputs(spec, made | opts, device)
-            row = measure(FLCE, backend, inputs, "full", profile=False, keep=keep, **reps)
-            if row["status"] == "ok" and keep:
-                grads = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
-                timed[name] = (keep["run"], grads)
-            del inputs, keep
+            row = measure(FLCE, backend, inputs, "full", profile=False, **reps)
+            del inputs
         except Exception as e:
             row = empty_row(backend, "full", "OOM" if is_oom(e) else "error", f"inputs: {e}"[:200])
         cleanup(device)
+        if row["status"] == "ok":
+            passed[name] = (backend, opts)
         rows.append(base | row | {"variant": name, "backend": backend, "options": _options_id(opts)})
         bar.advance(task)
-    if len(timed) > 1:
-        _interleave(rows, timed, INTERLEAVED_CALLS)
+    alternate(rows, passed, made, device)
     return rows
 
 
-def _interleave(rows: list[dict[str, Any]], timed: dict[str, Any], calls: int) -> None:
-    """The variants' GPU times again, their calls alternating (interleaved_gpu_ms): gpu_ms
-    becomes that, gpu_ms_alone keeps the time of the variant's calls in a block of their own."""
+def alternate(rows: list[dict[str, Any]], passed: dict[str, Any], made: dict[str, Any], device: str) -> None:
+    """The GPU times again, the calls of the variants that passed alternating
+    (interleaved_gpu_ms), each on its own copy of the inputs: gpu_ms becomes that time,
+    gpu_ms_alone keeps the time of the variant's own block of calls, gpu_alternating says which
+    one gpu_ms is, gpu_sleep_ms is the idle before each alternating call."""
+    for r in rows:
+        r["gpu_alternating"] = False
+    if len(passed) < 2 or not device.startswith("cuda"):
+        return
+    spec, runs = get_op(FLCE), {}
     try:
-        gpu = interleaved_gpu_ms(timed, calls)
+        for name, (backend, opts) in passed.items():
+            inputs = prepare_inputs(spec, made | opts, device)
+            grads = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+            runs[name] = (mode_fn(backend_fn(FLCE, backend, inputs), inputs, "full"), grads)
+        gpu, sleep_ms = interleaved_gpu_ms(runs, INTERLEAVED_CALLS)
     except Exception as e:  # e.g. the variants' inputs together do not fit: recorded, not hidden
-        note = f"interleaved timing failed ({type(e).__name__}: {str(e)[:120]}); gpu_ms timed alone"
+        note = f"alternating timing failed ({type(e).__name__}: {str(e)[:120]}); gpu_ms timed alone"
         for r in rows:
-            if r["variant"] in timed:
+            if r["variant"] in passed:
                 r["note"] = "; ".join(filter(None, [r.get("note"), note]))
         return
     finally:
-        timed.clear()
-        cleanup("cuda")
+        runs.clear()  # the inputs' copies and their gradients
+        cleanup(device)
     for r in rows:
         if r["variant"] in gpu:
             r["gpu_ms_alone"], r["gpu_ms"] = r["gpu_ms"], gpu[r["variant"]]
+            r["gpu_alternating"], r["gpu_sleep_ms"] = True, sleep_ms
 
 
 def rotated(table: dict[str, Any], k: int) -> dict[str, Any]:
@@ -231,10 +243,15 @@ def median_of_rounds(rounds: list[list[dict[str, Any]]], names: list[str]) -> li
             out.append(failed[0])
             continue
         row = dict(mine[0])
-        for key in ("gpu_ms", "gpu_ms_alone", "ms", "ms_p20", "ms_p80"):
+        for key in ("gpu_ms_alone", "ms", "ms_p20", "ms_p80"):
             values = [r[key] for r in mine if r.get(key) is not None]
             row[key] = statistics.median(values) if values else None
-        row["gpu_ms_rounds"] = [r.get("gpu_ms") for r in mine]
+        # One method per median: the alternating rounds where there are any.
+        timed = [r for r in mine if r.get("gpu_alternating")] or mine
+        values = [r["gpu_ms"] for r in timed if r.get("gpu_ms") is not None]
+        row["gpu_ms"] = statistics.median(values) if values else None
+        row["gpu_alternating"] = bool(timed[0].get("gpu_alternating"))
+        row["gpu_ms_rounds"] = [r.get("gpu_ms") for r in timed]
         row["rounds"] = len(mine)
         out.append(row)
     return out

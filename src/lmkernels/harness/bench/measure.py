@@ -176,28 +176,28 @@ def gpu_time_ms(
 
 def interleaved_gpu_ms(
     runs: dict[str, tuple[Callable[[], Any], Sequence[torch.Tensor]]], calls: int
-) -> dict[str, float]:
-    """Median device time of one call per name (gpu_time_ms's method), the names' calls
-    alternating: each pass calls every name once, every other pass in reverse order, each call
-    behind the same sleep. Where a case holds the GPU at its power limit (32768 x 2048 x 128256
-    on H100 and H200: 700 W, the clock between 1.2 and 2.0 GHz), a call's time depends on the
-    load just before it: timed in a block of its own calls after its own wall-time runs, the same
-    code measured 79 and 88 ms in two runs on one H100. Alternating gives every name the same
-    history. runs: name -> (the call, the tensors whose gradients it sets)."""
+) -> tuple[dict[str, float], float]:
+    """(median device time of one call per name, the sleep before each call in ms), measured as
+    gpu_time_ms does but with the names' calls alternating: each pass calls every name once,
+    every other pass in reverse order, every call behind the same sleep (long enough for the
+    slowest name's launches). Where a case holds the GPU at its power limit, a call's time
+    depends on the load and the idle before it; alternating gives every name the same ones.
+    runs: name -> (the call, the tensors whose gradients it sets)."""
     cache = _l2_flush_buffer()
     hosts = []
     for run, grad_tensors in runs.values():
         zero_grads(grad_tensors)
+        run()  # warm: the host sample below must not include a first call's costs
+        zero_grads(grad_tensors)
         hosts.append(once_ms(run, "cuda")[1])
+        zero_grads(grad_tensors)
     cycles = _sleep_cycles(max(hosts))
     names = list(runs)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(calls):
         for name in names if i % 2 == 0 else names[::-1]:
             times[name].append(_queued_call_ms(*runs[name], cache, cycles))
-    for _, grad_tensors in runs.values():
-        zero_grads(grad_tensors)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: statistics.median(t) for name, t in times.items()}, cycles / _sleep_cycles_per_ms()
 
 
 def _l2_flush_buffer() -> torch.Tensor:
@@ -222,6 +222,7 @@ def _queued_call_ms(
     end.record()
     # Wait before the next sleep: queued sleeps would otherwise pile up ahead of the host.
     end.synchronize()
+    zero_grads(grad_tensors)  # no call's gradients outlive it (alternating: every name's would)
     return start.elapsed_time(end)
 
 
@@ -254,11 +255,8 @@ def empty_row(backend: str, mode: str, status: str = "ok", note: str = "") -> di
     return {"backend": backend, "mode": mode, "status": status, **row, "note": note}
 
 
-def _measure(
-    op, backend, inputs, mode, warmup, rep, grad_tensors, device, row, profile, min_runs, gpu_runs, keep
-):
-    """Fills row; its closures, and the autograd graph they hold, die when it returns, unless
-    keep (a dict) asks for the timed call: keep["run"]."""
+def _measure(op, backend, inputs, mode, warmup, rep, grad_tensors, device, row, profile, min_runs, gpu_runs):
+    """Fills row; its closures, and the autograd graph they hold, die when it returns."""
     fn = backend_fn(op, backend, inputs)
     run = mode_fn(fn, inputs, mode)  # its first forward also compiles / autotunes
     run()  # one more warm-up call, outside the memory measurement (e.g. bwd's first backward)
@@ -269,8 +267,6 @@ def _measure(
         row["gpu_ms"] = gpu_time_ms(run, grad_tensors, rep, gpu_runs)
         if profile:
             row["kernel_ms"] = kernel_time_ms(run, grad_tensors)
-    if keep is not None:
-        keep["run"] = run
 
 
 def measure(
@@ -283,34 +279,20 @@ def measure(
     profile: bool = True,
     min_runs: int = MIN_TIMED_RUNS,
     gpu_runs: int | None = None,
-    keep: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Time and peak memory of one backend on prepared inputs (see prepare_inputs) in one mode.
 
     Returns a row: status ("ok", "unsupported", "OOM", "error"), ms, ms_p20, ms_p80 (wall),
     gpu_ms (queue filled ahead), kernel_ms (profiler; profile=False skips it), peak_mib (None on
     the CPU, as the GPU times) and a note. min_runs: at least that many wall-timed calls;
-    gpu_runs: that many GPU-timed calls (default from rep); keep: a dict that receives the timed
-    call as keep["run"] (interleaved_gpu_ms). Never raises for a backend's failure.
+    gpu_runs: that many GPU-timed calls (default from rep). Never raises for a backend's failure.
     """
     device = next(v.device.type for v in inputs.values() if isinstance(v, torch.Tensor))
     row = empty_row(backend, mode)
     grad_tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
     try:
         _measure(
-            op,
-            backend,
-            inputs,
-            mode,
-            warmup,
-            rep,
-            grad_tensors,
-            device,
-            row,
-            profile,
-            min_runs,
-            gpu_runs,
-            keep,
+            op, backend, inputs, mode, warmup, rep, grad_tensors, device, row, profile, min_runs, gpu_runs
         )
     except Unsupported as e:
         row.update(empty_row(backend, mode, "unsupported", str(e)))

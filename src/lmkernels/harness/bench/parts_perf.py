@@ -183,6 +183,8 @@ FLCE_FIELDS = {
 FLCE_FIELDS |= {k: k for k in ("softcap", "regime", "entropy", "status", "note", "gpu_ms", "peak_mib")}
 FLCE_FIELDS |= {"wall_ms": "ms", "wall_p20_ms": "ms_p20", "wall_p80_ms": "ms_p80"}
 FLCE_FIELDS |= {"tflops": "tflops_gpu", "pct_matmul": "pct_matmul_gpu"}
+# Carried where present: the alternating pass's (frontier.alternate) and --rounds N's.
+FLCE_TIMING_FIELDS = ("gpu_alternating", "gpu_ms_alone", "gpu_sleep_ms", "rounds", "gpu_ms_rounds")
 
 
 def flce_rows(native: list[dict[str, Any]], meta: dict[str, Any]) -> list[dict[str, Any]]:
@@ -192,7 +194,7 @@ def flce_rows(native: list[dict[str, Any]], meta: dict[str, Any]) -> list[dict[s
         if r.get("status") != "skipped":
             row = {"op": FLCE} | {new: r.get(old) for new, old in FLCE_FIELDS.items()}
             row["dims"] = row["dims"] or {k: r.get(k) for k in ("BT", "H", "V")}
-            row |= {k: r[k] for k in ("gpu_ms_alone", "rounds", "gpu_ms_rounds") if k in r}
+            row |= {k: r[k] for k in FLCE_TIMING_FIELDS if k in r}
             out.append(
                 row | {"dtype": meta.get("dtype", DTYPE), "mode": "full"} | _rate(meta, "matmul_tflops")
             )
