@@ -71,12 +71,14 @@ def test_rounds_rotate_and_take_the_median():
     assert b["status"] == "OOM"  # a failed round is reported, not averaged away
 
     # Rounds whose alternating pass failed keep their time alone: the median takes one method.
-    def alt(ms, alone, alternating=True):
-        return row("a", ms) | {"gpu_ms_alone": alone, "gpu_alternating": alternating}
+    def alt(ms, alone):
+        return row("a", ms) | {"gpu_ms_alone": alone, "gpu_alternating": True, "gpu_sleep_ms": ms + 5}
 
-    (a,) = flce_frontier.median_of_rounds([[alt(1.0, 4.0)], [alt(9.0, 5.0, False)], [alt(2.0, 6.0)]], ["a"])
+    failed = row("a", 9.0) | {"gpu_alternating": False, "note": "alternating timing failed"}
+    (a,) = flce_frontier.median_of_rounds([[failed], [alt(1.0, 4.0)], [alt(2.0, 6.0)]], ["a"])
     assert a["gpu_ms"] == 1.5 and a["gpu_ms_rounds"] == [1.0, 2.0] and a["gpu_alternating"]
-    assert a["gpu_ms_alone"] == 5.0 and a["rounds"] == 3
+    assert a["gpu_ms_alone"] == 6.0 and a["gpu_sleep_ms"] == 6.5 and a["rounds"] == 3
+    assert "note" not in a  # the row of an alternating round, not the failed one's
 
 
 class _Event:
@@ -146,9 +148,13 @@ def test_alternate_times_the_variants_that_passed_or_leaves_a_note(monkeypatch):
             {"variant": "c", "gpu_ms": None, "note": "OOM"},
         ]
 
+    monkeypatch.setattr(flce_frontier, "backend_fn", lambda op, backend, inputs: (backend, inputs))
     got = rows()
-    flce_frontier.alternate(got, {"a": ("triton", {}), "b": ("liger", {})}, made, "cuda")
-    assert {n: r[0] for n, r in seen.items()} == {"a": "triton", "b": "liger"}
+    opts = {"grad_accum_dtype": torch.bfloat16}
+    flce_frontier.alternate(got, {"a": ("triton", {}), "b": ("liger", opts)}, made, "cuda")
+    assert {n: r[0][0] for n, r in seen.items()} == {"a": "triton", "b": "liger"}
+    assert seen["b"][0][1]["grad_accum_dtype"] == torch.bfloat16  # each variant's own options
+    assert "grad_accum_dtype" not in seen["a"][0][1]
     assert got[0] | {} == {"variant": "a", "gpu_ms": 7.0, "gpu_ms_alone": 9.0, "note": "",
                            "gpu_alternating": True, "gpu_sleep_ms": 3.0}  # fmt: skip
     assert got[1]["gpu_ms"] == 8.5 and got[1]["gpu_ms_alone"] == 8.0
@@ -165,6 +171,11 @@ def test_alternate_times_the_variants_that_passed_or_leaves_a_note(monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(flce_frontier, "interleaved_gpu_ms", fails)
+    monkeypatch.setattr(flce_frontier, "mode_fn", lambda fn, inputs, mode: 1 / 0)  # a rebuild fails
+    rebuilt = rows()
+    flce_frontier.alternate(rebuilt, {"a": ("triton", {}), "b": ("liger", {})}, made, "cuda")
+    assert rebuilt[0]["gpu_ms"] == 9.0 and "failed (ZeroDivisionError" in rebuilt[0]["note"]
+    monkeypatch.setattr(flce_frontier, "mode_fn", lambda fn, inputs, mode: fn)
     failed = rows()
     flce_frontier.alternate(failed, {"a": ("triton", {}), "b": ("liger", {})}, made, "cuda")
     assert failed[0]["gpu_ms"] == 9.0 and failed[0]["gpu_alternating"] is False

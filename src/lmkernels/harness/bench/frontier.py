@@ -203,12 +203,9 @@ def alternate(rows: list[dict[str, Any]], passed: dict[str, Any], made: dict[str
         r["gpu_alternating"] = False
     if len(passed) < 2 or not device.startswith("cuda"):
         return
-    spec, runs = get_op(FLCE), {}
+    runs: dict[str, Any] = {}
     try:
-        for name, (backend, opts) in passed.items():
-            inputs = prepare_inputs(spec, made | opts, device)
-            grads = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
-            runs[name] = (mode_fn(backend_fn(FLCE, backend, inputs), inputs, "full"), grads)
+        runs.update(_calls(passed, made, device))
         gpu, sleep_ms = interleaved_gpu_ms(runs, INTERLEAVED_CALLS)
     except Exception as e:  # e.g. the variants' inputs together do not fit: recorded, not hidden
         note = f"alternating timing failed ({type(e).__name__}: {str(e)[:120]}); gpu_ms timed alone"
@@ -225,6 +222,17 @@ def alternate(rows: list[dict[str, Any]], passed: dict[str, Any], made: dict[str
             r["gpu_alternating"], r["gpu_sleep_ms"] = True, sleep_ms
 
 
+def _calls(passed: dict[str, Any], made: dict[str, Any], device: str) -> dict[str, Any]:
+    """name -> (the timed call as measure builds it, on a fresh copy of the inputs, the tensors
+    whose gradients it sets)."""
+    spec, calls = get_op(FLCE), {}
+    for name, (backend, opts) in passed.items():
+        inputs = prepare_inputs(spec, made | opts, device)
+        grads = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+        calls[name] = (mode_fn(backend_fn(FLCE, backend, inputs), inputs, "full"), grads)
+    return calls
+
+
 def rotated(table: dict[str, Any], k: int) -> dict[str, Any]:
     """The table's variants starting at the k-th, wrapping around: each round leads with another."""
     items = list(table.items())
@@ -234,7 +242,8 @@ def rotated(table: dict[str, Any], k: int) -> dict[str, Any]:
 
 def median_of_rounds(rounds: list[list[dict[str, Any]]], names: list[str]) -> list[dict[str, Any]]:
     """One row per variant (in `names` order) from its rows of several rounds: the median GPU and
-    wall times, every round's GPU time, the first round's peak; a round that failed, as is."""
+    wall times, every round's GPU time, the peak and note of the first round timed as the
+    median is; a round that failed, as is."""
     out = []
     for name in names:
         mine = [r for rows in rounds for r in rows if r["variant"] == name]
@@ -242,19 +251,26 @@ def median_of_rounds(rounds: list[list[dict[str, Any]]], names: list[str]) -> li
         if failed:
             out.append(failed[0])
             continue
-        row = dict(mine[0])
-        for key in ("gpu_ms_alone", "ms", "ms_p20", "ms_p80"):
-            values = [r[key] for r in mine if r.get(key) is not None]
-            row[key] = statistics.median(values) if values else None
-        # One method per median: the alternating rounds where there are any.
+        # One method per median: the alternating rounds where there are any (a round whose
+        # alternating pass failed has its time alone in gpu_ms).
         timed = [r for r in mine if r.get("gpu_alternating")] or mine
-        values = [r["gpu_ms"] for r in timed if r.get("gpu_ms") is not None]
-        row["gpu_ms"] = statistics.median(values) if values else None
-        row["gpu_alternating"] = bool(timed[0].get("gpu_alternating"))
+        row = dict(timed[0])
+        row["gpu_ms"] = _median([r.get("gpu_ms") for r in timed])
+        if row.get("gpu_alternating"):
+            alone = [r.get("gpu_ms_alone") if r.get("gpu_alternating") else r.get("gpu_ms") for r in mine]
+            row["gpu_ms_alone"] = _median(alone)
+            row["gpu_sleep_ms"] = _median([r.get("gpu_sleep_ms") for r in timed])
+        for key in ("ms", "ms_p20", "ms_p80"):
+            row[key] = _median([r.get(key) for r in mine])
         row["gpu_ms_rounds"] = [r.get("gpu_ms") for r in timed]
         row["rounds"] = len(mine)
         out.append(row)
     return out
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _options_id(options: dict[str, Any]) -> str:
