@@ -59,6 +59,17 @@ else:
     _env_get, _ENV_KEY = os.environ.get, ENV_VAR
 
 
+def _key(v):
+    """How an input enters the key: a tensor as its class, shape, dtype, device and
+    requires_grad; anything else as its class and value. The common classes are tested by
+    identity: isinstance(v, torch.Tensor) costs ~0.3 us for a non-tensor (the tensor
+    metaclass's slow route)."""
+    cls = v.__class__
+    if cls in _PLAIN_TENSORS or (cls not in _VALUE_TYPES and isinstance(v, torch.Tensor)):
+        return (cls, v.shape, v.dtype, v.is_cpu or v.device, v.requires_grad)
+    return (cls, v)
+
+
 def _op_body(op: str, params: list[inspect.Parameter]) -> Callable[..., Any]:
     """One op's public function: bind the arguments, key them, check and resolve on a new key,
     call the impl."""
@@ -91,20 +102,8 @@ def _op_body(op: str, params: list[inspect.Parameter]) -> Callable[..., Any]:
                     raise TypeError(f"{op}() missing required argument {name!r}")
         if torch.compiler.is_dynamo_compiling():
             return _traced(op, backend, **dict(zip(names, values)))
-        # An input enters the key as a tensor's class, shape, dtype, device and requires_grad,
-        # anything else's class and value. The common classes are tested by identity
-        # (isinstance(v, torch.Tensor) costs ~0.3 us for a non-tensor: the tensor metaclass's
-        # slow route). The loop is inline: 0.1-0.2 us per call less than a function call per
-        # input (dispatch_overhead.py, 2-core CPU).
-        key = [backend, _CONTEXT.get(), _env_get(_ENV_KEY), torch.is_grad_enabled()]
         try:
-            for v in values:
-                cls = v.__class__
-                if cls in _PLAIN_TENSORS or (cls not in _VALUE_TYPES and isinstance(v, torch.Tensor)):
-                    key.append((cls, v.shape, v.dtype, v.is_cpu or v.device, v.requires_grad))
-                else:
-                    key.append((cls, v))
-            key = tuple(key)
+            key = (backend, _CONTEXT.get(), _env_get(_ENV_KEY), torch.is_grad_enabled(), *map(_key, values))
         except Exception:  # an input that cannot be keyed: the checks on the slow path say why
             key = None
         entry = last[0]

@@ -9,8 +9,8 @@ Grid: SHAPES below (the lm_heads of Llama 3 8B / 3B / 1B, Qwen 2.5 and Gemma 2 w
 random init, gaussian = logit std 2, zipf = trained-LM-like, targets sampled from the softmax).
 Variants: VARIANTS below (one line each), then every other registered FLCE impl with its
 defaults. Peers run their default call (see backends/adapters.py). Per case, fwd+bwd (bf16):
-GPU time (launch queue filled ahead, variants alternating), wall time (do_bench median), peak above
-the inputs, time and memory relative to compile_naive and to cce, % of the bf16 matmul rate
+GPU time (launch queue filled ahead, variants alternating), wall time (do_bench median), peak
+above the inputs, time and memory relative to compile_naive and to cce, % of the bf16 matmul rate
 (6*BT*H*V flops) measured in the same run. An out-of-memory or other failure is recorded with
 its reason. Outputs in --out: results.csv, results.json, summary.md, time_ratio.png,
 memory_ratio.png.
@@ -30,9 +30,9 @@ then with every variant's calls alternating, each behind the same sleep (gpu_ms,
 compares; measure.interleaved_gpu_ms; alternate). A run spends most of its time at the GPU's
 power limit (docs/performance.md, Method), where a call's time depends on the load and the idle
 before it: at 32768 x 2048 x 128256 the default timed alone measured 79 to 90 ms in three runs
-on one H100. To settle a close call, --rounds N runs each case
-N times, the variants' order rotated per round, and reports the median over rounds
-(gpu_ms_rounds keeps them); --only picks the shapes by label.
+on one H100. To settle a close call, --rounds N runs each case N times, the variants' order
+rotated per round, and reports the median over rounds (gpu_ms_rounds keeps them); --only picks
+the shapes by label.
 
 The report's Pareto section (frontier_report.py) answers the questions a user asks of the
 numbers: which peer point is both faster and leaner than lmkernels' default, which budget
