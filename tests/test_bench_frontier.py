@@ -118,13 +118,31 @@ def test_interleaved_timing_alternates_every_variant_behind_the_same_sleep(monke
         time.sleep({"a": 0.001, "b": 0.003, "c": 0.005}[name])
         return name
 
+    # Host ms behind the long sleep (7.7 ms, from b's 5 ms): b waits for the GPU inside its call.
+    queued = {"a": 1.5, "b": 9.0, "c": 3.0}
+    queued_cycles = []
+
+    def queued_host_ms(run, grad_tensors, cycles):
+        queued_cycles.append(cycles)
+        name = run()
+        grad_tensors[0].grad = None
+        return queued[name]
+
+    monkeypatch.setattr(measure, "_queued_host_ms", queued_host_ms)
     runs = {n: (lambda n=n: call(n), [params[n]]) for n in "abc"}
-    got, sleep_ms = measure.interleaved_gpu_ms(runs, 4)
-    assert calls[6:] == list("abccbaabccba")  # after one warm-up call each (and once_ms's)
-    assert set(sleeps) == {int(1000 * (1.5 * 5.0 + 0.2))} and len(sleeps) == 12
-    assert sleep_ms == pytest.approx(7.7, abs=1e-3)  # the slowest host's sleep, for all
+    got, sleep_ms, waits = measure.interleaved_gpu_ms(runs, 4)
+    assert calls[9:] == list("abccbaabccba")  # after a warm-up, once_ms's and the queued call
+    assert queued_cycles == [int(1000 * (1.5 * 5.0 + 0.2))] * 3
+    assert waits == {"b"}
+    # The slowest launch of those that do not wait (c's 3 ms), for all.
+    assert set(sleeps) == {int(1000 * (1.5 * 3.0 + 0.2))} and len(sleeps) == 12
+    assert sleep_ms == pytest.approx(4.7, abs=1e-3)
     assert got["a"] < got["b"] < got["c"]
     assert all(p.grad is None for p in params.values())
+
+    queued = {"a": 7.0, "b": 9.0, "c": 8.0}  # all wait: the shortest sleep
+    got, sleep_ms, waits = measure.interleaved_gpu_ms(runs, 2)
+    assert waits == {"a", "b", "c"} and sleep_ms == pytest.approx(0.2, abs=1e-3)
 
 
 def test_alternate_times_the_variants_that_passed_or_leaves_a_note(monkeypatch):
@@ -137,7 +155,7 @@ def test_alternate_times_the_variants_that_passed_or_leaves_a_note(monkeypatch):
 
     def timed(runs, calls):
         seen.update(runs)
-        return {"a": 7.0, "b": 8.5}, 3.0
+        return {"a": 7.0, "b": 8.5}, 3.0, {"b"}
 
     monkeypatch.setattr(flce_frontier, "interleaved_gpu_ms", timed)
 
@@ -156,8 +174,8 @@ def test_alternate_times_the_variants_that_passed_or_leaves_a_note(monkeypatch):
     assert seen["b"][0][1]["grad_accum_dtype"] == torch.bfloat16  # each variant's own options
     assert "grad_accum_dtype" not in seen["a"][0][1]
     assert got[0] | {} == {"variant": "a", "gpu_ms": 7.0, "gpu_ms_alone": 9.0, "note": "",
-                           "gpu_alternating": True, "gpu_sleep_ms": 3.0}  # fmt: skip
-    assert got[1]["gpu_ms"] == 8.5 and got[1]["gpu_ms_alone"] == 8.0
+                           "gpu_alternating": True, "gpu_sleep_ms": 3.0, "gpu_host_waits": False}  # fmt: skip
+    assert got[1]["gpu_ms"] == 8.5 and got[1]["gpu_ms_alone"] == 8.0 and got[1]["gpu_host_waits"]
     assert got[2] == {"variant": "c", "gpu_ms": None, "note": "OOM", "gpu_alternating": False}
 
     one = rows()  # one variant, or the CPU: nothing to alternate, said so

@@ -330,16 +330,13 @@ def test_fast_mode_default_accumulation(monkeypatch):
 def test_fast_mode_default_chunks(monkeypatch):
     """The default fast mode's plan: bf16 inputs get 8 chunks of bf16 logits (grad_W summed in
     bf16) wherever 8 chunks of BT / 8 tokens fit CHUNK_BYTES of bf16, on long batches up to 16
-    (test_long_batch_chunks); past that, memory_budget=2's fp32 chunks if at most 8 of them
+    (test_long_batch_chunks); past that, fp32 chunks within 2x the gradients if at most 8 of them
     cover the tokens, else the fp32 accumulator: never more memory than that accumulator and
     its chunk. fp16, or an asked-for fp32 accumulation, keep fp32 logits."""
     monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
 
     def default(BT, H, V, dtype=torch.bfloat16, accum=None, grads_now=True):
         return flce_plan.plan(BT, H, V, 2, dtype, accum, False, None, grads_now, True)
-
-    def budget_2(BT, H, V):
-        return flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, 2.0, True, True)
 
     # The measured heads, 4k-32k tokens: 8 chunks, or at 32k tokens 16 (of 2048 tokens).
     for BT, H, V, chunks in [
@@ -364,7 +361,7 @@ def test_fast_mode_default_chunks(monkeypatch):
     assert flce_plan.bf16_logits_chunk(BT, V, torch.bfloat16, 2) is None
     plan = default(BT, H, V)
     assert plan.fp32_logits and not plan.accum_fp32
-    assert plan.chunk_bytes == budget_2(BT, H, V).chunk_bytes
+    assert plan.chunk_bytes <= 2 * (BT + V) * H * 2  # within 2x the gradients' bytes
     assert flce_plan.cdiv(BT, plan.chunk_bytes // (4 * V)) <= flce_plan.MAX_SUPER_CHUNKS
     assert plan.chunk_bytes <= 4 * V * H + flce_plan.CHUNK_BYTES
     # ... else the fp32 accumulator.
@@ -406,8 +403,8 @@ def test_long_batch_chunks(monkeypatch):
 
 
 def test_memory_budget_plans(monkeypatch):
-    """memory_budget: the fast mode where one of its configurations fits f x the gradients'
-    bytes beside them, the largest chunks that do; else the lean mode within the budget."""
+    """memory_budget: the default wherever it fits f x the gradients' bytes beside them, else
+    the fast mode's largest fp32 chunks that do, else the lean mode within the budget."""
     monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
     BT, H, V = 16384, 2560, 151936
     grads = (BT + V) * H * 2
@@ -415,24 +412,47 @@ def test_memory_budget_plans(monkeypatch):
     def plan(budget, accum=None, dtype=torch.bfloat16, grads_now=True, weight=True):
         return flce_plan.plan(BT, H, V, 2, dtype, accum, False, budget, grads_now, weight)
 
-    for f in (0.0, 0.05, 0.5, 1.0):  # 8 chunks of 2048 tokens need 1.2 GiB: lean within the budget
+    default = plan(None)
+    need = flce_plan.fast_extra_bytes(default, BT, H, V, True)
+    assert need == 2048 * V * 2  # 8 chunks of 2048 tokens of bf16 logits: 0.72x the gradients
+    for f in (0.0, 0.05, 0.5, need / grads - 0.01):  # below the default's need: lean within it
         p = plan(f)
         assert p.lean and p.block_bytes == int(f * grads) and p.chunk_bytes == grads + p.block_bytes
-    p = plan(2.0)  # 6 chunks of 2816 tokens fit, summed in bf16
-    assert not p.lean and not p.accum_fp32 and p.chunk_bytes <= int(2.0 * grads)
-    assert 8 * p.chunk_bytes >= BT * V * 4
+    for f in (need / grads, 1.0, 2.0, 10.0):  # the default from its own need up
+        assert plan(f) == default
     p = plan(2.0, accum=torch.float32)  # an fp32 accumulator asked for: it and 256-token chunks fit
     assert not p.lean and p.accum_fp32 and 0 < p.chunk_bytes <= int(2.0 * grads) - V * H * 4
-    p = plan(1.0, accum=torch.bfloat16)  # summing in bf16 asked for: 8 chunks cannot fit: lean
-    assert p.lean and not p.accum_fp32
+    assert plan(1.0, accum=torch.bfloat16) == default  # summing in bf16 asked for: the default's
     p = plan(0.2, weight=False)  # a frozen lm_head: any chunk that fits (here 256 tokens)
     assert not p.lean and 0 < p.chunk_bytes <= int(0.2 * grads)
-    p = plan(10.0)  # chunks of 2048+ tokens (1.2 GiB, past the default's 1 GiB), summed in bf16
-    assert not p.lean and not p.accum_fp32 and 8 * p.chunk_bytes >= BT * V * 4
     assert plan(0.1, grads_now=False).lean  # "none" or no gradients: the recomputing backward
-    # The lean backend without a budget: LEAN_EXTRA_FRACTION of the gradients.
+    # The lean backend without a budget: LEAN_EXTRA_FRACTION of the gradients; with one, the
+    # budget decides.
     lean = flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, True, None, True, True)
     assert lean.lean and lean.block_bytes == int(flce_plan.LEAN_EXTRA_FRACTION * grads)
+    assert flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, True, 1.0, True, True) == default
+    # fp16: the default's fp32 accumulator and 1 GiB chunk counted; fp32 chunks within 2x fit.
+    p16 = plan(2.0, dtype=torch.float16)
+    assert not p16.lean and p16 != plan(None, dtype=torch.float16)
+    assert flce_plan.fast_extra_bytes(p16, BT, H, V, True) <= 2.0 * grads
+
+
+def test_memory_budget_never_slower_when_larger(monkeypatch):
+    """Across the grid heads, a larger budget never swaps the default for a slower plan: once
+    the default fits, every larger budget runs it."""
+    monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
+    for BT, H, V in [
+        (8192, 4096, 128256),
+        (32768, 2048, 128256),
+        (16384, 3584, 152064),
+        (4096, 2304, 256000),
+    ]:
+        default = flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, None, True, True)
+        plans = [
+            flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, f / 20, True, True) for f in range(41)
+        ]
+        first = next(i for i, p in enumerate(plans) if p == default)
+        assert all(p == default for p in plans[first:]) and all(p.lean for p in plans[:first])
 
 
 @pytest.mark.parametrize("budget", [0.0, 0.01, 0.3, 5.0])

@@ -176,28 +176,57 @@ def gpu_time_ms(
 
 def interleaved_gpu_ms(
     runs: dict[str, tuple[Callable[[], Any], Sequence[torch.Tensor]]], calls: int
-) -> tuple[dict[str, float], float]:
-    """(median device time of one call per name, the sleep before each call in ms), measured as
-    gpu_time_ms does but with the names' calls alternating: each pass calls every name once,
-    every other pass in reverse order, every call behind the same sleep (long enough for the
-    slowest name's launches). Where a case holds the GPU at its power limit, a call's time
+) -> tuple[dict[str, float], float, set[str]]:
+    """(median device time of one call per name, the sleep before each call in ms, the names
+    whose calls wait for the GPU on the host), measured as gpu_time_ms does but with the names'
+    calls alternating: each pass calls every name once, every other pass in reverse order, every
+    call behind the same sleep. Where a case holds the GPU at its power limit, a call's time
     depends on the load and the idle before it; alternating gives every name the same ones.
+
+    The sleep covers the slowest launch among the calls that do not wait for the GPU: a call
+    that waits (a read of a device value back to the host) idles the GPU whatever the sleep,
+    and a sleep long enough for its whole call would rest the GPU for longer than any call runs.
     runs: name -> (the call, the tensors whose gradients it sets)."""
     cache = _l2_flush_buffer()
-    hosts = []
-    for run, grad_tensors in runs.values():
+    hosts = {}
+    for name, (run, grad_tensors) in runs.items():
         zero_grads(grad_tensors)
         run()  # warm: the host sample below must not include a first call's costs
         zero_grads(grad_tensors)
-        hosts.append(once_ms(run, "cuda")[1])
+        hosts[name] = once_ms(run, "cuda")[1]
         zero_grads(grad_tensors)
-    cycles = _sleep_cycles(max(hosts))
+    # Behind a sleep longer than any call's host time, a call that returns before the sleep
+    # ends launched without waiting.
+    long_cycles = _sleep_cycles(max(hosts.values()))
+    long_ms = long_cycles / _sleep_cycles_per_ms()
+    queued = {name: _queued_host_ms(*runs[name], long_cycles) for name in runs}
+    waits = {name for name, ms in queued.items() if ms >= WAITS_FRACTION * long_ms}
+    cycles = _sleep_cycles(max((ms for name, ms in queued.items() if name not in waits), default=0.0))
     names = list(runs)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(calls):
         for name in names if i % 2 == 0 else names[::-1]:
             times[name].append(_queued_call_ms(*runs[name], cache, cycles))
-    return {name: statistics.median(t) for name, t in times.items()}, cycles / _sleep_cycles_per_ms()
+    return {name: statistics.median(t) for name, t in times.items()}, cycles / _sleep_cycles_per_ms(), waits
+
+
+# A call queued behind a sleep that returns after this fraction of it waited for the GPU: one
+# that does not returns within its unqueued host time, at most 1 / 1.5 of the sleep
+# (_sleep_cycles).
+WAITS_FRACTION = 0.85
+
+
+def _queued_host_ms(run: Callable[[], Any], grad_tensors: Sequence[torch.Tensor], cycles: int) -> float:
+    """Host ms until run() returns with the GPU asleep for `cycles` ahead of it."""
+    zero_grads(grad_tensors)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(cycles)
+    t0 = time.perf_counter()
+    run()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    zero_grads(grad_tensors)
+    return host_ms
 
 
 def _l2_flush_buffer() -> torch.Tensor:

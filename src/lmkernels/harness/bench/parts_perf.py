@@ -21,7 +21,7 @@ OPS_IMPLS = ("triton", "compile", "liger")
 # The FLCE part: lmkernels' default, its lean backend and the memory-budget range against the
 # peers' defaults, over the logit regimes that decide (uniform = random init, where only CCE's
 # filter pays, runs through frontier.py --regimes).
-FLCE_VARIANTS = ("triton", "triton_lean", "budget_0", "budget_0.25", "budget_0.5", "budget_1", "budget_2")
+FLCE_VARIANTS = ("triton", "triton_lean", "budget_0", "budget_0.15", "budget_0.25", "budget_0.5", "budget_1")
 FLCE_VARIANTS += ("compile_naive", "cce", "liger")
 FLCE_REGIMES = ("gaussian", "zipf")
 DIST_MODES = ("fsdp", "fsdp_lm_head", "tp")
@@ -184,7 +184,14 @@ FLCE_FIELDS |= {k: k for k in ("softcap", "regime", "entropy", "status", "note",
 FLCE_FIELDS |= {"wall_ms": "ms", "wall_p20_ms": "ms_p20", "wall_p80_ms": "ms_p80"}
 FLCE_FIELDS |= {"tflops": "tflops_gpu", "pct_matmul": "pct_matmul_gpu"}
 # Carried where present: the alternating pass's (frontier.alternate) and --rounds N's.
-FLCE_TIMING_FIELDS = ("gpu_alternating", "gpu_ms_alone", "gpu_sleep_ms", "rounds", "gpu_ms_rounds")
+FLCE_TIMING_FIELDS = (
+    "gpu_alternating",
+    "gpu_ms_alone",
+    "gpu_sleep_ms",
+    "gpu_host_waits",
+    "rounds",
+    "gpu_ms_rounds",
+)
 
 
 def flce_rows(native: list[dict[str, Any]], meta: dict[str, Any]) -> list[dict[str, Any]]:

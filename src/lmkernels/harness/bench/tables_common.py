@@ -25,7 +25,10 @@ IMPL_TITLES = {
     "cce_exact": "Cut Cross-Entropy, `filter_eps=None`",
     "liger": "Liger Kernel, default call",
     "torch_native": "torch `linear_cross_entropy`",
-    **{f"budget_{f}": f"lmkernels `triton`, memory_budget={f}" for f in ("0", "0.25", "0.5", "1", "2")},
+    **{
+        f"budget_{f}": f"lmkernels `triton`, memory_budget={f}"
+        for f in ("0", "0.15", "0.25", "0.5", "1", "2")
+    },
 }
 REGIME_TITLES = {"uniform": "uniform", "gaussian": "Gaussian", "zipf": "LM-like"}
 CONFIG_TITLES = {"plain": "transformers", "lmk": "lmkernels", "liger": "Liger"}
