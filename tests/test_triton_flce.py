@@ -368,6 +368,30 @@ def test_fast_mode_default_chunks(monkeypatch):
     assert default(131072, 2048, 128256).accum_fp32
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA's sync debug mode: a GPU test")
+@pytest.mark.parametrize("budget", [None, 0.0], ids=["own-default", "budget-0"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_no_host_sync(monkeypatch, mode, reduction, budget):
+    """Forward and backward never wait for the GPU on the host (torch's sync debug mode raises at
+    any synchronizing torch call) with the target check off (its one sync, ops/flce.py); the
+    budget 0 splits the tokens into super-chunks and the vocabulary into many blocks."""
+    monkeypatch.setenv("LMKERNELS_CHECK_VALUES", "0")
+    monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
+    monkeypatch.delenv(flce_plan.BLOCKS_ENV, raising=False)
+    inputs = make({"BT": 4096, "H": 256, "V": 32000}, torch.bfloat16, {"reduction": reduction})
+    inputs["memory_budget"] = budget
+    hidden, weight = inputs["hidden"].requires_grad_(True), inputs["weight"].requires_grad_(True)
+    triton_fn(inputs).sum().backward()  # compiles the kernels (autotuning may sync) outside the check
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        triton_fn(inputs).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert hidden.grad is not None and weight.grad is not None
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="32768 rows take 4 minutes in the interpreter: runs on the GPU")
 def test_long_batch_matches_fp64(monkeypatch):
     """The default's 16 chunks of 2048 tokens on a long bf16 batch, grad_W summed in bf16 16
