@@ -104,8 +104,7 @@ def fast_wide_chunk(BT: int, H: int, V: int, itemsize: int) -> int | None:
     """The default's chunks where fast_weight_dtype_chunk finds none (8 chunks would pass
     CHUNK_BYTES): the largest chunks of fp32 logits within 2x the gradients' bytes, and within
     the fp32 V x H accumulator + CHUNK_BYTES chunk they replace, when at most MAX_SUPER_CHUNKS of
-    them cover the tokens, summed in the weight's dtype. That is memory_budget=2's plan there,
-    measured against the fp32 accumulator (GPU ms / peak MiB, bf16): 16384 x 2560 x 151936
+    them cover the tokens, summed in the weight's dtype. Measured against the fp32 accumulator (GPU ms / peak MiB, bf16): 16384 x 2560 x 151936
     62.7 / 1787 vs 69.4 / 2529 (H200), 67.9 / 1787 vs 74.9 / 2529 (H100); 16384 x 3584 x 152064
     89.4 / 2118 vs 91.5 / 3232 (H200), 91.3 / 2118 vs 98.4 / 3232 (H100). Returns tokens or None."""
     if _chunk_override() > 0:
@@ -138,9 +137,10 @@ def bf16_logits_chunk(BT: int, V: int, weight_dtype: torch.dtype, itemsize: int)
     eager's, measured at 2048 tokens of six grid heads) in fast_weight_dtype_chunk's chunks of
     at most CHUNK_BYTES of bf16, grad_W summed in bf16. Against fp32 logits chunks the GEMM
     writes and the kernel reads half the bytes, and twice the tokens fit a chunk. Measured on
-    the 8 grid heads against memory_budget=2's fp32 chunks in the same runs (H100, H200): 0.85-1.02x
-    the time at 0.51-0.82x the peak; at 32k tokens, where that budget runs the lean mode,
-    0.70-0.73x the time at the same peak (benchmarks/data, part flce).
+    the 8 grid heads against the largest fp32 chunks within 2x the gradients' bytes, in the same
+    runs (H100, H200): 0.85-1.02x the time at 0.51-0.82x the peak; at 32k tokens, where no such
+    chunks fit and the lean mode ran, 0.70-0.73x the time at the same peak (benchmarks/data,
+    part flce).
 
     Long batches get more chunks: where 8 would pass LONG_CHUNK_TOKENS tokens each, up to
     LONG_MAX_CHUNKS of at least LONG_CHUNK_TOKENS. The grad_W update's GEMM (inner dimension:
@@ -187,8 +187,9 @@ def plan(
         return _fast_default(BT, H, V, itemsize, weight_dtype, grad_accum_dtype, grads_now, need_weight)
     extra = int((LEAN_EXTRA_FRACTION if memory_budget is None else memory_budget) * grad_bytes)
     if memory_budget is not None and grads_now:
-        # The default wherever it fits: no plan measured faster (memory_budget=2's fp32 chunks
-        # 1.00-1.11x its time on the grid heads, H100 and H200), so more budget is never slower.
+        # The default wherever it fits: no plan measured faster (fp32 chunks within 2x the
+        # gradients 1.00-1.11x its time on the grid heads, H100 and H200), so more budget is
+        # never slower.
         fast = _fast_default(BT, H, V, itemsize, weight_dtype, grad_accum_dtype, grads_now, need_weight)
         if fast_extra_bytes(fast, BT, H, V, need_weight) <= extra:
             return fast
