@@ -392,6 +392,34 @@ def test_no_host_sync(monkeypatch, mode, reduction, budget):
     assert hidden.grad is not None and weight.grad is not None
 
 
+def test_budget_chunks_match_fp64(monkeypatch):
+    """A budget between the lean mode and the default: the default's bf16 chunks made smaller
+    (here 12 chunks of 128 tokens against the default's 6 of 256, the floor lowered from 1024
+    so that the interpreter runs it)."""
+    fix_sizes(monkeypatch, None, None)
+    monkeypatch.setattr(flce_plan, "MIN_FAST_CHUNK_TOKENS", 128)
+    monkeypatch.setitem(BACKEND, "name", "triton")
+    BT, H, V = 1536, 16, 64
+    budget = 128 * V * 2 / ((BT + V) * H * 2)
+    default = flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, None, True, True)
+    assert default.chunk_bytes == 256 * V * 2
+    p = flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, budget, True, True)
+    assert not p.lean and not p.fp32_logits and p.chunk_bytes == 128 * V * 2
+    compare(make({"BT": BT, "H": H, "V": V}, torch.bfloat16, {"memory_budget": budget}), torch.bfloat16)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="16384 rows take 2 minutes in the interpreter: runs on the GPU")
+def test_budget_chunks_on_a_long_batch_match_fp64(monkeypatch):
+    """16 bf16 chunks of 1024 tokens from a budget (grad_W summed in bf16 16 times)."""
+    fix_sizes(monkeypatch, None, None)
+    monkeypatch.setitem(BACKEND, "name", "triton")
+    BT, H, V = 16384, 32, 256
+    budget = 1024 * V * 2 / ((BT + V) * H * 2)
+    p = flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, budget, True, True)
+    assert not p.lean and not p.fp32_logits and p.chunk_bytes == 1024 * V * 2
+    compare(make({"BT": BT, "H": H, "V": V}, torch.bfloat16, {"memory_budget": budget}), torch.bfloat16)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="32768 rows take 4 minutes in the interpreter: runs on the GPU")
 def test_long_batch_matches_fp64(monkeypatch):
     """The default's 16 chunks of 2048 tokens on a long bf16 batch, grad_W summed in bf16 16
@@ -427,8 +455,9 @@ def test_long_batch_chunks(monkeypatch):
 
 
 def test_memory_budget_plans(monkeypatch):
-    """memory_budget: the default wherever it fits f x the gradients' bytes beside them, else
-    the fast mode's largest fp32 chunks that do, else the lean mode within the budget."""
+    """memory_budget: the default wherever it fits f x the gradients' bytes beside them, else its
+    bf16 chunks made smaller (at least 1024 tokens, at most 16 chunks), else the fast mode's
+    largest fp32 chunks that fit, else the lean mode within the budget."""
     monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
     BT, H, V = 16384, 2560, 151936
     grads = (BT + V) * H * 2
@@ -439,9 +468,14 @@ def test_memory_budget_plans(monkeypatch):
     default = plan(None)
     need = flce_plan.fast_extra_bytes(default, BT, H, V, True)
     assert need == 2048 * V * 2  # 8 chunks of 2048 tokens of bf16 logits: 0.72x the gradients
-    for f in (0.0, 0.05, 0.5, need / grads - 0.01):  # below the default's need: lean within it
+    smallest = 1024 * V * 2  # 16 chunks of 1024 tokens: 0.36x
+    for f in (0.0, 0.05, smallest / grads - 0.01):  # below the smallest bf16 chunks: lean
         p = plan(f)
         assert p.lean and p.block_bytes == int(f * grads) and p.chunk_bytes == grads + p.block_bytes
+    for f, tokens in [(smallest / grads, 1024), (0.5, 1408), (need / grads - 0.01, 1920)]:
+        p = plan(f)  # even chunks of at least 1024 tokens within the budget
+        assert not p.lean and not p.fp32_logits and not p.accum_fp32
+        assert p.chunk_bytes == tokens * V * 2 <= f * grads
     for f in (need / grads, 1.0, 2.0, 10.0):  # the default from its own need up
         assert plan(f) == default
     p = plan(2.0, accum=torch.float32)  # an fp32 accumulator asked for: it and 256-token chunks fit
@@ -463,7 +497,8 @@ def test_memory_budget_plans(monkeypatch):
 
 def test_memory_budget_never_slower_when_larger(monkeypatch):
     """Across the grid heads, a larger budget never swaps the default for a slower plan: once
-    the default fits, every larger budget runs it."""
+    the default fits, every larger budget runs it; below it, the lean mode or smaller bf16
+    chunks, never fp32 ones."""
     monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
     for BT, H, V in [
         (8192, 4096, 128256),
@@ -476,7 +511,8 @@ def test_memory_budget_never_slower_when_larger(monkeypatch):
             flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, f / 20, True, True) for f in range(41)
         ]
         first = next(i for i, p in enumerate(plans) if p == default)
-        assert all(p == default for p in plans[first:]) and all(p.lean for p in plans[:first])
+        assert all(p == default for p in plans[first:])
+        assert all(p.lean or not p.fp32_logits for p in plans[:first])
 
 
 @pytest.mark.parametrize("budget", [0.0, 0.01, 0.3, 5.0])

@@ -156,6 +156,22 @@ def bf16_logits_chunk(BT: int, V: int, weight_dtype: torch.dtype, itemsize: int)
     return _even_chunks(BT, V, 2, LONG_MAX_CHUNKS, LONG_CHUNK_TOKENS)
 
 
+def bf16_budget_chunk(
+    BT: int, V: int, weight_dtype: torch.dtype, itemsize: int, max_bytes: int
+) -> int | None:
+    """bf16_logits_chunk's chunks made smaller to fit max_bytes of bf16 logits: even chunks of at
+    least MIN_FAST_CHUNK_TOKENS (smaller ones re-read grad_W too often), at most LONG_MAX_CHUNKS
+    of them (the bf16 sums of grad_W the policy allows: in a CPU emulation of the sums, 16 chunks
+    2.5-2.7x eager's grad_W error, 32 chunks 3.3-3.7x). Returns the chunk's tokens, or None."""
+    if weight_dtype != torch.bfloat16 or itemsize != 2 or _chunk_override() > 0:
+        return None
+    tokens = _round_down(max_bytes // (2 * V), 128)
+    if tokens < min(MIN_FAST_CHUNK_TOKENS, BT):
+        return None
+    n = cdiv(BT, tokens)
+    return min(BT, cdiv(cdiv(BT, n), 128) * 128) if n <= LONG_MAX_CHUNKS else None
+
+
 def plan(
     BT: int,
     H: int,
@@ -174,8 +190,8 @@ def plan(
     memory_budget None: the backend's own default (triton: the fast mode with chunks of up to
     CHUNK_BYTES; triton_lean: LEAN_EXTRA_FRACTION of the gradients). A number f: at most about
     f x the gradients' bytes (grad_hidden + grad_W) beyond them: the triton default where it
-    fits (fast_extra_bytes), else the fast mode's largest fp32 chunks that do, else the lean
-    mode within it. The block floors of flce_blocks (accuracy and GEMM efficiency) win over a
+    fits (fast_extra_bytes), else its bf16 chunks made smaller (bf16_budget_chunk), else the
+    fast mode's largest fp32 chunks that fit, else the lean mode within it. The block floors of flce_blocks (accuracy and GEMM efficiency) win over a
     budget below them.
     """
     grad_bytes = (BT + V) * H * itemsize
@@ -193,7 +209,12 @@ def plan(
         fast = _fast_default(BT, H, V, itemsize, weight_dtype, grad_accum_dtype, grads_now, need_weight)
         if fast_extra_bytes(fast, BT, H, V, need_weight) <= extra:
             return fast
-        # Else a smaller chunk of fp32 logits, and grad_W summed in its own dtype over at most
+        # Else the default's bf16 chunks, smaller.
+        if need_weight and grad_accum_dtype in (None, weight_dtype):
+            tokens = bf16_budget_chunk(BT, V, weight_dtype, itemsize, extra)
+            if tokens is not None:
+                return Plan(False, False, tokens * V * 2, extra, fp32_logits=False)
+        # Else a chunk of fp32 logits, and grad_W summed in its own dtype over at most
         # MAX_SUPER_CHUNKS chunks, or else in an fp32 accumulator that the budget pays for too.
         # A budget may pass CHUNK_BYTES (the default's cap), not 2^31 logits per chunk.
         rows = _chunk_rows(extra, V)

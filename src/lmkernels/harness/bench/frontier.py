@@ -74,7 +74,7 @@ LEAN = "weight dtype"  # grad_accum_dtype = the weight's dtype, filled in at run
 # case (the 32k shape: 8 calls x 6 variants, ~5 s).
 INTERLEAVED_CALLS = 8
 
-BUDGETS = (0.0, 0.15, 0.25, 0.5, 1.0)
+BUDGETS = (0.0, 0.15, 0.25, 0.4, 0.5, 1.0)
 
 # The FLCE variants: name -> (backend, options). The lead adds modes/options here, one line each.
 # Peers get grad_accum_dtype = weight dtype: that is their default call (CCE has no other mode).

@@ -27,7 +27,7 @@ IMPL_TITLES = {
     "torch_native": "torch `linear_cross_entropy`",
     **{
         f"budget_{f}": f"lmkernels `triton`, memory_budget={f}"
-        for f in ("0", "0.15", "0.25", "0.5", "1", "2")
+        for f in ("0", "0.15", "0.25", "0.4", "0.5", "1", "2")
     },
 }
 REGIME_TITLES = {"uniform": "uniform", "gaussian": "Gaussian", "zipf": "LM-like"}
