@@ -161,7 +161,7 @@ def bf16_budget_chunk(
 ) -> int | None:
     """bf16_logits_chunk's chunks made smaller to fit max_bytes of bf16 logits: even chunks of a
     multiple of 256 tokens (chunks of an odd multiple of 128 ran 1.03-1.14x the default's time
-    where multiples of 256 ran 1.02-1.06x, H100 and H200 at 16k tokens), at least
+    where multiples of 256 ran 1.02-1.07x, H100 and H200 at 16k tokens), at least
     MIN_FAST_CHUNK_TOKENS (smaller ones re-read grad_W too often), at most LONG_MAX_CHUNKS of
     them (the bf16 sums of grad_W the policy allows: in a CPU emulation of the sums, 16 chunks
     2.5-2.7x eager's grad_W error, 32 chunks 3.3-3.7x). Returns the chunk's tokens, or None."""
