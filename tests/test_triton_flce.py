@@ -394,17 +394,17 @@ def test_no_host_sync(monkeypatch, mode, reduction, budget):
 
 def test_budget_chunks_match_fp64(monkeypatch):
     """A budget between the lean mode and the default: the default's bf16 chunks made smaller
-    (here 16 chunks of 256 tokens against the default's 8 of 512, the floor lowered from 1024
+    (here 12 chunks of 128 tokens against the default's 6 of 256, the floor lowered from 1024
     so that the interpreter runs it)."""
     fix_sizes(monkeypatch, None, None)
-    monkeypatch.setattr(flce_plan, "MIN_FAST_CHUNK_TOKENS", 256)
+    monkeypatch.setattr(flce_plan, "MIN_FAST_CHUNK_TOKENS", 128)
     monkeypatch.setitem(BACKEND, "name", "triton")
-    BT, H, V = 4096, 16, 64
-    budget = 256 * V * 2 / ((BT + V) * H * 2)
+    BT, H, V = 1536, 16, 64
+    budget = 128 * V * 2 / ((BT + V) * H * 2)
     default = flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, None, True, True)
-    assert default.chunk_bytes == 512 * V * 2
+    assert default.chunk_bytes == 256 * V * 2
     p = flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, budget, True, True)
-    assert not p.lean and not p.fp32_logits and p.chunk_bytes == 256 * V * 2
+    assert not p.lean and not p.fp32_logits and p.chunk_bytes == 128 * V * 2
     compare(make({"BT": BT, "H": H, "V": V}, torch.bfloat16, {"memory_budget": budget}), torch.bfloat16)
 
 
@@ -456,8 +456,7 @@ def test_long_batch_chunks(monkeypatch):
 
 def test_memory_budget_plans(monkeypatch):
     """memory_budget: the default wherever it fits f x the gradients' bytes beside them, else its
-    bf16 chunks made smaller (multiples of 256 tokens, at least 1024, at most 16 chunks), else
-    the fast mode's
+    bf16 chunks made smaller (at least 1024 tokens, at most 16 chunks), else the fast mode's
     largest fp32 chunks that fit, else the lean mode within the budget."""
     monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
     BT, H, V = 16384, 2560, 151936
@@ -473,8 +472,8 @@ def test_memory_budget_plans(monkeypatch):
     for f in (0.0, 0.05, smallest / grads - 0.01):  # below the smallest bf16 chunks: lean
         p = plan(f)
         assert p.lean and p.block_bytes == int(f * grads) and p.chunk_bytes == grads + p.block_bytes
-    for f, tokens in [(smallest / grads, 1024), (0.5, 1280), (need / grads - 0.01, 1792)]:
-        p = plan(f)  # even chunks of a multiple of 256 tokens, at least 1024, within the budget
+    for f, tokens in [(smallest / grads, 1024), (0.5, 1408), (need / grads - 0.01, 1920)]:
+        p = plan(f)  # even chunks of at least 1024 tokens within the budget
         assert not p.lean and not p.fp32_logits and not p.accum_fp32
         assert p.chunk_bytes == tokens * V * 2 <= f * grads
     for f in (need / grads, 1.0, 2.0, 10.0):  # the default from its own need up
@@ -497,7 +496,7 @@ def test_memory_budget_plans(monkeypatch):
 
 
 def test_memory_budget_never_slower_when_larger(monkeypatch):
-    """Across the grid heads, a larger budget never swaps the default for a slower plan: once
+    """Across the grid heads, a larger budget never trades the default for another plan: once
     the default fits, every larger budget runs it; below it, the lean mode or smaller bf16
     chunks, never fp32 ones."""
     monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)

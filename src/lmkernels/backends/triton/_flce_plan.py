@@ -159,19 +159,17 @@ def bf16_logits_chunk(BT: int, V: int, weight_dtype: torch.dtype, itemsize: int)
 def bf16_budget_chunk(
     BT: int, V: int, weight_dtype: torch.dtype, itemsize: int, max_bytes: int
 ) -> int | None:
-    """bf16_logits_chunk's chunks made smaller to fit max_bytes of bf16 logits: even chunks of a
-    multiple of 256 tokens (chunks of an odd multiple of 128 ran 1.03-1.14x the default's time
-    where multiples of 256 ran 1.02-1.07x, H100 and H200 at 16k tokens), at least
-    MIN_FAST_CHUNK_TOKENS (smaller ones re-read grad_W too often), at most LONG_MAX_CHUNKS of
-    them (the bf16 sums of grad_W the policy allows: in a CPU emulation of the sums, 16 chunks
+    """bf16_logits_chunk's chunks made smaller to fit max_bytes of bf16 logits: even chunks of at
+    least MIN_FAST_CHUNK_TOKENS (smaller ones re-read grad_W too often), at most LONG_MAX_CHUNKS
+    of them (the bf16 sums of grad_W the policy allows: in a CPU emulation of the sums, 16 chunks
     2.5-2.7x eager's grad_W error, 32 chunks 3.3-3.7x). Returns the chunk's tokens, or None."""
     if weight_dtype != torch.bfloat16 or itemsize != 2 or _chunk_override() > 0:
         return None
-    fit = _round_down(max_bytes // (2 * V), 256)
-    if fit < MIN_FAST_CHUNK_TOKENS:
+    tokens = _round_down(max_bytes // (2 * V), 128)
+    if tokens < min(MIN_FAST_CHUNK_TOKENS, BT):
         return None
-    n = cdiv(BT, fit)
-    return cdiv(cdiv(BT, n), 256) * 256 if n <= LONG_MAX_CHUNKS else None
+    n = cdiv(BT, tokens)
+    return min(BT, cdiv(cdiv(BT, n), 128) * 128) if n <= LONG_MAX_CHUNKS else None
 
 
 def plan(
@@ -206,8 +204,7 @@ def plan(
     extra = int((LEAN_EXTRA_FRACTION if memory_budget is None else memory_budget) * grad_bytes)
     if memory_budget is not None and grads_now:
         # The default wherever it fits: no plan measured faster (fp32 chunks within 2x the
-        # gradients 1.00-1.11x its time on the grid heads, H100 and H200), so more budget is
-        # never slower.
+        # gradients 1.00-1.11x its time on the grid heads, H100 and H200).
         fast = _fast_default(BT, H, V, itemsize, weight_dtype, grad_accum_dtype, grads_now, need_weight)
         if fast_extra_bytes(fast, BT, H, V, need_weight) <= extra:
             return fast
