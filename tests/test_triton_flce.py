@@ -394,12 +394,12 @@ def test_no_host_sync(monkeypatch, mode, reduction, budget):
 
 def test_budget_chunks_match_fp64(monkeypatch):
     """A budget between the lean mode and the default: the default's bf16 chunks made smaller
-    (here 12 chunks of 128 tokens against the default's 6 of 256, the floor lowered from 1024
+    (here 16 chunks of 128 tokens against the default's 8 of 256, the floor lowered from 1024
     so that the interpreter runs it)."""
     fix_sizes(monkeypatch, None, None)
     monkeypatch.setattr(flce_plan, "MIN_FAST_CHUNK_TOKENS", 128)
     monkeypatch.setitem(BACKEND, "name", "triton")
-    BT, H, V = 1536, 16, 64
+    BT, H, V = 2048, 16, 64
     budget = 128 * V * 2 / ((BT + V) * H * 2)
     default = flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, None, True, True)
     assert default.chunk_bytes == 256 * V * 2
@@ -456,8 +456,8 @@ def test_long_batch_chunks(monkeypatch):
 
 def test_memory_budget_plans(monkeypatch):
     """memory_budget: the default wherever it fits f x the gradients' bytes beside them, else its
-    bf16 chunks made smaller (at least 1024 tokens, at most 16 chunks), else the fast mode's
-    largest fp32 chunks that fit, else the lean mode within the budget."""
+    bf16 chunks made smaller (16 of at least 1024 tokens), else the fast mode's largest fp32
+    chunks that fit, else the lean mode within the budget."""
     monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
     BT, H, V = 16384, 2560, 151936
     grads = (BT + V) * H * 2
@@ -472,10 +472,10 @@ def test_memory_budget_plans(monkeypatch):
     for f in (0.0, 0.05, smallest / grads - 0.01):  # below the smallest bf16 chunks: lean
         p = plan(f)
         assert p.lean and p.block_bytes == int(f * grads) and p.chunk_bytes == grads + p.block_bytes
-    for f, tokens in [(smallest / grads, 1024), (0.5, 1408), (need / grads - 0.01, 1920)]:
-        p = plan(f)  # even chunks of at least 1024 tokens within the budget
+    for f in (smallest / grads, 0.5, need / grads - 0.01):  # between: 16 chunks of 1024 tokens
+        p = plan(f)
         assert not p.lean and not p.fp32_logits and not p.accum_fp32
-        assert p.chunk_bytes == tokens * V * 2 <= f * grads
+        assert p.chunk_bytes == smallest
     for f in (need / grads, 1.0, 2.0, 10.0):  # the default from its own need up
         assert plan(f) == default
     p = plan(2.0, accum=torch.float32)  # an fp32 accumulator asked for: it and 256-token chunks fit
@@ -496,9 +496,8 @@ def test_memory_budget_plans(monkeypatch):
 
 
 def test_memory_budget_never_slower_when_larger(monkeypatch):
-    """Across the grid heads, a larger budget never trades the default for another plan: once
-    the default fits, every larger budget runs it; below it, the lean mode or smaller bf16
-    chunks, never fp32 ones."""
+    """Across the grid heads, a larger budget never runs a slower plan: the lean mode, then the
+    smaller bf16 chunks (one size), then the default, each from the budget that fits it on."""
     monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
     for BT, H, V in [
         (8192, 4096, 128256),
@@ -512,7 +511,11 @@ def test_memory_budget_never_slower_when_larger(monkeypatch):
         ]
         first = next(i for i, p in enumerate(plans) if p == default)
         assert all(p == default for p in plans[first:])
-        assert all(p.lean or not p.fp32_logits for p in plans[:first])
+        smaller = [i for i, p in enumerate(plans[:first]) if not p.lean]
+        assert all(p.lean for p in plans[: smaller[0] if smaller else first])
+        assert smaller == list(range(smaller[0], first)) if smaller else True  # one run of them
+        assert all(not plans[i].fp32_logits and plans[i].chunk_bytes < default.chunk_bytes for i in smaller)
+        assert len({plans[i].chunk_bytes for i in smaller}) <= 1  # one size
 
 
 @pytest.mark.parametrize("budget", [0.0, 0.01, 0.3, 5.0])

@@ -41,8 +41,8 @@ LMKERNELS_BACKEND="triton,flce=triton_lean".
 
 memory_budget (the op's option, a fraction f of the gradients' bytes) makes either backend one
 point of the range between the two (_flce_plan.plan): the triton default wherever it fits f x
-the gradients beside them (no plan measured faster), else its bf16 chunks made smaller (at
-least 1024 tokens, at most 16 chunks), else the fast mode with the largest chunks of fp32
+the gradients beside them (no plan measured faster), else its bf16 chunks made smaller (16
+chunks of at least 1024 tokens), else the fast mode with the largest chunks of fp32
 logits that fit (grad_W summed in its own dtype over at most 8 of them, or else in an fp32
 accumulator that the budget pays for too), and where none fits, the lean mode with blocks
 within it. None keeps each backend's default above.
