@@ -163,7 +163,7 @@ def bf16_budget_chunk(
     chunks, where those hold at least MIN_FAST_CHUNK_TOKENS tokens (smaller ones re-read grad_W
     too often) and fit max_bytes of bf16 logits. One size, the smallest, and not the sizes
     between it and the default's: at 16384 x 2560 x 151936, 16 chunks of 1024 tokens ran
-    1.05-1.07x the default's time, 12-13 chunks of 1280-1408 1.12-1.15x (H100, H200). 16 is
+    1.05-1.10x the default's time, 12-13 chunks of 1280-1408 1.12-1.15x (H100, H200). 16 is
     also the most bf16 sums of grad_W the policy allows (in a CPU emulation of the sums, 16
     chunks 2.5-2.7x eager's grad_W error, 32 chunks 3.3-3.7x). Returns the chunk's tokens, or
     None."""
