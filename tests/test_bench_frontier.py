@@ -118,21 +118,21 @@ def test_interleaved_timing_alternates_every_variant_behind_the_same_sleep(monke
         time.sleep({"a": 0.001, "b": 0.003, "c": 0.005}[name])
         return name
 
-    # Host ms behind the long sleep (7.7 ms, from b's 5 ms): b waits for the GPU inside its call.
-    queued = {"a": 1.5, "b": 9.0, "c": 3.0}
-    queued_cycles = []
+    # Launch ms behind the detection sleep (2 x b's 5 ms + 20 ms); b waits for the GPU (None).
+    launch = {"a": 1.5, "b": None, "c": 3.0}
+    launch_cycles = []
 
-    def queued_host_ms(run, grad_tensors, cycles):
-        queued_cycles.append(cycles)
+    def launch_ms(run, grad_tensors, cycles):
+        launch_cycles.append(cycles)
         name = run()
         grad_tensors[0].grad = None
-        return queued[name]
+        return launch[name]
 
-    monkeypatch.setattr(measure, "_queued_host_ms", queued_host_ms)
+    monkeypatch.setattr(measure, "_launch_ms", launch_ms)
     runs = {n: (lambda n=n: call(n), [params[n]]) for n in "abc"}
     got, sleep_ms, waits = measure.interleaved_gpu_ms(runs, 4)
     assert calls[9:] == list("abccbaabccba")  # after a warm-up, once_ms's and the queued call
-    assert queued_cycles == [int(1000 * (1.5 * 5.0 + 0.2))] * 3
+    assert launch_cycles == [int(1000 * (2 * 5.0 + 20))] * 3
     assert waits == {"b"}
     # The slowest launch of those that do not wait (c's 3 ms), for all.
     assert set(sleeps) == {int(1000 * (1.5 * 3.0 + 0.2))} and len(sleeps) == 12
@@ -140,9 +140,35 @@ def test_interleaved_timing_alternates_every_variant_behind_the_same_sleep(monke
     assert got["a"] < got["b"] < got["c"]
     assert all(p.grad is None for p in params.values())
 
-    queued = {"a": 7.0, "b": 9.0, "c": 8.0}  # all wait: the shortest sleep
+    launch = {"a": None, "b": None, "c": None}  # all wait: the shortest sleep
     got, sleep_ms, waits = measure.interleaved_gpu_ms(runs, 2)
     assert waits == {"a", "b", "c"} and sleep_ms == pytest.approx(0.2, abs=1e-3)
+
+
+def test_launch_ms_says_whether_the_call_waited(monkeypatch):
+    """_launch_ms: the host time of a call queued behind a sleep, or None where the sleep had
+    ended by the time the call returned (its CUDA calls replaced on the CPU)."""
+    measure = importlib.import_module("lmkernels.harness.bench.measure")
+    ended = {"value": False}
+
+    class Slept:
+        def record(self):
+            pass
+
+        def query(self):
+            return ended["value"]
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.cuda, "Event", Slept)
+    param = torch.zeros(2, requires_grad=True)
+
+    def run():
+        param.grad = torch.ones(2)
+
+    assert measure._launch_ms(run, [param], 100) >= 0 and param.grad is None
+    ended["value"] = True  # a call that read a device value back: the sleep is over
+    assert measure._launch_ms(run, [param], 100) is None and param.grad is None
 
 
 def test_alternate_times_the_variants_that_passed_or_leaves_a_note(monkeypatch):

@@ -39,6 +39,7 @@ ignore it; the peers' adapters refuse it.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 
@@ -172,7 +173,13 @@ def check_inputs(hidden, weight, target, **options):
     check_bool("return_lse", o.return_lse)
     check_bool("return_stats", o.return_stats)
     if o.memory_budget is not None:
-        check_number("memory_budget", o.memory_budget, low=0.0, what="None or a non-negative number")
+        check_number(
+            "memory_budget",
+            o.memory_budget,
+            low=0.0,
+            high=sys.float_info.max,
+            what="None or a finite number >= 0",
+        )
     if o.grad_accum_dtype not in (None, torch.float32, weight.dtype):
         fail(
             f"grad_accum_dtype: expected None, torch.float32 or weight's dtype {weight.dtype}, got {o.grad_accum_dtype}"
@@ -366,7 +373,8 @@ def error_inputs(device):
         ErrorInput(args(ignore_index=-1.5), "ignore_index: expected an int"),
         ErrorInput(args(return_lse="yes"), "return_lse: expected a bool"),
         ErrorInput(args(return_stats=1), "return_stats: expected a bool"),
-        ErrorInput(args(memory_budget=-0.1), "memory_budget: expected None or a non-negative number"),
+        ErrorInput(args(memory_budget=-0.1), "memory_budget: expected None or a finite number >= 0"),
+        ErrorInput(args(memory_budget=float("inf")), "memory_budget: expected None or a finite number >= 0"),
         ErrorInput(args(bias=torch.randn(10, device=device)), r"bias: expected shape \(11,\)"),
         ErrorInput(args(class_weight=torch.randn(3, device=device)), r"class_weight: expected shape \(11,\)"),
         ErrorInput(args(grad_accum_dtype=torch.float16), "grad_accum_dtype: expected None, torch.float32"),

@@ -100,20 +100,6 @@ def _even_chunks(BT: int, V: int, logit_bytes: int, chunks: int, min_tokens: int
     return tokens if tokens * V * logit_bytes <= CHUNK_BYTES else None
 
 
-def fast_wide_chunk(BT: int, H: int, V: int, itemsize: int) -> int | None:
-    """The default's chunks where fast_weight_dtype_chunk finds none (8 chunks would pass
-    CHUNK_BYTES): the largest chunks of fp32 logits within 2x the gradients' bytes, and within
-    the fp32 V x H accumulator + CHUNK_BYTES chunk they replace, when at most MAX_SUPER_CHUNKS of
-    them cover the tokens, summed in the weight's dtype. Measured against the fp32 accumulator (GPU ms / peak MiB, bf16): 16384 x 2560 x 151936
-    62.7 / 1787 vs 69.4 / 2529 (H200), 67.9 / 1787 vs 74.9 / 2529 (H100); 16384 x 3584 x 152064
-    89.4 / 2118 vs 91.5 / 3232 (H200), 91.3 / 2118 vs 98.4 / 3232 (H100). Returns tokens or None."""
-    if _chunk_override() > 0:
-        return None
-    room = min(2 * (BT + V) * H * itemsize, 4 * V * H + CHUNK_BYTES)
-    rows = _chunk_rows(room, V)
-    return rows if rows > 0 and cdiv(BT, rows) <= MAX_SUPER_CHUNKS else None
-
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """How one FLCE call runs. lean: the forward keeps only the logsumexp and the backward
@@ -167,10 +153,10 @@ def bf16_budget_chunk(
     also the most bf16 sums of grad_W the policy allows (in a CPU emulation of the sums, 16
     chunks 2.5-2.7x eager's grad_W error, 32 chunks 3.3-3.7x). Returns the chunk's tokens, or
     None."""
-    if weight_dtype != torch.bfloat16 or itemsize != 2 or _chunk_override() > 0:
+    if bf16_logits_chunk(BT, V, weight_dtype, itemsize) is None:
         return None
     tokens = cdiv(cdiv(BT, LONG_MAX_CHUNKS), 128) * 128
-    fits = MIN_FAST_CHUNK_TOKENS <= tokens < BT and tokens * V * 2 <= max_bytes
+    fits = MIN_FAST_CHUNK_TOKENS <= tokens < BT and tokens * V * 2 <= min(max_bytes, CHUNK_BYTES)
     return tokens if fits else None
 
 
@@ -193,8 +179,8 @@ def plan(
     CHUNK_BYTES; triton_lean: LEAN_EXTRA_FRACTION of the gradients). A number f: at most about
     f x the gradients' bytes (grad_hidden + grad_W) beyond them: the triton default where it
     fits (fast_extra_bytes), else its bf16 chunks made smaller (bf16_budget_chunk), else the
-    fast mode's largest fp32 chunks that fit, else the lean mode within it. The block floors of flce_blocks (accuracy and GEMM efficiency) win over a
-    budget below them.
+    fast mode's largest fp32 chunks that fit, else the lean mode within it. The block floors of
+    flce_blocks (accuracy and GEMM efficiency) win over a budget below them.
     """
     grad_bytes = (BT + V) * H * itemsize
     fp32_ok = grad_accum_dtype in (None, torch.float32)
@@ -202,35 +188,35 @@ def plan(
         grad_accum_dtype is None and weight_dtype == torch.float16
     )
     if memory_budget is None and not lean_default:
-        return _fast_default(BT, H, V, itemsize, weight_dtype, grad_accum_dtype, grads_now, need_weight)
+        return _fast_default(BT, V, itemsize, weight_dtype, grad_accum_dtype, grads_now, need_weight)
     extra = int((LEAN_EXTRA_FRACTION if memory_budget is None else memory_budget) * grad_bytes)
     if memory_budget is not None and grads_now:
         # The default wherever it fits: no plan measured faster (fp32 chunks within 2x the
         # gradients 1.00-1.11x its time on the grid heads, H100 and H200).
-        fast = _fast_default(BT, H, V, itemsize, weight_dtype, grad_accum_dtype, grads_now, need_weight)
-        if fast_extra_bytes(fast, BT, H, V, need_weight) <= extra:
+        fast = _fast_default(BT, V, itemsize, weight_dtype, grad_accum_dtype, grads_now, need_weight)
+        if fast_extra_bytes(fast, BT, H, V, need_weight, weight_dtype) <= extra:
             return fast
         # Else the default's bf16 chunks, smaller.
         if need_weight and grad_accum_dtype in (None, weight_dtype):
             tokens = bf16_budget_chunk(BT, V, weight_dtype, itemsize, extra)
             if tokens is not None:
                 return Plan(False, False, tokens * V * 2, extra, fp32_logits=False)
-        # Else a chunk of fp32 logits, and grad_W summed in its own dtype over at most
-        # MAX_SUPER_CHUNKS chunks, or else in an fp32 accumulator that the budget pays for too.
-        # A budget may pass CHUNK_BYTES (the default's cap), not 2^31 logits per chunk.
-        rows = _chunk_rows(extra, V)
+        # Else a chunk of fp32 logits (at most CHUNK_BYTES, run_chunks' cap), and grad_W summed
+        # in its own dtype over at most MAX_SUPER_CHUNKS chunks, or else in an fp32 accumulator
+        # that the budget pays for too.
+        rows = _chunk_rows(min(extra, CHUNK_BYTES), V)
         summed = own_ok and (rows >= BT or cdiv(BT, max(rows, 1)) <= MAX_SUPER_CHUNKS)
         if rows > 0 and (not need_weight or summed):
             return Plan(False, False, rows * V * 4, extra)
-        rows = _chunk_rows(extra - V * H * 4, V)
-        if rows > 0 and need_weight and fp32_ok:
+        acc_loop, acc_end = _fp32_accumulator_extra(V, H, weight_dtype)
+        rows = _chunk_rows(min(extra - acc_loop, CHUNK_BYTES), V)
+        if rows > 0 and acc_end <= extra and need_weight and fp32_ok:
             return Plan(False, True, rows * V * 4, extra)
     return Plan(True, grad_accum_dtype == torch.float32, grad_bytes + extra, extra)
 
 
 def _fast_default(
     BT: int,
-    H: int,
     V: int,
     itemsize: int,
     weight_dtype: torch.dtype,
@@ -248,19 +234,30 @@ def _fast_default(
         if tokens is not None:
             return Plan(False, False, tokens * V * 2, CHUNK_BYTES, fp32_logits=False)
     tokens = fast_weight_dtype_chunk(BT, V) if need_weight else None
-    if tokens is None and need_weight and grad_accum_dtype is None and own_ok:
-        tokens = fast_wide_chunk(BT, H, V, itemsize)
     accum = grad_accum_dtype == torch.float32 or (grad_accum_dtype is None and (not own_ok or tokens is None))
     chunk = tokens * V * 4 if grads_now and need_weight and not accum and tokens is not None else 0
     return Plan(False, accum, chunk, CHUNK_BYTES)
 
 
-def fast_extra_bytes(p: Plan, BT: int, H: int, V: int, need_weight: bool) -> int:
-    """What a fast-mode plan holds beyond the gradients: its largest logits chunk and, where
-    grad_W is summed in fp32, the V x H accumulator."""
+def _fp32_accumulator_extra(V: int, H: int, weight_dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes an fp32 grad_W accumulator holds beyond grad_W (V x H in the weight's dtype): during
+    the chunks (in grad_W's place) and at the end (its conversion, both alive)."""
+    if weight_dtype == torch.float32:
+        return 0, 0  # the accumulator is grad_W
+    return V * H * (4 - weight_dtype.itemsize), V * H * 4
+
+
+def fast_extra_bytes(
+    p: Plan, BT: int, H: int, V: int, need_weight: bool, weight_dtype: torch.dtype = torch.bfloat16
+) -> int:
+    """What a fast-mode plan holds beyond the gradients: its largest logits chunk (as run_chunks
+    sizes it) beside an fp32 grad_W accumulator's extra bytes, or the accumulator at its end."""
     logit_bytes = 4 if p.fp32_logits else 2
     chunk = flce_chunk_tokens(BT, V, p.chunk_bytes or None, logit_bytes) * V * logit_bytes
-    return chunk + (V * H * 4 if p.accum_fp32 and need_weight else 0)
+    if not (p.accum_fp32 and need_weight):
+        return chunk
+    acc_loop, acc_end = _fp32_accumulator_extra(V, H, weight_dtype)
+    return max(chunk + acc_loop, acc_end)
 
 
 def flce_blocks(

@@ -28,11 +28,9 @@ chunks when each holds at most CHUNK_BYTES of logits: bf16 logits for bf16 input
 (_flce_plan.bf16_logits_chunk: 0.85-1.02x the time at 0.51-0.82x the peak of fp32 chunks on the
 grid heads; on long batches, where 8 chunks would pass 2048 tokens each, up to 16 chunks of at
 least 2048 tokens: at 32k tokens x 128k the same time at 0.69x the peak), fp32 ones for fp16
-(BT * V <= 2^31);
-past that, fp32 chunks within 2x the gradients' bytes where at most 8 of them
-cover the tokens (_flce_plan.fast_wide_chunk: 3-10% faster and 30-35% leaner than the
-accumulator at 16k tokens x 152k vocabulary); otherwise (or for fp16 weights) CHUNK_BYTES chunks
-into an fp32 V x H accumulator.
+(BT * V <= 2^31); otherwise (or for fp16 weights) CHUNK_BYTES chunks into an fp32 V x H
+accumulator (chunks never pass CHUNK_BYTES, so more of them would sum grad_W in 16 bits more
+often than the policy allows).
 The fast mode is the default because in a training step the FLCE's own peak sits below the step's
 peak (measured end to end: the same peak memory in both modes, and the fast mode 1.08-1.22x the
 lean mode's tokens/s from 1 x 1024 tokens per step up). Choose the lean mode like any backend,
@@ -306,10 +304,11 @@ def _setup_context(ctx, inputs, output):
 
 
 _SECOND_BACKWARD = (
-    "fused_linear_cross_entropy: backend 'triton' computed the gradients in the forward and the "
-    "first backward handed them to autograd (scaled in place), so there is nothing left for a "
-    "second backward through this graph (retain_graph=True). Backends that recompute instead: "
-    "'triton_lean', 'compile', 'eager'."
+    "fused_linear_cross_entropy: the Triton fast mode (backend 'triton', or a memory_budget that "
+    "fits it) computed the gradients in the forward and the first backward handed them to "
+    "autograd (scaled in place), so there is nothing left for a second backward through this "
+    "graph (retain_graph=True). What recomputes instead: backend 'triton_lean' without a "
+    "memory_budget (or one below the fast mode's need), 'compile', 'eager'."
 )
 
 

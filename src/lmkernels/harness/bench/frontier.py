@@ -264,6 +264,7 @@ def median_of_rounds(rounds: list[list[dict[str, Any]]], names: list[str]) -> li
             alone = [r.get("gpu_ms_alone") if r.get("gpu_alternating") else r.get("gpu_ms") for r in mine]
             row["gpu_ms_alone"] = _median(alone)
             row["gpu_sleep_ms"] = _median([r.get("gpu_sleep_ms") for r in timed])
+            row["gpu_host_waits"] = any(r.get("gpu_host_waits") for r in timed)
         for key in ("ms", "ms_p20", "ms_p80"):
             row[key] = _median([r.get(key) for r in mine])
         row["gpu_ms_rounds"] = [r.get("gpu_ms") for r in timed]

@@ -195,13 +195,12 @@ def interleaved_gpu_ms(
         zero_grads(grad_tensors)
         hosts[name] = once_ms(run, "cuda")[1]
         zero_grads(grad_tensors)
-    # Behind a sleep longer than any call's host time, a call that returns before the sleep
-    # ends launched without waiting.
-    long_cycles = _sleep_cycles(max(hosts.values()))
-    long_ms = long_cycles / _sleep_cycles_per_ms()
-    queued = {name: _queued_host_ms(*runs[name], long_cycles) for name in runs}
-    waits = {name for name, ms in queued.items() if ms >= WAITS_FRACTION * long_ms}
-    cycles = _sleep_cycles(max((ms for name, ms in queued.items() if name not in waits), default=0.0))
+    # Behind a sleep much longer than any call's host time, a call that returns before the sleep
+    # ends launched without waiting; its host time then is its launch time.
+    detect = int(_sleep_cycles_per_ms() * (2 * max(hosts.values()) + 20))
+    launches = {name: _launch_ms(*runs[name], detect) for name in runs}
+    waits = {name for name, ms in launches.items() if ms is None}
+    cycles = _sleep_cycles(max((ms for ms in launches.values() if ms is not None), default=0.0))
     names = list(runs)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(calls):
@@ -210,23 +209,21 @@ def interleaved_gpu_ms(
     return {name: statistics.median(t) for name, t in times.items()}, cycles / _sleep_cycles_per_ms(), waits
 
 
-# A call queued behind a sleep that returns after this fraction of it waited for the GPU: one
-# that does not returns within its unqueued host time, at most 1 / 1.5 of the sleep
-# (_sleep_cycles).
-WAITS_FRACTION = 0.85
-
-
-def _queued_host_ms(run: Callable[[], Any], grad_tensors: Sequence[torch.Tensor], cycles: int) -> float:
-    """Host ms until run() returns with the GPU asleep for `cycles` ahead of it."""
+def _launch_ms(run: Callable[[], Any], grad_tensors: Sequence[torch.Tensor], cycles: int) -> float | None:
+    """Host ms to launch run() with the GPU asleep for `cycles` ahead of it, or None where the
+    call waited for the GPU on the host (the sleep had ended by the time it returned)."""
     zero_grads(grad_tensors)
     torch.cuda.synchronize()
     torch.cuda._sleep(cycles)
+    slept = torch.cuda.Event()
+    slept.record()
     t0 = time.perf_counter()
     run()
     host_ms = (time.perf_counter() - t0) * 1e3
+    waited = slept.query()
     torch.cuda.synchronize()
     zero_grads(grad_tensors)
-    return host_ms
+    return None if waited else host_ms
 
 
 def _l2_flush_buffer() -> torch.Tensor:
