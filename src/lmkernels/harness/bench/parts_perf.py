@@ -20,8 +20,11 @@ from lmkernels.harness.bench.parts import Context, repo_root, run_command
 OPS_IMPLS = ("triton", "compile", "liger")
 # The FLCE part: lmkernels' default, its lean backend and the memory-budget range against the
 # peers' defaults, over the logit regimes that decide (uniform = random init, where only CCE's
-# filter pays, runs through frontier.py --regimes).
-FLCE_VARIANTS = ("triton", "triton_lean", "budget_0", "budget_0.15", "budget_0.25", "budget_0.5", "budget_1")
+# filter pays, runs through frontier.py --regimes). The budgets: the lean floor, the lean mode
+# with larger blocks, and 0.4 (the 16 smaller bf16 chunks at the 16k-token heads, elsewhere the
+# lean mode or the default); from the default's own need up (0.23-0.80 of the gradients on the
+# grid heads) every budget runs the default.
+FLCE_VARIANTS = ("triton", "triton_lean", "budget_0", "budget_0.15", "budget_0.4")
 FLCE_VARIANTS += ("compile_naive", "cce", "liger")
 FLCE_REGIMES = ("gaussian", "zipf")
 DIST_MODES = ("fsdp", "fsdp_lm_head", "tp")
