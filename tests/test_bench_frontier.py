@@ -175,8 +175,7 @@ def test_alternate_times_the_variants_that_passed_or_leaves_a_note(monkeypatch):
     made = {"hidden": torch.zeros(2, 3), "target": torch.zeros(2, dtype=torch.long)}
     monkeypatch.setattr(flce_frontier, "cleanup", lambda device: None)
     monkeypatch.setattr(flce_frontier, "prepare_inputs", lambda spec, inputs, device: dict(inputs))
-    monkeypatch.setattr(flce_frontier, "backend_fn", lambda op, backend, inputs: backend)
-    monkeypatch.setattr(flce_frontier, "mode_fn", lambda fn, inputs, mode: fn)
+    monkeypatch.setattr(flce_frontier, "timed_call", lambda op, backend, inputs, mode: backend)
     seen = {}
 
     def timed(runs, calls):
@@ -192,7 +191,7 @@ def test_alternate_times_the_variants_that_passed_or_leaves_a_note(monkeypatch):
             {"variant": "c", "gpu_ms": None, "note": "OOM"},
         ]
 
-    monkeypatch.setattr(flce_frontier, "backend_fn", lambda op, backend, inputs: (backend, inputs))
+    monkeypatch.setattr(flce_frontier, "timed_call", lambda op, backend, inputs, mode: (backend, inputs))
     got = rows()
     opts = {"grad_accum_dtype": torch.bfloat16}
     flce_frontier.alternate(got, {"a": ("triton", {}), "b": ("liger", opts)}, made, "cuda")
@@ -215,11 +214,13 @@ def test_alternate_times_the_variants_that_passed_or_leaves_a_note(monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(flce_frontier, "interleaved_gpu_ms", fails)
-    monkeypatch.setattr(flce_frontier, "mode_fn", lambda fn, inputs, mode: 1 / 0)  # a rebuild fails
+    monkeypatch.setattr(
+        flce_frontier, "timed_call", lambda op, backend, inputs, mode: 1 / 0
+    )  # a rebuild fails
     rebuilt = rows()
     flce_frontier.alternate(rebuilt, {"a": ("triton", {}), "b": ("liger", {})}, made, "cuda")
     assert rebuilt[0]["gpu_ms"] == 9.0 and "failed (ZeroDivisionError" in rebuilt[0]["note"]
-    monkeypatch.setattr(flce_frontier, "mode_fn", lambda fn, inputs, mode: fn)
+    monkeypatch.setattr(flce_frontier, "timed_call", lambda op, backend, inputs, mode: backend)
     failed = rows()
     flce_frontier.alternate(failed, {"a": ("triton", {}), "b": ("liger", {})}, made, "cuda")
     assert failed[0]["gpu_ms"] == 9.0 and failed[0]["gpu_alternating"] is False

@@ -169,7 +169,7 @@ def test_memory_budget_plans(monkeypatch):
         return flce_plan.plan(BT, H, V, 2, dtype, accum, False, budget, grads_now, weight)
 
     default = plan(None)
-    need = flce_plan.fast_extra_bytes(default, BT, H, V, True)
+    need = flce_plan.fast_extra_bytes(default, BT, H, V, True, torch.bfloat16)
     assert need == 2048 * V * 2  # 8 chunks of 2048 tokens of bf16 logits: 0.72x the gradients
     smallest = 1024 * V * 2  # 16 chunks of 1024 tokens: 0.36x
     for f in (0.0, 0.05, smallest / grads - 0.01):  # below the smallest bf16 chunks: lean
@@ -186,7 +186,7 @@ def test_memory_budget_plans(monkeypatch):
     p = plan(2.0, accum=torch.float32)
     assert not p.lean and p.accum_fp32 and p.fp32_logits
     assert 0 < p.chunk_bytes <= int(2.0 * grads) - V * H * 2 and V * H * 4 <= 2.0 * grads
-    assert flce_plan.fast_extra_bytes(p, BT, H, V, True) <= 2.0 * grads
+    assert flce_plan.fast_extra_bytes(p, BT, H, V, True, torch.bfloat16) <= 2.0 * grads
     assert plan(1.0, accum=torch.bfloat16) == default  # summing in bf16 asked for: the default's
     p = plan(0.2, weight=False)  # a frozen lm_head: any chunk that fits (here 256 tokens)
     assert not p.lean and 0 < p.chunk_bytes <= int(0.2 * grads)

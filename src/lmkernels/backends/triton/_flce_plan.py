@@ -184,9 +184,7 @@ def plan(
     """
     grad_bytes = (BT + V) * H * itemsize
     fp32_ok = grad_accum_dtype in (None, torch.float32)
-    own_ok = grad_accum_dtype in (None, weight_dtype) and not (
-        grad_accum_dtype is None and weight_dtype == torch.float16
-    )
+    own_ok = _sums_in_own_dtype(weight_dtype, grad_accum_dtype)
     if memory_budget is None and not lean_default:
         return _fast_default(BT, V, itemsize, weight_dtype, grad_accum_dtype, grads_now, need_weight)
     extra = int((LEAN_EXTRA_FRACTION if memory_budget is None else memory_budget) * grad_bytes)
@@ -226,9 +224,7 @@ def _fast_default(
 ) -> Plan:
     """The triton backend's default plan (memory_budget None): the fast mode, its chunks as
     flce.py's docstring says."""
-    own_ok = grad_accum_dtype in (None, weight_dtype) and not (
-        grad_accum_dtype is None and weight_dtype == torch.float16
-    )
+    own_ok = _sums_in_own_dtype(weight_dtype, grad_accum_dtype)
     if grads_now and need_weight and grad_accum_dtype in (None, weight_dtype):
         tokens = bf16_logits_chunk(BT, V, weight_dtype, itemsize)
         if tokens is not None:
@@ -239,6 +235,12 @@ def _fast_default(
     return Plan(False, accum, chunk, CHUNK_BYTES)
 
 
+def _sums_in_own_dtype(weight_dtype: torch.dtype, grad_accum_dtype: torch.dtype | None) -> bool:
+    """Whether grad_W may be summed over chunks in the weight's own dtype: asked for, or the
+    default for every dtype but fp16 (whose sums keep an fp32 accumulator)."""
+    return grad_accum_dtype == weight_dtype or (grad_accum_dtype is None and weight_dtype != torch.float16)
+
+
 def _fp32_accumulator_extra(V: int, H: int, weight_dtype: torch.dtype) -> tuple[int, int]:
     """Bytes an fp32 grad_W accumulator holds beyond grad_W (V x H in the weight's dtype): during
     the chunks (in grad_W's place) and at the end (its conversion, both alive)."""
@@ -247,9 +249,7 @@ def _fp32_accumulator_extra(V: int, H: int, weight_dtype: torch.dtype) -> tuple[
     return V * H * (4 - weight_dtype.itemsize), V * H * 4
 
 
-def fast_extra_bytes(
-    p: Plan, BT: int, H: int, V: int, need_weight: bool, weight_dtype: torch.dtype = torch.bfloat16
-) -> int:
+def fast_extra_bytes(p: Plan, BT: int, H: int, V: int, need_weight: bool, weight_dtype: torch.dtype) -> int:
     """What a fast-mode plan holds beyond the gradients: its largest logits chunk (as run_chunks
     sizes it) beside an fp32 grad_W accumulator's extra bytes, or the accumulator at its end."""
     logit_bytes = 4 if p.fp32_logits else 2

@@ -52,16 +52,17 @@ from typing import Any
 
 import torch
 
-from lmkernels.harness.bench.backends import backend_fn, backends_for
+from lmkernels.harness.bench.backends import backends_for
 from lmkernels.harness.bench.frontier_report import MEM_BASE, REGIMES, TIME_BASE, write_reports
 from lmkernels.harness.bench.measure import (
     cleanup,
     empty_row,
+    grad_tensors_of,
     interleaved_gpu_ms,
     is_oom,
     measure,
-    mode_fn,
     prepare_inputs,
+    timed_call,
 )
 from lmkernels.harness.bench.plan import FLCE
 from lmkernels.harness.bench.roofline import add_rooflines
@@ -232,8 +233,7 @@ def _calls(passed: dict[str, Any], made: dict[str, Any], device: str) -> dict[st
     spec, calls = get_op(FLCE), {}
     for name, (backend, opts) in passed.items():
         inputs = prepare_inputs(spec, made | opts, device)
-        grads = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
-        calls[name] = (mode_fn(backend_fn(FLCE, backend, inputs), inputs, "full"), grads)
+        calls[name] = (timed_call(FLCE, backend, inputs, "full"), grad_tensors_of(inputs))
     return calls
 
 

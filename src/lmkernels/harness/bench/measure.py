@@ -281,10 +281,20 @@ def empty_row(backend: str, mode: str, status: str = "ok", note: str = "") -> di
     return {"backend": backend, "mode": mode, "status": status, **row, "note": note}
 
 
+def timed_call(op: str, backend: str, inputs: dict[str, Any], mode: str) -> Callable[[], Any]:
+    """The call measure times: the backend's function in `mode` on the inputs (raises
+    Unsupported where the backend cannot take them)."""
+    return mode_fn(backend_fn(op, backend, inputs), inputs, mode)
+
+
+def grad_tensors_of(inputs: dict[str, Any]) -> list[torch.Tensor]:
+    """The inputs whose gradients a timed call sets (cleared between calls)."""
+    return [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+
+
 def _measure(op, backend, inputs, mode, warmup, rep, grad_tensors, device, row, profile, min_runs, gpu_runs):
     """Fills row; its closures, and the autograd graph they hold, die when it returns."""
-    fn = backend_fn(op, backend, inputs)
-    run = mode_fn(fn, inputs, mode)  # its first forward also compiles / autotunes
+    run = timed_call(op, backend, inputs, mode)  # its first forward also compiles / autotunes
     run()  # one more warm-up call, outside the memory measurement (e.g. bwd's first backward)
     peak = peak_memory_bytes(run, grad_tensors, device)
     row["peak_mib"] = None if peak is None else peak / 2**20
@@ -315,7 +325,7 @@ def measure(
     """
     device = next(v.device.type for v in inputs.values() if isinstance(v, torch.Tensor))
     row = empty_row(backend, mode)
-    grad_tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+    grad_tensors = grad_tensors_of(inputs)
     try:
         _measure(
             op, backend, inputs, mode, warmup, rep, grad_tensors, device, row, profile, min_runs, gpu_runs
