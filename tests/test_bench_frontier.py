@@ -144,6 +144,12 @@ def test_interleaved_timing_alternates_every_variant_behind_the_same_sleep(monke
     got, sleep_ms, waits = measure.interleaved_gpu_ms(runs, 2)
     assert waits == {"a", "b", "c"} and sleep_ms == pytest.approx(0.2, abs=1e-3)
 
+    # A launch past MAX_COVERED_LAUNCH_MS is not covered: counted as waiting, the sleep set by
+    # the others.
+    launch = {"a": 1.5, "b": measure.MAX_COVERED_LAUNCH_MS + 1, "c": 3.0}
+    got, sleep_ms, waits = measure.interleaved_gpu_ms(runs, 2)
+    assert waits == {"b"} and sleep_ms == pytest.approx(4.7, abs=1e-3)
+
 
 def test_launch_ms_says_whether_the_call_waited(monkeypatch):
     """_launch_ms: the host time of a call queued behind a sleep, or None where the sleep had

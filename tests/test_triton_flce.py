@@ -656,6 +656,45 @@ def test_peak_memory_cuda(monkeypatch, accum, mode):
         assert peak_backward - (before_backward - base) <= 2**20, "the fast backward allocated"
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="peak GPU memory needs a CUDA device and compiled kernels (TRITON_INTERPRET=0)",
+)
+@pytest.mark.parametrize("budget", [0.0, 0.15, 0.4, 1.0])
+def test_budget_peak_memory_cuda(monkeypatch, budget):
+    """A memory budget's peak above the inputs over forward + backward stays within what its
+    plan holds beyond the gradients (fast_extra_bytes, or the lean mode's blocks), and within
+    the budget wherever the plan is not at a block floor. At 16384 x 2560 x 151936 the budgets
+    run the lean mode at its block floor (0) and within the budget (0.15), 16 smaller bf16
+    chunks (0.4) and the default (1.0)."""
+    fix_sizes(monkeypatch, None, None)
+    BT, H, V = 16384, 2560, 151936
+    p = flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, budget, True, True)
+    grads = (BT + V) * H * 2
+    if p.lean:
+        tokens, cols = flce_plan.flce_blocks(
+            BT, H, V, p.block_bytes, whole_tokens=p.accum_fp32, accumulate_h=True
+        )
+        extra = tokens * (H + cols) * 4
+    else:
+        extra = flce_plan.fast_extra_bytes(p, BT, H, V, True, torch.bfloat16)
+    inputs = make({"BT": BT, "H": H, "V": V}, torch.bfloat16, {"memory_budget": budget})
+    hidden = inputs["hidden"].requires_grad_(True)
+    weight = inputs["weight"].requires_grad_(True)
+    lmkernels.fused_linear_cross_entropy(**inputs, backend="triton").backward()  # warm-up, autotune
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    lmkernels.fused_linear_cross_entropy(**inputs, backend="triton").backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    slack = 8 * 2**20  # loss, lse, scales, cuBLAS workspace
+    assert peak <= grads + extra + slack, f"peak {peak / 2**20:.0f} MiB, plan {(grads + extra) / 2**20:.0f}"
+    if extra <= budget * grads:
+        assert peak <= grads * (1 + budget) + slack, f"peak {peak / 2**20:.0f} MiB over the budget"
+
+
 @pytest.mark.parametrize("accum", [None, torch.float16], ids=["fp32-accum", "fp16-lean"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_fp16_tiny_dlogits(monkeypatch, reduction, accum, mode):

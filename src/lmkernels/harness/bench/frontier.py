@@ -202,7 +202,8 @@ def alternate(rows: list[dict[str, Any]], passed: dict[str, Any], made: dict[str
     (interleaved_gpu_ms), each on its own copy of the inputs: gpu_ms becomes that time,
     gpu_ms_alone keeps the time of the variant's own block of calls, gpu_alternating says which
     one gpu_ms is, gpu_sleep_ms is the idle before each alternating call, gpu_host_waits says
-    whether the variant's call waits for the GPU on the host (the sleep does not cover it)."""
+    whether the sleep does not cover the variant's call (it waits for the GPU on the host, or
+    launches for longer than measure.MAX_COVERED_LAUNCH_MS): its GPU time includes host time."""
     for r in rows:
         r["gpu_alternating"] = False
     if len(passed) < 2 or not device.startswith("cuda"):

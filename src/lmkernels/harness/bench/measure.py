@@ -26,6 +26,10 @@ QUANTILES = [0.5, 0.2, 0.8]
 # A slow case (FLCE, ~50 ms) gets at least this many timed runs, whatever `rep` says.
 MIN_TIMED_RUNS = 10
 MAX_GPU_RUNS = 50
+# The alternating calls' common sleep covers launches up to this long (interleaved_gpu_ms): the
+# FLCE grid's launches take 5-35 ms, one peer's softcap call 140 ms, which would idle the GPU
+# for 211 ms before every call of its shape.
+MAX_COVERED_LAUNCH_MS = 50.0
 
 
 def prepare_inputs(spec: OpSpec, inputs: dict[str, Any], device: str) -> dict[str, Any]:
@@ -183,9 +187,11 @@ def interleaved_gpu_ms(
     call behind the same sleep. Where a case holds the GPU at its power limit, a call's time
     depends on the load and the idle before it; alternating gives every name the same ones.
 
-    The sleep covers the slowest launch among the calls that do not wait for the GPU: a call
-    that waits (a read of a device value back to the host) idles the GPU whatever the sleep,
-    and a sleep long enough for its whole call would rest the GPU for longer than any call runs.
+    The sleep covers the slowest launch among the calls that do not wait for the GPU and launch
+    within MAX_COVERED_LAUNCH_MS: a call that waits (a read of a device value back to the host)
+    idles the GPU whatever the sleep, and a sleep long enough for its whole call, or for one
+    very slow launch, would rest the GPU before every call for longer than most calls run. The
+    names returned as waiting include those slow launchers: their device time includes host time.
     runs: name -> (the call, the tensors whose gradients it sets)."""
     cache = _l2_flush_buffer()
     hosts = {}
@@ -199,8 +205,8 @@ def interleaved_gpu_ms(
     # ends launched without waiting; its host time then is its launch time.
     detect = int(_sleep_cycles_per_ms() * (2 * max(hosts.values()) + 20))
     launches = {name: _launch_ms(*runs[name], detect) for name in runs}
-    waits = {name for name, ms in launches.items() if ms is None}
-    cycles = _sleep_cycles(max((ms for ms in launches.values() if ms is not None), default=0.0))
+    waits = {name for name, ms in launches.items() if ms is None or ms > MAX_COVERED_LAUNCH_MS}
+    cycles = _sleep_cycles(max((ms for name, ms in launches.items() if name not in waits), default=0.0))
     names = list(runs)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(calls):
