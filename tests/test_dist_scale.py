@@ -4,6 +4,10 @@ one tiny run on the CPU (gloo) through torchrun, the path every GPU run takes.""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
+import time
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -127,3 +131,34 @@ def test_tiny_cpu_run(tmp_path):
     for key in ("device", "gpu", "gpus", "versions", "commit", "date", "command", "run", "peer"):
         assert data_row[key] is not None, key
     assert data_row["peer"].startswith("lmkernels") and data_row["gpus"] == 2
+
+
+def test_a_failing_rank_ends_the_run(tmp_path):
+    """A rank that fails while another waits for it in a collective writes the row and ends the
+    job at once, not at the run's timeout (transformers' loading of a 2-D model failed on 2 of 4
+    ranks while the other two waited)."""
+    script = tmp_path / "fails_on_rank_1.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, types
+            import torch.distributed as dist
+            from lmkernels.harness.bench.scale_worker import run_worker
+
+            def train(args, result, device, rank, world):
+                if rank == 1:
+                    raise ValueError("rank 1 cannot")
+                dist.barrier()
+
+            run_worker(types.SimpleNamespace(json=sys.argv[1], tiny=True, mode="fsdp", config="lmk"), train)
+            """
+        )
+    )
+    row = tmp_path / "row.json"
+    start = time.monotonic()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run([*cmd, str(script), str(row)], timeout=300, capture_output=True, text=True)
+    assert proc.returncode != 0
+    result = json.loads(row.read_text())
+    assert result["status"] == "error" and result["error"] == "ValueError: rank 1 cannot", result
+    assert time.monotonic() - start < 120

@@ -353,7 +353,7 @@ def record_peaks(result: dict, timed: float, every_step: float, device) -> None:
 def run_worker(args, train_fn) -> None:
     """Under torchrun: the process group, then train_fn(args, result, device, rank, world) (this
     module's train, or scale_titan's run_titan), its error recorded as the row; rank 0 writes
-    the row."""
+    the row, or a rank that failed, which then ends the job."""
     import torch
     import torch.distributed as dist
 
@@ -371,6 +371,26 @@ def run_worker(args, train_fn) -> None:
 
         result.update(status="error", error=f"{type(exc).__name__}: {str(exc)[:400]}")
         log(f"rank {rank}: {result['error']}\n{traceback.format_exc()[-1500:]}")
+        if world > 1:
+            # The other ranks may wait for this one in a collective until the run's timeout:
+            # write the row and end the job now (torchrun stops the other ranks).
+            _write_row(args.json, result, rank)
+            os._exit(1)
     if rank == 0:
-        Path(args.json).write_text(json.dumps(result))
+        _write_row(args.json, result, rank)
     dist.destroy_process_group()
+
+
+def _write_row(path: str, result: dict, rank: int) -> None:
+    """The run's row. An error row is written by the first rank that fails (the others may fail
+    only because it ended: "connection closed by peer")."""
+    tmp = Path(f"{path}.rank{rank}")
+    tmp.write_text(json.dumps(result))
+    if result["status"] != "error":
+        os.replace(tmp, path)
+        return
+    try:
+        os.link(tmp, path)  # fails where a row is there already
+    except FileExistsError:
+        pass
+    tmp.unlink()
