@@ -49,6 +49,7 @@ GROUPS = {
     "triton-files": [
         "tests/test_triton_norms.py",
         "tests/test_triton_flce.py",
+        "tests/test_triton_flce_memory.py",
         "tests/test_triton_rope_glu.py",
         "tests/test_triton_glu_inplace.py",
         "tests/test_compile_sm90.py",

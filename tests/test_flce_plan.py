@@ -1,6 +1,6 @@
 """The FLCE Triton backend's plan (_flce_plan): chunk and block sizes, the default's chunks and
 the memory budget's choices. Host arithmetic only: no kernel runs here (test_triton_flce.py runs
-the plans)."""
+the plans, test_triton_flce_memory.py measures their memory)."""
 
 import pytest
 import torch
