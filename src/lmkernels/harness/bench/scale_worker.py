@@ -374,23 +374,18 @@ def run_worker(args, train_fn) -> None:
         if world > 1:
             # The other ranks may wait for this one in a collective until the run's timeout:
             # write the row and end the job now (torchrun stops the other ranks).
-            _write_row(args.json, result, rank)
+            _write_row(args.json, result)
             os._exit(1)
     if rank == 0:
-        _write_row(args.json, result, rank)
+        _write_row(args.json, result)
     dist.destroy_process_group()
 
 
-def _write_row(path: str, result: dict, rank: int) -> None:
+def _write_row(path: str, result: dict) -> None:
     """The run's row. An error row is written by the first rank that fails (the others may fail
-    only because it ended: "connection closed by peer")."""
-    tmp = Path(f"{path}.rank{rank}")
-    tmp.write_text(json.dumps(result))
-    if result["status"] != "error":
-        os.replace(tmp, path)
-        return
+    only because it ended: "connection closed by peer"); the driver reads it once all have exited."""
     try:
-        os.link(tmp, path)  # fails where a row is there already
+        with open(path, "x" if result["status"] == "error" else "w") as f:
+            f.write(json.dumps(result))
     except FileExistsError:
         pass
-    tmp.unlink()
