@@ -314,6 +314,10 @@ def check_tensor_parallel_dtensor_glu_and_rope(ctx):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from transformers.models.llama import modeling_llama
 
+    from lmkernels.integrations import transformers as lk_hf
+    from lmkernels.integrations.transformers.replacements import rope_function
+    from lmkernels.integrations.transformers.structure import unwrapped
+
     mesh = device_mesh((ctx["world"],))
     rank, world = ctx["rank"], ctx["world"]
     g = torch.Generator().manual_seed(7)
@@ -351,8 +355,10 @@ def check_tensor_parallel_dtensor_glu_and_rope(ctx):
     ql = q.chunk(world, 1)[rank].clone().requires_grad_()
     kl = k.chunk(world, 1)[rank].clone().requires_grad_()
     qd, kd = DTensor.from_local(ql, mesh, [Shard(1)]), DTensor.from_local(kl, mesh, [Shard(1)])
-    qd_out, kd_out = modeling_llama.apply_rotary_pos_emb(qd, kd, cos, sin)
-    assert getattr(modeling_llama.apply_rotary_pos_emb, "_lmkernels_patch", False), "rope is not patched"
+    # the rope function the patched model's attention runs (its layout, the triton backend)
+    finding = next(f for f in lk_hf.report(model).patched if f.op == "rope")
+    original = unwrapped(modeling_llama.apply_rotary_pos_emb)
+    qd_out, kd_out = rope_function(original, finding.spec, lambda: "triton")(qd, kd, cos, sin)
     (qd_out.to_local().sum() + 2 * kd_out.to_local().sum()).backward()
     errs["rope_q"] = rel(qd_out.to_local(), qo.detach().chunk(world, 1)[rank])
     errs["rope_grad_k"] = rel(kl.grad, kr.grad.chunk(world, 1)[rank])

@@ -79,6 +79,36 @@ def test_use_backend_per_op_and_nesting(toys):
     assert resolve("rms_norm", INPUTS).backend == "compile"
 
 
+def test_auto_named_at_any_level_means_the_automatic_choice(toys, monkeypatch):
+    """ "auto" at a level stops the precedence there: it is the automatic choice, not "ask the
+    next level"."""
+    auto = resolve("rms_norm", INPUTS).backend
+    with lmkernels.use_backend("toy_a", rms_norm="auto"):
+        assert resolve("rms_norm", INPUTS).backend == auto
+    with lmkernels.use_backend("toy_a"):
+        assert resolve("rms_norm", INPUTS, backend="auto").backend == auto
+    monkeypatch.setenv("LMKERNELS_BACKEND", "toy_b")
+    with lmkernels.use_backend("auto"):
+        assert resolve("rms_norm", INPUTS).backend == auto
+    monkeypatch.setenv("LMKERNELS_BACKEND", "toy_a,rms_norm=auto")
+    assert resolve("rms_norm", INPUTS).backend == auto
+    assert toys == []
+
+
+def test_auto_says_once_which_backend_it_chose(caplog):
+    from lmkernels.registry import dispatch
+
+    dispatch._AUTO_LOGGED.clear()
+    caplog.set_level("INFO", logger="lmkernels")
+    x = torch.randn(5, 8)
+    lmkernels.rms_norm(x, W)
+    lmkernels.rms_norm(x[:2], W)
+    said = [r.getMessage() for r in caplog.records if "auto chose" in r.getMessage()]
+    assert said == [
+        "rms_norm: auto chose backend 'compile' on cpu (set one with backend=, use_backend or LMKERNELS_BACKEND)"
+    ]
+
+
 def test_explicit_backend_that_cannot_run_raises_with_reasons(toys):
     xb = X.to(torch.bfloat16)
     with pytest.raises(

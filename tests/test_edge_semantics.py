@@ -8,6 +8,7 @@ import torch
 
 import lmkernels
 from lmkernels import ConsumedInputsError
+from lmkernels.ops.flce import fused_linear_cross_entropy_reference
 from lmkernels.ops.rope import rope_tables
 from lmkernels.registry.core import impls
 
@@ -160,3 +161,20 @@ def test_flce_non_finite_weights_give_eagers_pattern(backend, value, triton_devi
             assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf()), (a, b)
             finite = b.isfinite()
             torch.testing.assert_close(a[finite], b[finite], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", _backends("fused_linear_cross_entropy"))
+@pytest.mark.parametrize("scale", [100.0, 1000.0])
+def test_flce_entropy_at_large_logits_matches_fp64(backend, scale, triton_device):
+    """Logits of a few hundred: the entropy (near 0) must not come out of lse - sum p z, a
+    difference of two numbers of the logits' size."""
+    device = _device(backend, triton_device)
+    hidden = _randn(16, 32, seed=1, device=device) * scale
+    weight = _randn(50, 32, seed=2, device=device) * 0.1
+    target = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(3)).to(device)
+    ref = fused_linear_cross_entropy_reference(hidden.double(), weight.double(), target, return_stats=True)[2]
+    entropy = lmkernels.fused_linear_cross_entropy(
+        hidden, weight, target, return_stats=True, backend=backend
+    )[2]
+    # fp32 logits of size ~scale carry an absolute error of ~scale * 1e-7 per logit
+    assert (entropy.double() - ref).abs().max() <= 1e-6 * scale

@@ -133,7 +133,8 @@ def fused_linear_cross_entropy_reference(
         denom = torch.where(valid, w_t, 0.0).sum()
         out = loss.sum() / torch.where(denom == 0, 1.0, denom)
     if return_stats:
-        entropy = lse - (torch.softmax(logits, dim=-1) * logits).nan_to_num(nan=0.0).sum(-1)
+        gap = lse[:, None] - logits  # entropy = sum_c p_c (lse - z_c): no cancellation at large z
+        entropy = (torch.exp(-gap) * gap).nan_to_num(nan=0.0).sum(-1)
         top = logits.gather(1, safe_t[:, None])[:, 0] >= logits.amax(-1)
         stats = (entropy.detach(), valid & in_range & top)
         return out, lse.detach().view(target.shape), *(x.view(target.shape) for x in stats)
@@ -161,6 +162,8 @@ def check_inputs(hidden, weight, target, **options):
             check_tensor(name, t, ndim=1)
             if t.shape[0] != V:
                 fail(f"{name}: expected shape ({V},) to match weight's V, got {tuple(t.shape)}")
+    if o.bias is not None and o.bias.dtype != weight.dtype:
+        fail(f"bias: expected dtype {weight.dtype} (same as weight), got {o.bias.dtype}")
     check_same_device(hidden=hidden, weight=weight, target=target, bias=o.bias, class_weight=o.class_weight)
     check_choice("reduction", o.reduction, REDUCTIONS)
     check_int("ignore_index", o.ignore_index)
@@ -376,6 +379,9 @@ def error_inputs(device):
         ErrorInput(args(memory_budget=-0.1), "memory_budget: expected None or a finite number >= 0"),
         ErrorInput(args(memory_budget=float("inf")), "memory_budget: expected None or a finite number >= 0"),
         ErrorInput(args(bias=torch.randn(10, device=device)), r"bias: expected shape \(11,\)"),
+        ErrorInput(
+            args(bias=torch.randn(11, device=device).bfloat16()), r"bias: expected dtype torch.float32"
+        ),
         ErrorInput(args(class_weight=torch.randn(3, device=device)), r"class_weight: expected shape \(11,\)"),
         ErrorInput(args(grad_accum_dtype=torch.float16), "grad_accum_dtype: expected None, torch.float32"),
         ErrorInput(

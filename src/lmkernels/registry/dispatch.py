@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Iterator
@@ -49,6 +50,7 @@ from lmkernels.registry.core import (
 )
 
 ENV_VAR = "LMKERNELS_BACKEND"
+logger = logging.getLogger("lmkernels")
 AUTO = "auto"
 OP_ALIASES = {"flce": "fused_linear_cross_entropy", "rmsnorm": "rms_norm", "layernorm": "layer_norm"}
 
@@ -176,21 +178,23 @@ def _merged_overrides(backend: str | None, per_op: dict[str, str]) -> tuple[tupl
 class Choice:
     op: str
     backend: str
-    source: str  # "argument", "use_backend", "env", "auto"
+    source: str  # "argument", "use_backend", "env LMKERNELS_BACKEND", "auto" (nothing asked)
 
 
 def requested_backend(op: str, backend: str | None = None) -> Choice:
-    """Which backend the precedence rules ask for (``auto`` if none), and who asked."""
-    if backend is not None and backend != AUTO:
+    """Which backend the precedence rules ask for, and who asked. The first level that names
+    a backend for the op (per op before global) decides, ``auto`` included: ``auto`` at a
+    level means the automatic choice, not "ask the next level"."""
+    if backend is not None:
         _check_backend_name(backend, "backend")
         return Choice(op, backend, "argument")
     overrides = _overrides()
     for key in (op, "*"):
-        if key in overrides and overrides[key] != AUTO:
+        if key in overrides:
             return Choice(op, overrides[key], "use_backend")
     env = _env_table()
     for key in (op, "*"):
-        if key in env and env[key] != AUTO:
+        if key in env:
             return Choice(op, env[key], f"env {ENV_VAR}")
     return Choice(op, AUTO, "auto")
 
@@ -212,9 +216,30 @@ def resolve(op: str, inputs: dict[str, Any], backend: str | None = None) -> Impl
     for impl in impls(op):
         reasons = impl.not_supported_reasons(**inputs) or _not_auto(impl, inputs)
         if not reasons:
+            _log_auto_choice(op, impl.backend, inputs)
             return impl
         rejected.append(f"{impl.backend}: {'; '.join(reasons)}")
     raise BackendNotSupportedError(f"{op}: no backend can run these inputs: " + " | ".join(rejected))
+
+
+_AUTO_LOGGED: set[tuple[str, str, str]] = set()
+
+
+def _log_auto_choice(op: str, backend: str, inputs: dict[str, Any]) -> None:
+    """Say once per op, backend and device what `auto` became (at INFO, logger "lmkernels")."""
+    if torch.compiler.is_compiling():
+        return
+    devices = ",".join(sorted({v.device.type for v in inputs.values() if isinstance(v, torch.Tensor)}))
+    key = (op, backend, devices)
+    if key not in _AUTO_LOGGED:
+        _AUTO_LOGGED.add(key)
+        logger.info(
+            "%s: auto chose backend %r on %s (set one with backend=, use_backend or %s)",
+            op,
+            backend,
+            devices or "no tensor",
+            ENV_VAR,
+        )
 
 
 def _not_auto(impl: Impl, inputs: dict[str, Any]) -> list[str]:

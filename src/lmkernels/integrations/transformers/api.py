@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 from lmkernels.integrations import peft as lk_peft
@@ -104,6 +105,8 @@ def apply(
     ops, table = _check_ops(ops), _backend_table(backend)
     target = _target(model_or_class)
     model_type = model_type_of(target)
+    if isinstance(target, nn.Module):
+        _check_dtypes(target)
     revert(target)
     model = target if isinstance(target, nn.Module) else tiny_model(model_type)
     report = _analyze(model, table, ops, backend, lk_peft.wrapper_name(model_or_class))
@@ -120,6 +123,18 @@ def apply(
     else:
         patching.install_class(model_type, report, table_backend)
     return model_or_class
+
+
+def _check_dtypes(model: nn.Module) -> None:
+    """lmkernels' ops take fp32, bf16 and fp16: a model holding another floating dtype is refused
+    here rather than failing in its first forward."""
+    taken = (torch.float32, torch.bfloat16, torch.float16)
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and p.dtype not in taken:
+            raise LMKernelsError(
+                f"{type(model).__name__}: parameter {name} is {p.dtype}; lmkernels' ops take float32, "
+                f"bfloat16 or float16 models (convert the model first, or leave it unpatched)"
+            )
 
 
 def revert(model_or_class: Any) -> Any:

@@ -3,10 +3,12 @@
 Patching a model instance sets `forward` on its own submodules only; patching a class (or a
 model type) replaces `forward` on the classes a tiny model of that family is built from, for
 every model of the family. Rotary embedding and the mask functions are module-level functions
-in transformers, so "rope" and "causal_mask" always patch the modeling module too, held until
-the last apply() that asked for them is reverted (or its model garbage collected); rope uses
-the backend of the most recent apply(). (The mask functions behave as the originals unless a
-patched base model passes them its plain-causal marker: see masks.py.)
+in transformers, called from the attention and the base model: "rope" and "causal_mask" also
+replace them in the modeling module, held until the last apply() that asked for them is
+reverted (or its model garbage collected), with functions that behave exactly as the originals
+for every model but the patched ones. The rope function routes to lmkernels only inside the
+forward of a patched model's attention (replacements.rope_scope, with that model's backend);
+the mask functions only for the plain-causal marker a patched base model passes (masks.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import sys
 import types
 import weakref
 from typing import Any
@@ -60,22 +63,23 @@ CLASS_PATCHES: dict[str, Patch] = {}
 PATCHED_MODELS: weakref.WeakSet = weakref.WeakSet()
 # Module-level replacements, per (kind, modeling module): kind "rope" (apply_rotary_pos_emb) or
 # "causal_mask" (the mask functions). Who holds them ("class:<type>" strings and/or models) and
-# what was saved; rope also keeps the backend its function uses (the most recent apply's).
+# what was saved.
 _HOLDERS: dict[tuple[str, str], tuple[set[str], weakref.WeakSet]] = {}
 MODULE_SAVED: dict[tuple[str, str], list[Saved]] = {}
-_ROPE_BACKEND: dict[str, str | None] = {}
-
-
-def rope_backend_getter(module_name: str):
-    return lambda: _ROPE_BACKEND.get(module_name)
 
 
 def _rope_install(finding: Finding) -> list[Saved]:
     name = finding.module_name
     module = importlib.import_module(name)
-    original = unwrapped(module.apply_rotary_pos_emb)
-    patched = rp.rope_function(original, finding.spec, rope_backend_getter(name))
-    return [Saved.replace(module, "apply_rotary_pos_emb", patched)]
+    router = rp.rope_router(unwrapped(module.apply_rotary_pos_emb), name)
+    return [Saved.replace(module, "apply_rotary_pos_emb", router)]
+
+
+def _rope_scope(finding: Finding, backend: str | None, call_forward):
+    """The forward of an attention of `finding` that runs lmkernels' rope with `backend`."""
+    original = unwrapped(sys.modules[finding.module_name].apply_rotary_pos_emb)
+    rope = rp.rope_function(original, finding.spec, lambda: backend)
+    return rp.rope_scope(call_forward, finding.module_name, rope)
 
 
 def _masks_install(finding: Finding) -> list[Saved]:
@@ -108,13 +112,16 @@ def release(keys, holder: Any) -> None:
         alive = sum(1 for _ in models)  # iterating skips models already collected
         if not classes and not alive and key in MODULE_SAVED:
             for saved in reversed(MODULE_SAVED.pop(key)):
-                saved.restore()
-            if key[0] == "rope":
-                _ROPE_BACKEND.pop(key[1], None)
+                if not saved.replaced_since():  # another library's replacement made after ours stays
+                    saved.restore()
 
 
 def _class_forward(self, *args, **kwargs):
     return type(self).forward(self, *args, **kwargs)
+
+
+def _plain_class_forward(self, *args, **kwargs):
+    return unwrapped(type(self).forward)(self, *args, **kwargs)
 
 
 def install_instance(model: nn.Module, model_type: str, report: PatchReport, table_backend) -> None:
@@ -130,8 +137,11 @@ def install_instance(model: nn.Module, model_type: str, report: PatchReport, tab
         )
     for f in report.patched:
         if f.op == "rope":
-            _ROPE_BACKEND[f.module_name] = table_backend("rope")
             holds.append(_hold(f, model))
+            # The class's forward at call time, without a class-level rope scope over this one.
+            scoped = _rope_scope(f, table_backend("rope"), _plain_class_forward)
+            for module in f.modules:
+                saved.append(Saved.replace(module, "forward", types.MethodType(scoped, module)))
         elif f.op == "causal_mask":
             holds.append(_hold(f, model))
             base = f.modules[0]
@@ -165,8 +175,10 @@ def install_class(model_type: str, report: PatchReport, table_backend) -> None:
     holder = f"class:{model_type}"
     for f in report.patched:
         if f.op == "rope":
-            _ROPE_BACKEND[f.module_name] = table_backend("rope")
             holds.append(_hold(f, holder))
+            for cls in dict.fromkeys(type(m) for m in f.modules):
+                original = unwrapped(cls.forward)
+                saved.append(Saved.replace(cls, "forward", _rope_scope(f, table_backend("rope"), original)))
         elif f.op == "causal_mask":
             holds.append(_hold(f, holder))
             original = unwrapped(f.cls.forward)

@@ -18,13 +18,18 @@ class Saved:
     attr: str
     had_own: bool  # whether obj had attr in its own __dict__ (else it was inherited / absent)
     value: Any
+    new: Any = None  # what replace() set
 
     @classmethod
     def replace(cls, obj: Any, attr: str, new: Any) -> Saved:
         own = vars(obj)
-        saved = cls(obj, attr, attr in own, own.get(attr))
+        saved = cls(obj, attr, attr in own, own.get(attr), new)
         setattr(obj, attr, new)
         return saved
+
+    def replaced_since(self) -> bool:
+        """Whether someone else has set the attribute since replace() (then theirs stays)."""
+        return vars(self.obj).get(self.attr) is not self.new
 
     def restore(self) -> None:
         if self.had_own:

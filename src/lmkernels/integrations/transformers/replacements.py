@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -233,6 +234,45 @@ def rope_function(original, style: RopeStyle, backend_of):
         return q_out, k_out
 
     return mark(apply_rotary_pos_emb)
+
+
+# The rope function of the attention running now in this thread, as (modeling module name,
+# function): set by the attention modules of a patched model around their forward (rope_scope)
+# and read by the module-level apply_rotary_pos_emb (rope_router). Per thread, as the calls it
+# scopes: autograd's threads (a recomputed checkpoint) run the attention's forward, which sets
+# it there. dynamo traces and guards on a threading.local.
+_ACTIVE_ROPE = threading.local()
+
+
+def rope_router(original, module_name: str):
+    """What a modeling module's apply_rotary_pos_emb becomes while a patched model holds it: the
+    rope function of the patched attention calling it, else `original`, called exactly as
+    transformers calls it (a model nobody patched computes what it always computes)."""
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        active = getattr(_ACTIVE_ROPE, "fn", None)
+        if active is None or active[0] != module_name:
+            return original(q, k, cos, sin, unsqueeze_dim)
+        return active[1](q, k, cos, sin, unsqueeze_dim)
+
+    return mark(apply_rotary_pos_emb)
+
+
+def rope_scope(forward, module_name: str, rope):
+    """An attention's `forward(self, ...)` that runs `forward` with `rope` (a rope_function) as the
+    modeling module's apply_rotary_pos_emb for this call."""
+
+    @functools.wraps(forward)
+    def scoped(self, *args, **kwargs):
+        previous = getattr(_ACTIVE_ROPE, "fn", None)
+        _ACTIVE_ROPE.fn = (module_name, rope)
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _ACTIVE_ROPE.fn = previous
+
+    return mark(scoped)
 
 
 def rope_signature_ok(fn) -> bool:

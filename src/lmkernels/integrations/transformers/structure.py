@@ -238,22 +238,33 @@ def _rotary_dim(model: nn.Module) -> int | None:
     return None
 
 
-def _rope_findings(model, table, device, backend_of) -> list[Finding]:
-    findings, seen = [], set()
-    rdim = _rotary_dim(model)
+def _rope_callers(model: nn.Module) -> dict[str, list[nn.Module]]:
+    """The modules whose forward calls their modeling module's apply_rotary_pos_emb (the
+    attentions), per modeling module name."""
+    callers: dict[str, list[nn.Module]] = {}
     for module in model.modules():
-        fwd = inspect.unwrap(type(module).forward)
+        fwd = inspect.unwrap(unwrapped(type(module).forward))
         code = getattr(fwd, "__code__", None)
-        if code is None or "apply_rotary_pos_emb" not in code.co_names:
-            continue
-        namespace = fwd.__globals__
-        if id(namespace) in seen:
-            continue
-        seen.add(id(namespace))
-        module_name = namespace.get("__name__", "?")
+        if code is not None and "apply_rotary_pos_emb" in code.co_names:
+            callers.setdefault(fwd.__globals__.get("__name__", "?"), []).append(module)
+    return callers
+
+
+def _rope_findings(model, table, device, backend_of) -> list[Finding]:
+    findings = []
+    rdim = _rotary_dim(model)
+    for module_name, modules in _rope_callers(model).items():
+        module = modules[0]
+        namespace = inspect.unwrap(unwrapped(type(module).forward)).__globals__
         original = unwrapped(namespace.get("apply_rotary_pos_emb"))
         what = f"{module_name.rsplit('.', 1)[-1]}.apply_rotary_pos_emb"
-        base = dict(what=what, paths=[f"{module_name}.apply_rotary_pos_emb"], module_name=module_name)
+        base = dict(
+            what=what,
+            paths=[f"{module_name}.apply_rotary_pos_emb"],
+            module_name=module_name,
+            modules=modules,
+            cls=type(module),
+        )
         head_dim = getattr(module, "head_dim", None) or getattr(module, "head_size", None)
         why = None
         if original is None:
