@@ -431,3 +431,20 @@ def test_list_warns_about_a_dependency_outside_its_supported_range(monkeypatch, 
     assert "warning: transformers 9.0.0 is not supported: lmkernels supports transformers>=" in " ".join(
         text.split()
     )
+
+
+@pytest.mark.parametrize(
+    "argv", [["patch-report", "--model-type", "llama"], ["converge", "--steps", "2", "--device", "cpu"]]
+)
+def test_a_missing_extra_is_named_with_its_pip_command(argv):
+    """Without transformers (and tokenizers): one line naming the package and the extra that
+    installs it, brackets and all; no traceback."""
+    code = (
+        "import sys; sys.modules['transformers'] = None; sys.modules['tokenizers'] = None\n"
+        "from lmkernels.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    run = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 2, out
+    assert "Traceback" not in out
+    assert "is not installed (pip install 'lmkernels[hf]')" in " ".join(out.split())

@@ -263,6 +263,31 @@ def test_sft_trainer_trains_through_lmkernels(how, tmp_path, caplog):
         assert record.message == callbacks[0].summary and "patched mlp x2, rms_norm x5" in record.message
 
 
+def test_sft_trainer_label_smoothing_says_the_loss_is_not_fused(tmp_path, caplog):
+    """SFTTrainer with label_smoothing_factor computes its loss from the logits (its label
+    smoother; TRL's fused head only feeds the metrics): the summary says so, at WARNING, and
+    never that the loss runs on lmkernels."""
+    pytest.importorskip("trl", reason="TRL is in the hf extra")
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    cb = lk_hf.LmkernelsCallback(backend="eager")
+    args = SFTConfig(**{**tc.run_args(tmp_path), "max_steps": 1}, max_length=tc.T, label_smoothing_factor=0.1)
+    trainer = SFTTrainer(
+        model=tc.tiny(),
+        args=args,
+        train_dataset=Dataset.from_dict({"text": tc.texts()}),
+        processing_class=tc.tokenizer(),
+        callbacks=[cb],
+    )
+    with caplog.at_level(logging.INFO, logger="lmkernels"):
+        trainer.train()
+    [record] = [r for r in _lmk_messages(caplog) if r.message == cb.summary]
+    assert record.levelno == logging.WARNING
+    assert "label_smoothing_factor=0.1: the trainer computes its loss from the logits" in cb.summary
+    assert "for its metrics only" in cb.summary
+
+
 def test_sft_trainer_bf16_autocast(tmp_path):
     """Under bf16 autocast, accelerate wraps TRL's forward in its own (autocast, fp32 outputs):
     lmkernels' head still computes every micro-batch's loss (inside that wrapper), and the run is

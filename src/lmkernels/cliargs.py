@@ -49,6 +49,25 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, text + "\n")
 
 
+# The optional packages the commands import, and the extra that installs each.
+EXTRAS = {
+    "transformers": "hf",
+    "tokenizers": "hf",
+    "accelerate": "hf",
+    "matplotlib": "hf",
+    "datasets": "trl",
+    "trl": "trl",
+    "peft": "peft",
+    "triton": "triton",
+}
+
+
+def missing_module(e: ModuleNotFoundError) -> str:
+    """One line for a missing optional package: what is missing and the pip command for it."""
+    package = (e.name or "").split(".")[0]
+    return f"{package} is not installed (pip install 'lmkernels[{EXTRAS.get(package, package)}]')"
+
+
 def invoke(args: argparse.Namespace) -> int:
     """Run the subcommand args.func: an LMKernelsError is a one-line error (exit status 2),
     Ctrl-C exits 130 and a closed pipe (`| head`) 141, with no traceback."""
@@ -63,6 +82,11 @@ def invoke(args: argparse.Namespace) -> int:
         return int(args.func(args) or 0)
     except LMKernelsError as e:
         Console(stderr=True).print(f"[red]error:[/] {escape(str(e))}")
+        return 2
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] not in EXTRAS:
+            raise
+        Console(stderr=True).print(f"[red]error:[/] {escape(missing_module(e))}")
         return 2
     except KeyboardInterrupt:
         Console(stderr=True).print("interrupted")

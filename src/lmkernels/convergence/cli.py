@@ -92,10 +92,8 @@ def run(args: argparse.Namespace) -> int:
     except LMKernelsError as e:
         console.print(f"[red]lmkernels converge: {escape(str(e))}[/]")
         return 2
-    except ImportError as e:  # transformers, tokenizers, matplotlib come with the hf extra
-        console.print(
-            f"[red]lmkernels converge needs the hf extra (pip install 'lmkernels[hf]'): {escape(str(e))}[/]"
-        )
+    except ModuleNotFoundError as e:  # transformers, tokenizers, matplotlib come with the hf extra
+        console.print(f"[red]lmkernels converge: {escape(cliargs.missing_module(e))}[/]")
         return 2
     rep.print_report(report, console, wide=args.wide)
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{args.family}-{args.backend}-{args.dtype}")

@@ -138,7 +138,17 @@ class LmkernelsCallback(TrainerCallback):
         level = logging.INFO
         if decision is None:
             decision = patch.trl_decision  # routed at apply() or by the pre-hook already
-        if decision is not None:
+        smoothing = getattr(args, "label_smoothing_factor", 0)
+        if smoothing and (decision is not None or "flce" in report.patched_ops()):
+            # Trainer and SFTTrainer both hand the logits to their label smoother
+            loss = (
+                f"label_smoothing_factor={smoothing}: the trainer computes its loss from the logits, "
+                f"not through lmkernels' fused loss"
+            )
+            if decision is not None and decision.ours:
+                loss += " (TRL's fused head runs on lmkernels for its metrics only)"
+            level = logging.WARNING
+        elif decision is not None:
             loss = decision.message.split(": ", 2)[-1]
             if not decision.ours and self.trl_head != "trl":
                 level = logging.WARNING
@@ -148,12 +158,6 @@ class LmkernelsCallback(TrainerCallback):
                 f"the model's forward runs lmkernels.fused_linear_cross_entropy "
                 f"(backend {patch.flce_backend or 'auto'}; {head}) in training mode with labels"
             )
-            if getattr(args, "label_smoothing_factor", 0):
-                loss = (
-                    f"label_smoothing_factor={args.label_smoothing_factor}: the Trainer computes its "
-                    f"loss from the logits, not through lmkernels' fused loss"
-                )
-                level = logging.WARNING
         else:
             why = [f.detail for f in report.findings if f.op == "flce"]
             loss = "the model's own (lm_head logits + cross entropy)" + (f": {why[0]}" if why else "")

@@ -17,9 +17,12 @@ from lmkernels import cliargs
 
 
 def _model_type(text: str) -> str:
-    from lmkernels.integrations.transformers.families import causal_lm_types
+    try:
+        from lmkernels.integrations.transformers.families import causal_lm_types
 
-    known = sorted(causal_lm_types())
+        known = sorted(causal_lm_types())
+    except ModuleNotFoundError as e:
+        raise argparse.ArgumentTypeError(cliargs.missing_module(e)) from None
     if text not in known:
         raise argparse.ArgumentTypeError(
             cliargs.unknown("model type", text, known, list_known=False)
