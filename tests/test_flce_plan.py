@@ -251,3 +251,74 @@ def test_planned_chunks_are_the_chunks_that_run(monkeypatch, dtype):
                     flce_plan.fast_extra_bytes(p, BT, H, V, True, dtype)
                     <= budget * (BT + V) * H * dtype.itemsize
                 )
+
+
+# The plans of a budget, in the order of their time (GPU frontier data, docs/performance.md):
+# the default, its bf16 chunks made smaller, fp32 chunks summed in bf16, fp32 chunks into an
+# fp32 accumulator, the recomputing (lean) mode.
+RANKS = ("default", "smaller bf16 chunks", "fp32 chunks", "fp32 accumulator", "lean")
+
+
+def _rank(p, default):
+    if p == default:
+        return 0
+    if p.lean:
+        return 4
+    if not p.fp32_logits:
+        return 1
+    return 3 if p.accum_fp32 else 2
+
+
+def _fits(rank, BT, H, V, extra, default):
+    """Whether some plan of this rank that the accuracy rules allow fits `extra` bytes, by
+    trying every chunk size (a multiple of 128 tokens), not by asking the plan."""
+    cap = min(extra, flce_plan.CHUNK_BYTES)
+    sizes = [t for t in range(128, BT + 128, 128)]
+    if rank == 0:
+        return flce_plan.fast_extra_bytes(default, BT, H, V, True, torch.bfloat16) <= extra
+    if rank == 1:
+        most = default.chunk_bytes // (2 * V)
+        return any(
+            flce_plan.MIN_FAST_CHUNK_TOKENS <= t < min(most, BT)
+            and flce_plan.cdiv(BT, t) <= flce_plan.LONG_MAX_CHUNKS
+            and t * V * 2 <= cap
+            for t in sizes
+        )
+    if rank == 2:
+        return any(
+            t * V * 4 <= cap and (t >= BT or flce_plan.cdiv(BT, t) <= flce_plan.MAX_SUPER_CHUNKS)
+            for t in sizes
+        )
+    if rank == 3:
+        loop, end = V * H * 2, V * H * 4
+        return end <= extra and any(
+            t >= min(BT, flce_plan.MIN_FAST_CHUNK_TOKENS)
+            and t * V * 4 <= min(extra - loop, flce_plan.CHUNK_BYTES)
+            for t in sizes
+        )
+    return True
+
+
+@pytest.mark.parametrize(
+    "head",
+    [*GRID_HEADS, (12288, 3072, 128256), (12288, 2048, 151936), (6144, 4096, 128256), (24576, 4096, 128256)],
+    ids=lambda h: "x".join(map(str, h)),
+)
+def test_every_budget_runs_the_fastest_plan_that_fits(monkeypatch, head):
+    """bf16, gradients in the forward: at every budget the plan is of the fastest kind that fits
+    it (no faster kind of plan fits, found by trying every chunk size), it fits unless it is the
+    lean mode at its floor, and a larger budget never gets a slower kind."""
+    monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
+    BT, H, V = head
+    grads = (BT + V) * H * 2
+    default = flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, None, True, True)
+    previous = len(RANKS)
+    for f in [i / 40 for i in range(81)]:
+        p = flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, f, True, True)
+        rank, extra = _rank(p, default), int(f * grads)
+        faster = [RANKS[r] for r in range(rank) if _fits(r, BT, H, V, extra, default)]
+        assert not faster, f"budget {f}: {RANKS[rank]} runs where {faster[0]} fits"
+        if not p.lean:
+            assert flce_plan.fast_extra_bytes(p, BT, H, V, True, torch.bfloat16) <= extra
+        assert rank <= previous, f"budget {f}: {RANKS[rank]} after {RANKS[previous]} at a smaller budget"
+        previous = rank

@@ -207,10 +207,10 @@ def test_constexprs_by_position_are_keyed_by_value(enabled):
     assert kernel.calls[-1][1][9:] == (x, 4, 0.5, 2, 9, False)
 
 
-def _freed(n=4, offset=0):
+def _freed(n=4, offset=0, device="cpu"):
     """A tensor with elements whose storage was resized to 0 (as FSDP2 frees an unsharded
     parameter between its uses): its data_ptr() is its offset from 0, torch does not raise."""
-    t = torch.zeros(n + offset)[offset:]
+    t = torch.zeros(n + offset, device=device)[offset:]
     t.untyped_storage().resize_(0)
     return t
 
@@ -238,14 +238,14 @@ def test_no_launch_with_a_freed_tensor(enabled):
     _launch.launch(kernel, (1,), empty, 0, 0.5, A=2)
 
 
-def test_ops_refuse_freed_tensors_forward_and_backward():
-    """Through the library, on the path this machine takes: a freed weight in the forward, and
-    a weight freed between the forward and the backward (what torch reports as "data is not
-    allocated yet" for its own ops)."""
-    x = torch.randn(4, 64, requires_grad=True)
+def test_ops_refuse_freed_tensors_forward_and_backward(triton_device):
+    """Through the library, on the path this machine takes (the GPU, else the interpreter): a
+    freed weight in the forward, and a weight freed between the forward and the backward (what
+    torch reports as "data is not allocated yet" for its own ops)."""
+    x = torch.randn(4, 64, device=triton_device, requires_grad=True)
     with pytest.raises(LMKernelsError, match="no allocated memory"):
-        lmkernels.rms_norm(x, _freed(64), backend="triton")
-    w = torch.ones(64, requires_grad=True)
+        lmkernels.rms_norm(x, _freed(64, device=triton_device), backend="triton")
+    w = torch.ones(64, device=triton_device, requires_grad=True)
     y = lmkernels.rms_norm(x, w, backend="triton")
     w.untyped_storage().resize_(0)
     with pytest.raises(LMKernelsError, match="no allocated memory"):

@@ -145,18 +145,16 @@ def bf16_logits_chunk(BT: int, V: int, weight_dtype: torch.dtype, itemsize: int)
 def bf16_budget_chunk(
     BT: int, V: int, weight_dtype: torch.dtype, itemsize: int, max_bytes: int
 ) -> int | None:
-    """The default's bf16 chunks made smaller for a budget below its own: LONG_MAX_CHUNKS even
-    chunks, where those hold at least MIN_FAST_CHUNK_TOKENS tokens (smaller ones re-read grad_W
-    too often) and fit max_bytes of bf16 logits. One size, the smallest, and not the sizes
-    between it and the default's: at 16384 x 2560 x 151936, 16 chunks of 1024 tokens ran
-    1.05-1.10x the default's time, 12-13 chunks of 1280-1408 1.12-1.15x (H100, H200). 16 is
-    also the most bf16 sums of grad_W the policy allows (in a CPU emulation of the sums, 16
-    chunks 2.5-2.7x eager's grad_W error, 32 chunks 3.3-3.7x). Returns the chunk's tokens, or
-    None."""
-    if bf16_logits_chunk(BT, V, weight_dtype, itemsize) is None:
+    """The default's bf16 chunks made smaller for a budget below its own: one size per head, the
+    smallest the rules allow: even chunks of at least MIN_FAST_CHUNK_TOKENS tokens (smaller ones
+    re-read grad_W too often), at most LONG_MAX_CHUNKS of them (the most bf16 sums of grad_W
+    the accuracy policy allows), smaller than the default's, within max_bytes of bf16 logits.
+    Returns the chunk's tokens, or None."""
+    default = bf16_logits_chunk(BT, V, weight_dtype, itemsize)
+    if default is None:
         return None
-    tokens = cdiv(cdiv(BT, LONG_MAX_CHUNKS), 128) * 128
-    fits = MIN_FAST_CHUNK_TOKENS <= tokens < BT and tokens * V * 2 <= min(max_bytes, CHUNK_BYTES)
+    tokens = max(cdiv(cdiv(BT, LONG_MAX_CHUNKS), 128) * 128, MIN_FAST_CHUNK_TOKENS)
+    fits = tokens < min(default, BT) and tokens * V * 2 <= min(max_bytes, CHUNK_BYTES)
     return tokens if fits else None
 
 
@@ -206,9 +204,11 @@ def plan(
         summed = own_ok and (rows >= BT or cdiv(BT, max(rows, 1)) <= MAX_SUPER_CHUNKS)
         if rows > 0 and (not need_weight or summed):
             return Plan(False, False, rows * V * 4, extra)
+        # (chunks of fewer tokens than MIN_FAST_CHUNK_TOKENS would read and write the fp32
+        # accumulator so often that the recomputing backward is faster)
         acc_loop, acc_end = _fp32_accumulator_extra(V, H, weight_dtype)
         rows = _chunk_rows(min(extra - acc_loop, CHUNK_BYTES), V)
-        if rows > 0 and acc_end <= extra and need_weight and fp32_ok:
+        if rows >= min(BT, MIN_FAST_CHUNK_TOKENS) and acc_end <= extra and need_weight and fp32_ok:
             return Plan(False, True, rows * V * 4, extra)
     return Plan(True, grad_accum_dtype == torch.float32, grad_bytes + extra, extra)
 
