@@ -120,3 +120,20 @@ def test_registered_toy_is_listed_and_dispatchable():
         torch.testing.assert_close(lmkernels.rms_norm(x, backend="toy_correct"), rms_norm_reference(x))
     finally:
         unregister("rms_norm", "toy_correct")
+
+
+def test_allowed_error_never_drops_as_eagers_error_grows():
+    """The ceiling is factor x eager + floor capped at the bound, and factor x eager where that
+    passes the bound: continuous and non-decreasing in eager's error (an impl never fails for
+    eager being slightly less accurate than in a case where it would pass)."""
+    from lmkernels.harness.checks import allowed_error
+    from lmkernels.registry.core import DEFAULT_TOLERANCES
+
+    for tol in DEFAULT_TOLERANCES.values():
+        errors = [tol.bound * i / 1000 for i in range(3001)]
+        ceilings = [allowed_error(e, tol) for e in errors]
+        assert all(b >= a for a, b in zip(ceilings, ceilings[1:]))
+        assert allowed_error(0.0, tol) == tol.floor
+        assert allowed_error(tol.bound / tol.factor / 2, tol) == tol.bound / 2 + tol.floor
+        assert allowed_error(2 * tol.bound, tol) == 2 * tol.factor * tol.bound
+        assert allowed_error(float("nan"), tol) == tol.bound

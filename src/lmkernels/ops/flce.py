@@ -330,9 +330,10 @@ def sample(draw):
         # probabilities: relative errors of such sums measure rounding noise, not the kernel.
         "label_smoothing": draw.sampled_from((0.0, 0.0, 0.1, 1.0) if V >= 64 else (0.0, 0.0, 0.1)),
         "softcap": draw.sampled_from((None, None, 30.0, 1.5)),
-        # With one class the cross entropy's gradient p - 1 is exactly 0 and only the z-loss
-        # term is left: its error in fp32 is eager's own (near the bound), so V = 1 has none.
-        "z_loss_scale": draw.sampled_from((0.0, 0.0, 1e-4) if V >= 2 else (0.0,)),
+        # (With one class only the z-loss term has a gradient, 2 s z: z = h . w cancels over H
+        # terms, so its fp32 error can be eager's own near the dtype's bound; the policy holds
+        # the backends to factor x eager's there, harness/checks.allowed_error.)
+        "z_loss_scale": draw.sampled_from((0.0, 0.0, 1e-4)),
         "ignore_index": draw.sampled_from((-100, 0, 3)),
         "ignore_fraction": draw.sampled_from((0.0, 0.1, 0.5, 1.0)),
         "with_bias": draw.booleans(),
