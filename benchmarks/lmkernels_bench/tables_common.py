@@ -85,25 +85,61 @@ def latest(
     return {k: max(by_run.values(), key=lambda rs: rs[0].get("date") or "") for k, by_run in runs.items()}
 
 
-def caption(rows: list[dict[str, Any]], path: str, extra: str = "") -> str:
-    """Device, versions, the data file, and per run its commit, date and command."""
+# Scripts whose code is no longer in the tree (their rows stay in the data files; the suite's
+# parts measure the same points): scripts/copy_floor.py and scripts/roofline_tune.py (the ops
+# grids), scripts/families_gpu.py and scripts/families_stepcheck.py (the families), scripts/gpu_tests.sh
+# (the GPU test groups), benchmarks/dist_train.py (the first distributed runs). The scripts of
+# benchmarks/ that became `lmkernels-bench` commands (flce_frontier.py, e2e_train.py,
+# dist_scale.py, gpu_tests.py, compare_trees.py, trl_head.py) are not among them.
+RETIRED = ("scripts/", "benchmarks/dist_train.py")
+
+
+def retired(command: str | None) -> bool:
+    """Whether a row's command ran a script no longer in the tree (RETIRED)."""
+    return any(script in (command or "") for script in RETIRED)
+
+
+def suite_command(suite: str, *parts: str) -> str:
+    """The suite's command for `parts`, its --out left as {out} (caption fills it in)."""
+    return f"lmkernels-bench suite {suite} --part {','.join(parts)} --out {{out}}"
+
+
+def caption(rows: list[dict[str, Any]], path: str, extra: str = "", rerun: str = "") -> str:
+    """One line: device, dates, commits, the data file, and the command of the maintained suite
+    that measures the rows again (`rerun`, its {out} the data file's folder); where runs of a
+    script no longer in the tree made rows, it says so. The commands of each run are in the
+    data file."""
     if not rows:
         return f"*No rows in `{path}` yet.*"
-    first = rows[0]
-    v = first["versions"]
-    names = [("torch", "torch"), ("triton", "triton"), ("transformers", "transformers")]
-    names += [("liger-kernel", "liger-kernel"), ("cut-cross-entropy", "cut-cross-entropy")]
-    vers = ", ".join(f"{label} {v[k]}" for k, label in names if v.get(k))
-    runs = {}
-    for r in rows:
-        runs.setdefault(r["run"], r)
-    made = "; ".join(
-        f"{r['commit'] or 'commit not recorded'} ({_day(r)}): `{r['command']}`"
-        for r in sorted(runs.values(), key=lambda r: r.get("date") or "")
-    )
     counts = sorted({r.get("gpus", 1) for r in rows})
     gpus = "" if counts == [1] else f"{'/'.join(map(str, counts))} x "
-    text = f"{gpus}{first['device']}; {vers}. Data: `{path}`{extra}. Made by {made}."
+    days = sorted({_day(r) for r in rows if _day(r)})
+    when = days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"
+    by_date = sorted(rows, key=lambda r: r.get("date") or "")
+    commits = list(dict.fromkeys(r["commit"] for r in by_date if r.get("commit")))
+    if not commits:
+        made = "commit not recorded"
+    elif len(commits) == 1:
+        made = f"commit {commits[0]}"
+    elif len(commits) <= 3:
+        made = f"commits {', '.join(commits)}"
+    else:
+        made = f"{len(commits)} commits, {commits[0]} to {commits[-1]}"
+    if commits and any(not r.get("commit") for r in rows):
+        made += " (some not recorded)"
+    text = f"{gpus}{rows[0]['device']}, {when}, {made}. Data: `{path}`{extra}."
+    if rerun:
+        command = rerun.format(out=path.rpartition("/")[0] or ".")
+        runs = {r["run"]: r for r in rows}
+        old = sum(retired(r.get("command")) for r in runs.values())
+        if old == len(runs):
+            text += f" Made by a script no longer in the tree; rerun with `{command}`."
+        elif old:
+            text += (
+                f" {old} of {len(runs)} runs made by a script no longer in the tree; rerun with `{command}`."
+            )
+        else:
+            text += f" Rerun: `{command}`."
     return f"<sub>{text}</sub>"
 
 

@@ -9,6 +9,7 @@ import statistics
 from typing import Any
 
 from lmkernels_bench.frontier_report import COUNTED_REGIMES, pareto_verdicts
+from lmkernels_bench.parts_perf import COMPARE_OLD_ENV
 from lmkernels_bench.scale import DEFAULT_SIZE
 from lmkernels_bench.tables_common import (
     CONFIG_TITLES,
@@ -24,9 +25,11 @@ from lmkernels_bench.tables_common import (
     _x,
     caption,
     latest,
+    suite_command,
 )
 
 DESIGN_FLCE = "8192x4096x128256"
+FLCE_RERUN = suite_command("readme", "flce")
 OURS = ("triton", "triton_lean")
 
 
@@ -78,7 +81,7 @@ def flce_design(rows: list[dict[str, Any]], path: str, budgets: bool = False) ->
         body.append([IMPL_TITLES.get(impl, impl), _ms(r["gpu_ms"]), f"{r['peak_mib']:.0f}", _x(t), _x(m)])
     header = ["FLCE, 8192 x 4096 x 128256", "GPU ms", "peak MiB", "time / compile", "peak / CCE"]
     extra = f", part flce, {REGIME_TITLES.get(regime, regime)} logits"
-    return "\n".join([*_table(header, body), "", caption(here, path, extra)])
+    return "\n".join([*_table(header, body), "", caption(here, path, extra, FLCE_RERUN)])
 
 
 def flce_budgets(rows: list[dict[str, Any]], path: str) -> str:
@@ -109,7 +112,9 @@ def flce_ranges(rows: list[dict[str, Any]], path: str) -> str:
             body.append([IMPL_TITLES.get(impl, impl), str(len(t)), _span(t), _span(m), _span(c)])
     header = ["FLCE, every shape", "cases", "time / compile", "peak / compile", "peak / CCE"]
     regimes = ", ".join(REGIME_TITLES.get(g, g) for g in dict.fromkeys(r["regime"] for r in run))
-    return "\n".join([*_table(header, body), "", caption(run, path, f", part flce, {regimes} logits")])
+    return "\n".join(
+        [*_table(header, body), "", caption(run, path, f", part flce, {regimes} logits", FLCE_RERUN)]
+    )
 
 
 def flce_regimes(rows: list[dict[str, Any]], path: str) -> str:
@@ -128,7 +133,7 @@ def flce_regimes(rows: list[dict[str, Any]], path: str) -> str:
         *(f"{REGIME_TITLES[g]} logits" for g in regimes),
         "peak MiB",
     ]
-    return "\n".join([*_table(header, body), "", caption(here, path, ", part flce")])
+    return "\n".join([*_table(header, body), "", caption(here, path, ", part flce", FLCE_RERUN)])
 
 
 def _flce_cell(r: dict[str, Any] | None, name: bool = False) -> str:
@@ -173,7 +178,11 @@ def flce_pareto(rows: list[dict[str, Any]], path: str) -> str:
     ]
     header.append("faster and leaner than the default")
     return "\n".join(
-        [*_table(header, body), "", caption(run, path, ", part flce, Gaussian logits; GPU ms / peak MiB")]
+        [
+            *_table(header, body),
+            "",
+            caption(run, path, ", part flce, Gaussian logits; GPU ms / peak MiB", FLCE_RERUN),
+        ]
     )
 
 
@@ -198,9 +207,9 @@ def compare_table(rows: list[dict[str, Any]], path: str) -> str:
     header = ["case", "before ms", "after ms", "after / before", "noise", "peak MiB before / after"]
     header += ["rounds", "after: commit"]
     before = ", ".join(dict.fromkeys(r["old_tree"] for r in run))
-    methods = "; ".join(dict.fromkeys(r["method"] for r in run))
-    extra = f", part compare; before: {before}; {methods}" if run else ""
-    return "\n".join([*_table(header, body), "", caption(run, path, extra)])
+    extra = f", part compare, before: {before}" if run else ""  # the methods: each row's "method"
+    rerun = f"{COMPARE_OLD_ENV}=OLD/src {suite_command('readme', 'compare')}"
+    return "\n".join([*_table(header, body), "", caption(run, path, extra, rerun)])
 
 
 # --- ops ----------------------------------------------------------------------------------------------
@@ -250,7 +259,13 @@ def ops_summary(rows: list[dict[str, Any]], path: str) -> str:
         used += [r for p in pts for r in p]
     header = ["fwd+bwd, bf16", "shapes", "faster than compile", "compile / ours", "faster than Liger"]
     header += ["Liger / ours", "% of copy", ">= 85% of copy", "misses under the copy floor"]
-    return "\n".join([*_table(header, body), "", caption(used, path, ", part ops")])
+    return "\n".join(
+        [
+            *_table(header, body),
+            "",
+            caption(used, path, ", part ops", suite_command("readme", "ops", "ops-offgrid", "rope-bthd")),
+        ]
+    )
 
 
 # --- end to end ---------------------------------------------------------------------------------------
@@ -292,7 +307,13 @@ def e2e_table(
         used += rs
     header = ["batch x seq", *(f"{CONFIG_TITLES.get(c, c)}" for c in configs)]
     header += [f"{CONFIG_TITLES.get(ours, ours)} / {CONFIG_TITLES.get(c, c)}" for c in others] + ["commit"]
-    return "\n".join([*_table(header, body), "", caption(used, path, ", part e2e")])
+    return "\n".join(
+        [
+            *_table(header, body),
+            "",
+            caption(used, path, ", part e2e", suite_command("readme", *(f"e2e-{s}" for s in sweeps))),
+        ]
+    )
 
 
 def e2e_compile(rows: list[dict[str, Any]], path: str) -> str:
@@ -314,6 +335,17 @@ def _dist_size_label(size: tuple[int, int, int]) -> str:
         if value != default
     ]
     return ", " + ", ".join(words) if words else ""
+
+
+def _dist_rerun(points: dict[tuple, list[dict[str, Any]]]) -> str:
+    """The distributed benchmark's command for the table's GPU counts (all the wrappings), its
+    rows appended to the data file; then the sizes other than the default."""
+    gpus = ",".join(str(n) for n in sorted({k[0] for k in points}))
+    command = f"lmkernels-bench dist-scale --gpus {gpus} --out OUT --data {{out}}"
+    flags = (("--batch", 0), ("--seq", 1), ("--layers", 2))
+    others = sorted({k[2] for k in points} - {DEFAULT_SIZE})
+    more = [" ".join(f"{f} {size[i]}" for f, i in flags if size[i] != DEFAULT_SIZE[i]) for size in others]
+    return command + "".join(f"`, then with `{m}" for m in more)
 
 
 def dist_table(rows: list[dict[str, Any]], path: str) -> str:
@@ -373,4 +405,4 @@ def dist_table(rows: list[dict[str, Any]], path: str) -> str:
         "lmkernels / Liger",
     ]
     header += ["peak GiB", "loss diff", "commit"]
-    return "\n".join([*_table(header, body), "", caption(used, path, ", part dist")])
+    return "\n".join([*_table(header, body), "", caption(used, path, ", part dist", _dist_rerun(points))])

@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from lmkernels_bench.tables_common import OP_TITLES_ALL, _day, _f, _table, caption, latest
+from lmkernels_bench.suite import GRID_PARTS, TEST_PARTS
+from lmkernels_bench.tables_common import OP_TITLES_ALL, _day, _f, _table, caption, latest, suite_command
 
 
 def _latest_part(records: list[dict[str, Any]], part: str, unit=lambda r: ()) -> list[dict[str, Any]]:
@@ -70,7 +71,9 @@ def validation_summary(records: list[dict[str, Any]], path: str) -> str:
         select = f" (-k {r['select']})" if r.get("select") else ""
         add(f"GPU tests, group {r['group']}{select}{tool}", [r], f"{pytest_counts(r['pytest'])}{errors}")
     header = ["evidence", "result", "commit (date)"]
-    return "\n".join([*_table(header, body), "", caption(used, path)])
+    return "\n".join(
+        [*_table(header, body), "", caption(used, path, rerun=suite_command("validation", "all"))]
+    )
 
 
 def _checks_cell(checks: list[dict[str, Any]] | None) -> str:
@@ -120,7 +123,12 @@ def validation_report(records: list[dict[str, Any]], gpu: str, path: str) -> str
         ]
         header = ["op", "backend", "grid", "dtype", "cases", "passed", "failed", "unsupported"]
         header += ["worst error / allowed", "commit"]
-        lines += [*_table(header, body), "", caption(grid, path), ""]
+        lines += [
+            *_table(header, body),
+            "",
+            caption(grid, path, rerun=suite_command("validation", *GRID_PARTS)),
+            "",
+        ]
     conv = _latest_part(records, "converge", lambda r: (r["family"], r["dtype"]))
     if conv:
         lines += [
@@ -140,7 +148,7 @@ def validation_report(records: list[dict[str, Any]], gpu: str, path: str) -> str
         lines += [
             *_table(["family", "dtype", "ops", "verdict", "checks", "commit"], body),
             "",
-            caption(conv, path),
+            caption(conv, path, rerun=suite_command("validation", "converge")),
             "",
         ]
     fam = _latest_part(records, "families", lambda r: r["family"])
@@ -162,7 +170,7 @@ def validation_report(records: list[dict[str, Any]], gpu: str, path: str) -> str
         lines += [
             *_table(["family", "verdict", "patched", "error / limit", "commit"], body),
             "",
-            caption(fam, path),
+            caption(fam, path, rerun=suite_command("validation", "families")),
             "",
         ]
     step = _latest_part(records, "stepcheck", lambda r: r["family"])
@@ -191,7 +199,12 @@ def validation_report(records: list[dict[str, Any]], gpu: str, path: str) -> str
             "repeatable",
             "commit",
         ]
-        lines += [*_table(header, body), "", caption(step, path), ""]
+        lines += [
+            *_table(header, body),
+            "",
+            caption(step, path, rerun=suite_command("validation", "stepcheck")),
+            "",
+        ]
     dist = _latest_part(records, "dist-checks", lambda r: (r["check"], r["impl"]))
     if dist:
         lines += [
@@ -210,7 +223,12 @@ def validation_report(records: list[dict[str, Any]], gpu: str, path: str) -> str
             for r in dist
         ]
         header = ["check", "backend", "result", "loss", "params", "params / update", "other", "commit"]
-        lines += [*_table(header, body), "", caption(dist, path), ""]
+        lines += [
+            *_table(header, body),
+            "",
+            caption(dist, path, rerun=suite_command("validation", "dist-checks")),
+            "",
+        ]
     tests = _latest_part(records, "tests", lambda r: (r["group"], r["tool"], r.get("select")))
     if tests:
         lines += ["## GPU test runs", ""]
@@ -226,5 +244,10 @@ def validation_report(records: list[dict[str, Any]], gpu: str, path: str) -> str
             for r in tests
         ]
         header = ["group", "tool", "pytest", "sanitizer errors", "note", "commit"]
-        lines += [*_table(header, body), "", caption(tests, path), ""]
+        lines += [
+            *_table(header, body),
+            "",
+            caption(tests, path, rerun=suite_command("validation", *TEST_PARTS)),
+            "",
+        ]
     return "\n".join(lines).rstrip() + "\n"

@@ -89,6 +89,36 @@ def test_paired_speedups_and_ratios():
     )
 
 
+def test_captions_are_one_line_with_the_command_that_measures_again():
+    """A caption: device, dates, commits, data file, and the suite's command for the rows; rows
+    of a script no longer in the tree (tables_common.RETIRED) are said to be so."""
+    from lmkernels_bench.tables_common import caption, suite_command
+
+    def row(day, command, commit):
+        return dict(
+            device="GPU", run=f"r{day}", command=command, commit=commit, date=f"2026-01-0{day}T10:00:00"
+        )
+
+    rows = [
+        row(1, "scripts/copy_floor.py --out X", "a1"),
+        row(2, "lmkernels-bench suite readme --part ops", "b2"),
+    ]
+    rerun = suite_command("readme", "ops")
+    text = caption(rows, "benchmarks/data/h200.jsonl", ", part ops", rerun)
+    assert text == (
+        "<sub>GPU, 2026-01-01 to 2026-01-02, commits a1, b2. Data: `benchmarks/data/h200.jsonl`, part ops. "
+        "1 of 2 runs made by a script no longer in the tree; rerun with "
+        "`lmkernels-bench suite readme --part ops --out benchmarks/data`.</sub>"
+    )
+    assert "Made by a script no longer in the tree; rerun with `" in caption(rows[:1], "d/x.jsonl", "", rerun)
+    only_new = caption(rows[1:], "d/x.jsonl", "", rerun)
+    assert only_new.endswith(
+        "commit b2. Data: `d/x.jsonl`. Rerun: `lmkernels-bench suite readme --part ops --out d`.</sub>"
+    )
+    many = [row(i, "c", f"c{i}") for i in range(1, 6)]
+    assert "5 commits, c1 to c5" in caption(many, "d/x.jsonl") and "\n" not in caption(many, "d/x.jsonl")
+
+
 def test_gpu_kinds():
     assert data.gpu_kind("NVIDIA H200") == "h200"
     assert data.gpu_kind("NVIDIA H100 80GB HBM3") == "h100"
