@@ -17,7 +17,7 @@ from lmkernels_bench import cli, compare_trees, data, families, suite, tables, t
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "benchmarks" / "data"
 PROVENANCE = ("part", "device", "gpu", "gpus", "versions", "commit", "date", "command", "run")
-DOCS = ("README.md", "docs/performance.md", "docs/distributed.md")
+DOCS = ("README.md", "docs/performance.md", "docs/distributed.md", "docs/scaling.md")
 
 
 @pytest.fixture(scope="module")
