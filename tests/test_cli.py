@@ -431,7 +431,8 @@ def test_bench_command_wiring_within_80_columns(tmp_path, monkeypatch, capsys):
     assert seen["options"] == {"eps": 1e-5} and seen["modes"] == ["full"]
     assert "not run here: liger (not installed)" in text or "liger" not in backend_names()
     assert "0.4x compile" in text and (tmp_path / "results.json").exists()
-    code, text = _cli([*argv, "--shape", "4096x8192", "--shape", "N=1000,M=3"], monkeypatch, capsys)
+    shapes = ["--shape", "4096x8192", "--shape", "N=1000,M=3", "--out", str(tmp_path / "shapes")]
+    code, text = _cli([*argv, *shapes], monkeypatch, capsys)
     assert code == 0 and seen["shapes"] == [{"M": 4096, "N": 8192}, {"M": 3, "N": 1000}]
 
 
