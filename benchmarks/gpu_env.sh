@@ -1,12 +1,13 @@
 # The GPU machine's environment for this checkout. Two uses, from the repo root:
 #
 #   bash benchmarks/gpu_env.sh fetch    # here, with internet: the peers' wheels into .whl/
-#   source benchmarks/gpu_env.sh        # there (no internet): src/ and .whl/ on the path
+#   source benchmarks/gpu_env.sh        # there (no internet): src/, benchmarks/, .whl/ on the path
 #
 # fetch downloads liger-kernel and cut-cross-entropy (pure-Python wheels that need only torch
 # and triton) and datasets (the convergence runs load the shipped text through it) for the GPU
 # machine's Python 3.12 on x86-64; every data row records the versions it ran with. Sourced, the
-# script puts src/ first on PYTHONPATH, installs the carried wheels into /tmp/site, unsets
+# script puts src/ and benchmarks/ first on PYTHONPATH (lmkernels and lmkernels-bench become shell
+# functions running their modules), installs the carried wheels into /tmp/site, unsets
 # TRITON_INTERPRET (the kernels compile) and prints the device and versions.
 if [ "${1:-}" = fetch ]; then
     set -eu
@@ -20,7 +21,9 @@ if [ "${1:-}" = fetch ]; then
     du -ch .whl/*.whl | tail -1
 else
     export PYTHONUNBUFFERED=1
-    export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+    lmkernels() { python3 -m lmkernels "$@"; }
+    lmkernels-bench() { python3 -m lmkernels_bench "$@"; }
     if ls .whl/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"

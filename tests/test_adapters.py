@@ -1,5 +1,5 @@
-"""The external-library adapters (backends/adapters.py), the bench's measurement core
-(harness/bench/) and the plots (harness/plots.py), on the CPU."""
+"""The external-library adapters (backends/adapters.py) and the per-op bench's measurement core
+(harness/bench/), on the CPU."""
 
 import importlib.util
 import math
@@ -10,7 +10,7 @@ import torch
 
 import lmkernels
 from lmkernels.backends import adapters
-from lmkernels.harness import bench, plots
+from lmkernels.harness import bench
 from lmkernels.registry.core import get_impl, get_op
 
 FLCE = "fused_linear_cross_entropy"
@@ -242,14 +242,17 @@ def test_measure_reports_errors_not_raises():
 
 
 def test_plan_shapes():
-    design = bench.plan(list(bench.DESIGN_SHAPES), "design", torch.bfloat16, quick=False, options=None)
-    assert {p.op for p in design} == set(bench.DESIGN_SHAPES)
-    assert [p.options for p in design if p.op == FLCE] == [{}, {"grad_accum_dtype": torch.bfloat16}]
-    sweep = bench.plan([FLCE], "sweep", torch.bfloat16, quick=True, options=None)
-    assert [p.sweep for p in sweep] == ["BT"] * 3 + ["V"] * 3
-    assert sweep[0].shape == {"BT": 1024, "H": 4096, "V": 128256}
-    for op in bench.DESIGN_SHAPES:  # every grid shape is one make_inputs understands
+    design = bench.plan(FLCE, None, torch.bfloat16, quick=False, options=None)
+    assert [p.shape for p in design] == [bench.DESIGN_SHAPES[FLCE]] * 2
+    assert [p.options for p in design] == [{}, {"grad_accum_dtype": torch.bfloat16}]
+    given = [{"M": 8, "N": 64}, {"M": 3, "N": 100}]
+    assert [p.shape for p in bench.plan("rms_norm", given, torch.bfloat16, quick=True, options=None)] == given
+    opts = {"casting_mode": "gemma"}
+    assert [p.options for p in bench.plan("rms_norm", given, torch.bfloat16, False, opts)] == [opts, opts]
+    for op in bench.DESIGN_SHAPES:  # every design shape is one make_inputs understands
         assert set(bench.DESIGN_SHAPES[op]) == set(get_op(op).shapes["quick"][0])
+    for spec in lmkernels.ops():  # every op has a default shape, a design one or its largest
+        assert set(bench.default_shape(spec.name)) == set(spec.shapes["quick"][0])
 
 
 def test_parse_options():
@@ -271,8 +274,6 @@ def _fake_rows():
                     "dims": {"M": 16384, "N": size},
                     "options": "default",
                     "dtype": "bf16",
-                    "sweep": "N",
-                    "size": size,
                     "backend": backend,
                     "mode": "full",
                     "status": "ok",
@@ -293,7 +294,7 @@ def test_rooflines_and_ratios():
     rows = _fake_rows()
     bench.add_rooflines(rows, torch.bfloat16, copy_gbps=3000.0, mm_tflops=None)
     bench.add_ratios(rows)
-    triton = next(r for r in rows if r["backend"] == "triton" and r["size"] == 1024)
+    triton = next(r for r in rows if r["backend"] == "triton" and r["dims"]["N"] == 1024)
     assert math.isclose(triton["gbps"], 5 * 16384 * 1024 * 2 / 0.5e-3 / 1e9)
     assert math.isclose(triton["pct_copy_bw"], 100 * triton["gbps"] / 3000)
     assert triton["speedup_vs_compile"] == 2.0 and triton["speedup_vs_liger"] == pytest.approx(1.6)
@@ -302,89 +303,56 @@ def test_rooflines_and_ratios():
     assert triton["tflops"] is None  # RMSNorm has a byte model, not a flop model
 
 
-def test_reports_and_plots_from_fake_rows(tmp_path):
+def test_reports_from_fake_rows(tmp_path):
     rows = _fake_rows()
     bench.add_rooflines(rows, torch.bfloat16, copy_gbps=3000.0, mm_tflops=900.0)
     bench.add_ratios(rows)
-    design = [dict(r, sweep="design", size=None) for r in rows if r["size"] == 4096]
     meta = {"device": "fake", "not_run": {"rms_norm": {"cce": "no CUDA device"}}}
-    paths = bench.write_reports(rows + design, meta, tmp_path)
-    names = {p.name for p in paths}
-    assert {"results.csv", "results.json", "summary.md"} <= names
-    pngs = [p for p in paths if p.suffix == ".png"]
-    assert len(pngs) == 2 and all(p.stat().st_size > 10_000 for p in pngs)  # sweep lines + design bars
+    paths = bench.write_reports(rows, meta, tmp_path)
+    assert {p.name for p in paths} == {"results.csv", "results.json", "summary.md"}
     summary = (tmp_path / "summary.md").read_text()
     assert "2x compile" in summary and "OOM: CUDA out of memory" in summary and "no CUDA device" in summary
     assert bench.rich_table(rows).row_count == len(rows)
 
 
-def test_e2e_plots_and_timeline(tmp_path):
-    rows = [
-        {
-            "config": c,
-            "sweep": "batch",
-            "batch": b,
-            "seq": 1024,
-            "status": "ok" if b < 64 or c != "plain" else "OOM",
-            "tokens_per_s": 1000.0 * b,
-            "peak_gib": float(b),
-        }
-        for c in ("plain", "lmk")
-        for b in (4, 16, 64)
-    ]
-    assert [p.name for p in plots.plot_e2e(rows, tmp_path)] == ["e2e_batch.png"]
-    events = [
-        {"action": "alloc", "size": 2**20, "time_us": 10},
-        {"action": "segment_alloc", "size": 2**30, "time_us": 11},
-        {"action": "alloc", "size": 2**21, "time_us": 20},
-        {"action": "free_completed", "size": 2**20, "time_us": 30},
-    ]
-    tl = bench.allocated_timeline(events, base_bytes=2**20)
-    assert tl["x"] == pytest.approx([0.0, 0.01, 0.02]) and tl["mib"] == [2.0, 4.0, 3.0]
-    path = plots.plot_memory_timeline({"plain": tl, "lmk": tl}, tmp_path / "timeline.png")
-    assert path.stat().st_size > 10_000
-
-
-def test_run_bench_on_cpu_with_tiny_shapes(monkeypatch, tmp_path):
+def test_run_bench_on_cpu_with_tiny_shapes(tmp_path):
     """The whole bench loop (plan, inputs per backend, modes, ratios, reports) on tiny shapes."""
-    monkeypatch.setitem(bench.DESIGN_SHAPES, "rms_norm", {"M": 8, "N": 64})
-    monkeypatch.setitem(bench.DESIGN_SHAPES, FLCE, {"BT": 16, "H": 32, "V": 64})
     rows, meta = bench.run_bench(
-        ["rms_norm", FLCE],
+        FLCE,
+        [{"BT": 16, "H": 32, "V": 64}, {"BT": 5, "H": 8, "V": 100}],
         ["eager", "compile_naive", "liger"],
         torch.float32,
         ["fwd", "full"],
-        "design",
-        quick=False,
-        options=None,
         device="cpu",
         warmup=1,
         rep=2,
         progress=False,
     )
-    by = {(r["op"], r["backend"], r["mode"]): r for r in rows}
-    assert by[("rms_norm", "eager", "full")]["status"] == "ok"
-    assert by[(FLCE, "compile_naive", "fwd")]["status"] == "ok"
-    assert ("rms_norm", "compile_naive", "full") not in by  # a pseudo-backend only for its op
-    assert "liger" in meta["not_run"]["rms_norm"]  # unavailable on the CPU: reported, not run
-    assert by[("rms_norm", "eager", "full")]["gbps"] > 0
-    paths = bench.write_reports(rows, meta, tmp_path, plots=False)
+    by = {(r["shape"], r["backend"], r["mode"]): r for r in rows}
+    assert {s for s, _, _ in by} == {"16x32x64", "5x8x100"}
+    assert by[("16x32x64", "eager", "full")]["status"] == "ok"
+    assert by[("5x8x100", "compile_naive", "fwd")]["status"] == "ok"
+    assert "liger" in meta["not_run"][FLCE]  # unavailable on the CPU: reported, not run
+    assert by[("16x32x64", "eager", "full")]["tflops"] > 0
+    paths = bench.write_reports(rows, meta, tmp_path)
     assert "compile_naive" in (tmp_path / "summary.md").read_text()
     assert len(paths) == 3
+    rows, meta = bench.run_bench(
+        "rms_norm", [{"M": 8, "N": 64}], ["eager", "compile_naive"], torch.float32, ["full"],
+        device="cpu", warmup=1, rep=2, progress=False,
+    )  # fmt: skip
+    assert [r["backend"] for r in rows] == ["eager"]  # a pseudo-backend only for its op
 
 
-def test_run_bench_budget_and_partial_writes(monkeypatch):
-    monkeypatch.setitem(bench.DESIGN_SHAPES, "rms_norm", {"M": 8, "N": 64})
-    monkeypatch.setitem(bench.DESIGN_SHAPES, "swiglu", {"M": 8, "N": 64})
+def test_run_bench_budget_and_partial_writes():
     calls = []
     rows, _ = bench.run_bench(
-        ["rms_norm", "swiglu"],
+        "rms_norm",
+        [{"M": 8, "N": 64}, {"M": 4, "N": 32}],
         ["eager"],
         torch.float32,
         ["full"],
-        "design",
         quick=True,
-        options=None,
         device="cpu",
         warmup=1,
         rep=2,

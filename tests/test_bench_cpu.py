@@ -2,7 +2,7 @@
 and compile backends, through the public functions. A smoke test of the benchmark path that CI
 can afford (< 60 s); the GPU numbers come from `lmkernels bench` (harness/bench/).
 
-    pytest benchmarks/test_bench_cpu.py              # --benchmark-disable: run each once
+    pytest tests/test_bench_cpu.py              # --benchmark-disable: run each once
 """
 
 from __future__ import annotations

@@ -171,8 +171,16 @@ BAD_ARGUMENTS = [
     (["bench", "--op", "nope"], "argument --op: unknown op 'nope'"),
     (["bench", "--backend", "eagr"], "argument --backend: unknown backend 'eagr'"),
     (["bench", "--set", "foo"], "argument --set: expected key=value"),
-    (["bench", "--op", "rms_norm", "--set", "foo=1"], "--set: rms_norm unknown option 'foo'"),
-    (["bench", "--set", "regime=zipf"], "(--op chooses the ops)"),
+    (
+        ["bench", "--op", "rms_norm", "--device", "cpu", "--set", "foo=1"],
+        "--set: rms_norm unknown option 'foo'",
+    ),
+    (["bench", "--set", "regime=zipf"], "the following arguments are required: --op"),
+    (["bench", "--op", "rms_norm", "--device", "cpu", "--shape", "4x4x4"], "--shape: got '4x4x4'"),
+    (
+        ["bench", "--op", "rope", "--device", "cpu", "--backend", "cce"],
+        "nothing to time: no impl of rope by cce",
+    ),
     (["bench", "--rep", "-1"], "argument --rep: expected a positive number"),
     (["patch-report"], "one of the arguments --model-type --config --all is required"),
     (["patch-report", "--model-type", "lama"], "argument --model-type: unknown model type 'lama' (did you"),
@@ -185,7 +193,10 @@ if NO_CUDA:
     BAD_ARGUMENTS += [
         ([cmd, "--device", "cuda"], "argument --device: cuda: no CUDA device is available here")
         for cmd in ("validate", "converge")
-    ] + [(["explain", "rms_norm", "--device", "cuda"], "argument --device: cuda: no CUDA device")]
+    ] + [
+        (["explain", "rms_norm", "--device", "cuda"], "argument --device: cuda: no CUDA device"),
+        (["bench", "--op", "rms_norm"], "times the kernels on a CUDA device; none is available here"),
+    ]
 
 
 @pytest.mark.parametrize("argv, message", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
@@ -320,19 +331,20 @@ def test_every_subcommand_fits_80_columns(tmp_path, monkeypatch, capsys):
             "bf16",
             "--ablation",
         ],
-        ["bench", "--op", "rms_norm", "--quick", "--grid", "sweep", "--mode", "all"],
+        ["bench", "--op", "rms_norm", "--device", "cpu", "--shape", "8x64", "--shape", "M=5,N=100"]
+        + ["--quick", "--mode", "all", "--backend", "eager,compile"],
         ["patch-report", "--model-type", "gpt2"],
     ]
     for argv in runs:
         out = ["--out", str(tmp_path / argv[0])] if argv[0] in ("validate", "converge", "bench") else []
         code, text = _cli([*argv, *out], monkeypatch, capsys)
         print(text)
-        assert code in (0, 1) or argv[0] == "bench" and NO_CUDA, (argv, code, text)
+        assert code in (0, 1), (argv, code, text)
         assert not _too_wide(text), (argv, _too_wide(text))
         assert "Traceback" not in text
         if argv[0] == "converge":
             assert "Generating" not in text and "PASS" in text
-            assert "%|" in text  # its progress bars
+            assert " 2/2 " in text  # its progress bars (off a terminal: their last state)
     assert not (tmp_path / "home" / ".cache" / "huggingface").exists()
 
 
@@ -350,8 +362,6 @@ def test_bench_tables_fit_80_columns():
                     "dims": {"BT": size, "H": 4096, "V": 128256},
                     "options": "grad_accum_dtype=bf16",
                     "dtype": "bf16",
-                    "sweep": "BT",
-                    "size": size,
                     "backend": backend,
                     "mode": "full",
                     "status": "ok",
@@ -379,16 +389,18 @@ def test_bench_tables_fit_80_columns():
 
 
 def test_bench_command_wiring_within_80_columns(tmp_path, monkeypatch, capsys):
-    """`lmkernels bench` past its CUDA check (faked here: the CPU cannot time kernels): the
-    backends not run are named, run_bench gets the parsed arguments, the narrow tables print."""
+    """`lmkernels bench` on a CUDA device (faked here): the backends not run are named, run_bench
+    gets the parsed arguments (the op's design shape by default, else the shapes given), the
+    narrow tables print."""
     from lmkernels.harness.bench import cli as bench_cli
 
     seen = {}
 
-    def fake_run_bench(ops, backends, dtype, modes, grid, quick, options, **kw):
-        seen.update(ops=ops, backends=backends, dtype=dtype, modes=modes, options=options)
-        row = {"op": ops[0], "shape": "M=16384,N=4096", "dims": {"M": 16384, "N": 4096}, "size": None}
-        row |= {"options": "default", "dtype": "bf16", "sweep": "design", "mode": "full", "note": ""}
+    def fake_run_bench(op, shapes, backends, dtype, modes, quick, options, **kw):
+        seen.update(op=op, shapes=shapes, backends=backends, dtype=dtype, modes=modes, options=options)
+        seen.update(device=kw["device"])
+        row = {"op": op, "shape": "M=16384,N=4096", "dims": {"M": 16384, "N": 4096}}
+        row |= {"options": "default", "dtype": "bf16", "mode": "full", "note": ""}
         rows = [
             row
             | {
@@ -410,14 +422,18 @@ def test_bench_command_wiring_within_80_columns(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(bench_cli.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench_cli, "run_bench", fake_run_bench)
-    argv = ["bench", "--op", "rmsnorm", "--backend", "compile,eager", "--backend", "liger", "--no-plots"]
+    argv = ["bench", "--op", "rmsnorm", "--backend", "compile,eager", "--backend", "liger"]
     code, text = _cli([*argv, "--set", "eps=1e-5", "--out", str(tmp_path)], monkeypatch, capsys)
     print(text)
     assert code == 0 and not _too_wide(text)
-    assert seen["ops"] == ["rms_norm"] and seen["backends"] == ["compile", "eager", "liger"]
+    assert seen["op"] == "rms_norm" and seen["backends"] == ["compile", "eager", "liger"]
+    assert seen["shapes"] == [{"M": 16384, "N": 4096}] and seen["device"] == "cuda"  # the design shape
     assert seen["options"] == {"eps": 1e-5} and seen["modes"] == ["full"]
     assert "not run here: liger (not installed)" in text or "liger" not in backend_names()
     assert "0.4x compile" in text and (tmp_path / "results.json").exists()
+    shapes = ["--shape", "4096x8192", "--shape", "N=1000,M=3", "--out", str(tmp_path / "shapes")]
+    code, text = _cli([*argv, *shapes], monkeypatch, capsys)
+    assert code == 0 and seen["shapes"] == [{"M": 4096, "N": 8192}, {"M": 3, "N": 1000}]
 
 
 def test_list_warns_about_a_dependency_outside_its_supported_range(monkeypatch, capsys):

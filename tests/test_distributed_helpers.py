@@ -57,7 +57,7 @@ def test_groups_keep_their_options():
 
 
 def test_distributed_benchmark_configurations():
-    from lmkernels.harness.bench import scale
+    from lmkernels_bench import scale
 
     for ok in ("plain", "lmk", "lmk:triton", "lmk:eager/flce=triton", "liger"):
         assert scale.check_config(ok) is None, ok

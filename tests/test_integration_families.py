@@ -5,7 +5,7 @@ Tiny random models (lmkernels.integrations.transformers.tiny_model: hidden 64, 2
 compared with plain transformers by the convergence policy (loss curve, eval loss, top-k
 log-probs, final parameters; lmkernels.convergence.compare.TOLERANCES_FP32). The apply-time
 report must list exactly the ops expected for the family (EXPECTED: the source of the family
-table of docs/integration.md, benchmarks/families_table.py).
+table of docs/integration.md, `lmkernels-bench families-table`).
 
 Backends: eager for the training matrix (fast; the compile backend and Triton on Llama / Gemma2
 run in test_integration_transformers.py). The Triton interpreter is slow, so it runs one

@@ -36,7 +36,7 @@ VOCAB_PARALLEL = "vocab_parallel_cross_entropy"  # the loss of a vocabulary-shar
 #  2. torch.cpu gets the memory-statistics functions torchtitan's memory monitor calls, and a
 #     current_device() that returns an index (for barrier(device_ids=...));
 #  3. torch.distributed.set_timeout (newer torch) -> torch 2.13's _set_pg_timeout (3 and 7:
-#     lmkernels.harness.bench.scale_titan.older_torch_shims, which the GPU benchmark uses too);
+#     lmkernels_bench.scale_titan.older_torch_shims, which the GPU benchmark uses too);
 #  4. FlexAttention has no CPU backward -> SDPA with the same mask, made dense from the
 #     BlockMask's own mask_mod (causal within each packed document, as FlexAttention computes);
 #  5. gloo has no PREMUL_SUM, which FSDP2 uses for torchtitan's gradient divide factor -> plain
@@ -102,7 +102,7 @@ def _cpu_shims() -> None:
 
     FSDPModule.set_gradient_divide_factor = set_factor_sum
 
-    from lmkernels.harness.bench.scale_titan import older_torch_shims
+    from lmkernels_bench.scale_titan import older_torch_shims
 
     older_torch_shims()  # 3, 7
 
@@ -190,7 +190,7 @@ STEPS, SEQ, BATCH = 4, 64, 2
 def assets(tmp_path_factory):
     """(tokenizer, dataset) folders: the distributed benchmark's word-level tokenizer of the
     debug model's 2048 tokens and about 64 documents of 10-90 words (several per sequence)."""
-    from lmkernels.harness.bench.scale_titan import write_assets
+    from lmkernels_bench.scale_titan import write_assets
 
     return write_assets(tmp_path_factory.mktemp("torchtitan"), tokens=64 * 50, max_words=90)
 
@@ -523,8 +523,8 @@ def test_fused_loss_matches_chunked_loss(backend):
 
 @needs_torchtitan
 def test_benchmark_worker_pipeline_parallel(tmp_path):
-    """The torchtitan runs of the distributed benchmark (benchmarks/dist_scale.py --modes
-    titan_*: lmkernels.harness.bench.scale_titan) on the debug model, 2 CPU processes, pipeline
+    """The torchtitan runs of the distributed benchmark (`lmkernels-bench dist-scale --modes
+    titan_*`: lmkernels_bench.scale_titan) on the debug model, 2 CPU processes, pipeline
     parallel: torchtitan trains under the benchmark's own config function and measurements."""
     out = tmp_path / "row.json"
     worker = ["--worker", "--mode", "titan_pp", "--config", "lmk", "--json", str(out)]
@@ -544,7 +544,7 @@ def test_benchmark_worker_pipeline_parallel(tmp_path):
 if __name__ == "__main__":
     if sys.argv[1] == "--bench":  # the benchmark's worker (scale.py --worker ARGS) under torchrun
         _cpu_shims()
-        from lmkernels.harness.bench.scale import main
+        from lmkernels_bench.scale import main
 
         sys.exit(main(sys.argv[2:]))
     # The launcher: tests/test_integration_torchtitan.py OUT -- TORCHTITAN_ARGS (under torchrun)

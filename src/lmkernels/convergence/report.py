@@ -145,8 +145,6 @@ def plot(report: Report, path: str | Path) -> Path:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    from lmkernels.harness.plots import save_figure
-
     n = len(report.families)
     fig, axes = plt.subplots(2, n, figsize=(4.5 * n, 7), squeeze=False, sharex="col")
     floor = 1e-9
@@ -177,4 +175,9 @@ def plot(report: Report, path: str | Path) -> Path:
         bottom.set_ylim(floor / 2, highest * 5)
         bottom.legend(fontsize=7)
     fig.suptitle(f"lmkernels convergence: {report.backend} vs transformers ({report.config.dtype})")
-    return save_figure(fig, path, dpi=110)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)  # pyplot keeps every open figure alive
+    return path

@@ -121,6 +121,20 @@ def require_plain_family(model: torch.nn.Module) -> None:
         )
 
 
+def _progress_bar(shown: bool):
+    """A progress bar of training steps on stderr: on a terminal, removed when done; elsewhere (a
+    log) its last state, one line per run. Not shown: nothing printed."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from lmkernels.cliargs import width
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns += (TextColumn("{task.fields[loss]}"),)
+    console = Console(stderr=True, width=width())
+    return Progress(*columns, console=console, transient=console.is_terminal, disable=not shown)
+
+
 def _train(model, batches, cfg, device, label, progress):
     # foreach=False: the same per-tensor update everywhere (multi-tensor kernels are equivalent,
     # but one code path on every device keeps the baseline and the candidates identical).
@@ -128,31 +142,22 @@ def _train(model, batches, cfg, device, label, progress):
         model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=False
     )
     losses, grad_norms = [], []
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        from lmkernels.cliargs import width
-
-        bar = tqdm(total=len(batches.train), desc=label or "train", leave=False, unit="step", ncols=width())
     start = time.perf_counter()
     model.train()
-    for ids in batches.train:
-        ids = ids.to(device)
-        loss = model(input_ids=ids, labels=ids).loss
-        if not torch.isfinite(loss):
-            raise LMKernelsError(f"{label}: training loss became {loss.item()} at step {len(losses)}")
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        grad_norms.append(norm.item())
-        if bar is not None:
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
-            bar.update()
-    if bar is not None:
-        bar.close()
+    with _progress_bar(progress) as bar:
+        task = bar.add_task(label or "train", total=len(batches.train), loss="")
+        for ids in batches.train:
+            ids = ids.to(device)
+            loss = model(input_ids=ids, labels=ids).loss
+            if not torch.isfinite(loss):
+                raise LMKernelsError(f"{label}: training loss became {loss.item()} at step {len(losses)}")
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            grad_norms.append(norm.item())
+            bar.update(task, advance=1, loss=f"loss {losses[-1]:.4f}")
     eval_loss, logprobs = evaluate(model, batches, device)
     return losses, grad_norms, eval_loss, logprobs, time.perf_counter() - start
 

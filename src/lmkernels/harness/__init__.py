@@ -1,5 +1,7 @@
-"""The harness: correctness checks (checks.py), the validation runner and reports (runner.py,
-report.py), performance and memory measurement (the bench/ package) and plots (plots.py)."""
+"""The harness: correctness checks (checks.py), the validation runner and its reports
+(runner.py), the properties every backend must hold on any valid input (properties.py),
+`lmkernels list` (listing.py), the per-op benchmark (bench/) and the launch-configuration
+tuner (tune/)."""
 
 from lmkernels.harness.checks import CaseResult, TensorError, check_case
 

@@ -17,7 +17,7 @@ checks (OpSpec.check_values) run on every call. Under torch.compile everything i
 afresh: dynamo traces it once per graph and guards on what it read (a cache would only add
 guards).
 
-Measured on a 2-core CPU (benchmarks/dispatch_overhead.py, one tree after the other): the
+Measured on a 2-core CPU (`lmkernels-bench dispatch-overhead`, one tree after the other): the
 dispatch around a no-op impl costs 1.6 us (rms_norm) and 3.3 us (rope); functions generated
 from source per op (attribute reads inlined) cost 0.8 / 1.2 us. On a Llama-1B training step of
 1024 tokens (~146 op calls, 85 ms, host-bound) the difference is ~0.3 ms, under 0.5%: not worth

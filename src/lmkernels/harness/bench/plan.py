@@ -1,9 +1,10 @@
-"""What to measure: the shape grids (the reference "design" shapes, sweeps), the option sets per op,
-and the points (op, shape, options) a run goes through."""
+"""What to measure: the op's shapes (the user's, else its reference "design" shape), the option
+sets, and the points (shape, options) a run goes through."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,21 +25,14 @@ DESIGN_SHAPES: dict[str, dict[str, int]] = {
     FLCE: {"BT": 8192, "H": 4096, "V": 128256},
 }
 
-_POW2 = [1024, 2048, 4096, 8192, 16384]
 
-# Sweeps: op -> list of (swept dim, shapes). Norms over the hidden size, RoPE and the GLUs over
-# the sequence (tokens), FLCE over tokens and over the vocabulary.
-SWEEPS: dict[str, list[tuple[str, list[dict[str, int]]]]] = {
-    "rms_norm": [("N", [{"M": 16384, "N": n} for n in _POW2])],
-    "layer_norm": [("N", [{"M": 4096, "N": n} for n in _POW2])],
-    "swiglu": [("M", [{"M": m, "N": 14336} for m in _POW2])],
-    "geglu": [("M", [{"M": m, "N": 14336} for m in _POW2])],
-    "rope": [("T", [{"B": 1, "Hq": 32, "Hkv": 8, "T": t, "D": 128} for t in _POW2])],
-    FLCE: [
-        ("BT", [{"BT": bt, "H": 4096, "V": 128256} for bt in [*_POW2, 32768]]),
-        ("V", [{"BT": 8192, "H": 4096, "V": v} for v in (32000, 64000, 128256, 256000)]),
-    ],
-}
+def default_shape(op: str) -> dict[str, int]:
+    """The op's design shape; for an op without one, the largest shape of its full grid."""
+    if op in DESIGN_SHAPES:
+        return dict(DESIGN_SHAPES[op])
+    from lmkernels.registry import get_op
+
+    return dict(max(get_op(op).shapes["full"], key=lambda s: math.prod(s.values())))
 
 
 def default_cases(op: str, dtype: torch.dtype, quick: bool) -> list[dict[str, Any]]:
@@ -51,29 +45,23 @@ def default_cases(op: str, dtype: torch.dtype, quick: bool) -> list[dict[str, An
 
 @dataclasses.dataclass
 class Point:
-    """One (op, shape, options) to measure, and where it belongs in the report."""
+    """One (op, shape, options) to measure."""
 
     op: str
     shape: dict[str, int]
     options: dict[str, Any]
-    sweep: str  # "design" or the swept dim ("N", "T", "BT", ...)
 
 
-def plan(ops: Sequence[str], grid: str, dtype: torch.dtype, quick: bool, options: dict | None) -> list[Point]:
-    points = []
-    for op in ops:
-        cases = [options] if options is not None else default_cases(op, dtype, quick)
-        for case in cases:
-            if grid == "design":
-                points.append(Point(op, DESIGN_SHAPES[op], case, "design"))
-                continue
-            for dim, shapes in SWEEPS[op]:
-                if quick:  # first, middle and last size
-                    shapes = (
-                        shapes[::2] if len(shapes) % 2 else [shapes[0], shapes[len(shapes) // 2], shapes[-1]]
-                    )
-                points.extend(Point(op, s, case, dim) for s in shapes)
-    return points
+def plan(
+    op: str,
+    shapes: Sequence[dict[str, int]] | None,
+    dtype: torch.dtype,
+    quick: bool,
+    options: dict[str, Any] | None,
+) -> list[Point]:
+    """Every shape (default: default_shape) with every option set (default: default_cases)."""
+    cases = [options] if options is not None else default_cases(op, dtype, quick)
+    return [Point(op, dict(s), case) for case in cases for s in (shapes or [default_shape(op)])]
 
 
 def options_id(options: dict[str, Any]) -> str:

@@ -1,5 +1,5 @@
 """Reports of a bench run: results.csv, results.json (rows + device, versions, reference rates,
-command), summary.md, a rich table for the terminal, and the PNG plots (harness/plots.py)."""
+command), summary.md, and the tables for the terminal."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from lmkernels.harness.bench.roofline import BASELINES
 
 _RATES = [f"{k}{s}" for s in ("", "_gpu", "_kernel") for k in ("gbps", "pct_copy_bw", "tflops", "pct_matmul")]
 CSV_FIELDS = [
-    *("op", "shape", "options", "dtype", "sweep", "size", "backend", "mode", "status"),
+    *("op", "shape", "options", "dtype", "backend", "mode", "status"),
     *("ms", "ms_p20", "ms_p80", "gpu_ms", "kernel_ms", "peak_mib"),
     *_RATES,
     *(f"{p}speedup_vs_{b}" for p in ("", "gpu_", "kernel_") for b in BASELINES),
@@ -22,7 +22,7 @@ CSV_FIELDS = [
 ]
 META_KEYS = (
     *("date", "device", "torch", "triton", "transformers", "liger-kernel", "cut-cross-entropy"),
-    *("cuda", "dtype", "grid", "quick", "command", "partial"),
+    *("cuda", "bench_device", "dtype", "quick", "command", "partial"),
 )
 
 
@@ -69,7 +69,7 @@ def status_text(row: dict[str, Any]) -> str:
 
 
 def unique(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows without the copies a shape shared by two sweeps gets."""
+    """Rows without repeats (a shape given twice)."""
     seen, out = set(), []
     for r in rows:
         k = (r["op"], r["shape"], r["options"], r["backend"], r["mode"])
@@ -210,8 +210,8 @@ def write_tables(
     rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path, fields: list[str], summary: str
 ) -> list[Path]:
     """results.csv (the columns `fields`), results.json (meta and rows) and summary.md (the text
-    `summary`) in out_dir, made where missing; returns their paths. Also used by the FLCE
-    frontier benchmark (benchmarks/flce_frontier_report.py) for its own columns and summary."""
+    `summary`) in out_dir, made where missing; returns their paths. Benchmarks with columns of
+    their own write through it too."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "results.csv", out_dir / "results.json", out_dir / "summary.md"]
@@ -224,12 +224,6 @@ def write_tables(
     return paths
 
 
-def write_reports(
-    rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path, plots: bool = True
-) -> list[Path]:
-    paths = write_tables(rows, meta, out_dir, CSV_FIELDS, summary_markdown(rows, meta))
-    if plots:
-        from lmkernels.harness.plots import plot_bench
-
-        paths += plot_bench(rows, out_dir)
-    return paths
+def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path) -> list[Path]:
+    """results.csv, results.json and summary.md of a bench run in out_dir."""
+    return write_tables(rows, meta, out_dir, CSV_FIELDS, summary_markdown(rows, meta))

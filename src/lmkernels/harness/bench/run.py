@@ -90,13 +90,13 @@ def _measure_point(spec: OpSpec, point: Point, names, dtype, modes, device, warm
 
 
 def run_bench(
-    ops: Sequence[str],
+    op: str,
+    shapes: Sequence[dict[str, int]] | None,
     backends: Sequence[str] | None,
     dtype: torch.dtype,
     modes: Sequence[str],
-    grid: str,
-    quick: bool,
-    options: dict[str, Any] | None,
+    quick: bool = False,
+    options: dict[str, Any] | None = None,
     device: str = "cuda",
     warmup: float | None = None,
     rep: float | None = None,
@@ -105,9 +105,10 @@ def run_bench(
     budget_s: float | None = None,
     on_point: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Measure everything planned; returns (rows, meta). Points not started within budget_s
-    seconds are recorded as skipped; on_point(rows, meta) runs after each point (the CLI writes
-    the partial results then, so a run stopped from outside still leaves them)."""
+    """Measure every backend of `op` at `shapes` (default: plan.default_shape) on `device`;
+    returns (rows, meta). Points not started within budget_s seconds are recorded as skipped;
+    on_point(rows, meta) runs after each point (the CLI writes the partial results then, so a
+    run stopped from outside still leaves them)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -116,8 +117,9 @@ def run_bench(
     warmup = warmup if warmup is not None else (5 if quick else 25)
     rep = rep if rep is not None else (25 if quick else 100)
     meta = environment() | {
+        "op": op,
         "dtype": DTYPE_NAMES[dtype],
-        "grid": grid,
+        "bench_device": device,
         "quick": quick,
         "modes": list(modes),
         "warmup_ms": warmup,
@@ -125,41 +127,33 @@ def run_bench(
         "min_timed_runs": MIN_TIMED_RUNS,
     }
     meta |= reference_rates(device, console)
-    points = plan(ops, grid, dtype, quick, options)
-    per_op = {op: backends_for(op, backends, device) for op in ops}
-    meta["not_run"] = {op: skipped for op, (_, skipped) in per_op.items() if skipped}
-    total = sum(len(per_op[p.op][0]) * len(modes) for p in points)
+    spec = get_op(op)
+    points = plan(op, shapes, dtype, quick, options)
+    names, skipped = backends_for(op, backends, device)
+    meta["not_run"] = {op: skipped} if skipped else {}
     rows: list[dict[str, Any]] = []
-    done: dict[tuple, list[dict[str, Any]]] = {}  # a shape in two sweeps is measured once
-    compiled_for = None
-
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, disable=not progress) as bar:
-        task = bar.add_task("bench", total=total)
+        task = bar.add_task("bench", total=len(points) * len(names) * len(modes))
+        compiled_for = None
         for point in points:
-            spec = get_op(point.op)
-            names = per_op[point.op][0]
-            key = (point.op, spec.shape_id(point.shape), options_id(point.options))
+            shape_id = spec.shape_id(point.shape)
             base = {
-                "op": point.op,
-                "shape": key[1],
+                "op": op,
+                "shape": shape_id,
                 "dims": dict(point.shape),
-                "options": key[2],
+                "options": options_id(point.options),
                 "dtype": DTYPE_NAMES[dtype],
-                "sweep": point.sweep,
-                "size": point.shape.get(point.sweep),
             }
-            if key not in done and time.time() > deadline:
-                done[key] = [r for b in names for r in _failed_rows(b, modes, "skipped", "time budget")]
+            if time.time() > deadline:
+                measured = [r for b in names for r in _failed_rows(b, modes, "skipped", "time budget")]
                 bar.advance(task, len(names) * len(modes))
-            elif key not in done:
-                if key[:2] != compiled_for:  # static shapes: forget kernels compiled for other shapes
-                    torch._dynamo.reset()
-                    compiled_for = key[:2]
-                done[key] = _measure_point(spec, point, names, dtype, modes, device, warmup, rep, bar, task)
             else:
-                bar.advance(task, len(names) * len(modes))
-            rows.extend(r | base for r in done[key])
+                if shape_id != compiled_for:  # static shapes: forget kernels compiled for other shapes
+                    torch._dynamo.reset()
+                    compiled_for = shape_id
+                measured = _measure_point(spec, point, names, dtype, modes, device, warmup, rep, bar, task)
+            rows.extend(r | base for r in measured)
             add_rooflines(rows, dtype, meta.get("copy_gbps"), meta.get("matmul_tflops"))
             add_ratios(rows)
             if on_point is not None:

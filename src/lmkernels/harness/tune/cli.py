@@ -14,8 +14,8 @@ reference first, beside the committed table's entry, torch.compile and Liger.
 Writes DIR/tune.json (every candidate's row, device, versions, command) and
 DIR/tune.md: a table per point, then per table key the entry the timings
 suggest, with its measured reason, in the form of the GPU generation's config
-module (src/lmkernels/backends/triton/configs/). Entries go in by hand, after
-`lmkernels bench --suite readme --part ops` confirms them.
+module (lmkernels/backends/triton/configs/). Entries go in by hand, after
+`lmkernels bench --op ...` at the tuned shapes confirms them.
 
   lmkernels tune --out DIR                        norms and RoPE, the tune grid
   lmkernels tune --out DIR --ops rope --grid final --table-only

@@ -14,7 +14,7 @@ ahead (lmkernels.harness.bench.measure.gpu_time_ms, L2 flushed), median of --rep
 the copy bandwidth measured in the same run. A norm's best forward and best backward candidates
 are then timed as one entry ("tuned"). torch.compile of the eager reference and Liger (when
 installed) run beside them (--no-peers skips them). --table-only times the committed tables and
-the peers alone (the numbers `lmkernels bench --suite readme --part ops` records).
+the peers alone (the numbers the maintainers' suite records for the performance tables).
 
 The Triton kernels and the compiled references are compiled first by --jobs worker processes,
 whose on-disk caches then serve the timing process (--warm-budget seconds at most).
@@ -22,8 +22,8 @@ whose on-disk caches then serve the timing process (--warm-budget seconds at mos
 Writes DIR/tune.json (device, versions, command; every variant's row with its record's fields)
 and DIR/tune.md (a table per point, then per table key the entry the timings suggest, as
 configs.entry_text writes it, with its measured `why`). The entries go into the generation's
-module (backends/triton/configs/hopper.py) by hand, then `lmkernels bench --suite readme --part
-ops` measures the result.
+module (backends/triton/configs/hopper.py) by hand; the maintainers' suite then measures the
+result.
 """
 
 from __future__ import annotations
@@ -452,10 +452,9 @@ def run(args: argparse.Namespace, command: str) -> int:
         except cf.TimeoutError:
             log("warm-up budget spent: the rest compiles while it is timed")
         pool.shutdown(wait=False, cancel_futures=True)
-    from lmkernels.harness.bench.data import versions
-    from lmkernels.harness.bench.roofline import copy_bandwidth_gbps
+    from lmkernels.harness.bench import copy_bandwidth_gbps, environment
 
-    meta = {"device": torch.cuda.get_device_name(), **versions(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    meta = environment()
     meta["command"] = command
     meta["copy_gbps"] = copy_bandwidth_gbps(DEVICE)
     log(f"copy bandwidth {meta['copy_gbps']:.0f} GB/s")

@@ -1,0 +1,5 @@
+import sys
+
+from lmkernels_bench.cli import main
+
+sys.exit(main())
