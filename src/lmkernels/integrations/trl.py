@@ -54,9 +54,8 @@ logger = logging.getLogger("lmkernels")
 
 OURS = frozenset({"log_probs", "entropy", "is_top1"})  # what lmkernels' fused head returns
 PREFER = ("auto", "lmkernels", "trl")
-# "auto": lmkernels wherever it can give the trainer what it reads. benchmarks/trl_head.py
-# measures one SFT step both ways: on an H200 (Qwen2.5-0.5B shape, 8 x 1024, bf16; data file
-# benchmarks/data/h200.jsonl, part trl) lmkernels' head ran 1.37x TRL's at 1.05x its peak.
+# "auto": lmkernels wherever it can give the trainer what it reads (docs/trainers.md has the
+# measured SFT step, `lmkernels-bench trl-head`).
 AUTO = "lmkernels"
 # Set by a call the pre-hook redirected (see _pre_hook): the patched forward TRL wraps receives
 # it and computes TRL's output with lmkernels (redirected()).

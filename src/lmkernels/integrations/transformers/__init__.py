@@ -55,7 +55,7 @@ copy of a patched model is patched too, without a rope hold of its own.
 auto); a name ("triton") or a spec like "triton,flce=compile" fixes it per op.
 Before torch.compile(model), backend="eager,flce=triton" runs the norms, rope and GLU as
 plain torch code that inductor fuses with its neighbours, while the fused loss stays the
-Triton op (`benchmarks/e2e_train.py --sweeps compile` measures both against the default).
+Triton op (`lmkernels-bench e2e --sweeps compile` measures both against the default).
 
 Known differences from the unpatched model, all in low precision only: lmkernels' RMSNorm output
 has x's dtype even when the weight has another dtype; rope and GLU compute in fp32 and round
