@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Literal, overload
 
 import torch
 
@@ -451,25 +452,160 @@ SPEC = register_op(
 )
 
 
+@overload
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: Literal["mean", "sum", "none"] = "mean",
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    z_loss_scale: float = 0.0,
+    class_weight: torch.Tensor | None = None,
+    return_lse: Literal[False] = False,
+    grad_accum_dtype: torch.dtype | None = None,
+    return_stats: Literal[False] = False,
+    memory_budget: float | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor: ...
+
+
+@overload
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: Literal["mean", "sum", "none"] = "mean",
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    z_loss_scale: float = 0.0,
+    class_weight: torch.Tensor | None = None,
+    *,
+    return_lse: Literal[True],
+    grad_accum_dtype: torch.dtype | None = None,
+    return_stats: Literal[False] = False,
+    memory_budget: float | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: Literal["mean", "sum", "none"] = "mean",
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    z_loss_scale: float = 0.0,
+    class_weight: torch.Tensor | None = None,
+    *,
+    return_lse: bool = False,
+    grad_accum_dtype: torch.dtype | None = None,
+    return_stats: Literal[True],
+    memory_budget: float | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: Literal["mean", "sum", "none"] = "mean",
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    z_loss_scale: float = 0.0,
+    class_weight: torch.Tensor | None = None,
+    return_lse: bool = False,
+    grad_accum_dtype: torch.dtype | None = None,
+    return_stats: bool = False,
+    memory_budget: float | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
+
+
 @op_function("fused_linear_cross_entropy")  # writes the body: check the inputs, pick the backend, call it
 def fused_linear_cross_entropy(
-    hidden,
-    weight,
-    target,
-    bias=None,
-    ignore_index=-100,
-    reduction="mean",
-    label_smoothing=0.0,
-    softcap=None,
-    z_loss_scale=0.0,
-    class_weight=None,
-    return_lse=False,
-    grad_accum_dtype=None,
-    return_stats=False,
-    memory_budget=None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: Literal["mean", "sum", "none"] = "mean",
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    z_loss_scale: float = 0.0,
+    class_weight: torch.Tensor | None = None,
+    return_lse: bool = False,
+    grad_accum_dtype: torch.dtype | None = None,
+    return_stats: bool = False,
+    memory_budget: float | None = None,
     *,
-    backend=None,
-):
-    """Cross entropy of hidden @ weight.T (+ bias, softcap) against target without materializing
-    the (tokens x V) logits in the fused backends. See the module docstring for the semantics;
-    the options are FlceOptions' fields."""
+    backend: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Cross entropy of the logits ``softcap(hidden @ weight.T + bias)`` against target, without
+    materializing the (tokens x V) logits in the fused backends: the lm_head matmul and the loss
+    of a causal LM in one op.
+
+    Per token i with target t, logits z, ``lse = logsumexp(z)``, class weights w (ones if
+    class_weight is None), label smoothing e and z-loss scale s::
+
+        loss_i = (1 - e) * w[t] * (lse - z[t]) + (e / V) * sum_c w[c] * (lse - z[c]) + s * lse**2
+
+    torch.nn.functional.cross_entropy's definition plus the z-loss term. Tokens whose target is
+    ignore_index have loss 0 and no gradient. The loss is fp32 whatever the inputs' dtype.
+
+    Args:
+        hidden: Final hidden states, shape (..., H); float32, bfloat16 or float16.
+        weight: The lm_head weight, shape (V, H), hidden's dtype and device.
+        target: Class indices, shape hidden.shape[:-1], int64 or int32, each in [0, V) or
+            equal to ignore_index (checked unless LMKERNELS_CHECK_VALUES=0; an unchecked
+            target out of range gives a nan loss, never an out-of-bounds read).
+        bias: Optional (V,) added to the logits before the softcap, weight's dtype.
+        ignore_index: The target value of tokens that count for nothing.
+        reduction: "mean": sum_i loss_i / sum of w[t_i] over the tokens not ignored (torch's
+            denominator; 0 when every token is ignored, where torch gives nan). "sum":
+            sum_i loss_i. "none": loss_i per token, target's shape.
+        label_smoothing: e, in [0, 1].
+        softcap: c > 0: the logits become ``c * tanh(z / c)`` (Gemma 2); None for none.
+        z_loss_scale: s >= 0, the weight of the ``lse**2`` term (0: no z-loss).
+        class_weight: Optional (V,) per-class weights w (torch's ``weight`` argument).
+        return_lse: True also returns lse per token.
+        grad_accum_dtype: The dtype backends may accumulate the weight gradient in across
+            chunks of tokens: torch.float32 (rounded once), weight.dtype (leanest) or None (the
+            backend's default, within the correctness policy). Not part of the math.
+        return_stats: True also returns lse, the softmax entropy and whether the target is a
+            top-1 class, per token (what a trainer logs, without a pass of its own).
+        memory_budget: How much memory the op may hold beyond its gradients, as a fraction of
+            their bytes (grad_hidden + grad_weight): None for the backend's default, 0 for the
+            least it can do; a number >= 0. Not part of the math: the Triton backends choose
+            their chunks and whether to recompute the logits from it; eager and compile ignore
+            it; the peers' adapters refuse it.
+        backend: The backend that runs the op ("triton", "compile", "eager", ...). None: the
+            choice of ``use_backend()`` / ``set_backend()``, else of LMKERNELS_BACKEND, else the
+            highest-priority backend that can take the inputs. A backend asked for that cannot
+            take them raises BackendNotSupportedError (never a silent fallback).
+
+    Returns:
+        The loss (a scalar, or target's shape for reduction="none"; differentiable with respect
+        to hidden, weight and bias). With return_lse=True: (loss, lse). With return_stats=True:
+        (loss, lse, entropy, is_top1), where entropy is ``lse - sum_c p_c z_c`` of the softmax p
+        (fp32) and is_top1 is bool, True where no logit exceeds the target's (False for ignored
+        tokens). lse, entropy and is_top1 have target's shape and no gradient.
+
+    Raises:
+        LMKernelsError: An input of the wrong type, shape, dtype or device, or an option out of
+            range; the message names the argument.
+    """

@@ -19,6 +19,8 @@ reading gradients as values.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 
@@ -149,14 +151,70 @@ GEGLU = register_op(
 
 
 @op_function("swiglu")  # writes the body: check the inputs, pick the backend, call it
-def swiglu(gate, up, *, consume_inputs=False, backend=None) -> torch.Tensor:
-    """silu(gate) * up.
+def swiglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    *,
+    consume_inputs: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """SwiGLU, the Llama MLP's activation: ``silu(gate) * up``.
 
-    consume_inputs=True hands gate and up over for good: the backward may write the gradients
-    over them (no allocation). Set it only on tensors nothing else reads afterwards.
+    Computed in fp32, rounded once to the inputs' dtype.
+
+    Args:
+        gate: The gate projection's output, any shape; float32, bfloat16 or float16.
+        up: The up projection's output, gate's shape, dtype and device.
+        consume_inputs: True hands gate and up over for good: the backward may write the
+            gradients over their memory instead of allocating. Set it only on tensors that
+            nothing reads afterwards (an MLP's forward that has just created them). Leaves,
+            views and tensors that get no gradient are never written. False (the default):
+            the caller's tensors are never written.
+        backend: The backend that runs the op ("triton", "compile", "eager", ...). None: the
+            choice of ``use_backend()`` / ``set_backend()``, else of LMKERNELS_BACKEND, else the
+            highest-priority backend that can take the inputs. A backend asked for that cannot
+            take them raises BackendNotSupportedError (never a silent fallback).
+
+    Returns:
+        The product, with gate's shape and dtype. Differentiable with respect to gate and up.
+
+    Raises:
+        LMKernelsError: An input of the wrong type, shape, dtype or device, or an option out of
+            range; the message names the argument.
     """
 
 
-@op_function("geglu")
-def geglu(gate, up, approximate="tanh", *, consume_inputs=False, backend=None) -> torch.Tensor:
-    """gelu(gate, approximate) * up. consume_inputs: as for swiglu."""
+@op_function("geglu")  # writes the body: check the inputs, pick the backend, call it
+def geglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    approximate: Literal["tanh", "none"] = "tanh",
+    *,
+    consume_inputs: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """GeGLU, the Gemma MLP's activation: ``gelu(gate, approximate) * up``.
+
+    Computed in fp32, rounded once to the inputs' dtype.
+
+    Args:
+        gate: The gate projection's output, any shape; float32, bfloat16 or float16.
+        up: The up projection's output, gate's shape, dtype and device.
+        approximate: The GELU: "tanh" (Gemma's gelu_pytorch_tanh) or "none" (exact, erf).
+        consume_inputs: True hands gate and up over for good: the backward may write the
+            gradients over their memory instead of allocating. Set it only on tensors that
+            nothing reads afterwards (an MLP's forward that has just created them). Leaves,
+            views and tensors that get no gradient are never written. False (the default):
+            the caller's tensors are never written.
+        backend: The backend that runs the op ("triton", "compile", "eager", ...). None: the
+            choice of ``use_backend()`` / ``set_backend()``, else of LMKERNELS_BACKEND, else the
+            highest-priority backend that can take the inputs. A backend asked for that cannot
+            take them raises BackendNotSupportedError (never a silent fallback).
+
+    Returns:
+        The product, with gate's shape and dtype. Differentiable with respect to gate and up.
+
+    Raises:
+        LMKernelsError: An input of the wrong type, shape, dtype or device, or an option out of
+            range; the message names the argument.
+    """

@@ -99,5 +99,33 @@ SPEC = register_op(
 
 
 @op_function("layer_norm")  # writes the body: check the inputs, pick the backend, call it
-def layer_norm(x, weight=None, bias=None, eps=1e-5, *, backend=None):
-    """LayerNorm over the last dim of x. See the module docstring for the semantics."""
+def layer_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """LayerNorm over the last dim: ``y = (x - mean) / sqrt(var + eps) * weight + bias``.
+
+    mean and the (biased) variance are taken over the last dim. Computed in fp32, rounded once
+    to x's dtype at the end (as torch's CUDA kernel does).
+
+    Args:
+        x: Input, shape (..., N) with N > 0; float32, bfloat16 or float16.
+        weight: Scale, shape (N,), on x's device; None for no scale.
+        bias: Shift, shape (N,), on x's device; None for no shift (independent of weight).
+        eps: Added to the variance before the square root; a number >= 0.
+        backend: The backend that runs the op ("triton", "compile", "eager", ...). None: the
+            choice of ``use_backend()`` / ``set_backend()``, else of LMKERNELS_BACKEND, else the
+            highest-priority backend that can take the inputs. A backend asked for that cannot
+            take them raises BackendNotSupportedError (never a silent fallback).
+
+    Returns:
+        y, with x's shape and dtype. Differentiable with respect to x, weight and bias.
+
+    Raises:
+        LMKernelsError: An input of the wrong type, shape, dtype or device, or an option out of
+            range; the message names the argument.
+    """

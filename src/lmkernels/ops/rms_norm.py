@@ -9,6 +9,8 @@ The output has x's dtype and shape. Gradients: x and weight.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from lmkernels.ops._common import NORM_WIDTHS, ROW_COUNTS, WIDE, generator, op_function, randn, upcast
@@ -117,5 +119,35 @@ SPEC = register_op(
 
 
 @op_function("rms_norm")  # writes the body: check the inputs, pick the backend, call it
-def rms_norm(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama", *, backend=None):
-    """RMSNorm over the last dim of x. See the module docstring for the semantics."""
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: Literal["llama", "gemma", "none"] = "llama",
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """RMSNorm over the last dim: ``y = x / sqrt(mean(x**2, -1) + eps) * (weight + offset)``.
+
+    Args:
+        x: Input, shape (..., N) with N > 0; float32, bfloat16 or float16.
+        weight: Scale, shape (N,), on x's device; None for no scale (not even ``offset``).
+        eps: Added to the mean of squares before the square root; a number >= 0.
+        offset: Added to the weight: 1.0 gives Gemma's ``(1 + weight)`` scale.
+        casting_mode: Where the result is rounded to x's dtype, as in transformers.
+            "llama": normalize in fp32, round to x's dtype, then scale by (weight + offset)
+            and round again. "gemma": everything in fp32, one rounding at the end. "none":
+            every step in x's dtype, no upcast.
+        backend: The backend that runs the op ("triton", "compile", "eager", ...). None: the
+            choice of ``use_backend()`` / ``set_backend()``, else of LMKERNELS_BACKEND, else the
+            highest-priority backend that can take the inputs. A backend asked for that cannot
+            take them raises BackendNotSupportedError (never a silent fallback).
+
+    Returns:
+        y, with x's shape and dtype. Differentiable with respect to x and weight.
+
+    Raises:
+        LMKernelsError: An input of the wrong type, shape, dtype or device, or an option out of
+            range; the message names the argument.
+    """

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import Literal
 
 import torch
 
@@ -247,5 +248,48 @@ SPEC = register_op(
 
 
 @op_function("rope")  # writes the body: check the inputs, pick the backend, call it
-def rope(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None, *, backend=None):
-    """Rotate q and k; returns (q_out, k_out). See the module docstring for the semantics."""
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    layout: Literal["neox", "interleaved"] = "neox",
+    rotary_dim: int | None = None,
+    *,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of q and k, in one call.
+
+    ``out[..., :R] = x[..., :R] * cos + rotate(x[..., :R]) * sin`` for x in (q, k), with
+    ``rotate(x) = [-x2, x1]`` over the pairs of the layout; dims R..D pass through unchanged.
+    Computed in fp32, rounded once to q's dtype.
+
+    Args:
+        q: Queries, shape (B, Hq, T, D); float32, bfloat16 or float16.
+        k: Keys, shape (B, Hkv, T, D), q's dtype (Hq need not be a multiple of Hkv).
+        cos: Cosine table, shape (T, R) or (B, T, R), in the full-width form transformers
+            builds (neox: the frequencies twice, [f, f]; interleaved: each frequency twice in
+            a row). With position_ids: a table (P, R) of P positions.
+        sin: Sine table, cos's shape.
+        position_ids: Optional int32/int64 (B, T): the rows of the (P, R) tables each token
+            uses, in [0, P) (checked unless LMKERNELS_CHECK_VALUES=0; an unchecked position
+            out of range gives nan rows, never an out-of-bounds read). None: the tables are
+            per position as given.
+        layout: Which dims rotate together: "neox" pairs dim j with j + R/2 (rotate_half);
+            "interleaved" (GPT-J) pairs 2i with 2i + 1.
+        rotary_dim: R, the number of leading dims of each head that rotate: even, in (0, D];
+            None for D.
+        backend: The backend that runs the op ("triton", "compile", "eager", ...). None: the
+            choice of ``use_backend()`` / ``set_backend()``, else of LMKERNELS_BACKEND, else the
+            highest-priority backend that can take the inputs. A backend asked for that cannot
+            take them raises BackendNotSupportedError (never a silent fallback).
+
+    Returns:
+        (q_out, k_out), with q's and k's shapes and dtype. Differentiable with respect to q and
+        k (not cos and sin).
+
+    Raises:
+        LMKernelsError: An input of the wrong type, shape, dtype or device, or an option out of
+            range; the message names the argument.
+    """

@@ -29,7 +29,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn, TypeVar, cast
 
 import torch
 
@@ -39,12 +39,21 @@ from lmkernels.registry.dispatch import _CONTEXT, ENV_VAR, resolve
 # An entry: (key, impl fn, check_values, whether fn takes the inputs positionally). Per op: a
 # dict key -> entry, and a 1-list holding the previous call's entry. Comparing the key with
 # that one costs less than hashing it, and consecutive calls mostly share a signature (the same
-# norm in every layer). _NEVER as an entry's key: an entry that was not remembered.
-_Entry = tuple[Any, Callable[..., Any], Any, bool]
+# norm in every layer). _NEVER as an entry's key: an entry that was not remembered. A key is
+# None for inputs that cannot be keyed (looked up, never found).
+_Key = tuple[Any, ...] | None
+_Entry = tuple[Any, Callable[..., Any], Callable[..., None] | None, bool]
+_Cache = dict[_Key, _Entry]
 _NEVER = object()
-_NO_ENTRY: _Entry = (_NEVER, None, None, False)
+
+
+def _no_impl(*args: Any, **kwargs: Any) -> NoReturn:
+    raise AssertionError("the placeholder entry is never called: its key matches no call")
+
+
+_NO_ENTRY: _Entry = (_NEVER, _no_impl, None, False)
 _MISSING = object()
-_CACHES: list[tuple[dict[tuple, _Entry], list[_Entry]]] = []
+_CACHES: list[tuple[_Cache, list[_Entry]]] = []
 _CACHE_LIMIT = 4096  # distinct signatures per op; past it the cache starts over (e.g. many shapes)
 _VALUE_TYPES = frozenset({int, float, bool, str, type(None)})
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -53,13 +62,16 @@ _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 # os._Environ.__getitem__; os.getenv and `in` take the same route), a sixth of the whole cached
 # dispatch. Its backing dict, which os.environ updates on every change, answers in 20 ns; it is a
 # CPython detail, so any other Python gets the public call.
-if isinstance(getattr(os.environ, "_data", None), dict):
-    _env_get, _ENV_KEY = os.environ._data.get, os.environ.encodekey(ENV_VAR)
+_env_get: Callable[[Any], object]
+_ENV_KEY: object
+_env_data = getattr(os.environ, "_data", None)
+if isinstance(_env_data, dict):
+    _env_get, _ENV_KEY = _env_data.get, os.environ.encodekey(ENV_VAR)
 else:
     _env_get, _ENV_KEY = os.environ.get, ENV_VAR
 
 
-def _key(v):
+def _key(v: Any) -> tuple[Any, ...]:
     """How an input enters the key: a tensor as its class, shape, dtype, device and
     requires_grad; anything else as its class and value. The common classes are tested by
     identity: isinstance(v, torch.Tensor) costs ~0.3 us for a non-tensor (the tensor
@@ -78,7 +90,7 @@ def _op_body(op: str, params: list[inspect.Parameter]) -> Callable[..., Any]:
     n_positional = sum(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)
     n_required = max((i + 1 for i, d in enumerate(defaults) if d is _MISSING), default=0)
     options = tuple(p.name for p in params if p.default is not p.empty and p.default is not None)
-    cache: dict[tuple, _Entry] = {}
+    cache: _Cache = {}
     last = [_NO_ENTRY]
     _CACHES.append((cache, last))
 
@@ -102,6 +114,7 @@ def _op_body(op: str, params: list[inspect.Parameter]) -> Callable[..., Any]:
                     raise TypeError(f"{op}() missing required argument {name!r}")
         if torch.compiler.is_dynamo_compiling():
             return _traced(op, backend, **dict(zip(names, values)))
+        key: _Key
         try:
             key = (backend, _CONTEXT.get(), _env_get(_ENV_KEY), torch.is_grad_enabled(), *map(_key, values))
         except Exception:  # an input that cannot be keyed: the checks on the slow path say why
@@ -123,16 +136,21 @@ def _op_body(op: str, params: list[inspect.Parameter]) -> Callable[..., Any]:
     return body
 
 
-def op_function(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def op_function(op: str) -> Callable[[F], F]:
     """Decorator that gives an op's public function its body: check, resolve, call (above).
 
     The decorated function declares the public signature and docstring: the op's inputs
     (positional-or-keyword or keyword-only; those without a default are tensors, those with
     default None optional tensors or options, the others options) and a last keyword-only
-    ``backend=None``."""
+    ``backend=None``. Type checkers see the declared function; inspect.signature, help() and
+    typing.get_type_hints see its signature with the annotations evaluated."""
 
-    def decorate(declared: Callable[..., Any]) -> Callable[..., Any]:
-        parameters = list(inspect.signature(declared).parameters.values())
+    def decorate(declared: F) -> F:
+        signature = inspect.signature(declared, eval_str=True)
+        parameters = list(signature.parameters.values())
         if (
             not parameters
             or parameters[-1].name != "backend"
@@ -144,10 +162,16 @@ def op_function(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         if any(p.kind not in allowed for p in inputs):
             raise LMKernelsError(f"op_function({op!r}): no *args, **kwargs or positional-only inputs")
         public = _op_body(op, inputs)
-        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
-            setattr(public, attr, getattr(declared, attr))
-        public.__signature__ = inspect.signature(declared)
-        return public
+        annotations = {p.name: p.annotation for p in parameters if p.annotation is not p.empty}
+        if signature.return_annotation is not signature.empty:
+            annotations["return"] = signature.return_annotation
+        metadata = {
+            attr: getattr(declared, attr) for attr in ("__module__", "__name__", "__qualname__", "__doc__")
+        }
+        metadata.update(__signature__=signature, __annotations__=annotations)
+        for attr, value in metadata.items():
+            setattr(public, attr, value)
+        return cast(F, public)
 
     return decorate
 
@@ -168,7 +192,9 @@ def dispatch(op: str, backend: str | None, **inputs: Any) -> Any:
     return body(backend=backend, **inputs)
 
 
-def _resolve_and_remember(cache, key, op, backend, options, /, **inputs) -> _Entry:
+def _resolve_and_remember(
+    cache: _Cache, key: _Key, op: str, backend: str | None, options: tuple[str, ...], /, **inputs: Any
+) -> _Entry:
     """Check and resolve; remember the entry under `key` unless the key cannot stand for the
     inputs: an unhashable option value, or a tensor passed for one of `options` (the parameters
     with a value default), which the key holds by signature, not by value."""
