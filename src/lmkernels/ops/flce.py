@@ -46,6 +46,7 @@ import torch
 
 from lmkernels.ops._common import ROW_COUNTS, generator, op_function, randn, upcast
 from lmkernels.registry.core import ErrorInput, OpSpec, Tolerance, register_op
+from lmkernels.types import Reduction
 from lmkernels.utils import (
     check_bool,
     check_choice,
@@ -459,7 +460,7 @@ def fused_linear_cross_entropy(
     target: torch.Tensor,
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
-    reduction: Literal["mean", "sum", "none"] = "mean",
+    reduction: Reduction = "mean",
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     z_loss_scale: float = 0.0,
@@ -480,7 +481,7 @@ def fused_linear_cross_entropy(
     target: torch.Tensor,
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
-    reduction: Literal["mean", "sum", "none"] = "mean",
+    reduction: Reduction = "mean",
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     z_loss_scale: float = 0.0,
@@ -501,7 +502,7 @@ def fused_linear_cross_entropy(
     target: torch.Tensor,
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
-    reduction: Literal["mean", "sum", "none"] = "mean",
+    reduction: Reduction = "mean",
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     z_loss_scale: float = 0.0,
@@ -522,7 +523,7 @@ def fused_linear_cross_entropy(
     target: torch.Tensor,
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
-    reduction: Literal["mean", "sum", "none"] = "mean",
+    reduction: Reduction = "mean",
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     z_loss_scale: float = 0.0,
@@ -543,7 +544,7 @@ def fused_linear_cross_entropy(
     target: torch.Tensor,
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
-    reduction: Literal["mean", "sum", "none"] = "mean",
+    reduction: Reduction = "mean",
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     z_loss_scale: float = 0.0,

@@ -19,13 +19,12 @@ reading gradients as values.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
 from lmkernels.ops._common import ROW_COUNTS, WIDE, WIDTHS, generator, op_function, randn, upcast
 from lmkernels.registry.core import ErrorInput, OpSpec, register_op
+from lmkernels.types import GeluApproximation
 from lmkernels.utils import check_choice, check_same_device, check_same_dtype, check_tensor, fail
 
 GELU_APPROXIMATIONS = ("tanh", "none")
@@ -188,7 +187,7 @@ def swiglu(
 def geglu(
     gate: torch.Tensor,
     up: torch.Tensor,
-    approximate: Literal["tanh", "none"] = "tanh",
+    approximate: GeluApproximation = "tanh",
     *,
     consume_inputs: bool = False,
     backend: str | None = None,

@@ -9,12 +9,11 @@ The output has x's dtype and shape. Gradients: x and weight.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from lmkernels.ops._common import NORM_WIDTHS, ROW_COUNTS, WIDE, generator, op_function, randn, upcast
 from lmkernels.registry.core import ErrorInput, OpSpec, register_op
+from lmkernels.types import CastingMode
 from lmkernels.utils import check_choice, check_number, check_same_device, check_tensor, fail
 
 CASTING_MODES = ("llama", "gemma", "none")
@@ -124,7 +123,7 @@ def rms_norm(
     weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     offset: float = 0.0,
-    casting_mode: Literal["llama", "gemma", "none"] = "llama",
+    casting_mode: CastingMode = "llama",
     *,
     backend: str | None = None,
 ) -> torch.Tensor:

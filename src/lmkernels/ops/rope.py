@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Literal
 
 import torch
 
 from lmkernels.ops._common import generator, op_function, randn, upcast
 from lmkernels.registry.core import ErrorInput, OpSpec, register_op
+from lmkernels.types import RopeLayout
 from lmkernels.utils import check_choice, check_same_device, check_tensor, data_checks_enabled, fail
 
 LAYOUTS = ("neox", "interleaved")
@@ -254,7 +254,7 @@ def rope(
     cos: torch.Tensor,
     sin: torch.Tensor,
     position_ids: torch.Tensor | None = None,
-    layout: Literal["neox", "interleaved"] = "neox",
+    layout: RopeLayout = "neox",
     rotary_dim: int | None = None,
     *,
     backend: str | None = None,
