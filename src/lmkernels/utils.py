@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Sequence
+from typing import NoReturn
 
 import torch
 
@@ -53,7 +54,8 @@ def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
 # --- input checks --------------------------------------------------------------------------------
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
+    """Raise LMKernelsError(message): the error of every check of the inputs."""
     raise LMKernelsError(message)
 
 
@@ -67,7 +69,6 @@ def check_tensor(
 ) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         fail(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    assert isinstance(t, torch.Tensor)
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if t.dim() not in allowed:
@@ -100,10 +101,10 @@ def check_number(
     name: str, value: object, *, low: float | None = None, high: float | None = None, what: str = "a number"
 ) -> None:
     """value is a real number (int, float or bool is not; nan never is) within [low, high]."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-    ok = ok and (low is None or value >= low) and (high is None or value <= high)
-    if not ok:
-        fail(f"{name}: expected {what}, got {value!r}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
+        if (low is None or value >= low) and (high is None or value <= high):
+            return
+    fail(f"{name}: expected {what}, got {value!r}")
 
 
 def check_int(name: str, value: object) -> None:

@@ -20,8 +20,15 @@ FSDP2 needs nothing here: integrations/lm_head_loss.py runs the loss inside the 
 forward, where the weight is unsharded.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from lmkernels.distributed.optim import foreach_safe_param_groups
 from lmkernels.distributed.vocab_parallel import shard_range, vocab_parallel_cross_entropy
+
+if TYPE_CHECKING:  # imported on first use (__getattr__ below); named here for type checkers
+    from lmkernels.distributed.dtensor_loss import dtensor_linear_cross_entropy
+    from lmkernels.distributed.dtensor_loss import is_dtensor as is_dtensor
+    from lmkernels.distributed.plans import sequence_parallel_plan
 
 __all__ = [
     "dtensor_linear_cross_entropy",
@@ -32,7 +39,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     # torch.distributed.tensor is imported on first use only: most users never need it.
     if name in ("dtensor_linear_cross_entropy", "is_dtensor"):
         from lmkernels.distributed import dtensor_loss

@@ -14,25 +14,30 @@ lm_head). Any other layout gets an error naming it.
 
 from __future__ import annotations
 
+from typing import Any, TypeGuard, overload
+
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import lmkernels
 from lmkernels.distributed.vocab_parallel import vocab_parallel_cross_entropy
 from lmkernels.registry import LMKernelsError
 from lmkernels.registry.dispatch import canonical_op, requested_backend
+from lmkernels.types import Reduction
 from lmkernels.utils import data_checks_enabled
 
 
-def is_dtensor(t) -> bool:
+def is_dtensor(t: object) -> TypeGuard[DTensor]:
+    """Whether t is a DTensor (torch.distributed.tensor)."""
     return isinstance(t, DTensor)
 
 
-def _mesh_of(*tensors):
+def _mesh_of(*tensors: torch.Tensor | None) -> DeviceMesh:
     # Equal meshes compare equal (DeviceMesh.__eq__: ranks, layout, dim names); they need not be
     # one object (FSDP2's unsharded TP parameter and an activation of the same tp mesh can differ).
-    meshes = []
+    meshes: list[DeviceMesh] = []
     for t in tensors:
         if is_dtensor(t) and not any(t.device_mesh == m for m in meshes):
             meshes.append(t.device_mesh)
@@ -50,15 +55,19 @@ def _mesh_of(*tensors):
     return mesh
 
 
-def _replicated_local(t, mesh):
+@overload
+def _replicated_local(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor: ...
+@overload
+def _replicated_local(t: None, mesh: DeviceMesh) -> None: ...
+def _replicated_local(t: torch.Tensor | None, mesh: DeviceMesh) -> torch.Tensor | None:
     """The local tensor of a DTensor made Replicate (differentiable; a sequence-sharded hidden
     is all-gathered and its gradient sliced back), or t itself."""
-    if not is_dtensor(t):
+    if not isinstance(t, DTensor):
         return t
     return t.redistribute(mesh, [Replicate()]).to_local()
 
 
-def _check_same_labels(target: torch.Tensor, group) -> None:
+def _check_same_labels(target: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Vocab-parallel needs the same tokens on every rank; a data-parallel shard of the weight
     (e.g. an FSDP2 shard read outside its module's forward) has different ones. One tiny
     all-reduce and a host sync, skipped with LMKERNELS_CHECK_VALUES=0."""
@@ -77,13 +86,13 @@ def _check_same_labels(target: torch.Tensor, group) -> None:
 
 
 def dtensor_linear_cross_entropy(
-    hidden,
-    weight,
-    target,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
     *,
-    bias=None,
+    bias: torch.Tensor | None = None,
     ignore_index: int = -100,
-    reduction: str = "mean",
+    reduction: Reduction = "mean",
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     z_loss_scale: float = 0.0,
@@ -94,31 +103,31 @@ def dtensor_linear_cross_entropy(
     own implementation (see vocab_parallel.py), in its lean mode when the FLCE backend asked for (by
     argument, use_backend or the environment) is "triton_lean", else in its fast mode."""
     mesh = _mesh_of(hidden, weight, bias)
-    if is_dtensor(target):
+    if isinstance(target, DTensor):
         target = target.full_tensor()
     h = _replicated_local(hidden, mesh)
-    opts = dict(
+    opts: dict[str, Any] = dict(
         ignore_index=ignore_index,
         reduction=reduction,
         label_smoothing=label_smoothing,
         softcap=softcap,
         z_loss_scale=z_loss_scale,
     )
-    w_place = weight.placements[0] if is_dtensor(weight) else Replicate()
-    if isinstance(w_place, Replicate):
+    if not isinstance(weight, DTensor) or isinstance(weight.placements[0], Replicate):
         w = _replicated_local(weight, mesh)
         b = _replicated_local(bias, mesh)
         return lmkernels.fused_linear_cross_entropy(h, w, target, bias=b, backend=backend, **opts)
+    w_place = weight.placements[0]
     if not (isinstance(w_place, Shard) and w_place.dim == 0):
         raise LMKernelsError(
             f"weight: DTensor placements {weight.placements} are not supported by the loss; expected "
             f"Shard(0) (vocabulary-parallel lm_head) or Replicate()"
         )
-    if is_dtensor(bias) and bias.placements != weight.placements:
+    if isinstance(bias, DTensor) and bias.placements != weight.placements:
         raise LMKernelsError(
             f"bias: expected placements {weight.placements} like weight's, got {bias.placements}"
         )
-    if bias is not None and not is_dtensor(bias):
+    if bias is not None and not isinstance(bias, DTensor):
         raise LMKernelsError(
             "bias: expected a DTensor sharded like the vocabulary-sharded weight, got a plain tensor"
         )

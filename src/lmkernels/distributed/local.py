@@ -16,6 +16,7 @@ gradient could not be reduced).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -23,28 +24,26 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from lmkernels.registry import LMKernelsError
 
 
-def _is_d(t) -> bool:
-    return isinstance(t, DTensor)
-
-
 def local_call(
-    fn: Callable,
+    fn: Callable[..., Any],
     activations: Sequence[torch.Tensor],
     weights: Sequence[torch.Tensor | None] = (),
     *,
     op: str,
     reduced_dims: Sequence[int] = (-1,),
-):
+) -> Any:
     """fn(*local_activations, *local_weights) -> tensor or tuple, each output wrapped as a DTensor
     with the first activation's layout. `reduced_dims`: dims the op mixes (must not be sharded).
     Activations must share one layout; weights are Replicate DTensors, or plain tensors when the
     activations are Replicate too."""
-    lead = next(a for a in activations if _is_d(a))
+    lead = next(a for a in activations if isinstance(a, DTensor))
     mesh, placements = lead.device_mesh, lead.placements
+    shards: list[DTensor] = []
     for i, a in enumerate(activations):
-        if not _is_d(a) or a.device_mesh != mesh or a.placements != placements:
-            got = a.placements if _is_d(a) else "a plain tensor"
+        if not isinstance(a, DTensor) or a.device_mesh != mesh or a.placements != placements:
+            got = a.placements if isinstance(a, DTensor) else "a plain tensor"
             raise LMKernelsError(f"{op}: input {i} is {got}, expected DTensor {placements} like input 0")
+        shards.append(a)
     ndim = lead.dim()
     reduced = {d % ndim for d in reduced_dims}
     for p in placements:
@@ -54,9 +53,9 @@ def local_call(
                 f"{sorted(reduced)}); redistribute them to a sequence/batch/head shard or Replicate first"
             )
     sharded = any(isinstance(p, Shard) for p in placements)
-    local_weights = []
+    local_weights: list[torch.Tensor | None] = []
     for w in weights:
-        if w is None or not _is_d(w):
+        if not isinstance(w, DTensor):
             if w is not None and sharded and w.requires_grad:
                 raise LMKernelsError(
                     f"{op}: weight is a plain tensor while the input is sharded ({placements}); its "
@@ -71,9 +70,9 @@ def local_call(
             )
         grad_placements = [Partial() if sharded else Replicate()] * mesh.ndim
         local_weights.append(w.to_local(grad_placements=grad_placements))
-    out = fn(*(a.to_local() for a in activations), *local_weights)
+    out = fn(*(a.to_local() for a in shards), *local_weights)
 
-    def wrap(y, like):
+    def wrap(y: torch.Tensor, like: torch.Tensor) -> DTensor:
         # The global shape of an output is its input's (uneven shards need it spelled out).
         stride = torch.empty(like.shape, device="meta").stride()
         return DTensor.from_local(y, mesh, placements, run_check=False, shape=like.shape, stride=stride)

@@ -17,20 +17,23 @@ tensors, or DTensors of one mesh); the optimizer then runs its foreach path per 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def foreach_safe_param_groups(params: Iterable[torch.Tensor | dict[str, Any]]) -> list[dict[str, Any]]:
     """`params` (tensors, or param-group dicts whose options are kept) regrouped so that no group
     mixes plain tensors with DTensors or DTensors of different meshes. Pass the result to any
     torch optimizer: `torch.optim.AdamW(foreach_safe_param_groups(model.parameters()), lr=...)`."""
-    dtensor = None
+    dtensor: type[DTensor] | None = None
     if torch.distributed.is_available():
         from torch.distributed.tensor import DTensor as dtensor
     items = list(params)
-    groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+    groups: list[Any] = items if items and isinstance(items[0], dict) else [{"params": items}]
     out: list[dict[str, Any]] = []
     for group in groups:
         if not isinstance(group, dict) or "params" not in group:

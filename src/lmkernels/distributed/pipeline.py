@@ -15,35 +15,44 @@ dropped. Drop it and run gc.collect() after cutting, as the benchmark's pipeline
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 
 class DecoderStage(nn.Module):
-    def __init__(self, model: nn.Module, index: int, count: int):
+    """Stage `index` of `count` of a transformers decoder-only causal LM (`model.model.layers`,
+    `.rotary_emb`, `.embed_tokens`, `.norm`, `model.lm_head`): see the module docstring. Its
+    forward takes the token ids (stage 0) or the previous stage's hidden states and returns
+    hidden states (the last stage's after the final norm)."""
+
+    def __init__(self, model: nn.Module, index: int, count: int) -> None:
         super().__init__()
-        base = model.model
+        causal_lm: Any = model  # duck-typed: a transformers causal LM
+        base = causal_lm.model
         per = len(base.layers) // count
         stop = (index + 1) * per if index < count - 1 else len(base.layers)
         self.first, self.last = index == 0, index == count - 1
         self.layers = nn.ModuleList(base.layers[index * per : stop])
         self.rotary_emb = base.rotary_emb
-        self.embed_tokens = base.embed_tokens if self.first else None
-        self.norm = base.norm if self.last else None
-        self.lm_head = model.lm_head if self.last else None
+        self.embed_tokens: nn.Module | None = base.embed_tokens if self.first else None
+        self.norm: nn.Module | None = base.norm if self.last else None
+        self.lm_head: nn.Module | None = causal_lm.lm_head if self.last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(x) if self.first else x
+        """Token ids (stage 0) or the previous stage's hidden states -> this stage's output."""
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
         b, t = h.shape[:2]
         positions = torch.arange(t, device=h.device).unsqueeze(0).expand(b, -1)
         cos_sin = self.rotary_emb(h, position_ids=positions)
         for layer in self.layers:
             out = layer(h, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
             h = out[0] if isinstance(out, tuple) else out
-        return self.norm(h) if self.last else h
+        return self.norm(h) if self.norm is not None else h
 
 
-def schedule_step(schedule, ids: torch.Tensor, first: bool) -> list[torch.Tensor]:
+def schedule_step(schedule: Any, ids: torch.Tensor, first: bool) -> list[torch.Tensor]:
     """One step of a torch.distributed.pipelining schedule on this rank's stage: the first stage
     takes the token ids as input, the others as the targets of the last stage's loss_fn. Returns
     the micro-batches' losses (filled on the last stage only)."""

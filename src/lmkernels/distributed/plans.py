@@ -29,10 +29,17 @@ attention_mask) is not supported by this plan.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Literal
+
 from torch import nn
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
-def sequence_parallel_plan(model: nn.Module, *, lm_head_output: str = "replicate") -> dict:
+
+def sequence_parallel_plan(
+    model: nn.Module, *, lm_head_output: Literal["replicate", "shard"] = "replicate"
+) -> dict[str, ParallelStyle]:
     """{module name: parallel style} for `parallelize_module(model, tp_mesh, plan)`.
     `model`: a transformers causal LM with model.embed_tokens, model.layers[i].{input_layernorm,
     self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}, model.norm,
@@ -51,14 +58,15 @@ def sequence_parallel_plan(model: nn.Module, *, lm_head_output: str = "replicate
     if lm_head_output not in ("replicate", "shard"):
         raise ValueError(f"lm_head_output: expected 'replicate' or 'shard', got {lm_head_output!r}")
     head_out = Replicate() if lm_head_output == "replicate" else Shard(-1)
-    plan = {
+    plan: dict[str, ParallelStyle] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "model.norm": SequenceParallel(),
         "lm_head": ColwiseParallel(
             input_layouts=Shard(1), output_layouts=head_out, use_local_output=lm_head_output == "replicate"
         ),
     }
-    for i in range(len(model.model.layers)):
+    base: Any = model.model  # duck-typed: a transformers base model
+    for i in range(len(base.layers)):
         p = f"model.layers.{i}."
         plan |= {
             p + "input_layernorm": SequenceParallel(),

@@ -34,6 +34,7 @@ written over the chunk's logits. Elsewhere torch ops do it in about three times 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,8 @@ from lmkernels.utils import check_choice, env_sizes
 
 CHUNK_BYTES = 512 * 2**20  # fp32 logits of one chunk; the softcap's backward holds twice that
 CHUNK_ENV = "LMKERNELS_FLCE_CHUNK_TOKENS"
+# (ignore_index, reduction, label_smoothing, softcap, z_loss_scale)
+_Opts = tuple[int, str, float, float | None, float]
 MAX_LOW_PRECISION_SUMS = 8  # as the Triton FLCE's MAX_SUPER_CHUNKS
 # The elementwise passes' implementation: "triton" (the FLCE's row kernel) or "torch" (ops);
 # unset or empty: where _use_triton allows. Tests run the kernel on the CPU interpreter with it.
@@ -114,7 +117,7 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-def _raw_logits(h: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+def _raw_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """fp32 logits of one chunk of tokens, before the softcap."""
     z = _mm_f32(h, weight.T)
     if bias is not None:
@@ -122,7 +125,9 @@ def _raw_logits(h: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     return z
 
 
-def _logits(h: torch.Tensor, weight: torch.Tensor, bias, softcap) -> torch.Tensor:
+def _logits(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None
+) -> torch.Tensor:
     """fp32 logits of one chunk of tokens."""
     z = _raw_logits(h, weight, bias)
     if softcap is not None:
@@ -133,7 +138,9 @@ def _logits(h: torch.Tensor, weight: torch.Tensor, bias, softcap) -> torch.Tenso
 class _Targets:
     """Per-token target bookkeeping for this rank's shard."""
 
-    def __init__(self, target, ignore_index, start, v_local, smoothing):
+    def __init__(
+        self, target: torch.Tensor, ignore_index: int, start: int, v_local: int, smoothing: float
+    ) -> None:
         self.valid = target != ignore_index
         local_t = target - start
         self.in_shard = self.valid & (local_t >= 0) & (local_t < v_local)
@@ -142,7 +149,9 @@ class _Targets:
         self.onehot = torch.where(self.in_shard, -(1.0 - smoothing), 0.0)
 
 
-def _local_stats_torch_(z, tg, s, e, smoothing):
+def _local_stats_torch_(
+    z: torch.Tensor, tg: _Targets, s: int, e: int, smoothing: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One chunk's logits z (bias and softcap applied) -> exp(z - m) in place, m the row max
     over this shard. Returns (this shard's logsumexp, m, target logit (0 outside the shard),
     sum of the logits or None)."""
@@ -157,11 +166,16 @@ def _local_stats_torch_(z, tg, s, e, smoothing):
     return lse_local, m, target_z, sum_z
 
 
-def _cap(x, softcap):
+def _cap(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return x if softcap is None else torch.tanh(x / softcap) * softcap
 
 
-def _combine(lse_local, target_z, sum_z, group):
+def _combine(
+    lse_local: torch.Tensor,
+    target_z: torch.Tensor,
+    sum_z: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The global logsumexp, target logit and sum of logits per token, from every shard's."""
     m = lse_local.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # finite: some shard has columns
@@ -171,7 +185,19 @@ def _combine(lse_local, target_z, sum_z, group):
     return m + torch.log(stats[0]), stats[1], stats[2] if sum_z is not None else None
 
 
-def _dlogits(ez, inv_sum, capped, lse, tg, s, e, g, opts, vocab_size, low_dtype):
+def _dlogits(
+    ez: torch.Tensor,
+    inv_sum: torch.Tensor | float,
+    capped: torch.Tensor | None,
+    lse: torch.Tensor,
+    tg: _Targets,
+    s: int,
+    e: int,
+    g: torch.Tensor,
+    opts: _Opts,
+    vocab_size: int,
+    low_dtype: torch.dtype | None,
+) -> torch.Tensor:
     """dz of one chunk from ez = softmax / inv_sum (overwritten) and g, the per-token upstream
     gradient: in low_dtype, or fp32 if low_dtype is None. The common case (low_dtype given; no
     smoothing, softcap or z-loss) folds every per-row factor into one multiply that writes
@@ -195,7 +221,7 @@ def _dlogits(ez, inv_sum, capped, lse, tg, s, e, g, opts, vocab_size, low_dtype)
     return ez if low_dtype is None else ez.to(low_dtype)
 
 
-def _softcap_slope(z, softcap):
+def _softcap_slope(z: torch.Tensor, softcap: float | None) -> torch.Tensor | None:
     """d capped / d uncapped = 1 - (z / softcap)^2, from the capped logits (before they are
     overwritten)."""
     return None if softcap is None else z.div(softcap).square_().neg_().add_(1.0)
@@ -204,23 +230,30 @@ def _softcap_slope(z, softcap):
 class _GradSums:
     """grad_hidden (fp32, all-reduced at the end), grad_weight and grad_bias over the chunks."""
 
-    def __init__(self, hidden, weight, bias, needs, n_chunks):
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        needs: tuple[bool, ...],
+        n_chunks: int,
+    ) -> None:
         need_h, need_w, need_b = needs
         n, v_local = hidden.shape[0], weight.shape[0]
         low_ok = weight.dtype != torch.float16 and n_chunks <= MAX_LOW_PRECISION_SUMS
         self.w_dtype = weight.dtype if low_ok else torch.float32
-        f32 = dict(dtype=torch.float32, device=hidden.device)
-        self.h = torch.zeros(n, hidden.shape[1], **f32) if need_h else None
+        f32, device = torch.float32, hidden.device
+        self.h = torch.zeros(n, hidden.shape[1], dtype=f32, device=device) if need_h else None
         self.w = torch.zeros(weight.shape, dtype=self.w_dtype, device=weight.device) if need_w else None
-        self.b = torch.zeros(v_local, **f32) if need_b and bias is not None else None
+        self.b = torch.zeros(v_local, dtype=f32, device=device) if need_b and bias is not None else None
 
-    def low_dtype(self, weight):
+    def low_dtype(self, weight: torch.Tensor) -> torch.dtype | None:
         """The dtype _dlogits should return: fp32 while the bias gradient sums it (rare: an
         lm_head bias), else the weight's (the matmuls run in the inputs' dtype, like the fused
         kernels)."""
         return None if self.b is not None else weight.dtype
 
-    def add(self, dz, hidden_c, weight, s, e):
+    def add(self, dz: torch.Tensor, hidden_c: torch.Tensor, weight: torch.Tensor, s: int, e: int) -> None:
         if self.b is not None:
             self.b += dz.sum(dim=0)
         dz_low = dz.to(weight.dtype)
@@ -232,17 +265,23 @@ class _GradSums:
             else:
                 self.w.addmm_(dz_low.T, hidden_c)
 
-    def finish(self, hidden, weight, bias, group):
+    def finish(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: dist.ProcessGroup | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         gh = None
         if self.h is not None:
             dist.all_reduce(self.h, group=group)  # each shard's vocab contributes a partial sum
             gh = self.h.to(hidden.dtype)
         gw = None if self.w is None else self.w.to(weight.dtype)
-        gb = None if self.b is None else self.b.to(bias.dtype)
+        gb = None if self.b is None or bias is None else self.b.to(bias.dtype)
         return gh, gw, gb
 
 
-def _chunks(n, vocab_size, group):
+def _chunks(n: int, vocab_size: int, group: dist.ProcessGroup | None) -> list[tuple[int, int]]:
     """The token chunks, alike on every rank of the group: sized for the largest Shard(0) shard,
     ceil(V / R) rows. (Sized for each rank's own shard, an uneven split, e.g. V = 151665 over 4
     ranks, gave ranks different chunk counts, hence different numbers of collectives.)"""
@@ -250,7 +289,7 @@ def _chunks(n, vocab_size, group):
     return [(s, min(s + step, n)) for s in range(0, n, step)]
 
 
-def _use_triton(weight, bias) -> bool:
+def _use_triton(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """The FLCE's Triton row kernel does the elementwise work when it can: on CUDA (or when
     ROWS_ENV asks for it, e.g. on the CPU interpreter in tests), without a bias (its kernel
     reads a full-vocabulary bias), not in fp16 (whose dlogits need the FLCE's scaling), and not
@@ -292,7 +331,16 @@ class _TritonRows:
     """The one-device FLCE's Triton row kernel (backends/triton/_flce_kernels.py) on this
     shard's chunks, set up once per call."""
 
-    def __init__(self, target, tg, opts, vocab_size, v_local, max_chunk, device):
+    def __init__(
+        self,
+        target: torch.Tensor,
+        tg: _Targets,
+        opts: _Opts,
+        vocab_size: int,
+        v_local: int,
+        max_chunk: int,
+        device: torch.device,
+    ) -> None:
         from lmkernels.backends.triton import _flce_kernels as kernels
         from lmkernels.backends.triton.configs import tables_for
 
@@ -305,9 +353,11 @@ class _TritonRows:
         self.grads = kernels.Rows(
             target, None, None, ignore_index, smoothing, softcap, z_scale, vocab_size, self.table
         )
-        self.stats = None
+        self.stats: Any = None
 
-    def local_stats(self, z, s, e):
+    def local_stats(
+        self, z: torch.Tensor, s: int, e: int
+    ) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor | None]:
         """_local_stats_torch_'s results from raw logits z (no softcap applied; kept): one read
         of the chunk (two with label smoothing)."""
         n, cap = z.shape[0], self.softcap
@@ -330,15 +380,33 @@ class _TritonRows:
             self.stats.launch(z, None, slice(0, n), lse_local, self.scratch, None, 0, False)
         return lse_local, None, target_z, sum_z
 
-    def dlogits(self, z, lse, g, s, e, start, low_dtype):
+    def dlogits(
+        self,
+        z: torch.Tensor,
+        lse: torch.Tensor,
+        g: torch.Tensor,
+        s: int,
+        e: int,
+        start: int,
+        low_dtype: torch.dtype,
+    ) -> torch.Tensor:
         """dz of one chunk from its raw logits z: written in low_dtype over z's own memory (each
         row's values fill the first bytes of its fp32 row)."""
         dz = self.kernels._dlogits_view(z, low_dtype)
         self.grads.launch(z, dz, slice(s, e), lse, None, g, start, True)
-        return self.kernels._gemm_ready(dz)  # contiguous on the CPU (see there)
+        ready: torch.Tensor = self.kernels._gemm_ready(dz)  # contiguous on the CPU (see there)
+        return ready
 
 
-def _triton_rows(target, tg, opts, vocab_size, weight, bias, chunks):
+def _triton_rows(
+    target: torch.Tensor,
+    tg: _Targets,
+    opts: _Opts,
+    vocab_size: int,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunks: list[tuple[int, int]],
+) -> _TritonRows | None:
     """A _TritonRows where _use_triton allows, else None (torch ops)."""
     if not _use_triton(weight, bias):
         return None
@@ -348,7 +416,18 @@ def _triton_rows(target, tg, opts, vocab_size, weight, bias, chunks):
 
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, group, start, vocab_size, opts, fast):
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        target: torch.Tensor,
+        group: dist.ProcessGroup | None,
+        start: int,
+        vocab_size: int,
+        opts: _Opts,
+        fast: bool,
+    ) -> torch.Tensor:
         ignore_index, reduction, smoothing, softcap, z_scale = opts
         n, v_local = hidden.shape[0], weight.shape[0]
         tg = _Targets(target, ignore_index, start, v_local, smoothing)
@@ -374,6 +453,7 @@ class _VocabParallelCE(torch.autograd.Function):
             lse_c, target_z, sum_z = _combine(lse_local, target_z, sum_z, group)
             loss_c = (1.0 - smoothing) * (lse_c - target_z)
             if smoothing:
+                assert sum_z is not None  # (summed whenever there is smoothing)
                 loss_c = loss_c + (smoothing / vocab_size) * (vocab_size * lse_c - sum_z)
             if z_scale:
                 loss_c = loss_c + z_scale * lse_c.square()
@@ -382,6 +462,7 @@ class _VocabParallelCE(torch.autograd.Function):
                 dz = triton_rows.dlogits(z, lse, g, s, e, start, weight.dtype)
             elif fast:
                 # z holds exp(z - m): the softmax is z * exp(m - lse)
+                assert m is not None  # (the torch ops' row max)
                 inv_sum = torch.exp(m - lse_c)
                 low = sums.low_dtype(weight)
                 dz = _dlogits(z, inv_sum, capped, lse_c, tg, s, e, g_rows[s:e], opts, vocab_size, low)
@@ -405,7 +486,7 @@ class _VocabParallelCE(torch.autograd.Function):
         return loss.sum() / count.clamp(min=1)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.fast:
             # The gradients of the reduced loss, computed in the forward; the buffers are ours.
             grads = [None if t is None else ctx.scale_(t, grad_out) for t in ctx.saved_tensors]
@@ -425,6 +506,7 @@ class _VocabParallelCE(torch.autograd.Function):
                 z = _raw_logits(hidden[s:e], weight, bias)
                 dz = triton_rows.dlogits(z, lse, g, s, e, start, weight.dtype)
             else:
+                assert g_rows is not None  # (set whenever triton_rows is None)
                 z = _logits(hidden[s:e], weight, bias, softcap)
                 capped = _softcap_slope(z, softcap)
                 p = z.sub_(lse[s:e, None]).exp_()

@@ -29,10 +29,13 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 from torch import nn
 
 from lmkernels.registry import LMKernelsError
+
+_R = TypeVar("_R")
 
 
 def zero3_partitioned(module: nn.Module) -> bool:
@@ -42,7 +45,8 @@ def zero3_partitioned(module: nn.Module) -> bool:
 
 
 def _check_gathered(module: nn.Module, name: str) -> None:
-    for pname, p in module._parameters.items():
+    for pname, param in module._parameters.items():
+        p: Any = param  # a ZeRO-3 parameter carries DeepSpeed's attributes (ds_id, ds_numel, ds_shape)
         if p is not None and hasattr(p, "ds_id") and p.numel() != p.ds_numel:
             raise LMKernelsError(
                 f"{name}.{pname}: a DeepSpeed ZeRO-3 partition that was not gathered (shape "
@@ -52,13 +56,19 @@ def _check_gathered(module: nn.Module, name: str) -> None:
             )
 
 
-def call_as_forward(module: nn.Module, fn: Callable, *args, name: str = "lm_head", **kwargs):
+def call_as_forward(
+    module: nn.Module,
+    fn: Callable[..., _R],
+    *args: Any,
+    name: str = "lm_head",
+    **kwargs: Any,
+) -> _R:
     """fn(module, *args, **kwargs), run as `module`'s forward for this one call: module's forward
     hooks run around it (ZeRO-3's gather before, release after, re-gather for fn's backward,
     release when the gradients reach the positional tensor args). The module's own forward is
     restored afterwards, whatever happens."""
 
-    def forward(self, *a, **k):
+    def forward(self: nn.Module, *a: Any, **k: Any) -> _R:
         _check_gathered(self, name)
         return fn(self, *a, **k)
 

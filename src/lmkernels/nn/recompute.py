@@ -37,7 +37,13 @@ class _Recipe:
 
     __slots__ = ("recompute", "sources", "versions", "size", "stride", "offset")
 
-    def __init__(self, recompute, sources, view, h_offset):
+    def __init__(
+        self,
+        recompute: Callable[[], torch.Tensor],
+        sources: tuple[torch.Tensor, ...],
+        view: torch.Tensor,
+        h_offset: int | torch.SymInt,
+    ) -> None:
         self.recompute = recompute
         self.sources = sources
         self.versions = tuple(t._version for t in sources)
@@ -87,12 +93,12 @@ def project_recomputed(
     # hooks hold no reference to h (h's memory is alive while down_proj runs).
     memory, h_offset = h.untyped_storage().data_ptr(), h.storage_offset()
 
-    def pack(t):
+    def pack(t: torch.Tensor) -> torch.Tensor | _Recipe:
         if type(t) is torch.Tensor and t.untyped_storage().data_ptr() == memory:
             return _Recipe(recompute, sources, t, h_offset)
         return t
 
-    def unpack(saved):
+    def unpack(saved: torch.Tensor | _Recipe) -> torch.Tensor:
         return saved.run() if isinstance(saved, _Recipe) else saved
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

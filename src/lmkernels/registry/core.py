@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class LMKernelsError(ValueError):
@@ -14,11 +17,11 @@ class LMKernelsError(ValueError):
 
 
 class UnknownOpError(LMKernelsError):
-    pass
+    """An op name that is not registered (the message lists the known ones)."""
 
 
 class UnknownBackendError(LMKernelsError):
-    pass
+    """A backend name that is not registered, for any op or for this op (the message lists them)."""
 
 
 class BackendNotSupportedError(LMKernelsError):
@@ -195,6 +198,23 @@ class Impl:
         return reasons
 
 
+class ImplCapabilities(TypedDict, total=False):
+    """register()'s keyword arguments: the fields of Impl after op, backend and fn."""
+
+    priority: int
+    dtypes: tuple[torch.dtype, ...] | None
+    devices: tuple[str, ...]
+    auto_devices: tuple[str, ...] | None
+    min_capability: tuple[int, int] | None
+    has_backward: bool
+    double_backward: bool
+    compile_safe: bool
+    available: Callable[[], str | None]
+    supports: Callable[..., list[str]]
+    description: str
+    external: bool
+
+
 _OPS: dict[str, OpSpec] = {}
 _IMPLS: dict[str, dict[str, Impl]] = {}
 _NOT_CACHED = object()
@@ -213,18 +233,21 @@ _registered_availability._dynamo_marked_constant = True  # type: ignore[attr-def
 
 
 def register_op(spec: OpSpec) -> OpSpec:
+    """Register a new op (its OpSpec); returns `spec`. Backends then register impls of it."""
     _OPS[spec.name] = spec
     _IMPLS.setdefault(spec.name, {})
     return spec
 
 
-def register(op: str, backend: str, fn: Callable[..., Any], **capabilities: Any) -> Impl:
-    """Register `fn` as the `backend` implementation of `op`.
+def register(op: str, backend: str, fn: Callable[..., Any], **capabilities: Unpack[ImplCapabilities]) -> Impl:
+    """Register `fn` as the `backend` implementation of `op`; returns the Impl.
 
     This is all a new backend needs: the dispatcher, the harness, `lmkernels validate`, the
-    test suite and the benchmarks enumerate the registry and pick it up. `capabilities` are the
-    fields of Impl (priority, dtypes, devices, min_capability, has_backward, double_backward,
-    compile_safe, available, supports, description).
+    test suite and the benchmarks enumerate the registry and pick it up. `fn` takes the op's
+    inputs as keyword arguments (those of the op's public function, without `backend`).
+    `capabilities` are the fields of Impl (ImplCapabilities: priority, dtypes, devices,
+    auto_devices, min_capability, has_backward, double_backward, compile_safe, available,
+    supports, description, external). Registering a backend again replaces it.
     """
     if op not in _OPS:
         raise UnknownOpError(f"register: unknown op {op!r}; known ops: {sorted(_OPS)}")
@@ -245,6 +268,7 @@ def higher_order_error(op: str, backend: str) -> HigherOrderGradientError:
 
 
 def unregister(op: str, backend: str) -> None:
+    """Remove the `backend` impl of `op` (nothing if there is none)."""
     _IMPLS.get(op, {}).pop(backend, None)
     _changed()
 
@@ -254,6 +278,7 @@ _ON_CHANGE: list[Callable[[], None]] = []
 
 
 def on_change(callback: Callable[[], None]) -> None:
+    """Call `callback` after every register() / unregister()."""
     _ON_CHANGE.append(callback)
 
 
@@ -263,6 +288,7 @@ def _changed() -> None:
 
 
 def get_op(name: str) -> OpSpec:
+    """The OpSpec of op `name` (UnknownOpError if none is registered)."""
     spec = _OPS.get(name)
     if spec is not None:  # the built-in ops register on import; a plugin's only once loaded
         return spec
@@ -274,6 +300,7 @@ def get_op(name: str) -> OpSpec:
 
 
 def ops() -> list[OpSpec]:
+    """Every registered op's OpSpec, in registration order."""
     _ensure_loaded()
     return list(_OPS.values())
 
@@ -290,6 +317,7 @@ def impls(op: str | None = None) -> list[Impl]:
 
 
 def get_impl(op: str, backend: str) -> Impl:
+    """The `backend` impl of `op` (UnknownOpError / UnknownBackendError if not registered)."""
     _ensure_loaded()
     get_op(op)
     try:
@@ -301,6 +329,7 @@ def get_impl(op: str, backend: str) -> Impl:
 
 
 def backend_names() -> list[str]:
+    """Every registered backend name, for any op, in registration order."""
     _ensure_loaded()
     seen: dict[str, None] = {}
     for per_op in _IMPLS.values():

@@ -71,6 +71,8 @@ def _overrides() -> dict[str, str]:
 
 
 def canonical_op(name: str) -> str:
+    """The registered name of an op or its alias ("flce" -> "fused_linear_cross_entropy");
+    UnknownOpError for anything else."""
     name = OP_ALIASES.get(name, name)
     get_op(name)  # raises UnknownOpError with the known names
     return name
@@ -138,7 +140,14 @@ def _invalidate() -> None:
 def use_backend(backend: str | None = None, **per_op: str) -> Iterator[None]:
     """Choose backends inside a ``with`` block: ``use_backend("triton", flce="compile")``.
 
-    Only for this thread (or asyncio task); other threads keep their own choice."""
+    Args:
+        backend: A backend for every op ("triton"), or a spec with per-op choices
+            ("triton,flce=compile", as LMKERNELS_BACKEND takes); None changes no global choice.
+        **per_op: op name or alias -> backend ("auto" for the automatic choice).
+
+    Overrides the environment variable, not an explicit ``backend=`` argument; nests (the
+    inner block's choices win, per op). Only for this thread (or asyncio task); other threads
+    keep their own choice. Unknown ops or backends raise at once."""
     table = _merged_overrides(backend, per_op)
     token = _CONTEXT.set(table)
     previous_mirror = getattr(_THREAD, "table", _NO_OVERRIDES)
@@ -151,11 +160,13 @@ def use_backend(backend: str | None = None, **per_op: str) -> Iterator[None]:
 
 
 def set_backend(backend: str | None = None, **per_op: str) -> None:
-    """Like use_backend, until changed again or reset_backend(); for this thread (or task)."""
+    """Like use_backend (same arguments), until changed again or reset_backend(); for this
+    thread (or task)."""
     _replace_overrides(_merged_overrides(backend, per_op))
 
 
 def reset_backend() -> None:
+    """Forget what set_backend() chose (for this thread or task)."""
     _replace_overrides(())
 
 
@@ -176,6 +187,8 @@ def _merged_overrides(backend: str | None, per_op: dict[str, str]) -> tuple[tupl
 
 @dataclasses.dataclass
 class Choice:
+    """The backend the precedence rules ask for, for one op, and who asked."""
+
     op: str
     backend: str
     source: str  # "argument", "use_backend", "env LMKERNELS_BACKEND", "auto" (nothing asked)
@@ -200,7 +213,9 @@ def requested_backend(op: str, backend: str | None = None) -> Choice:
 
 
 def resolve(op: str, inputs: dict[str, Any], backend: str | None = None) -> Impl:
-    """The impl that runs `op` on `inputs`, by the precedence rules above."""
+    """The impl that runs `op` (a name or alias) on `inputs` (the op's keyword arguments), by
+    the precedence rules above; `backend` as the ops' argument. Raises BackendNotSupportedError
+    when the requested backend, or every backend for auto, cannot take the inputs."""
     op = canonical_op(op)
     choice = requested_backend(op, backend)
     if choice.backend != AUTO:
@@ -255,6 +270,10 @@ on_change(_invalidate)
 
 @dataclasses.dataclass
 class Explanation:
+    """What explain() found: the backend requested and by whom, the impl that runs (or the
+    error), and per registered impl its priority and why it cannot run (empty: it can).
+    str() gives the table `lmkernels explain` prints."""
+
     op: str
     requested: Choice
     chosen: str | None
@@ -274,7 +293,11 @@ class Explanation:
 
 
 def explain(op: str, inputs: dict[str, Any], backend: str | None = None) -> Explanation:
-    """Every impl of `op` for these inputs, whether it could run, and which one would."""
+    """Every impl of `op` for these inputs, whether it could run, and which one would.
+
+    ``print(lmkernels.explain("rms_norm", {"x": x, "weight": w}))``: `inputs` are the op's
+    keyword arguments, `backend` as the ops' argument. Never raises for an impl that cannot
+    run: the Explanation holds the error resolve() would raise."""
     op = canonical_op(op)
     requested = requested_backend(op, backend)
     auto = requested.backend == AUTO
@@ -290,4 +313,5 @@ def explain(op: str, inputs: dict[str, Any], backend: str | None = None) -> Expl
 
 
 def all_op_names() -> list[str]:
+    """Every registered op's name."""
     return [s.name for s in ops()]

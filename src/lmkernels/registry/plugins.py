@@ -10,6 +10,7 @@ GROUP = "lmkernels.backends"
 
 
 def load_entry_points() -> list[str]:
+    """Call every `lmkernels.backends` entry point (a broken one warns); returns their names."""
     loaded = []
     for ep in entry_points(group=GROUP):
         try:
