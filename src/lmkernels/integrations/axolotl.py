@@ -40,7 +40,10 @@ axolotl brings) and raises LMKernelsError without them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
+
+from torch import nn
 
 from lmkernels.registry import LMKernelsError, parse_backend_spec
 
@@ -87,17 +90,17 @@ _CONFLICTS = {
 _CCE_PLUGIN = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
 
 
-def _op_switch(cfg, key: str) -> bool:
+def _op_switch(cfg: Mapping[str, Any], key: str) -> bool:
     value = cfg.get(f"lmkernels_{key}")
     return bool(cfg.get("lmkernels")) if value is None else bool(value)
 
 
-def selected_ops(cfg) -> tuple[str, ...]:
+def selected_ops(cfg: Mapping[str, Any]) -> tuple[str, ...]:
     """The ops of lmkernels.integrations.transformers.apply that `cfg` (a mapping) turns on."""
     return tuple(op for key, op in OP_KEYS.items() if _op_switch(cfg, key))
 
 
-def _conflicts(data: dict) -> list[str]:
+def _conflicts(data: dict[str, Any]) -> list[str]:
     found = []
     for key, others in _CONFLICTS.items():
         if not _op_switch(data, key):
@@ -168,7 +171,7 @@ class LmkernelsArgs(BaseModel):
         return data
 
 
-def _is_peft(model) -> bool:
+def _is_peft(model: nn.Module) -> bool:
     try:
         from peft import PeftModel
     except ImportError:  # pragma: no cover - axolotl depends on peft
@@ -182,13 +185,15 @@ class LmkernelsPlugin(BasePlugin):
     def get_input_args(self) -> str:
         return f"{__name__}.LmkernelsArgs"
 
-    def post_model_build(self, cfg, model):
+    def post_model_build(self, cfg: Mapping[str, Any], model: nn.Module) -> None:
+        """Patch the model Axolotl built (unless it is a PEFT checkpoint: pre_lora_load then)."""
         # A base checkpoint that is itself a PEFT model is merged by Axolotl after this hook:
         # that one is patched in pre_lora_load instead.
         if plugin_ops(cfg) and not _is_peft(model):
             _patch(cfg, model)
 
-    def pre_lora_load(self, cfg, model):
+    def pre_lora_load(self, cfg: Mapping[str, Any], model: nn.Module) -> None:
+        """Patch the model before Axolotl loads the LoRA adapter, if post_model_build did not."""
         from lmkernels.integrations import transformers as lk_hf
 
         if plugin_ops(cfg) and not lk_hf.is_patched(model):
@@ -201,11 +206,11 @@ def _log(message: str, warning: bool = False) -> None:
     (logger.warning if warning else logger.info)(message)
 
 
-def _axolotl_lora_mlp(cfg) -> bool:
+def _axolotl_lora_mlp(cfg: Mapping[str, Any]) -> bool:
     return bool(cfg.get("lora_mlp_kernel")) and cfg.get("adapter") in ("lora", "qlora")
 
 
-def plugin_ops(cfg) -> tuple[str, ...]:
+def plugin_ops(cfg: Mapping[str, Any]) -> tuple[str, ...]:
     """selected_ops(cfg) less what Axolotl itself replaces later: with a LoRA adapter Axolotl
     turns on its fused LoRA MLP kernel (`lora_mlp_kernel`, on by default for LoRA), which sets
     each MLP's forward after the adapter is in, over lmkernels' GLU."""
@@ -213,7 +218,7 @@ def plugin_ops(cfg) -> tuple[str, ...]:
     return tuple(op for op in ops if op != "mlp") if _axolotl_lora_mlp(cfg) else ops
 
 
-def _patch(cfg, model) -> None:
+def _patch(cfg: Mapping[str, Any], model: nn.Module) -> None:
     from lmkernels.integrations import transformers as lk_hf
 
     if "mlp" in selected_ops(cfg) and _axolotl_lora_mlp(cfg):
@@ -224,4 +229,6 @@ def _patch(cfg, model) -> None:
         )
     strict = cfg.get("lmkernels_strict") is not False
     lk_hf.apply(model, backend=cfg.get("lmkernels_backend"), ops=plugin_ops(cfg), strict=strict)
-    _log("\n" + lk_hf.report(model).format())
+    report = lk_hf.report(model)
+    if report is not None:  # (apply() just patched it)
+        _log("\n" + report.format())

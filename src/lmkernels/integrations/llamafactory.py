@@ -36,9 +36,13 @@ import logging
 import os
 import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
+
+from torch import nn
 
 from lmkernels.registry import LMKernelsError, parse_backend_spec
+
+_Model = TypeVar("_Model", bound=nn.Module)
 
 logger = logging.getLogger("lmkernels")
 
@@ -62,27 +66,31 @@ def configure(backend: str | None = None, ops: Iterable[str] | None = None, stri
     _settings.update(backend=backend, ops=ops, strict=bool(strict))
 
 
-def unwrap(model):
+def unwrap(model: nn.Module) -> nn.Module:
     """The model inside LLaMA-Factory's value-head wrapper (`pretrained_model`: PPO and reward
     stages), else `model` (a transformers model, or a PEFT model around one)."""
     inner = getattr(model, "pretrained_model", None)
-    if inner is not None and type(model).__name__.endswith("WithValueHead"):
+    if isinstance(inner, nn.Module) and type(model).__name__.endswith("WithValueHead"):
         return inner
     return model
 
 
-def patch(model, backend: str | None = None, ops: Iterable[str] | None = None, strict: bool = True):
-    """Patch the model LLaMA-Factory loaded (wrappers included: see unwrap()); returns `model`."""
+def patch(
+    model: _Model, backend: str | None = None, ops: Iterable[str] | None = None, strict: bool = True
+) -> _Model:
+    """Patch the model LLaMA-Factory loaded (wrappers included: see unwrap()); returns `model`.
+    backend, ops, strict: as lmkernels.integrations.transformers.apply."""
     from lmkernels.integrations import transformers as lk_hf
 
     inner = unwrap(model)
     lk_hf.apply(inner, backend=backend, ops=lk_hf.SUPPORTED_OPS if ops is None else ops, strict=strict)
-    if int(os.environ.get("RANK", "0")) == 0:
-        logger.info("\n%s", lk_hf.report(inner).format())
+    report = lk_hf.report(inner)
+    if int(os.environ.get("RANK", "0")) == 0 and report is not None:
+        logger.info("\n%s", report.format())
     return model
 
 
-def register():
+def register() -> Any:
     """Register the kernel "lmkernels" with LLaMA-Factory's kernel registry (once); returns its
     class. Its apply(model=...) runs patch() with the configure()d settings."""
     try:
@@ -109,7 +117,7 @@ def register():
             _device = list(DeviceType)  # lmkernels' dispatch picks a backend for the device
 
             @classmethod
-            def apply(cls, model=None, **kwargs):
+            def apply(cls, model: nn.Module | None = None, **kwargs: Any) -> nn.Module:
                 if model is None:
                     raise LMKernelsError("the lmkernels kernel was applied without a model")
                 return patch(model, **_settings)
@@ -123,7 +131,9 @@ def register():
     return kernel
 
 
-def _prepare(args: dict[str, Any], backend, ops, strict) -> dict[str, Any]:
+def _prepare(
+    args: dict[str, Any], backend: str | None, ops: Iterable[str] | None, strict: bool
+) -> dict[str, Any]:
     """Settings from the launcher keys (popped: LLaMA-Factory refuses keys it does not know)
     and the arguments; `use_v1_kernels` set to "lmkernels" when absent."""
     args = dict(args)
@@ -154,7 +164,7 @@ def _prepare(args: dict[str, Any], backend, ops, strict) -> dict[str, Any]:
 
 def run_exp(
     args: dict[str, Any] | None = None,
-    callbacks: list | None = None,
+    callbacks: list[Any] | None = None,
     *,
     backend: str | None = None,
     ops: Iterable[str] | None = None,
@@ -185,6 +195,7 @@ For several GPUs: torchrun --nproc-per-node N -m lmkernels.integrations.llamafac
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m lmkernels.integrations.llamafactory train CONFIG.yaml [key=value ...]` (USAGE)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] != "train" or len(argv) < 2 or argv[1] in ("-h", "--help"):
         print(USAGE)

@@ -22,6 +22,8 @@ both take the lm_head module (not its weight) so that the code owning the weight
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,12 @@ from torch import nn
 import lmkernels
 from lmkernels.integrations.peft import head_parts
 from lmkernels.registry import LMKernelsError
+from lmkernels.types import Reduction
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+_R = TypeVar("_R")
 
 
 def keep_hidden(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
@@ -82,7 +90,8 @@ def causal_lm_loss(
         # (DTensor in torch 2.11 refuses to flatten a sequence-sharded (Shard(1)) tensor).
         from torch.distributed.tensor import Replicate
 
-        hidden = hidden.redistribute(hidden.device_mesh, [Replicate()] * hidden.device_mesh.ndim)
+        mesh = cast("DTensor", hidden).device_mesh
+        hidden = cast("DTensor", hidden).redistribute(mesh, [Replicate()] * mesh.ndim)
     h = hidden.reshape(-1, H)
     if logit_scale is not None:
         h = h * logit_scale
@@ -96,8 +105,8 @@ def causal_lm_loss(
     device_type = h.device.type
     dtype = _flce_dtype(weight, device_type)
     with torch.autocast(device_type, enabled=False):
-        reduction = "mean" if num_items_in_batch is None else "sum"
-        flce = lmkernels.fused_linear_cross_entropy
+        reduction: Reduction = "mean" if num_items_in_batch is None else "sum"
+        flce: Callable[..., torch.Tensor] = lmkernels.fused_linear_cross_entropy
         if _any_dtensor(hidden, weight, bias):
             from lmkernels.distributed.dtensor_loss import dtensor_linear_cross_entropy as flce
         loss = flce(
@@ -152,8 +161,8 @@ def token_stats(
             "hidden: a DTensor (sequence parallel?); the per-token fused head takes a plain tensor"
         )
     if _any_dtensor(weight, bias):  # FSDP2 / TP parameters outside an unshard: gathered, as TRL does
-        weight = weight.full_tensor()
-        bias = None if bias is None else bias.full_tensor()
+        weight = cast("DTensor", weight).full_tensor()
+        bias = None if bias is None else cast("DTensor", bias).full_tensor()
     device_type = h.device.type
     dtype = torch.float32 if fp32 else _flce_dtype(weight, device_type)
     with torch.autocast(device_type, enabled=False):
@@ -174,18 +183,22 @@ def token_stats(
     return loss.view(shape), entropy.view(shape), (is_top1 & valid).view(shape)
 
 
-def _any_dtensor(*tensors) -> bool:
+def _any_dtensor(*tensors: torch.Tensor | None) -> bool:
     # DTensor subclasses torch.Tensor; checking the type name avoids importing torch.distributed
     # for every single-device loss.
     return any(t is not None and type(t).__name__ == "DTensor" for t in tensors)
 
 
-def _params_loss(lm_head: nn.Module, hidden, labels, **kwargs) -> torch.Tensor:
+def _params_loss(
+    lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor | None, **kwargs: Any
+) -> torch.Tensor:
     hidden, weight, bias = head_parts(lm_head, hidden)
     return causal_lm_loss(hidden, weight, labels, bias=bias, **kwargs)
 
 
-def _params_stats(lm_head: nn.Module, hidden, targets, **kwargs):
+def _params_stats(
+    lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     hidden, weight, bias = head_parts(lm_head, hidden)
     return token_stats(hidden, weight, targets, bias=bias, **kwargs)
 
@@ -193,7 +206,7 @@ def _params_stats(lm_head: nn.Module, hidden, targets, **kwargs):
 _FSDP_METHOD = "_lmkernels_fsdp_call"
 
 
-def _fsdp_call(lm_head: nn.Module, fn, *args, **kwargs):
+def _fsdp_call(lm_head: nn.Module, fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
     """fn(lm_head, *args, **kwargs), inside FSDP2's pre/post-forward of lm_head when lm_head is an
     FSDP2 module itself (registered once per module), else a plain call."""
     if "FSDP" in type(lm_head).__name__:  # fully_shard swaps the class to FSDP<cls>
@@ -203,7 +216,8 @@ def _fsdp_call(lm_head: nn.Module, fn, *args, **kwargs):
             if _FSDP_METHOD not in vars(lm_head):
                 setattr(lm_head, _FSDP_METHOD, types.MethodType(_call_on, lm_head))
                 register_fsdp_forward_method(lm_head, _FSDP_METHOD)
-            return getattr(lm_head, _FSDP_METHOD)(fn, *args, **kwargs)
+            result: _R = getattr(lm_head, _FSDP_METHOD)(fn, *args, **kwargs)
+            return result
     if any(hasattr(p, "ds_id") for p in lm_head.parameters()):  # DeepSpeed ZeRO-3
         from lmkernels.distributed.zero import call_as_forward
 
@@ -211,7 +225,7 @@ def _fsdp_call(lm_head: nn.Module, fn, *args, **kwargs):
     return fn(lm_head, *args, **kwargs)
 
 
-def _call_on(lm_head: nn.Module, fn, *args, **kwargs):
+def _call_on(lm_head: nn.Module, fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
     return fn(lm_head, *args, **kwargs)
 
 
@@ -230,7 +244,7 @@ def lm_head_loss(
     """causal_lm_loss of `lm_head` (an nn.Linear, or PEFT's wrapper of one: see
     integrations/peft.py) applied to `hidden`, through lm_head's FSDP2 forward hooks when lm_head
     is sharded on its own (see the module docstring)."""
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         softcap=softcap,
         logit_scale=logit_scale,
         num_items_in_batch=num_items_in_batch,
@@ -251,7 +265,9 @@ def lm_head_token_stats(
     fp32: bool = False,
     ignore_index: int = -100,
     backend: str | None = None,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """token_stats of `lm_head` (as lm_head_loss takes it) applied to `hidden`."""
-    kwargs = dict(scale=scale, softcap=softcap, fp32=fp32, ignore_index=ignore_index, backend=backend)
+    kwargs: dict[str, Any] = dict(
+        scale=scale, softcap=softcap, fp32=fp32, ignore_index=ignore_index, backend=backend
+    )
     return _fsdp_call(lm_head, _params_stats, hidden, targets, **kwargs)

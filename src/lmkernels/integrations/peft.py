@@ -17,12 +17,13 @@ lmkernels patches the transformers model itself, so PEFT may wrap it before or a
   lm_head) raises LMKernelsError naming the layer and the fix.
 
 Nothing here imports peft: modules are recognized by their class's module and attributes, so a
-model without PEFT costs nothing.
+model without PEFT costs nothing (and PEFT's layers are typed Any: duck-typed).
 """
 
 from __future__ import annotations
 
 import copy
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -32,17 +33,19 @@ from lmkernels.registry import LMKernelsError
 FIX = "remove 'lm_head' from the PEFT config's target_modules, or apply lmkernels with ops excluding 'flce'"
 
 
-def from_peft(module) -> bool:
+def from_peft(module: object) -> bool:
+    """Whether `module` is an instance of a class defined by peft."""
     return type(module).__module__.split(".")[0] == "peft"
 
 
-def inner_model(model):
+def inner_model(model: nn.Module) -> nn.Module:
     """The transformers model inside PEFT's wrappers (the argument itself if it is not one)."""
     seen = set()
     while from_peft(model) and id(model) not in seen:
         seen.add(id(model))
-        if hasattr(model, "get_base_model"):  # PeftModel*
-            inner = model.get_base_model()
+        get_base_model = getattr(model, "get_base_model", None)
+        if get_base_model is not None:  # PeftModel*
+            inner = get_base_model()
         else:  # a tuner (LoraModel, ...): the model it injected its layers into
             inner = getattr(model, "model", None)
         if not isinstance(inner, nn.Module) or inner is model:
@@ -51,17 +54,19 @@ def inner_model(model):
     return model
 
 
-def wrapper_name(model) -> str | None:
-    """`PeftModelForCausalLM` for a wrapped model, None for a plain one."""
-    return type(model).__name__ if from_peft(model) and inner_model(model) is not model else None
+def wrapper_name(model: object) -> str | None:
+    """`PeftModelForCausalLM` for a wrapped model, None for a plain one (or a class, a name)."""
+    if not isinstance(model, nn.Module) or not from_peft(model):
+        return None
+    return type(model).__name__ if inner_model(model) is not model else None
 
 
-def plain_linear(module) -> bool:
+def plain_linear(module: object) -> TypeGuard[nn.Linear]:
     """An nn.Linear that computes nn.Linear's forward (not a subclass with its own)."""
     return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
-def base_linear(module) -> nn.Linear | None:
+def base_linear(module: Any) -> nn.Linear | None:
     """The plain nn.Linear under a PEFT tuner layer; None if `module` is not one."""
     if not from_peft(module) or not callable(getattr(type(module), "get_base_layer", None)):
         return None
@@ -69,12 +74,12 @@ def base_linear(module) -> nn.Linear | None:
     return base if plain_linear(base) else None
 
 
-def linear_like(module) -> bool:
+def linear_like(module: object) -> bool:
     """A projection a patched MLP may call as a module: a plain nn.Linear or a PEFT layer over one."""
     return plain_linear(module) or base_linear(module) is not None
 
 
-def describe(module) -> str:
+def describe(module: Any) -> str:
     """`peft.Linear (LoRA: default r=8)`-style name of a wrapped layer, for reports and errors."""
     kind = f"{type(module).__module__.split('.')[0]}.{type(module).__name__}"
     if _is_lora_linear(module):
@@ -88,7 +93,7 @@ def describe(module) -> str:
 # --- the linear map a (possibly wrapped) lm_head computes --------------------------------------------
 
 
-def _is_lora_linear(module) -> bool:
+def _is_lora_linear(module: object) -> bool:
     return (
         from_peft(module)
         and type(module).__name__ == "Linear"
@@ -96,15 +101,15 @@ def _is_lora_linear(module) -> bool:
     )
 
 
-def _is_modules_to_save(module) -> bool:
+def _is_modules_to_save(module: object) -> bool:
     return from_peft(module) and all(hasattr(module, a) for a in ("modules_to_save", "original_module"))
 
 
-def _lora_active(module) -> list[str]:
+def _lora_active(module: Any) -> list[str]:
     return [a for a in module.active_adapters if a in module.lora_A]
 
 
-def _modules_to_save_active(module) -> nn.Module:
+def _modules_to_save_active(module: Any) -> nn.Module:
     """The module a ModulesToSaveWrapper's forward calls (as PEFT's forward decides)."""
     active = list(module.active_adapters)
     adapters = getattr(module, "_adapters", set(module.modules_to_save.keys()))
@@ -115,6 +120,7 @@ def _modules_to_save_active(module) -> nn.Module:
 
 def head_problem(head: nn.Module, name: str = "lm_head") -> str | None:
     """Why the fused loss cannot compute `head` (None: it can). Checked again at every call."""
+    layer: Any = head  # PEFT's layers, duck-typed
     if plain_linear(head):
         return None
     if _is_modules_to_save(head):
@@ -122,18 +128,18 @@ def head_problem(head: nn.Module, name: str = "lm_head") -> str | None:
         if plain_linear(inner):
             return None
         return f"{name} is a PEFT modules_to_save copy of a {type(inner).__name__}, not nn.Linear"
-    if _is_lora_linear(head):
-        if not plain_linear(head.base_layer):
+    if _is_lora_linear(layer):
+        if not plain_linear(layer.base_layer):
             return (
-                f"{name} is LoRA over a {type(head.base_layer).__name__} (quantized?), not nn.Linear; {FIX}"
+                f"{name} is LoRA over a {type(layer.base_layer).__name__} (quantized?), not nn.Linear; {FIX}"
             )
-        variants = [a for a in _lora_active(head) if a in getattr(head, "lora_variant", {})]
-        if variants and not head.disable_adapters and not head.merged:
-            kind = type(head.lora_variant[variants[0]]).__name__
+        variants = [a for a in _lora_active(layer) if a in getattr(layer, "lora_variant", {})]
+        if variants and not layer.disable_adapters and not layer.merged:
+            kind = type(layer.lora_variant[variants[0]]).__name__
             return f"{name} has a LoRA variant ({kind}, adapter {variants[0]!r}: DoRA?) the fused loss does not compute; {FIX}"
-        if getattr(head, "fan_in_fan_out", False):
+        if getattr(layer, "fan_in_fan_out", False):
             return f"{name} is LoRA with fan_in_fan_out=True; {FIX}"
-        if head.disable_adapters and head.merged:
+        if layer.disable_adapters and layer.merged:
             return f"{name} is LoRA merged while adapters are disabled (PEFT unmerges it in its forward); unmerge first"
         return None
     if from_peft(head):
@@ -153,18 +159,19 @@ def head_parts(
         raise LMKernelsError(problem)
     if plain_linear(head):
         return hidden, head.weight, head.bias
-    if _is_modules_to_save(head):
-        inner = _modules_to_save_active(head)
+    layer: Any = head  # PEFT's layers, duck-typed
+    if _is_modules_to_save(layer):
+        inner: Any = _modules_to_save_active(layer)
         return hidden, inner.weight, inner.bias
-    base = head.base_layer
-    active = _lora_active(head)
-    if head.disable_adapters or head.merged or not active:
+    base: nn.Linear = layer.base_layer
+    active = _lora_active(layer)
+    if layer.disable_adapters or layer.merged or not active:
         return hidden, base.weight, base.bias
     pieces, weights, bias = [hidden], [base.weight], base.bias
     for a in active:
-        lora_b, scale = head.lora_B[a], head.scaling[a]
-        x = head._cast_input_dtype(hidden, head.lora_A[a].weight.dtype)
-        pieces.append(head.lora_A[a](head.lora_dropout[a](x)) * scale)
+        lora_b, scale = layer.lora_B[a], layer.scaling[a]
+        x = layer._cast_input_dtype(hidden, layer.lora_A[a].weight.dtype)
+        pieces.append(layer.lora_A[a](layer.lora_dropout[a](x)) * scale)
         weights.append(lora_b.weight)
         if getattr(lora_b, "bias", None) is not None:  # lora_bias=True
             bias = lora_b.bias * scale if bias is None else bias + lora_b.bias * scale
@@ -180,11 +187,12 @@ def head_describe(head: nn.Module) -> str:
         return ""
     if _is_modules_to_save(head):
         return "PEFT modules_to_save copy"
-    ranks = ", ".join(f"{a!r} r={head.r[a]}" for a in _lora_active(head))
+    layer: Any = head  # PEFT's layers, duck-typed
+    ranks = ", ".join(f"{a!r} r={layer.r[a]}" for a in _lora_active(layer))
     return f"PEFT LoRA ({ranks}) as [x, s*A(x)] @ [W, B].T"
 
 
-def _small(linear: nn.Linear, g: torch.Generator, n_in: int, n_out: int) -> nn.Linear:
+def _small(linear: nn.Module, g: torch.Generator, n_in: int, n_out: int) -> nn.Linear:
     small = nn.Linear(n_in, n_out, bias=getattr(linear, "bias", None) is not None)
     with torch.no_grad():
         small.weight.copy_(torch.randn(n_out, n_in, generator=g) * n_in**-0.5)
@@ -196,19 +204,20 @@ def _small(linear: nn.Linear, g: torch.Generator, n_in: int, n_out: int) -> nn.L
 def _small_clone(head: nn.Module, g: torch.Generator, H: int, V: int) -> nn.Module:
     """A shallow copy of a wrapped head whose linears are small random fp32 ones (different per
     copy and adapter, so picking the wrong one, or a wrong scale, shows)."""
+    layer: Any = head  # PEFT's layers, duck-typed
     clone = copy.copy(head)
     clone._modules = dict(head._modules)
-    if _is_modules_to_save(head):
-        clone._modules["original_module"] = _small(head.original_module, g, H, V)
-        copies = {a: _small(m, g, H, V) for a, m in head.modules_to_save.items()}
+    if _is_modules_to_save(layer):
+        clone._modules["original_module"] = _small(layer.original_module, g, H, V)
+        copies = {a: _small(m, g, H, V) for a, m in layer.modules_to_save.items()}
         clone._modules["modules_to_save"] = nn.ModuleDict(copies)
     else:
-        clone._modules["base_layer"] = _small(head.base_layer, g, H, V)
+        clone._modules["base_layer"] = _small(layer.base_layer, g, H, V)
         clone._modules["lora_A"] = nn.ModuleDict(
-            {a: _small(m, g, H, m.out_features) for a, m in head.lora_A.items()}
+            {a: _small(m, g, H, m.out_features) for a, m in layer.lora_A.items()}
         )
         clone._modules["lora_B"] = nn.ModuleDict(
-            {a: _small(m, g, m.in_features, V) for a, m in head.lora_B.items()}
+            {a: _small(m, g, m.in_features, V) for a, m in layer.lora_B.items()}
         )
     return clone
 

@@ -40,6 +40,8 @@ import functools
 import logging
 import sys
 import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +73,9 @@ class TrlHead:
     forward: types.MethodType  # the same, bound to the model
     top: bool  # TRL's forward is the model's forward itself (else inside another wrapper)
     problem: str = ""  # why it cannot be read (a TRL whose head binds other names)
-    wrapped: object = None  # the forward TRL wraps (called for every call without fused_lm_head)
+    wrapped: Callable[..., Any] | None = (
+        None  # the forward TRL wraps (called for every call without fused_lm_head)
+    )
     outputs: tuple[str, ...] = ()
     temperature: float = 1.0
     fp32: bool = False  # cast_lm_head_to_fp32
@@ -85,7 +89,7 @@ class Decision:
     ours: bool
     why: str  # why TRL's head is kept ("" when lmkernels runs it)
     message: str  # the line logged
-    head: object = None  # TRL's `_fused_forward` this decision is about
+    head: types.FunctionType | None = None  # TRL's `_fused_forward` this decision is about
     trl: TrlHead | None = None  # what lmkernels computes, when it runs the head
 
 
@@ -100,7 +104,7 @@ _FIELDS = (
 )
 
 
-def _fused_code():
+def _fused_code() -> types.CodeType | None:
     """The code object of TRL's `_fused_forward` (None without TRL, or a TRL without it)."""
     utils = sys.modules.get("trl.trainer.utils")  # only a loaded TRL can have wrapped a model
     code = getattr(getattr(utils, "add_fused_lm_head", None), "__code__", None)
@@ -108,16 +112,17 @@ def _fused_code():
 
 
 @functools.lru_cache(maxsize=4)
-def _inner_code(code: types.CodeType):
+def _inner_code(code: types.CodeType) -> types.CodeType | None:
     return next(
         (c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == "_fused_forward"), None
     )
 
 
-def _chain(forward):
+def _chain(forward: Callable[..., Any]) -> list[Any]:
     """The functions `forward` wraps, outermost first, through functools.wraps' __wrapped__
     (accelerate's mixed-precision wrappers set it: convert_outputs_to_fp32, torch.autocast)."""
-    fn, found = forward, []
+    fn: Any = forward
+    found: list[Any] = []
     while fn is not None and len(found) < _CHAIN:
         fn = getattr(fn, "__func__", fn)
         found.append(fn)
@@ -125,11 +130,11 @@ def _chain(forward):
     return found
 
 
-def _ours(forward) -> bool:
-    return getattr(getattr(forward, "__func__", forward), "_lmkernels_patch", False)
+def _ours(forward: object) -> bool:
+    return bool(getattr(getattr(forward, "__func__", forward), "_lmkernels_patch", False))
 
 
-def trl_head(model: nn.Module, forward=None) -> TrlHead | None:
+def trl_head(model: nn.Module, forward: Callable[..., Any] | None = None) -> TrlHead | None:
     """TRL's fused head in `model`'s forward (set by add_fused_lm_head, possibly inside
     accelerate's mixed-precision wrappers; or in `forward`, a forward TRL set); None if there is
     none above lmkernels' own. `problem` says why a head could not be read."""
@@ -163,7 +168,7 @@ def trl_head(model: nn.Module, forward=None) -> TrlHead | None:
     )
 
 
-def entropy_grad(args) -> bool | None:
+def entropy_grad(args: Any) -> bool | None:
     """Whether a trainer with these training arguments differentiates the entropy TRL's head
     returns: GRPO's entropy bonus (entropy_coef != 0, or adaptive). None: cannot tell."""
     if args is None:
@@ -183,7 +188,8 @@ def _zero3() -> bool:
     return bool(is_deepspeed_zero3_enabled())
 
 
-def _keep_reason(model: nn.Module, head: TrlHead, patch, plain) -> str:
+def _keep_reason(model: nn.Module, head: TrlHead, patch: Any, plain: Callable[..., Any] | None) -> str:
+    # patch: the model's patching.Patch (which imports this module)
     """Why TRL's head must stay on `model` ("" if lmkernels can run it)."""
     hints = patch.hints
     prefer = hints.get("prefer", "auto")
@@ -209,7 +215,8 @@ def _keep_reason(model: nn.Module, head: TrlHead, patch, plain) -> str:
             return "the entropy bonus (entropy_coef / use_adaptive_entropy) needs the entropy's gradient"
     if _zero3():
         return "DeepSpeed ZeRO-3: TRL's head gathers the partitioned lm_head itself"
-    problem = lk_peft.head_problem(model.get_output_embeddings())
+    causal_lm: Any = model  # a transformers causal LM
+    problem = lk_peft.head_problem(causal_lm.get_output_embeddings())
     if problem:
         return problem
     if plain is None and not _ours(head.wrapped):  # a call is handed over through it (REDIRECT)
@@ -227,7 +234,12 @@ def _describe(head: TrlHead) -> str:
     return ", ".join(parts)
 
 
-def route(model: nn.Module, log: bool = True, trl_forward=None, plain=None) -> Decision | None:
+def route(
+    model: nn.Module,
+    log: bool = True,
+    trl_forward: Callable[..., Any] | None = None,
+    plain: Callable[..., Any] | None = None,
+) -> Decision | None:
     """Run TRL's fused head on `model` through lmkernels, or keep it (see the module docstring).
 
     `model`: the transformers model TRL wrapped (PEFT wrappers are seen through), patched by
@@ -274,7 +286,9 @@ def route(model: nn.Module, log: bool = True, trl_forward=None, plain=None) -> D
     return decision
 
 
-def _pre_hook(module: nn.Module, args, kwargs):
+def _pre_hook(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """A patched model's forward pre-hook. A `fused_lm_head=True` call of a TRL head lmkernels
     runs (route decides at the first one) and that the forward has not replaced (the first call
     goes to the forward it was bound to; TRL's forward inside accelerate's wrapper, every call)
@@ -288,7 +302,7 @@ def _pre_hook(module: nn.Module, args, kwargs):
     return args, {**kwargs, "fused_lm_head": False, REDIRECT: True}
 
 
-def redirected(self: nn.Module, kwargs: dict):
+def redirected(self: nn.Module, kwargs: dict[str, Any]) -> tuple[bool, Any]:
     """(True, TRL's output computed by lmkernels) if the pre-hook redirected this call."""
     if not kwargs.pop(REDIRECT, False):
         return False, None
@@ -299,13 +313,19 @@ def redirected(self: nn.Module, kwargs: dict):
     return True, fused_output(self, head, patch.flce_backend, (), kwargs, labels, shift, num_items)
 
 
-def _wrapper(model: nn.Module, head: TrlHead | None, trl_forward, plain, backend: str | None):
+def _wrapper(
+    model: nn.Module,
+    head: TrlHead | None,
+    trl_forward: Callable[..., Any],
+    plain: Callable[..., Any] | None,
+    backend: str | None,
+) -> Callable[..., Any]:
     """The forward set on a model with TRL's head: `fused_lm_head=True` runs lmkernels' fused
     head (`head` given) or TRL's; every other call goes to `plain` (default: TRL's forward,
     which calls the forward it wraps)."""
 
     @functools.wraps(type(model).forward)  # keeps the signature: generate() and the Trainer inspect it
-    def forward(self, *args, fused_lm_head=False, **kwargs):
+    def forward(self: nn.Module, *args: Any, fused_lm_head: bool = False, **kwargs: Any) -> Any:
         if fused_lm_head and head is not None:
             labels, shift = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
             num_items = kwargs.pop("num_items_in_batch", None)
@@ -314,7 +334,7 @@ def _wrapper(model: nn.Module, head: TrlHead | None, trl_forward, plain, backend
             return trl_forward(*args, fused_lm_head=fused_lm_head, **kwargs)
         return plain(*args, **kwargs)
 
-    forward._lmkernels_patch = True
+    forward._lmkernels_patch = True  # type: ignore[attr-defined]  # (a function's own attribute)
     return forward
 
 
@@ -322,11 +342,11 @@ class _EntropyWithoutGradient(torch.autograd.Function):
     """The entropy as a value whose gradient is refused: a loss that differentiates it raises."""
 
     @staticmethod
-    def forward(ctx, entropy, anchor):
+    def forward(ctx: Any, entropy: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         return entropy.clone()
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
         raise LMKernelsError(
             "entropy: a loss differentiates the per-token entropy of lmkernels' fused LM head, which has "
             "no gradient (GRPO entropy_coef?); pass callbacks=[lk_hf.LmkernelsCallback()] so that "
@@ -336,11 +356,21 @@ class _EntropyWithoutGradient(torch.autograd.Function):
 
 def _guard(entropy: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and anchor.requires_grad:
-        return _EntropyWithoutGradient.apply(entropy, anchor)
+        guarded: torch.Tensor = _EntropyWithoutGradient.apply(entropy, anchor)
+        return guarded
     return entropy
 
 
-def fused_output(self, head: TrlHead, backend, args, kwargs, labels, shift_labels, num_items_in_batch):
+def fused_output(
+    self: Any,
+    head: TrlHead,
+    backend: str | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None,
+    num_items_in_batch: torch.Tensor | int | None,
+) -> Any:
     """TRL's FusedCausalLMOutput for `model(..., fused_lm_head=True)`, from lmkernels' fused loss:
     the same fields, shapes and zeros on ignored positions as TRL's head."""
     from trl.trainer.utils import FusedCausalLMOutput
@@ -370,15 +400,17 @@ def fused_output(self, head: TrlHead, backend, args, kwargs, labels, shift_label
     mask = targets != -100
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = nll.sum() / count
-    aux_loss = None
+    aux_loss: torch.Tensor | None = None
     if kwargs.get("output_router_logits"):
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
         experts = getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", None)
-        aux_loss = load_balancing_loss_func(
+        # (typed Tensor | int: 0 without router logits, which output_router_logits gives)
+        balance: torch.Tensor = load_balancing_loss_func(  # type: ignore[assignment]
             backbone.router_logits, experts, text_config.num_experts_per_tok, kwargs.get("attention_mask")
         )
-        loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        aux_loss = balance
+        loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * balance
     return FusedCausalLMOutput(
         loss=loss,
         log_probs=-nll,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from lmkernels.registry import LMKernelsError, parse_backend_spec
 
@@ -103,13 +104,13 @@ class LmkernelsConverter(ModelConfigConverter):
         self.backend = config.backend
         self.swapped: list[str] = []
 
-    def convert(self, model_config):
+    def convert(self, model_config: Any) -> Any:
         model_config, self.swapped = convert(model_config, self.ops, self.backend)
         _log(self.swapped, None)
         return model_config
 
 
-def _log(swapped: list[str], loss) -> None:
+def _log(swapped: list[str], loss: Any) -> None:
     from torchtitan.tools.logging import logger
 
     kinds = sorted({fqn.rpartition(".")[-1] for fqn in swapped})
@@ -119,7 +120,7 @@ def _log(swapped: list[str], loss) -> None:
     logger.info(text)
 
 
-def apply(config, *, ops: Iterable[str] = OPS, backend: str | None = None):
+def apply(config: Any, *, ops: Iterable[str] = OPS, backend: str | None = None) -> Any:
     """A torchtitan Trainer.Config with lmkernels: the model's modules of `ops` (see
     LmkernelsConverter) and, with "flce", the fused lm_head + loss. Changes `config` in place
     and returns it."""

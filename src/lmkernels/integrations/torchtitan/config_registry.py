@@ -12,7 +12,9 @@ A bare name is looked up in the config_registry of the torchtitan model its pref
 from __future__ import annotations
 
 import importlib
+import types
 from collections.abc import Callable
+from typing import Any
 
 from lmkernels.integrations.torchtitan import apply
 
@@ -23,14 +25,14 @@ def _model_modules() -> list[str]:
     return sorted(_supported_models, key=len, reverse=True)
 
 
-def _registry(module: str):
+def _registry(module: str) -> types.ModuleType | None:
     try:
         return importlib.import_module(f"torchtitan.models.{module}.config_registry")
     except ImportError:
         return None
 
 
-def find(name: str) -> Callable | None:
+def find(name: str) -> Callable[..., Any] | None:
     """The torchtitan config function called `name` (see the module docstring), or None."""
     if "." in name:
         path, _, fn = name.rpartition(".")
@@ -47,21 +49,21 @@ def find(name: str) -> Callable | None:
     models = _model_modules()
     preferred = [m for m in models if name == m or name.startswith(m + "_")][:1]
     for model in preferred + [m for m in models if m not in preferred]:
-        module = _registry(model)
-        found = getattr(module, name, None) if module is not None else None
+        registry = _registry(model)
+        found = getattr(registry, name, None) if registry is not None else None
         if callable(found):
             return found
     return None
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Callable[..., Any]:
     if name.startswith("__"):
         raise AttributeError(name)
     fn = find(name)
     if fn is None:
         raise AttributeError(f"no torchtitan config function {name!r}")
 
-    def config():
+    def config() -> Any:
         return apply(fn())
 
     config.__name__ = name.rpartition(".")[-1]

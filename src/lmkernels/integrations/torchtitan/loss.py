@@ -38,7 +38,7 @@ class FusedLinearCrossEntropyLoss(ChunkedLossWrapper):
         backend: str | None = None
         """lmkernels backend of the fused loss (None: lmkernels' dispatch chooses)."""
 
-    def __init__(self, config: Config, *, compile_config=None):
+    def __init__(self, config: Config, *, compile_config: Any = None) -> None:
         if type(config.loss_fn) is not CrossEntropyLoss.Config:
             raise LMKernelsError(
                 f"loss.loss_fn: the fused loss computes cross entropy; got {type(config.loss_fn).__name__}"
@@ -75,7 +75,7 @@ class FusedLinearCrossEntropyLoss(ChunkedLossWrapper):
         return loss, {}
 
 
-def fused_loss_config(loss_config, backend: str | None = None) -> FusedLinearCrossEntropyLoss.Config:
+def fused_loss_config(loss_config: Any, backend: str | None = None) -> FusedLinearCrossEntropyLoss.Config:
     """The fused loss config for a torchtitan loss config computing cross entropy on the
     logits: ChunkedLossWrapper.Config around CrossEntropyLoss.Config, or CrossEntropyLoss.Config
     itself. Anything else raises (a loss lmkernels cannot fuse)."""

@@ -12,7 +12,9 @@ positions would have to follow the sequence shards.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torchtitan.config import derive
@@ -21,9 +23,10 @@ from torchtitan.models.common import ComplexRoPE, CosSinRoPE, FeedForward, Layer
 import lmkernels
 from lmkernels.nn.recompute import glu_down
 from lmkernels.registry import LMKernelsError
+from lmkernels.types import RopeLayout
 
 
-def _is_dtensor(t) -> bool:
+def _is_dtensor(t: object) -> bool:
     return t is not None and type(t).__name__ == "DTensor"
 
 
@@ -35,7 +38,7 @@ class LmkernelsRMSNorm(RMSNorm):
     class Config(RMSNorm.Config):
         backend: str | None = None
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.backend = config.backend
 
@@ -44,7 +47,7 @@ class LmkernelsRMSNorm(RMSNorm):
             return super().forward(x)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
 
-        def norm(x, weight):
+        def norm(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
             return lmkernels.rms_norm(x, weight, eps=eps, casting_mode="llama", backend=self.backend)
 
         if _is_dtensor(x) or _is_dtensor(self.weight):
@@ -61,7 +64,7 @@ class LmkernelsLayerNorm(LayerNorm):
     class Config(LayerNorm.Config):
         backend: str | None = None
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.backend = config.backend
 
@@ -69,7 +72,7 @@ class LmkernelsLayerNorm(LayerNorm):
         if len(self.normalized_shape) != 1:
             return super().forward(x)
 
-        def norm(x, weight, bias):
+        def norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
             return lmkernels.layer_norm(x, weight, bias, eps=self.eps, backend=self.backend)
 
         if _is_dtensor(x) or _is_dtensor(self.weight):
@@ -93,7 +96,14 @@ def _rows(cache: torch.Tensor, seq_len: int, batch: int, positions: torch.Tensor
     return cache[positions]
 
 
-def _rope_blnh(query, key, cos, sin, layout: str, backend: str | None):
+def _rope_blnh(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layout: RopeLayout,
+    backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """lmkernels.rope on torchtitan's (batch, seq, heads, head_dim) layout."""
     q, k = lmkernels.rope(
         query.transpose(1, 2), key.transpose(1, 2), cos, sin, layout=layout, backend=backend
@@ -109,11 +119,13 @@ class LmkernelsComplexRoPE(ComplexRoPE):
     class Config(ComplexRoPE.Config):
         backend: str | None = None
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.backend = config.backend
 
-    def forward(self, query, key, positions=None):
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if any(_is_dtensor(t) for t in (query, key, positions, self.cache)):
             return super().forward(query, key, positions)
         rows = _rows(self.cache, query.shape[1], query.shape[0], positions)
@@ -130,11 +142,13 @@ class LmkernelsCosSinRoPE(CosSinRoPE):
     class Config(CosSinRoPE.Config):
         backend: str | None = None
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.backend = config.backend
 
-    def forward(self, query, key, positions=None):
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if any(_is_dtensor(t) for t in (query, key, positions, self.cache)):
             return super().forward(query, key, positions)
         head_dim = query.shape[-1]
@@ -150,7 +164,7 @@ class LmkernelsFeedForward(FeedForward):
     class Config(FeedForward.Config):
         backend: str | None = None
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.backend = config.backend
 
@@ -164,7 +178,7 @@ class LmkernelsFeedForward(FeedForward):
             return self.w2(h)
         return glu_down(self.w2, self._glu, gate, up)
 
-    def _glu(self, gate, up, consume_inputs):
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor, consume_inputs: bool) -> torch.Tensor:
         return lmkernels.swiglu(gate, up, consume_inputs=consume_inputs, backend=self.backend)
 
 
@@ -179,7 +193,7 @@ REPLACEMENTS = {
 MODEL_OPS = ("rms_norm", "layer_norm", "rope", "mlp")
 
 
-def replacement(config, backend: str | None = None):
+def replacement(config: Any, backend: str | None = None) -> Any:
     """The lmkernels Config for a torchtitan module Config (fields copied), or None when its
     exact type has no lmkernels module."""
     entry = REPLACEMENTS.get(type(config))
@@ -188,10 +202,12 @@ def replacement(config, backend: str | None = None):
     return derive(config, entry[1], backend=backend)
 
 
-def convert(model_config, ops=MODEL_OPS, backend: str | None = None):
+def convert(
+    model_config: Any, ops: Iterable[str] = MODEL_OPS, backend: str | None = None
+) -> tuple[Any, list[str]]:
     """Swap every module config of the `ops` kinds in a torchtitan model config tree for its
     lmkernels subclass, in place; returns the (possibly replaced) root and the FQNs swapped."""
-    swapped = []
+    swapped: list[str] = []
     for config_cls, (op, _) in REPLACEMENTS.items():
         if op not in ops:
             continue

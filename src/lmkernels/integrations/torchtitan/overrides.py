@@ -11,6 +11,8 @@ math, a custom loss) is kept (rope) or refused (flce: the run would not compute 
 
 from __future__ import annotations
 
+from typing import Any
+
 from torchtitan.components.loss import BaseLoss
 from torchtitan.config import override
 from torchtitan.models.common import FeedForward, LayerNorm, RMSNorm, RoPE
@@ -20,25 +22,25 @@ from lmkernels.integrations.torchtitan.modules import replacement
 
 
 @override(target=RMSNorm.Config, exact=True, description="lmkernels RMSNorm")
-def rms_norm(cfg, backend: str | None = None):
+def rms_norm(cfg: Any, backend: str | None = None) -> Any:
     return replacement(cfg, backend)
 
 
 @override(target=LayerNorm.Config, exact=True, description="lmkernels LayerNorm")
-def layer_norm(cfg, backend: str | None = None):
+def layer_norm(cfg: Any, backend: str | None = None) -> Any:
     return replacement(cfg, backend)
 
 
 @override(target=RoPE.Config, description="lmkernels rotary embedding (ComplexRoPE, CosSinRoPE)")
-def rope(cfg, backend: str | None = None):
+def rope(cfg: Any, backend: str | None = None) -> Any:
     return replacement(cfg, backend) or cfg  # other RoPE subclasses compute something else: kept
 
 
 @override(target=FeedForward.Config, exact=True, description="lmkernels SwiGLU feed-forward")
-def swiglu(cfg, backend: str | None = None):
+def swiglu(cfg: Any, backend: str | None = None) -> Any:
     return replacement(cfg, backend)
 
 
 @override(target=BaseLoss.Config, fqns=["loss"], description="lmkernels fused lm_head + cross entropy")
-def flce(cfg, backend: str | None = None):
+def flce(cfg: Any, backend: str | None = None) -> Any:
     return fused_loss_config(cfg, backend)

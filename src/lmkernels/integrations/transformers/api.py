@@ -4,15 +4,15 @@ re-exports them (see its docstring)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
 
 from lmkernels.integrations import peft as lk_peft
-from lmkernels.integrations.lm_head_loss import causal_lm_loss, keep_hidden, lm_head_loss  # noqa: F401
+from lmkernels.integrations.lm_head_loss import causal_lm_loss, keep_hidden, lm_head_loss
 from lmkernels.integrations.transformers import patching
-from lmkernels.integrations.transformers.families import (  # noqa: F401
+from lmkernels.integrations.transformers.families import (
     FAMILIES,
     TESTED,
     Family,
@@ -22,10 +22,42 @@ from lmkernels.integrations.transformers.families import (  # noqa: F401
     tiny_config,
     tiny_model,
 )
-from lmkernels.integrations.transformers.replacements import glu_kind  # noqa: F401
+from lmkernels.integrations.transformers.replacements import glu_kind
 from lmkernels.integrations.transformers.report import PatchReport
 from lmkernels.integrations.transformers.structure import analyze
 from lmkernels.registry import LMKernelsError, canonical_op, parse_backend_spec
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "PatchReport",
+    "SUPPORTED_OPS",
+    "TESTED",
+    "apply",
+    "causal_lm_class",
+    "causal_lm_loss",
+    "check_transformers_version",
+    "family_patches",
+    "from_config",
+    "from_pretrained",
+    "glu_kind",
+    "is_patched",
+    "keep_hidden",
+    "lm_head_loss",
+    "model_type_of",
+    "patch_report",
+    "patched_models",
+    "report",
+    "revert",
+    "tiny_config",
+    "tiny_model",
+]
+
+# A model instance, a model class or a model type ("llama"): apply() and revert() return it.
+_Target = TypeVar("_Target")
 
 SUPPORTED_OPS = ("rms_norm", "layer_norm", "rope", "mlp", "flce", "causal_mask")
 
@@ -54,7 +86,13 @@ def _op_backend(table: dict[str, str], op: str) -> str | None:
     return table.get(canonical_op(op), table.get("*"))
 
 
-def _analyze(model: nn.Module, table, ops, backend, wrapper: str | None = None) -> PatchReport:
+def _analyze(
+    model: nn.Module,
+    table: dict[str, str],
+    ops: tuple[str, ...],
+    backend: str | None,
+    wrapper: str | None = None,
+) -> PatchReport:
     rope = _op_backend(table, "rope")
     findings = analyze(model, table, ops, lambda name: lambda: rope)
     label = f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')})"
@@ -79,10 +117,20 @@ def _raise_if_failed(report: PatchReport, ops: tuple[str, ...]) -> None:
 
 
 def patch_report(
-    target: Any, backend: str | None = None, ops: Iterable[str] = SUPPORTED_OPS, **config_overrides
+    target: Any, backend: str | None = None, ops: Iterable[str] = SUPPORTED_OPS, **config_overrides: Any
 ) -> PatchReport:
-    """What apply() would patch on `target` (a model, class or model type: a tiny model of that
-    type is built) and why the rest is kept; changes nothing."""
+    """What apply() would patch on `target`, and why the rest is kept; changes nothing.
+
+    Args:
+        target: A model instance (PEFT wrappers are seen through), a model class or a model type
+            ("llama"); for a class or type, a tiny model of that type is built and checked.
+        backend: As apply(): the backend the checks run with.
+        ops: As apply(): the subset of SUPPORTED_OPS to look for.
+        **config_overrides: For a class or type: fields of the tiny model's config.
+
+    Returns:
+        The PatchReport (print it, or its format()): every finding, patched, kept or failed.
+    """
     check_transformers_version()
     ops, table = _check_ops(ops), _backend_table(backend)
     if isinstance(target, nn.Module):
@@ -93,13 +141,30 @@ def patch_report(
 
 
 def apply(
-    model_or_class: Any, backend: str | None = None, ops: Iterable[str] = SUPPORTED_OPS, strict: bool = True
-) -> Any:
+    model_or_class: _Target,
+    backend: str | None = None,
+    ops: Iterable[str] = SUPPORTED_OPS,
+    strict: bool = True,
+) -> _Target:
     """Patch a model instance, a model class or a model type ("llama") to run lmkernels ops.
 
-    Returns its argument. Applying again first reverts the previous patch of the same target.
-    A PEFT model is seen through: the transformers model it wraps is patched (peft.py).
-    See the module docstring for what each op replaces, `strict`, and the semantics kept.
+    Applying again first reverts the previous patch of the same target. A PEFT model is seen
+    through: the transformers model it wraps is patched (peft.py). See the module docstring for
+    what each op replaces and the semantics kept.
+
+    Args:
+        model_or_class: A transformers causal LM (patched per instance: its own modules), a
+            causal-LM class or a model type string (patched per class: every model of the
+            family, built before or after).
+        backend: None lets lmkernels' dispatch choose at each call; a name ("triton") or a spec
+            ("triton,flce=compile") fixes it per op.
+        ops: The subset of SUPPORTED_OPS to patch.
+        strict: True raises LMKernelsError, before changing anything, if a module that looks
+            like one of these kinds cannot be patched correctly; False patches what passed its
+            check and reports the rest (report()).
+
+    Returns:
+        Its argument, patched.
     """
     check_transformers_version()
     ops, table = _check_ops(ops), _backend_table(backend)
@@ -113,7 +178,7 @@ def apply(
     if strict:
         _raise_if_failed(report, ops)
 
-    def table_backend(op):
+    def table_backend(op: str) -> str | None:
         return _op_backend(table, op)
 
     if isinstance(target, nn.Module):
@@ -137,8 +202,9 @@ def _check_dtypes(model: nn.Module) -> None:
             )
 
 
-def revert(model_or_class: Any) -> Any:
-    """Undo apply() on the same target; a target that is not patched is left as it is."""
+def revert(model_or_class: _Target) -> _Target:
+    """Undo apply() on the same target (restoring the original functions exactly); a target that
+    is not patched is left as it is. Returns its argument."""
     target = _target(model_or_class)
     patching.uninstall(target, model_type_of(target))
     return model_or_class
@@ -155,6 +221,7 @@ def report(model_or_class: Any) -> PatchReport | None:
 
 
 def is_patched(model_or_class: Any) -> bool:
+    """Whether apply() patched this model instance, or this class / model type (per class)."""
     target = _target(model_or_class)
     if isinstance(target, nn.Module):
         model_type_of(target)
@@ -191,27 +258,46 @@ def from_pretrained(
     strict: bool = True,
     ops: Iterable[str] | None = None,
     **kwargs: Any,
-):
+) -> PreTrainedModel:
     """`AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)`, patched by apply().
 
     Patch before wrapping the model in FSDP or torch.compile (PEFT may wrap before or after).
-    `strict=False` patches what passes its checks and keeps the rest
-    (see `report(model)`)."""
+
+    Args:
+        name_or_path: A hub model id or a local checkpoint directory.
+        backend, strict: As apply(). `strict=False` patches what passes its checks and keeps the
+            rest (see `report(model)`).
+        ops: As apply() (None: SUPPORTED_OPS).
+        **kwargs: Passed to from_pretrained (torch_dtype, device_map, ...).
+
+    Returns:
+        The loaded model, patched.
+    """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
     return apply(model, backend=backend, strict=strict, ops=ops or SUPPORTED_OPS)
 
 
 def from_config(
-    config,
+    config: PretrainedConfig,
     backend: str | None = None,
     strict: bool = True,
     ops: Iterable[str] | None = None,
     **kwargs: Any,
-):
-    """`AutoModelForCausalLM.from_config(config, **kwargs)` (random weights), patched by apply()."""
+) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_config(config, **kwargs)` (random weights), patched by apply().
+
+    Args:
+        config: A transformers config of a causal LM (tiny_config() makes small ones).
+        backend, strict: As apply().
+        ops: As apply() (None: SUPPORTED_OPS).
+        **kwargs: Passed to from_config (torch_dtype, ...).
+
+    Returns:
+        The new model, patched.
+    """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(config, **kwargs)
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(config, **kwargs)
     return apply(model, backend=backend, strict=strict, ops=ops or SUPPORTED_OPS)

@@ -24,12 +24,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Literal
 
+from torch import nn
 from transformers import TrainerCallback
 
 from lmkernels.integrations import peft as lk_peft
 from lmkernels.integrations import trl as lk_trl
 from lmkernels.registry import LMKernelsError
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
 
 logger = logging.getLogger("lmkernels")
 
@@ -42,15 +47,23 @@ class LmkernelsCallback(TrainerCallback):
     trl_head: "auto" (lmkernels' fused head wherever it gives the trainer what it reads, else
     TRL's), "lmkernels" (the same: TRL's head is still kept where lmkernels cannot serve the
     trainer, with the reason logged), or "trl" (always TRL's head).
-    `summary`: the message logged at on_train_begin (None before)."""
+    `summary`: the message logged at on_train_begin (None before).
+
+    Args:
+        backend: As apply(): None lets dispatch choose at each call; a name ("triton") or a
+            spec ("triton,flce=compile") fixes it per op.
+        ops: As apply(): the subset of SUPPORTED_OPS to patch (None: all).
+        strict: As apply(): raise if a module that looks patchable cannot be patched correctly.
+        trl_head: Which runs TRL's fused LM head (above).
+    """
 
     def __init__(
         self,
         backend: str | None = None,
         ops: Iterable[str] | None = None,
         strict: bool = True,
-        trl_head: str = "auto",
-    ):
+        trl_head: Literal["auto", "lmkernels", "trl"] = "auto",
+    ) -> None:
         from lmkernels.integrations.transformers import api as lk_hf
 
         if trl_head not in lk_trl.PREFER:
@@ -64,7 +77,15 @@ class LmkernelsCallback(TrainerCallback):
 
     # --- events ----------------------------------------------------------------------------------
 
-    def on_init_end(self, args, state, control, model=None, **kwargs):
+    def on_init_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Patch the model (unless patched already) and record what the trainer's config says."""
         if getattr(args, "use_liger_kernel", False):
             raise LMKernelsError(
                 "use_liger_kernel: Liger patches the same modules when train() starts; with "
@@ -72,7 +93,15 @@ class LmkernelsCallback(TrainerCallback):
             )
         self._patch(model, args)
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Route TRL's fused head (if any) and log, once, what is patched and which loss runs."""
         from lmkernels.integrations.transformers import patching
 
         if model is None:
@@ -97,13 +126,13 @@ class LmkernelsCallback(TrainerCallback):
 
     # --- helpers ---------------------------------------------------------------------------------
 
-    def _patch(self, model, args):
+    def _patch(self, model: nn.Module | None, args: TrainingArguments) -> nn.Module:
         from lmkernels.integrations.transformers import api as lk_hf
         from lmkernels.integrations.transformers import patching
 
         if model is None:
             raise LMKernelsError("model: the Trainer passed no model to LmkernelsCallback")
-        inner = lk_peft.inner_model(model)
+        inner: Any = lk_peft.inner_model(model)  # a transformers causal LM
         patch = vars(inner).get(patching.RECORD)
         if patch is None:
             lk_hf.apply(model, backend=self.backend, ops=self.ops, strict=self.strict)
@@ -130,7 +159,9 @@ class LmkernelsCallback(TrainerCallback):
         patch.hints["entropy_grad"] = lk_trl.entropy_grad(args)
         return inner
 
-    def _summary(self, inner, args, decision) -> tuple[str, int]:
+    def _summary(
+        self, inner: nn.Module, args: TrainingArguments, decision: lk_trl.Decision | None
+    ) -> tuple[str, int]:
         from lmkernels.integrations.transformers import patching
 
         patch = vars(inner)[patching.RECORD]

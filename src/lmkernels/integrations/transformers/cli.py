@@ -12,8 +12,12 @@ size, decides what is patched), with random weights, on the CPU; nothing is down
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, Any
 
 from lmkernels import cliargs
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def _model_type(text: str) -> str:
@@ -37,7 +41,7 @@ def _ops(text: str) -> tuple[str, ...]:
     return tuple(cliargs.choice_list(SUPPORTED_OPS, "op")(text))
 
 
-def _load_config(path: str):
+def _load_config(path: str) -> PretrainedConfig:
     from transformers import AutoConfig
 
     from lmkernels.integrations.transformers.families import check_verification_size, shrink_config
@@ -75,7 +79,7 @@ def cmd_patch_report(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser(
         "patch-report", help="what the transformers integration patches on a model, and why not the rest"
     )

@@ -10,11 +10,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from lmkernels.registry import LMKernelsError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 # The families the tests train (tests/test_integration_families.py), in the table's order.
 TESTED = (
@@ -42,7 +45,7 @@ TESTED = (
 
 # Small enough for a CPU training step in milliseconds; every field is set only where the
 # family's config has it. GQA (4 query heads, 2 kv heads), 2 layers, MoE with 4 experts, top 2.
-TINY = {
+TINY: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 96,
     "num_hidden_layers": 2,
@@ -68,7 +71,7 @@ TINY = {
 }
 # Non-default values where the default would hide a feature from the checks: Granite's default
 # logits_scaling is 1.0 (a missing scale would pass), sliding windows shorter than the sequence.
-FAMILY_TINY = {
+FAMILY_TINY: dict[str, dict[str, Any]] = {
     "granite": {"logits_scaling": 4.0, "residual_multiplier": 0.5, "embedding_multiplier": 2.0},
     "mistral": {"sliding_window": 16},
     "gemma2": {"sliding_window": 16, "attn_implementation": "eager"},
@@ -80,7 +83,7 @@ FAMILY_TINY = {
 }
 # Size fields of one family that TINY does not name (shrink_config applies these too): partial
 # rotary dims the default of which exceeds the tiny head (16), an MLP width by another name.
-FAMILY_SIZES = {
+FAMILY_SIZES: dict[str, dict[str, Any]] = {
     "gptj": {"rotary_dim": 8},
     "codegen": {"rotary_dim": 8},
     "opt": {"ffn_dim": 96},
@@ -101,9 +104,11 @@ class Family:
     module_name: str
 
     def module(self) -> types.ModuleType:
+        """The family's modeling module (transformers.models.<type>.modeling_<type>)."""
         return importlib.import_module(self.module_name)
 
     def cls(self, suffix: str) -> type:
+        """The family's class named prefix + suffix ("ForCausalLM", "RMSNorm", ...)."""
         return getattr(self.module(), f"{self.prefix}{suffix}")
 
 
@@ -127,7 +132,8 @@ def causal_lm_types() -> dict[str, str]:
     return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def causal_lm_class(model_type: str) -> type:
+def causal_lm_class(model_type: str) -> type[PreTrainedModel]:
+    """The causal-LM class of `model_type` in the installed transformers (LMKernelsError if none)."""
     import transformers
 
     names = causal_lm_types()
@@ -136,10 +142,12 @@ def causal_lm_class(model_type: str) -> type:
             f"model_or_class: model type {model_type!r} has no causal LM in transformers "
             f"{transformers.__version__} (known causal-LM types include {sorted(names)[:8]}...)"
         )
-    return getattr(transformers, names[model_type])
+    cls: type[PreTrainedModel] = getattr(transformers, names[model_type])
+    return cls
 
 
 def family(model_type: str) -> Family:
+    """The Family of `model_type` (its causal-LM class's prefix and modeling module)."""
     cls = causal_lm_class(model_type)
     return Family(model_type, cls.__name__.removesuffix("ForCausalLM"), cls.__module__)
 
@@ -177,7 +185,7 @@ def model_type_of(target: Any) -> str:
     )
 
 
-def _field_names(config_class, defaults: dict) -> dict[str, str]:
+def _field_names(config_class: type, defaults: dict[str, Any]) -> dict[str, str]:
     """name -> the name `defaults` (a config's to_dict(), which holds the stored names) uses for
     it, through the class's attribute_map in both directions: gpt2 stores hidden_size as n_embd
     (attribute_map {"hidden_size": "n_embd"}), so TINY's hidden_size must be passed as n_embd."""
@@ -190,7 +198,7 @@ def _field_names(config_class, defaults: dict) -> dict[str, str]:
     return names
 
 
-def tiny_fields(config_class, defaults: dict, *extra: dict[str, Any]) -> dict[str, Any]:
+def tiny_fields(config_class: type, defaults: dict[str, Any], *extra: dict[str, Any]) -> dict[str, Any]:
     """The TINY fields a config of `config_class` has, then every field of each `extra` dict,
     keyed by the names its to_dict() `defaults` use: a later field replaces an earlier one
     whatever name (canonical or stored) each gives."""
@@ -206,8 +214,10 @@ def tiny_fields(config_class, defaults: dict, *extra: dict[str, Any]) -> dict[st
     return fields
 
 
-def tiny_config(model_type: str, **overrides):
-    """A tiny transformers config of `model_type`; `overrides` replace any field."""
+def tiny_config(model_type: str, **overrides: Any) -> PretrainedConfig:
+    """A tiny transformers config of `model_type` ("llama", ...): 2 layers, hidden size 64, 4 query
+    and 2 key-value heads, a vocabulary of 128 (TINY, plus the family's own fields where a default
+    would hide a feature). `overrides` replace any field."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -216,16 +226,17 @@ def tiny_config(model_type: str, **overrides):
     if not getattr(causal_lm_class(model_type), "_supports_sdpa", True):
         family_fields = {"attn_implementation": "eager"} | family_fields  # bloom, mpt, gpt_neo...
     fields = tiny_fields(CONFIG_MAPPING[model_type], defaults, family_fields, overrides)
-    return AutoConfig.for_model(model_type, **fields)
+    config: PretrainedConfig = AutoConfig.for_model(model_type, **fields)
+    return config
 
 
-def shrink_config(config):
+def shrink_config(config: PretrainedConfig) -> PretrainedConfig:
     """`config` (of any size, e.g. a checkpoint's) with the TINY sizes it has, in place; the
     vocabulary, special tokens and attention implementation are kept, and so are the feature
     values FAMILY_TINY sets for the tests. For a verification model of the same structure."""
     keep = ("attn_implementation", "vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")
     defaults = config.to_dict()
-    sizes = FAMILY_SIZES.get(getattr(config, "model_type", None), {})
+    sizes = FAMILY_SIZES.get(getattr(config, "model_type", ""), {})
     for name, value in tiny_fields(type(config), defaults, sizes).items():
         if name not in keep and defaults.get(name) is not None:
             setattr(config, name, value)
@@ -234,7 +245,7 @@ def shrink_config(config):
     return config
 
 
-def parameter_count(config) -> int:
+def parameter_count(config: PretrainedConfig) -> int:
     """The parameters a causal LM of `config` has, counted on the meta device (nothing is
     allocated)."""
     import torch
@@ -245,7 +256,7 @@ def parameter_count(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def check_verification_size(config, limit: int = MAX_VERIFY_PARAMS) -> None:
+def check_verification_size(config: PretrainedConfig, limit: int = MAX_VERIFY_PARAMS) -> None:
     """Raise LMKernelsError if a model of `config` has more than `limit` parameters."""
     n = parameter_count(config)
     if n > limit:
@@ -261,9 +272,10 @@ def _millions(n: int) -> str:
     return f"{n / 1e6:,.0f}M" if n >= 10e6 else f"{n / 1e6:.3g}M"
 
 
-def tiny_model(model_type: str, seed: int = 0, **overrides) -> nn.Module:
-    """A freshly initialized fp32 causal LM on the CPU; the same seed gives the same weights.
-    Refuses (LMKernelsError) a config over MAX_VERIFY_PARAMS parameters."""
+def tiny_model(model_type: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """A freshly initialized fp32 causal LM of `model_type` on the CPU, built from
+    tiny_config(model_type, **overrides); the same seed gives the same weights. Refuses
+    (LMKernelsError) a config over MAX_VERIFY_PARAMS parameters."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -271,4 +283,5 @@ def tiny_model(model_type: str, seed: int = 0, **overrides) -> nn.Module:
     check_verification_size(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config)
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(config)
+        return model

@@ -27,6 +27,9 @@ import ast
 import functools
 import inspect
 import textwrap
+import types
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -62,7 +65,7 @@ class _PlainCausal:
     def __repr__(self) -> str:
         return "lmkernels.PLAIN_CAUSAL"
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         raise MarkerMisuse(
             f"lmkernels' plain-causal attention_mask marker was used as a tensor (.{name}): this "
             "model's forward reads attention_mask outside the mask functions; "
@@ -76,7 +79,7 @@ PLAIN_CAUSAL = _PlainCausal()
 # --- the mask functions of a modeling module -------------------------------------------------------
 
 
-def mask_functions(namespace: dict) -> dict[str, object]:
+def mask_functions(namespace: dict[str, Any]) -> dict[str, Callable[..., Any]]:
     """The transformers mask functions (create_*, with an attention_mask argument) in a namespace."""
     found = {}
     for name, fn in namespace.items():
@@ -87,14 +90,14 @@ def mask_functions(namespace: dict) -> dict[str, object]:
     return found
 
 
-def _params(fn) -> list[str]:
+def _params(fn: Any) -> list[str]:
     try:
         return list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return []
 
 
-def _stock_objects() -> tuple:
+def _stock_objects() -> tuple[Any, ...]:
     """transformers' objects that the wrapper compares against on every call, imported here, at
     patch time: dynamo (torch 2.11) refuses an import statement inside traced code when the
     package is transformers' _LazyModule ("Bad import result"), which broke fullgraph compiles.
@@ -113,20 +116,20 @@ def _stock_objects() -> tuple:
     )
 
 
-def _sdpa_is_stock(stock: tuple) -> bool:
+def _sdpa_is_stock(stock: tuple[Any, ...]) -> bool:
     """The "sdpa" mask and attention functions are transformers' own (None means is_causal)."""
     masks, sdpa_mask, attention, sdpa_attention, _ = stock
     return masks["sdpa"] is sdpa_mask and attention["sdpa"] is sdpa_attention
 
 
-def _empty_cache(cache, stock: tuple) -> bool:
+def _empty_cache(cache: Any, stock: tuple[Any, ...]) -> bool:
     """No cache, or the empty DynamicCache the base model makes when use_cache is on."""
     if cache is None:
         return True
     return type(cache) is stock[4] and cache.get_seq_length() == 0
 
 
-def _is_causal_answer(args: dict, stock: tuple) -> bool:
+def _is_causal_answer(args: dict[str, Any], stock: tuple[Any, ...]) -> bool:
     """Whether create_causal_mask(attention_mask=None, **args) means exactly SDPA's is_causal."""
     config = args.get("config")
     if config is None or not getattr(config, "is_causal", True):
@@ -144,7 +147,7 @@ def _is_causal_answer(args: dict, stock: tuple) -> bool:
     return all(_empty_cache(args.get(name), stock) for name in CACHE_ARGS)
 
 
-def mask_function_wrapper(name: str, real):
+def mask_function_wrapper(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
     """`real` (a transformers mask function) that also takes PLAIN_CAUSAL as attention_mask."""
     from transformers import masking_utils
 
@@ -154,7 +157,7 @@ def mask_function_wrapper(name: str, real):
     stock = _stock_objects()
 
     @functools.wraps(real)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("attention_mask") is PLAIN_CAUSAL:
             kwargs = dict(kwargs, attention_mask=None)
         elif len(args) > index and args[index] is PLAIN_CAUSAL:
@@ -171,7 +174,9 @@ def mask_function_wrapper(name: str, real):
 # --- the base model's forward -------------------------------------------------------------------------
 
 
-def plain_causal_forward(original, call_original):
+def plain_causal_forward(
+    original: Callable[..., Any], call_original: Callable[..., Any]
+) -> Callable[..., Any]:
     """The base model's forward: PLAIN_CAUSAL as attention_mask when the call is plain causal.
     `call_original(self, *args, **kwargs)` runs the unpatched forward."""
     names = positional_names(original)
@@ -182,12 +187,12 @@ def plain_causal_forward(original, call_original):
     namespace = inner.__globals__
     receivers = tuple(n for n in mask_functions(namespace) if n in inner.__code__.co_names)
 
-    def given(args, kwargs, name):
+    def given(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
         i = where[name]
         return args[i] if i is not None and len(args) > i else kwargs.get(name)
 
     @functools.wraps(original)
-    def forward(self, *args, **kwargs):
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # The marker only goes where the mask functions take it: a deep copy of a patched model
         # outlives the patch that holds them (then it runs as transformers does).
         ready = all(getattr(namespace.get(n), "_lmkernels_patch", False) for n in receivers)
@@ -209,7 +214,9 @@ def base_model(model: nn.Module) -> nn.Module | None:
     """The module whose forward builds the masks: the model itself or its base model."""
     candidates = [model, getattr(model, getattr(model, "base_model_prefix", "") or "", None)]
     for module in candidates:
-        fn = inspect.unwrap(type(module).forward) if isinstance(module, nn.Module) else None
+        if not isinstance(module, nn.Module):
+            continue
+        fn = inspect.unwrap(type(module).forward)
         code = getattr(fn, "__code__", None)
         if code is not None and mask_functions({n: fn.__globals__.get(n) for n in code.co_names}):
             return module
@@ -226,7 +233,7 @@ def forward_problem(module: nn.Module) -> str | None:
             missing.append(" or ".join(CACHE_ARGS))
         if missing:
             return f"forward has no {', '.join(missing)} argument"
-    layer = outer
+    layer: Any = outer
     while layer is not inner:  # decorators (transformers': config defaults, output capture)
         if _mentions(getattr(layer, "__code__", None), "attention_mask"):
             return f"decorator {layer.__qualname__} reads attention_mask"
@@ -239,7 +246,7 @@ def forward_problem(module: nn.Module) -> str | None:
     return _SourceCheck(tree.body[0], used).problem()
 
 
-def _mentions(code, name: str) -> bool:
+def _mentions(code: types.CodeType | None, name: str) -> bool:
     """Whether a code object (or one nested in it) names `name`; no code: assume it does."""
     if code is None:
         return True
@@ -258,7 +265,7 @@ def own_sdpa_call(model: nn.Module) -> str | None:
     return None
 
 
-def _source(fn) -> str:
+def _source(fn: Callable[..., Any]) -> str:
     try:
         return inspect.getsource(fn)
     except (OSError, TypeError):
@@ -270,7 +277,9 @@ class _SourceCheck:
     `f = create_causal_mask if ... else create_sliding_window_causal_mask`, or through a
     kwargs dict used only as **kwargs of them); position_ids defaults to an arange."""
 
-    def __init__(self, func: ast.FunctionDef, mask_fns: set[str]):
+    def __init__(self, func: ast.stmt, mask_fns: set[str]) -> None:
+        # func: the forward's definition (or, its source unavailable, a statement naming
+        # attention_mask, which the check then reports)
         self.func = func
         self.parent = {child: node for node in ast.walk(func) for child in ast.iter_child_nodes(node)}
         self.callables = set(mask_fns)
@@ -289,12 +298,12 @@ class _SourceCheck:
                 ):
                     self.kwarg_dicts.add(target)
 
-    def _is_mask_fn(self, node) -> bool:
+    def _is_mask_fn(self, node: ast.AST) -> bool:
         if isinstance(node, ast.IfExp):
             return self._is_mask_fn(node.body) and self._is_mask_fn(node.orelse)
         return isinstance(node, ast.Name) and node.id in self.callables
 
-    def _mask_call(self, node) -> bool:
+    def _mask_call(self, node: ast.AST) -> bool:
         return (
             isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in self.callables
         )
@@ -313,7 +322,7 @@ class _SourceCheck:
             return "position_ids left None are not made by an arange (packing could not be ruled out)"
         return None
 
-    def _snippet(self, node) -> str:
+    def _snippet(self, node: ast.AST) -> str:
         return ast.unparse(self.parent.get(node, node))[:60]
 
     def _mask_use(self, node: ast.Name) -> bool:
@@ -333,13 +342,14 @@ class _SourceCheck:
                 isinstance(key, ast.Constant)
                 and key.value == "attention_mask"
                 and isinstance(holder, ast.Assign)
+                and isinstance(holder.targets[0], ast.Name)
                 and holder.targets[0].id in self.kwarg_dicts
             )
         if isinstance(up, ast.NamedExpr):  # if not isinstance(mapping := attention_mask, dict): mapping = ...
             return self._isinstance_test(up) and self._reassigned_in_body(up)
         return False
 
-    def _isinstance_test(self, node) -> bool:
+    def _isinstance_test(self, node: ast.AST) -> bool:
         call = self.parent.get(node)
         return (
             isinstance(call, ast.Call)
@@ -350,9 +360,9 @@ class _SourceCheck:
 
     def _reassigned_in_body(self, walrus: ast.NamedExpr) -> bool:
         negation = self.parent.get(self.parent[walrus])
-        branch = self.parent.get(negation)
         if not (isinstance(negation, ast.UnaryOp) and isinstance(negation.op, ast.Not)):
             return False
+        branch = self.parent.get(negation)
         if not (isinstance(branch, ast.If) and branch.test is negation):
             return False
         name = walrus.target.id

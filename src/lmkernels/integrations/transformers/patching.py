@@ -19,17 +19,24 @@ import importlib
 import sys
 import types
 import weakref
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lmkernels.integrations import trl as lk_trl
 from lmkernels.integrations.transformers import masks
 from lmkernels.integrations.transformers import replacements as rp
-from lmkernels.integrations.transformers.record import RECORD, Saved  # noqa: F401  (re-exported)
+from lmkernels.integrations.transformers.record import RECORD as RECORD  # (re-exported)
+from lmkernels.integrations.transformers.record import Saved
 from lmkernels.integrations.transformers.report import PatchReport
 from lmkernels.integrations.transformers.structure import PATCHED, Finding, unwrapped
 from lmkernels.registry import LMKernelsError
+
+_S = TypeVar("_S")
+# op -> the backend its replacement runs with (None: dispatch decides)
+TableBackend = Callable[[str], str | None]
 
 
 @dataclasses.dataclass
@@ -37,16 +44,16 @@ class Patch:
     model_type: str
     saved: list[Saved]
     holds: tuple[tuple[str, str], ...]  # (kind, modeling module) of the module-level functions held
-    report: PatchReport | None = None
+    report: PatchReport
     finalizer: weakref.finalize | None = None
     flce_backend: str | None = None  # the backend the fused loss runs with (None: dispatch decides)
-    hooks: list = dataclasses.field(default_factory=list)  # removable handles of forward hooks
+    hooks: list[RemovableHandle] = dataclasses.field(default_factory=list)  # of forward hooks
     # What a trainer told the patch (LmkernelsCallback): trl_head preference, whether the
     # entropy needs a gradient; and TRL's fused head's routing, once decided (trl.py).
-    hints: dict = dataclasses.field(default_factory=dict)
-    trl_decision: Any = None
+    hints: dict[str, Any] = dataclasses.field(default_factory=dict)
+    trl_decision: lk_trl.Decision | None = None
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict[int, Any]) -> Patch:
         # copy.deepcopy(patched_model): the copy's bound forwards follow the copy, but the rope
         # hold and its finalizer stay with the original (the copy's hooks are in its own dicts).
         return Patch(
@@ -60,11 +67,11 @@ class Patch:
 
 
 CLASS_PATCHES: dict[str, Patch] = {}
-PATCHED_MODELS: weakref.WeakSet = weakref.WeakSet()
+PATCHED_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 # Module-level replacements, per (kind, modeling module): kind "rope" (apply_rotary_pos_emb) or
 # "causal_mask" (the mask functions). Who holds them ("class:<type>" strings and/or models) and
 # what was saved.
-_HOLDERS: dict[tuple[str, str], tuple[set[str], weakref.WeakSet]] = {}
+_HOLDERS: dict[tuple[str, str], tuple[set[str], weakref.WeakSet[nn.Module]]] = {}
 MODULE_SAVED: dict[tuple[str, str], list[Saved]] = {}
 
 
@@ -75,10 +82,26 @@ def _rope_install(finding: Finding) -> list[Saved]:
     return [Saved.replace(module, "apply_rotary_pos_emb", router)]
 
 
-def _rope_scope(finding: Finding, backend: str | None, call_forward):
+def _spec(finding: Finding, kind: type[_S]) -> _S:
+    """The RopeStyle / HeadSpec that structure.py found for a patched rope / flce finding."""
+    if not isinstance(finding.spec, kind):
+        raise TypeError(f"{finding.what}: a patched {finding.op} finding without its {kind.__name__}")
+    return finding.spec
+
+
+def _forward(finding: Finding) -> Callable[..., Any]:
+    """The replacement forward structure.py verified for a patched norm or MLP finding."""
+    if finding.forward is None:
+        raise TypeError(f"{finding.what}: a patched {finding.op} finding without its forward")
+    return finding.forward
+
+
+def _rope_scope(
+    finding: Finding, backend: str | None, call_forward: Callable[..., Any]
+) -> Callable[..., Any]:
     """The forward of an attention of `finding` that runs lmkernels' rope with `backend`."""
     original = unwrapped(sys.modules[finding.module_name].apply_rotary_pos_emb)
-    rope = rp.rope_function(original, finding.spec, lambda: backend)
+    rope = rp.rope_function(original, _spec(finding, rp.RopeStyle), lambda: backend)
     return rp.rope_scope(call_forward, finding.module_name, rope)
 
 
@@ -101,7 +124,7 @@ def _hold(finding: Finding, holder: Any) -> tuple[str, str]:
     return key
 
 
-def release(keys, holder: Any) -> None:
+def release(keys: Iterable[tuple[str, str]], holder: Any) -> None:
     """Drop `holder` (None: only models already collected) and restore what nobody holds."""
     for key in keys:
         classes, models = _HOLDERS.get(key, (set(), weakref.WeakSet()))
@@ -116,16 +139,21 @@ def release(keys, holder: Any) -> None:
                     saved.restore()
 
 
-def _class_forward(self, *args, **kwargs):
+def _class_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(self).forward(self, *args, **kwargs)
 
 
-def _plain_class_forward(self, *args, **kwargs):
+def _plain_class_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return unwrapped(type(self).forward)(self, *args, **kwargs)
 
 
-def install_instance(model: nn.Module, model_type: str, report: PatchReport, table_backend) -> None:
-    saved, holds, hooks = [], [], []
+def install_instance(
+    model: nn.Module, model_type: str, report: PatchReport, table_backend: TableBackend
+) -> None:
+    """Install the verified replacements of `report` on `model`'s own modules (apply() on a model)."""
+    saved: list[Saved] = []
+    holds: list[tuple[str, str]] = []
+    hooks: list[RemovableHandle] = []
     trl_forward, head = vars(model).get("forward"), lk_trl.trl_head(model)
     if head is None:  # else TRL wrapped the model before apply(): re-wrapped below
         trl_forward = None
@@ -151,14 +179,14 @@ def install_instance(model: nn.Module, model_type: str, report: PatchReport, tab
             # The unpatched path goes through the class's forward at call time, so a class-level
             # patch applied or reverted later is honoured.
             forward = rp.causal_lm_forward(
-                unwrapped(type(model).forward), f.spec, table_backend("flce"), _class_forward
+                unwrapped(type(model).forward), _spec(f, rp.HeadSpec), table_backend("flce"), _class_forward
             )
             saved.append(Saved.replace(model, "forward", types.MethodType(forward, model)))
             # TRL's fused head, added after apply(), is routed at its first call (trl.py).
             hooks.append(model.register_forward_pre_hook(lk_trl._pre_hook, with_kwargs=True))
         else:
             for module in f.modules:
-                saved.append(Saved.replace(module, "forward", types.MethodType(f.forward, module)))
+                saved.append(Saved.replace(module, "forward", types.MethodType(_forward(f), module)))
     finalizer = None
     if holds:
         finalizer = weakref.finalize(model, release, tuple(holds), None)
@@ -170,8 +198,11 @@ def install_instance(model: nn.Module, model_type: str, report: PatchReport, tab
         lk_trl.route(model, trl_forward=trl_forward, plain=plain)
 
 
-def install_class(model_type: str, report: PatchReport, table_backend) -> None:
-    saved, holds = [], []
+def install_class(model_type: str, report: PatchReport, table_backend: TableBackend) -> None:
+    """Install the verified replacements of `report` on the classes of `model_type` (apply() on a
+    class or a model type)."""
+    saved: list[Saved] = []
+    holds: list[tuple[str, str]] = []
     holder = f"class:{model_type}"
     for f in report.patched:
         if f.op == "rope":
@@ -185,10 +216,10 @@ def install_class(model_type: str, report: PatchReport, table_backend) -> None:
             saved.append(Saved.replace(f.cls, "forward", masks.plain_causal_forward(original, original)))
         elif f.op == "flce":
             original = unwrapped(f.cls.forward)
-            forward = rp.causal_lm_forward(original, f.spec, table_backend("flce"), original)
+            forward = rp.causal_lm_forward(original, _spec(f, rp.HeadSpec), table_backend("flce"), original)
             saved.append(Saved.replace(f.cls, "forward", forward))
-        elif f.cls is not None and f.status == PATCHED:
-            saved.append(Saved.replace(f.cls, "forward", f.forward))
+        elif f.status == PATCHED:
+            saved.append(Saved.replace(f.cls, "forward", _forward(f)))
     CLASS_PATCHES[model_type] = Patch(model_type, saved, tuple(holds), report)
 
 

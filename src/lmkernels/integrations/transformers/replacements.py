@@ -12,6 +12,8 @@ import dataclasses
 import functools
 import inspect
 import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +24,12 @@ from lmkernels.integrations import trl as lk_trl
 from lmkernels.integrations.lm_head_loss import keep_hidden, lm_head_loss
 from lmkernels.nn.recompute import glu_down
 from lmkernels.registry import LMKernelsError
+from lmkernels.types import CastingMode, GluKind, RopeLayout
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 # transformers activation classes (by name: they were renamed across versions) -> GLU op.
-GLU_BY_ACTIVATION = {
+GLU_BY_ACTIVATION: dict[str, GluKind] = {
     "SiLUActivation": ("swiglu", None),
     "SiLU": ("swiglu", None),
     "GELUTanh": ("geglu", "tanh"),
@@ -36,7 +41,7 @@ GLU_BY_ACTIVATION = {
 ACTIVATION_ATTRS = ("act_fn", "activation_fn", "act")
 
 
-def glu_kind(act_fn: nn.Module) -> tuple[str, str | None] | None:
+def glu_kind(act_fn: nn.Module) -> GluKind | None:
     """("swiglu", None) or ("geglu", approximate) for a transformers activation, else None."""
     kind = GLU_BY_ACTIVATION.get(type(act_fn).__name__)
     if kind is None:
@@ -44,26 +49,31 @@ def glu_kind(act_fn: nn.Module) -> tuple[str, str | None] | None:
     # (GELUTanh(use_gelu_tanh_python=True) and GELUActivation(use_gelu_python=True) compute the
     # same functions in Python, so the class name decides.) torch.nn.GELU carries its approximation.
     approximate = getattr(act_fn, "approximate", None)
-    if kind[0] == "geglu" and approximate in ("tanh", "none"):
-        return ("geglu", approximate)
+    if kind[0] == "geglu" and approximate == "tanh":
+        return ("geglu", "tanh")
+    if kind[0] == "geglu" and approximate == "none":
+        return ("geglu", "none")
     return kind
 
 
-def mark(fn):
-    fn._lmkernels_patch = True
+def mark(fn: _F) -> _F:
+    """fn, marked as a replacement lmkernels installed (unwrapped() and revert find it by that)."""
+    fn._lmkernels_patch = True  # type: ignore[attr-defined]  # a function's own attribute
     return fn
 
 
 # --- norms -------------------------------------------------------------------------------------------
 
 
-def rms_norm_forward(eps_attr: str | None, eps: float, offset: float, casting: str, backend: str | None):
+def rms_norm_forward(
+    eps_attr: str | None, eps: float, offset: float, casting: CastingMode, backend: str | None
+) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
     """eps is read from `eps_attr` at each call when the module has one (else the fixed `eps`)."""
 
-    def forward(self, x):
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         e = getattr(self, eps_attr) if eps_attr else eps
 
-        def norm(x, weight):
+        def norm(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
             return lmkernels.rms_norm(x, weight, eps=e, offset=offset, casting_mode=casting, backend=backend)
 
         weight = getattr(self, "weight", None)
@@ -76,8 +86,10 @@ def rms_norm_forward(eps_attr: str | None, eps: float, offset: float, casting: s
     return mark(forward)
 
 
-def layer_norm_forward(eps_attr: str | None, eps: float, backend: str | None):
-    def forward(self, x):
+def layer_norm_forward(
+    eps_attr: str | None, eps: float, backend: str | None
+) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         e = getattr(self, eps_attr) if eps_attr else eps
         weight, bias = getattr(self, "weight", None), getattr(self, "bias", None)
         return lmkernels.layer_norm(x, weight, bias, eps=e, backend=backend)
@@ -89,12 +101,12 @@ def layer_norm_forward(eps_attr: str | None, eps: float, backend: str | None):
 
 
 def glu(
-    kind: tuple[str, str | None],
+    kind: GluKind,
     gate: torch.Tensor,
     up: torch.Tensor,
     consume: bool = True,
     *,
-    backends: dict,
+    backends: dict[str, str | None],
 ) -> torch.Tensor:
     """The one GLU call of every patched MLP and MoE expert. gate and up are created by the
     caller's projections and used by nothing else, so the GLU may consume them (its backward
@@ -114,16 +126,18 @@ def glu(
 def glu_backends(table: dict[str, str]) -> dict[str, str | None]:
     from lmkernels.registry import canonical_op
 
-    def pick(op):
+    def pick(op: str) -> str | None:
         return table.get(canonical_op(op), table.get("*"))
 
     return {"swiglu": pick("swiglu"), "geglu": pick("geglu")}
 
 
-def mlp_forward(layout: str, act_attr: str, backends: dict):
+def mlp_forward(
+    layout: str, act_attr: str, backends: dict[str, str | None]
+) -> Callable[[Any, torch.Tensor], torch.Tensor]:
     """layout "separate": down(act(gate(x)) * up(x)); "fused": gate_up_proj(x) = [gate | up]."""
 
-    def forward(self, x):
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
         kind = glu_kind(getattr(self, act_attr))
         if kind is None:  # the activation was swapped after apply()
             raise LMKernelsError(
@@ -139,13 +153,22 @@ def mlp_forward(layout: str, act_attr: str, backends: dict):
     return mark(forward)
 
 
-def experts_forward(act_attr: str, backends: dict):
+def experts_forward(
+    act_attr: str, backends: dict[str, str | None]
+) -> Callable[[Any, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """MoE experts stored as 3-D tensors (gate_up_proj (E, 2I, H), down_proj (E, H, I)): each
     token's top-k experts, weighted and summed. Routing index E means "no expert" (transformers
     uses it to mask experts another rank owns)."""
 
-    def forward(self, hidden_states, top_k_index, top_k_weights):
+    def forward(
+        self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         kind = glu_kind(getattr(self, act_attr))
+        if kind is None:  # the activation was swapped after apply()
+            raise LMKernelsError(
+                f"{type(self).__name__}: activation {type(getattr(self, act_attr)).__name__} has no lmkernels "
+                f"GLU op; revert() and apply with ops excluding 'mlp'"
+            )
         n_experts = self.gate_up_proj.shape[0]
         out = torch.zeros_like(hidden_states)
         k = top_k_index.shape[-1]
@@ -176,7 +199,7 @@ def experts_forward(act_attr: str, backends: dict):
 
 @dataclasses.dataclass(frozen=True)
 class RopeStyle:
-    layout: str  # "neox" (rotate_half over halves) or "interleaved" (pairs)
+    layout: RopeLayout  # "neox" (rotate_half over halves) or "interleaved" (pairs)
     half_table: bool  # the function builds its table from cos[..., :R/2] repeated per pair (GLM)
     half_width: bool = False  # it is passed R/2 columns, one per pair, for both halves (GPT-OSS)
 
@@ -196,12 +219,20 @@ ROPE_STYLES = (
 )
 
 
-def rope_function(original, style: RopeStyle, backend_of):
+# transformers' apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1) -> (q_out, k_out)
+RopeFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def rope_function(
+    original: RopeFunction, style: RopeStyle, backend_of: Callable[[], str | None]
+) -> RopeFunction:
     """A drop-in `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`. Partial rotary (cos
     narrower than the head: Phi3, GLM, GPT-NeoX) rotates the first cos.shape[-1] dims."""
 
     @functools.wraps(original)
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    def apply_rotary_pos_emb(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # transformers passes q, k as (B, H, T, D) with cos/sin (B or 1, T, R) and unsqueeze_dim=1;
         # (B, T, H, D) layouts use unsqueeze_dim=2. Anything else is not what these models call,
         # so it goes to the original function rather than guessing.
@@ -220,7 +251,7 @@ def rope_function(original, style: RopeStyle, backend_of):
             cos, sin = cos[0], sin[0]
         rdim = cos.shape[-1] if cos.shape[-1] < q.shape[-1] else None
 
-        def rope(q, k):
+        def rope(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return lmkernels.rope(q, k, cos, sin, layout=style.layout, rotary_dim=rdim, backend=backend_of())
 
         if type(q).__name__ == "DTensor":  # tensor parallel: the local heads
@@ -244,13 +275,15 @@ def rope_function(original, style: RopeStyle, backend_of):
 _ACTIVE_ROPE = threading.local()
 
 
-def rope_router(original, module_name: str):
+def rope_router(original: RopeFunction, module_name: str) -> RopeFunction:
     """What a modeling module's apply_rotary_pos_emb becomes while a patched model holds it: the
     rope function of the patched attention calling it, else `original`, called exactly as
     transformers calls it (a model nobody patched computes what it always computes)."""
 
     @functools.wraps(original)
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    def apply_rotary_pos_emb(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         active = getattr(_ACTIVE_ROPE, "fn", None)
         if active is None or active[0] != module_name:
             return original(q, k, cos, sin, unsqueeze_dim)
@@ -259,12 +292,12 @@ def rope_router(original, module_name: str):
     return mark(apply_rotary_pos_emb)
 
 
-def rope_scope(forward, module_name: str, rope):
+def rope_scope(forward: Callable[..., Any], module_name: str, rope: RopeFunction) -> Callable[..., Any]:
     """An attention's `forward(self, ...)` that runs `forward` with `rope` (a rope_function) as the
     modeling module's apply_rotary_pos_emb for this call."""
 
     @functools.wraps(forward)
-    def scoped(self, *args, **kwargs):
+    def scoped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         previous = getattr(_ACTIVE_ROPE, "fn", None)
         _ACTIVE_ROPE.fn = (module_name, rope)
         try:
@@ -275,7 +308,7 @@ def rope_scope(forward, module_name: str, rope):
     return mark(scoped)
 
 
-def rope_signature_ok(fn) -> bool:
+def rope_signature_ok(fn: Callable[..., Any] | nn.Module) -> bool:
     """The call convention the wrapper implements: (q, k, cos, sin, unsqueeze_dim=1). With the
     `kernels` package installed, transformers' hub-kernel decorator turns apply_rotary_pos_emb
     into an nn.Module whose forward calls the function with the function's signature."""
@@ -312,7 +345,7 @@ class HeadSpec:
         return ", ".join(parts)
 
 
-def logit_scale(model: nn.Module, spec: HeadSpec) -> float | None:
+def logit_scale(model: Any, spec: HeadSpec) -> float | None:
     if spec.scale_from == "logit_scale":
         return float(model.logit_scale)
     if spec.scale_from == "logits_scaling":
@@ -320,18 +353,20 @@ def logit_scale(model: nn.Module, spec: HeadSpec) -> float | None:
     return None
 
 
-def positional_names(fn) -> list[str]:
+def positional_names(fn: Callable[..., Any]) -> list[str]:
     params = list(inspect.signature(fn).parameters.values())[1:]  # without self
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return [p.name for p in params if p.kind in kinds]
 
 
-def causal_lm_forward(original, spec: HeadSpec, backend: str | None, call_original):
+def causal_lm_forward(
+    original: Callable[..., Any], spec: HeadSpec, backend: str | None, call_original: Callable[..., Any]
+) -> Callable[..., Any]:
     """The patched causal-LM forward. `call_original(self, **kwargs)` runs the unpatched path."""
     names = positional_names(original)
 
     @functools.wraps(original)  # keeps the signature: the Trainer and generate() inspect it
-    def forward(self, *args, **kwargs):
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if args:
             if len(args) > len(names):
                 raise TypeError(f"forward() takes {len(names)} positional arguments, got {len(args)}")
@@ -349,7 +384,15 @@ def causal_lm_forward(original, spec: HeadSpec, backend: str | None, call_origin
     return mark(forward)
 
 
-def fused_forward(self, spec: HeadSpec, backend, labels, logits_to_keep=0, return_dict=None, **kwargs):
+def fused_forward(
+    self: Any,
+    spec: HeadSpec,
+    backend: str | None,
+    labels: torch.Tensor,
+    logits_to_keep: int | torch.Tensor = 0,
+    return_dict: bool | None = None,
+    **kwargs: Any,
+) -> Any:
     """transformers' causal-LM forward with lm_head + loss as one fused call (no logits)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
@@ -390,7 +433,7 @@ def fused_forward(self, spec: HeadSpec, backend, labels, logits_to_keep=0, retur
                 kwargs.get("attention_mask"),
             )
             loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
-        out = MoeCausalLMOutputWithPast(
+        out: CausalLMOutputWithPast | MoeCausalLMOutputWithPast = MoeCausalLMOutputWithPast(
             loss=loss, aux_loss=aux_loss, logits=None, router_logits=outputs.router_logits, **common
         )
     else:

@@ -12,26 +12,37 @@ WIDTH = 80
 
 @dataclasses.dataclass
 class PatchReport:
+    """What apply() patched on a model (or would: patch_report()), what it kept and why.
+
+    `print(report.format())` shows it as a table; `patched_ops()` lists the ops patched;
+    `findings` holds every Finding (op, what, paths, status "patched" / "kept" / "failed",
+    detail), also by status: `patched`, `kept`, `failed`."""
+
     model: str  # e.g. "Qwen3ForCausalLM (qwen3)"
     backend: str | None
     findings: list[Finding]
 
     def by_status(self, status: str) -> list[Finding]:
+        """The findings of one status: "patched", "kept" or "failed"."""
         return [f for f in self.findings if f.status == status]
 
     @property
     def patched(self) -> list[Finding]:
+        """The findings whose replacement passed its check and is installed."""
         return self.by_status(PATCHED)
 
     @property
     def kept(self) -> list[Finding]:
+        """Modules of kinds lmkernels has no op for (kept as they are; not an error)."""
         return self.by_status(KEPT)
 
     @property
     def failed(self) -> list[Finding]:
+        """Modules that look patchable but cannot be patched correctly (strict apply raises)."""
         return self.by_status(FAILED)
 
     def patched_ops(self) -> list[str]:
+        """The `ops` names patched ("rms_norm", "rope", "mlp", "flce", ...), sorted."""
         return sorted({f.op for f in self.patched})
 
     def summary(self) -> dict[str, list[str]]:
@@ -44,7 +55,7 @@ class PatchReport:
     def brief(self) -> str:
         """One line: what is patched, what is kept and why (for a log)."""
 
-        def count(f):
+        def count(f: Finding) -> str:
             return f" x{f.count}" if f.count > 1 else ""
 
         patched = ", ".join(f"{f.op}{count(f)}" for f in self.patched) or "nothing"
@@ -55,6 +66,7 @@ class PatchReport:
         return line
 
     def format(self, width: int = WIDTH) -> str:
+        """The report as a plain-text table of `width` columns: patched, kept, failed."""
         lines = [f"lmkernels patch report: {self.model}, backend {self.backend or 'auto'}"]
         for status, title in (
             (PATCHED, "patched"),

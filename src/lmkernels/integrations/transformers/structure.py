@@ -27,7 +27,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Callable
+from typing import Any, TypedDict
 
+import torch
 from torch import nn
 
 from lmkernels.integrations import peft as lk_peft
@@ -46,15 +48,25 @@ class Finding:
     paths: list[str]  # module paths (instances), or the function's qualified name
     status: str
     detail: str
-    cls: type | None = None  # the class whose forward a class-level patch replaces
+    cls: type[nn.Module]  # the class whose forward a class-level patch replaces
     modules: list[nn.Module] = dataclasses.field(default_factory=list)
-    forward: Callable | None = None  # the replacement (unbound: takes self) / rope function
-    spec: object = None  # rope: the RopeStyle; flce: the HeadSpec
+    forward: Callable[..., Any] | None = None  # the replacement (unbound: takes self) / rope function
+    spec: rp.RopeStyle | rp.HeadSpec | None = None  # rope: the RopeStyle; flce: the HeadSpec
     module_name: str = ""  # rope, causal_mask: the modeling module whose functions are replaced
 
     @property
     def count(self) -> int:
         return len(self.modules) or 1
+
+
+class _Where(TypedDict):
+    """The Finding fields that say what was found where (the rest say what became of it)."""
+
+    what: str
+    paths: list[str]
+    cls: type[nn.Module]
+    modules: list[nn.Module]
+    module_name: str
 
 
 def _backend(table: dict[str, str], op: str) -> str | None:
@@ -76,7 +88,7 @@ def _norm_kind(module: nn.Module) -> str | None:
 
 def _norm_problem(module: nn.Module) -> str | None:
     extra = [n for n, p in module.named_parameters(recurse=False) if n not in ("weight", "bias")]
-    if extra or list(module.children()):
+    if extra or any(True for _ in module.children()):
         return f"has parameters or submodules besides weight/bias ({extra or 'children'})"
     for name in ("weight", "bias"):
         t = getattr(module, name, None)
@@ -95,7 +107,9 @@ def _act_attr(module: nn.Module) -> str | None:
 
 
 def _mlp_layout(module: nn.Module) -> str | None:
-    def lin(name):  # (a PEFT layer over an nn.Linear too: the patched forward calls it as a module)
+    def lin(
+        name: str,
+    ) -> bool:  # (a PEFT layer over an nn.Linear too: the patched forward calls it as a module)
         return lk_peft.linear_like(getattr(module, name, None))
 
     if lin("gate_proj") and lin("up_proj") and lin("down_proj"):
@@ -118,16 +132,14 @@ def _is_mlp_like(module: nn.Module) -> bool:
     return name.endswith(("MLP", "Experts")) or name.endswith("FeedForward")
 
 
-def _device(model: nn.Module):
-    import torch
-
+def _device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         if p.device.type != "meta":
             return p.device
     return torch.device("cpu")
 
 
-def _group_key(module: nn.Module):
+def _group_key(module: nn.Module) -> tuple[object, ...]:
     shapes = tuple((n, tuple(p.shape)) for n, p in module.named_parameters(recurse=False))
     eps = tuple(getattr(module, a, None) for a in vf.EPS_ATTRS)
     act = _act_attr(module)
@@ -139,7 +151,7 @@ def _group_key(module: nn.Module):
     return (type(module), shapes, eps, act_key)
 
 
-def _attempt(fn, *args, **kwargs):
+def _attempt(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, str | None]:
     """(result, None) or (None, reason) for a probe/check: Mismatch and backend errors alike."""
     try:
         return fn(*args, **kwargs), None
@@ -149,19 +161,23 @@ def _attempt(fn, *args, **kwargs):
         return None, f"check raised {type(e).__name__}: {e}"
 
 
-def _module_findings(model, table, ops, device) -> list[Finding]:
-    groups: dict = {}
+def _module_findings(
+    model: nn.Module, table: dict[str, str], ops: tuple[str, ...], device: torch.device
+) -> list[Finding]:
+    groups: dict[tuple[object, ...], list[tuple[str, nn.Module]]] = {}
     for path, module in model.named_modules():
         if path == "" and _norm_kind(module) is None:
             continue
         groups.setdefault(_group_key(module), []).append((path, module))
     findings = []
     glu_backends = rp.glu_backends(table)
-    for (cls, *_), members in groups.items():
+    for members in groups.values():
         paths = [p for p, _ in members]
         modules = [m for _, m in members]
         first = modules[0]
-        base = dict(what=cls.__name__, paths=paths, cls=cls, modules=modules)
+        base = _Where(
+            what=type(first).__name__, paths=paths, cls=type(first), modules=modules, module_name=""
+        )
         kind = _norm_kind(first)
         if kind is not None:
             if kind not in ops:
@@ -197,7 +213,7 @@ def _module_findings(model, table, ops, device) -> list[Finding]:
             continue
         act = _act_attr(first)
         glu = rp.glu_kind(getattr(first, act)) if act else None
-        if glu is None:
+        if glu is None or act is None:
             act_name = type(getattr(first, act)).__name__ if act else "none found"
             detail = (
                 f"activation {act_name} has no lmkernels GLU op (supported: {sorted(rp.GLU_BY_ACTIVATION)}); "
@@ -205,6 +221,7 @@ def _module_findings(model, table, ops, device) -> list[Finding]:
             )
             findings.append(Finding("mlp", status=FAILED, detail=detail, **base))
             continue
+        forward: Callable[..., torch.Tensor]
         if layout == "experts":
             forward = rp.experts_forward(act, glu_backends)
             _, why = _attempt(vf.check_experts, first, forward, device=device)
@@ -227,7 +244,8 @@ def _module_findings(model, table, ops, device) -> list[Finding]:
     return findings
 
 
-def unwrapped(fn):
+def unwrapped(fn: Any) -> Any:
+    """The function an lmkernels replacement wraps (the original), else `fn` itself."""
     return getattr(fn, "__wrapped__", fn) if getattr(fn, "_lmkernels_patch", False) else fn
 
 
@@ -250,7 +268,12 @@ def _rope_callers(model: nn.Module) -> dict[str, list[nn.Module]]:
     return callers
 
 
-def _rope_findings(model, table, device, backend_of) -> list[Finding]:
+def _rope_findings(
+    model: nn.Module,
+    table: dict[str, str],
+    device: torch.device,
+    backend_of: Callable[[str], Callable[[], str | None]],
+) -> list[Finding]:
     findings = []
     rdim = _rotary_dim(model)
     for module_name, modules in _rope_callers(model).items():
@@ -258,7 +281,7 @@ def _rope_findings(model, table, device, backend_of) -> list[Finding]:
         namespace = inspect.unwrap(unwrapped(type(module).forward)).__globals__
         original = unwrapped(namespace.get("apply_rotary_pos_emb"))
         what = f"{module_name.rsplit('.', 1)[-1]}.apply_rotary_pos_emb"
-        base = dict(
+        base = _Where(
             what=what,
             paths=[f"{module_name}.apply_rotary_pos_emb"],
             module_name=module_name,
@@ -273,8 +296,8 @@ def _rope_findings(model, table, device, backend_of) -> list[Finding]:
             why = "not the (q, k, cos, sin, unsqueeze_dim) convention"
         elif not isinstance(head_dim, int):  # e.g. DeepSeek's MLA: rope on a slice of each head
             why = f"{type(module).__name__} has no integer head_dim or head_size"
-        if why:
-            findings.append(Finding("rope", status=FAILED, detail=why, **base))
+        if why or not isinstance(head_dim, int):
+            findings.append(Finding("rope", status=FAILED, detail=why or "", **base))
             continue
         rotary = rdim or head_dim
         result, why = _attempt(
@@ -306,7 +329,8 @@ def head_spec(model: nn.Module) -> tuple[rp.HeadSpec | None, str | None]:
     base_attr = getattr(model, "base_model_prefix", None)
     if not base_attr or not isinstance(getattr(model, base_attr, None), nn.Module):
         return None, "no base model attribute (base_model_prefix)"
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = get_output_embeddings() if get_output_embeddings is not None else None
     head_attr = next((n for n, m in model.named_children() if m is head), None)
     if head is None or head_attr is None:
         return None, "no output embedding (lm_head)"
@@ -347,13 +371,15 @@ def head_spec(model: nn.Module) -> tuple[rp.HeadSpec | None, str | None]:
     return rp.HeadSpec(base_attr, head_attr, scale_from, softcap, moe), None
 
 
-def _head_findings(model, table, device) -> list[Finding]:
+def _head_findings(model: nn.Module, table: dict[str, str], device: torch.device) -> list[Finding]:
     if not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
         return []
-    base = dict(what=type(model).__name__, paths=["(model)"], cls=type(model), modules=[model])
+    base = _Where(
+        what=type(model).__name__, paths=["(model)"], cls=type(model), modules=[model], module_name=""
+    )
     spec, why = head_spec(model)
     if spec is None:
-        return [Finding("flce", status=FAILED, detail=why, **base)]
+        return [Finding("flce", status=FAILED, detail=why or "", **base)]
     backend = _backend(table, "flce")
     _, why = _attempt(vf.check_head, model, spec, backend, device=device)
     if why is None:
@@ -374,7 +400,7 @@ def _mask_findings(model: nn.Module) -> list[Finding]:
     cls = type(base)
     path = next(p for p, m in model.named_modules() if m is base) or "(model)"
     module_name = inspect.unwrap(cls.forward).__globals__.get("__name__", "?")
-    found = dict(what=cls.__name__, paths=[path], cls=cls, modules=[base], module_name=module_name)
+    found = _Where(what=cls.__name__, paths=[path], cls=cls, modules=[base], module_name=module_name)
     why = masks.forward_problem(base)
     not_causal = [p for p, m in model.named_modules() if getattr(m, "is_causal", True) is False]
     if why is None and not_causal:
@@ -389,7 +415,12 @@ def _mask_findings(model: nn.Module) -> list[Finding]:
     return [Finding("causal_mask", status=PATCHED, detail=detail, **found)]
 
 
-def analyze(model: nn.Module, table: dict[str, str], ops: tuple[str, ...], backend_of) -> list[Finding]:
+def analyze(
+    model: nn.Module,
+    table: dict[str, str],
+    ops: tuple[str, ...],
+    backend_of: Callable[[str], Callable[[], str | None]],
+) -> list[Finding]:
     """Every patchable part of `model` (for the requested ops), each verified.
 
     `backend_of(module_name)` returns a callable giving the rope backend to verify with."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -23,9 +25,12 @@ from torch import nn
 from lmkernels.integrations import peft as lk_peft
 from lmkernels.integrations.transformers import replacements as rp
 from lmkernels.ops.rms_norm import rms_norm_reference
+from lmkernels.types import CastingMode
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 TOL = 1e-5
-CASTINGS = ("llama", "gemma", "none")
+CASTINGS: tuple[CastingMode, ...] = ("llama", "gemma", "none")
 EPS_ATTRS = ("variance_epsilon", "eps", "epsilon")
 DEFAULT_EPS = (1e-6, 1e-5)  # tried, and verified, when a norm keeps eps in its code, not an attribute
 H_SMALL, I_SMALL = 16, 24  # the dims of the swapped-in weights
@@ -42,19 +47,19 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.detach().float() - ref.detach().float()).abs().max() / scale).item()
 
 
-def _randn(g: torch.Generator, *shape, device, scale: float = 1.0) -> torch.Tensor:
+def _randn(g: torch.Generator, *shape: int, device: torch.device, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=g) * scale).to(device)
 
 
-def _isolated(fn):
+def _isolated(fn: _F) -> _F:
     """Run a check without gradients and without moving the global RNG state."""
 
-    def run(*args, device, **kwargs):
+    def run(*args: Any, device: torch.device, **kwargs: Any) -> Any:
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             return fn(*args, device=device, **kwargs)
 
-    return run
+    return cast(_F, run)
 
 
 def _shallow(module: nn.Module, params: dict[str, torch.Tensor], children: dict[str, nn.Module]) -> nn.Module:
@@ -86,7 +91,7 @@ def eps_attr_of(module: nn.Module) -> str | None:
     return None
 
 
-def _norm_clone(module: nn.Module, g, device) -> tuple[nn.Module, int]:
+def _norm_clone(module: nn.Module, g: torch.Generator, device: torch.device) -> tuple[nn.Module, int]:
     n = norm_size(module)
     params = {}
     if isinstance(getattr(module, "weight", None), torch.Tensor):
@@ -96,14 +101,16 @@ def _norm_clone(module: nn.Module, g, device) -> tuple[nn.Module, int]:
     return _shallow(module, params, {}), n
 
 
-def _inputs(g, n, device) -> list[torch.Tensor]:
+def _inputs(g: torch.Generator, n: int, device: torch.device) -> list[torch.Tensor]:
     x = _randn(g, 3, 5, n, device=device) + 0.3
     # the small copy makes eps matter: a wrong epsilon changes its output by O(1)
     return [x, x * 1e-3]
 
 
 @_isolated
-def probe_rms_norm(module: nn.Module, backend, *, device):
+def probe_rms_norm(
+    module: nn.Module, backend: str | None, *, device: torch.device
+) -> tuple[Callable[[nn.Module, torch.Tensor], torch.Tensor], str]:
     """The RMSNorm replacement that matches `module` (epsilon, offset, casting), verified."""
     g = torch.Generator().manual_seed(0)
     clone, n = _norm_clone(module, g, device)
@@ -134,8 +141,8 @@ def probe_rms_norm(module: nn.Module, backend, *, device):
     wb = None if weight is None else weight.bfloat16()
     clone_b = _shallow(module, {} if wb is None else {"weight": wb}, {})
     ref_b = clone_b(xb)
-    errs = {m: rel_err(rms_norm_reference(xb, wb, eps, offset, m), ref_b) for m in CASTINGS}
-    casting = min(CASTINGS, key=errs.__getitem__)
+    mode_errs = {m: rel_err(rms_norm_reference(xb, wb, eps, offset, m), ref_b) for m in CASTINGS}
+    casting = min(CASTINGS, key=mode_errs.__getitem__)
     forward = rp.rms_norm_forward(eps_attr, eps, offset, casting, backend)
     err = max(rel_err(forward(clone, x), r) for x, r in zip(xs, refs))
     if err > TOL:
@@ -145,7 +152,9 @@ def probe_rms_norm(module: nn.Module, backend, *, device):
 
 
 @_isolated
-def probe_layer_norm(module: nn.Module, backend, *, device):
+def probe_layer_norm(
+    module: nn.Module, backend: str | None, *, device: torch.device
+) -> tuple[Callable[[nn.Module, torch.Tensor], torch.Tensor], str]:
     g = torch.Generator().manual_seed(0)
     clone, n = _norm_clone(module, g, device)
     xs = _inputs(g, n, device)
@@ -166,7 +175,9 @@ def probe_layer_norm(module: nn.Module, backend, *, device):
     raise Mismatch(f"lmkernels layer_norm differs by {min(errs):.1e} (> {TOL:g})")
 
 
-def _small_linear(linear: nn.Linear, g, device, n_in: int, n_out: int) -> nn.Linear:
+def _small_linear(
+    linear: nn.Linear, g: torch.Generator, device: torch.device, n_in: int, n_out: int
+) -> nn.Linear:
     small = nn.Linear(n_in, n_out, bias=linear.bias is not None, device="meta")
     small.weight = nn.Parameter(_randn(g, n_out, n_in, device=device, scale=n_in**-0.5), requires_grad=False)
     if linear.bias is not None:
@@ -175,14 +186,19 @@ def _small_linear(linear: nn.Linear, g, device, n_in: int, n_out: int) -> nn.Lin
 
 
 @_isolated
-def check_mlp(module: nn.Module, layout: str, forward, *, device) -> float:
+def check_mlp(
+    module: nn.Module, layout: str, forward: Callable[..., torch.Tensor], *, device: torch.device
+) -> float:
     g = torch.Generator().manual_seed(0)
     H, I = H_SMALL, I_SMALL
 
-    def linear(name):  # a PEFT layer's nn.Linear: the replacement calls the projections as modules
+    def linear(
+        name: str,
+    ) -> Any:  # a PEFT layer's nn.Linear: the replacement calls the projections as modules
         module_ = getattr(module, name)
         return lk_peft.base_linear(module_) or module_
 
+    children: dict[str, nn.Module]
     if layout == "fused":
         children = {"gate_up_proj": _small_linear(linear("gate_up_proj"), g, device, H, 2 * I)}
     else:
@@ -200,9 +216,9 @@ def check_mlp(module: nn.Module, layout: str, forward, *, device) -> float:
 
 
 @_isolated
-def check_experts(module: nn.Module, forward, *, device) -> float:
+def check_experts(module: nn.Module, forward: Callable[..., torch.Tensor], *, device: torch.device) -> float:
     g = torch.Generator().manual_seed(0)
-    E, H, I = module.gate_up_proj.shape[0], H_SMALL, I_SMALL
+    E, H, I = module.get_parameter("gate_up_proj").shape[0], H_SMALL, I_SMALL
     params = {
         "gate_up_proj": _randn(g, E, 2 * I, H, device=device, scale=H**-0.5),
         "down_proj": _randn(g, E, H, I, device=device, scale=I**-0.5),
@@ -219,14 +235,26 @@ def check_experts(module: nn.Module, forward, *, device) -> float:
 
 
 @_isolated
-def probe_rope(original, head_dim: int, rotary_dim: int, backend_of, *, device) -> tuple[rp.RopeStyle, str]:
+def probe_rope(
+    original: rp.RopeFunction,
+    head_dim: int,
+    rotary_dim: int,
+    backend_of: Callable[[], str | None],
+    *,
+    device: torch.device,
+) -> tuple[rp.RopeStyle, str]:
     """The rope style (layout, table form) under which lmkernels.rope equals `original`."""
     g = torch.Generator().manual_seed(0)
     q = _randn(g, 2, 3, 5, head_dim, device=device)
     k = _randn(g, 2, 2, 5, head_dim, device=device)
-    cases = {}  # table width -> [(cos, sin, original's output)], or None where it raises
+    # table width -> [(cos, sin, original's output)], or None where it raises
+    cases: dict[int, list[tuple[torch.Tensor, torch.Tensor, Any]] | None] = {}
 
-    def cases_of(width):  # built when a style first needs them (the half width rarely)
+    def cases_of(
+        width: int,
+    ) -> (
+        list[tuple[torch.Tensor, torch.Tensor, Any]] | None
+    ):  # built when a style first needs them (the half width rarely)
         if width not in cases:
             tables = [(_randn(g, 2, 5, width, device=device), _randn(g, 2, 5, width, device=device))]
             tables.append((tables[0][0][:1], tables[0][1][:1]))  # one table for the whole batch
@@ -252,17 +280,17 @@ def probe_rope(original, head_dim: int, rotary_dim: int, backend_of, *, device) 
     raise Mismatch(f"no lmkernels rope layout matches (best error {best:.1e})")
 
 
-_STUB_OUTPUT = []
+_STUB_OUTPUT: list[type] = []
 
 
-def _stub_output(**fields):
+def _stub_output(**fields: Any) -> Any:
     """The base model's output for the head check: the given fields, None for any other the
     forward reads (router_logits, cross_attentions, ... vary by family)."""
     if not _STUB_OUTPUT:  # one class per process (transformers registers output classes with pytree)
         from transformers.modeling_outputs import MoeModelOutputWithPast
 
         class StubOutput(MoeModelOutputWithPast):
-            def __getattr__(self, name):
+            def __getattr__(self, name: str) -> Any:
                 if name.startswith("__"):
                     raise AttributeError(name)
                 return None
@@ -274,14 +302,14 @@ def _stub_output(**fields):
 class _StubBase(nn.Module):
     """Stands in for the base model in the head check: returns fixed hidden states."""
 
-    def __init__(self, output):
+    def __init__(self, output: Any) -> None:
         super().__init__()
         self.output = output
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.output
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         # a causal LM that reaches its decoder through the base model (OPT, Bart: self.model.decoder)
         try:
             return super().__getattr__(name)
@@ -292,7 +320,7 @@ class _StubBase(nn.Module):
 
 
 @_isolated
-def check_head(model: nn.Module, spec: rp.HeadSpec, backend, *, device) -> float:
+def check_head(model: nn.Module, spec: rp.HeadSpec, backend: str | None, *, device: torch.device) -> float:
     """The fused loss against the model's own forward, on random hidden states and labels, for
     the mean, num_items_in_batch and (MoE) router aux loss paths."""
 
@@ -306,7 +334,8 @@ def check_head(model: nn.Module, spec: rp.HeadSpec, backend, *, device) -> float
     labels = torch.randint(0, V, (B, T), generator=g).to(device)
     labels[0, 1] = labels[1, -2] = -100
     if spec.moe:
-        E = int(model.num_experts)
+        moe_model: Any = model  # (head_spec checked its MoE attributes)
+        E = int(moe_model.num_experts)
         layers = tuple(_randn(g, B * T, E, device=device) for _ in range(2))
         output = _stub_output(last_hidden_state=hidden, router_logits=layers)
     else:
@@ -314,7 +343,7 @@ def check_head(model: nn.Module, spec: rp.HeadSpec, backend, *, device) -> float
     clone = _shallow(
         model, {}, {spec.base_attr: _StubBase(output), spec.head_attr: _small_linear(head, g, device, H, V)}
     )
-    cases = [{}, {"num_items_in_batch": torch.tensor(17, device=device)}]
+    cases: list[dict[str, Any]] = [{}, {"num_items_in_batch": torch.tensor(17, device=device)}]
     if spec.moe:
         cases.append({"output_router_logits": True})
     worst = 0.0
