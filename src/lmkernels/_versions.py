@@ -16,8 +16,10 @@ With neither (lmkernels copied without its metadata) nothing is checked.
 from __future__ import annotations
 
 import functools
+import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
@@ -32,15 +34,22 @@ def _normalize(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
 
 
+def _read_toml(path: Path) -> dict[str, Any] | None:
+    if sys.version_info >= (3, 11):
+        import tomllib
+
+        return tomllib.loads(path.read_text())
+    return None  # Python 3.10: no TOML reader in the standard library
+
+
 def _pyproject_requirements() -> list[str] | None:
     path = Path(__file__).resolve().parents[2] / "pyproject.toml"
     if not path.is_file():
         return None
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10: no TOML reader in the standard library
+    pyproject = _read_toml(path)
+    if pyproject is None:
         return None
-    project = tomllib.loads(path.read_text()).get("project", {})
+    project = pyproject.get("project", {})
     if project.get("name") != DIST:
         return None
     reqs = list(project.get("dependencies", []))

@@ -8,17 +8,21 @@ import importlib
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
 
 from lmkernels import cliargs
 from lmkernels.cliargs import parse_shape, summarize_skipped  # noqa: F401  (used by tests and tools)
-from lmkernels.harness.checks import DTYPE_NAMES, DTYPES_BY_NAME
+from lmkernels.harness.checks import DTYPE_NAMES, DTYPES_BY_NAME, CaseResult
 from lmkernels.registry.core import LMKernelsError, get_op
-from lmkernels.registry.dispatch import explain
+from lmkernels.registry.dispatch import Explanation, explain
+
+if TYPE_CHECKING:
+    from concurrent.futures import ProcessPoolExecutor
 
 console = Console()
 VALIDATE_DTYPES = ("fp32", "bf16", "fp16")
@@ -65,7 +69,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def render_explanation(e, columns: int | None = None) -> str:
+def render_explanation(e: Explanation, columns: int | None = None) -> str:
     """An Explanation as lines that fit the terminal: long reasons go on continuation lines."""
     cols = columns or cliargs.width()
     asked = (
@@ -105,7 +109,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
             workers.shutdown(cancel_futures=True)
 
 
-def _validate(args, grid: str, compile_backend: str | None, jobs: int, workers) -> int:
+def _validate(
+    args: argparse.Namespace,
+    grid: str,
+    compile_backend: str | None,
+    jobs: int,
+    workers: ProcessPoolExecutor | None,
+) -> int:
     from lmkernels.harness import runner
 
     plans = list(
@@ -150,7 +160,7 @@ def _validate(args, grid: str, compile_backend: str | None, jobs: int, workers) 
     out = Path(args.out or f"lmkernels-results/validate-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     last_write = [time.monotonic()]
 
-    def checkpoint(so_far):
+    def checkpoint(so_far: Sequence[CaseResult]) -> None:
         # Rewrite the reports every 30 s: a run stopped by a time limit keeps what it checked.
         if time.monotonic() - last_write[0] > 30:
             runner.write_reports(so_far, out, meta | {"partial": f"{len(so_far)} of {len(plans)} cases"})
@@ -168,7 +178,7 @@ def _validate(args, grid: str, compile_backend: str | None, jobs: int, workers) 
     return 1 if n_bad else 0
 
 
-def default_jobs(device: str, op_filter, backend_filter) -> int:
+def default_jobs(device: str, op_filter: Sequence[str] | None, backend_filter: Sequence[str] | None) -> int:
     """Two worker processes on a CPU with 2+ cores (a CPU run mostly waits on the C++ compiler
     of the compile backend); one for a run narrowed to some ops and backends, too small to
     pay for starting them (seconds), and on a GPU."""

@@ -16,7 +16,10 @@ import shutil
 import sys
 import textwrap
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmkernels.registry.core import OpSpec
 
 WIDTH = 80  # the widest line the CLI prints (tables may use a wider terminal's width with --wide)
 
@@ -256,7 +259,7 @@ def key_value(text: str) -> tuple[str, Any]:
         return key, value
 
 
-def option_names(spec) -> set[str]:
+def option_names(spec: OpSpec) -> set[str]:
     """The option (keyword) names an op's inputs take: its reference's keyword arguments and the
     make_inputs options (e.g. FLCE's with_bias, regime)."""
     import inspect
@@ -269,7 +272,7 @@ def option_names(spec) -> set[str]:
     return names - {"shape", "dtype", "device", "seed"}
 
 
-def check_options(specs, options: dict[str, Any], where: str = "--set") -> None:
+def check_options(specs: Sequence[OpSpec], options: dict[str, Any], where: str = "--set") -> None:
     """Raise LMKernelsError naming an option key that one of the ops' inputs do not take."""
     from lmkernels.registry import LMKernelsError
 
@@ -281,7 +284,7 @@ def check_options(specs, options: dict[str, Any], where: str = "--set") -> None:
                 raise LMKernelsError(f"{where}: {spec.name} {unknown('option', key, known)}{more}")
 
 
-def parse_shape(spec, text: str) -> dict[str, int]:
+def parse_shape(spec: OpSpec, text: str) -> dict[str, int]:
     """--shape "M=4096,N=8192" or "4096x8192" (dims in the order of the op's shape grid)."""
     from lmkernels.registry import LMKernelsError
 

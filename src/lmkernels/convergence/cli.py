@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from typing import Any
 
 from lmkernels import cliargs
 from lmkernels.convergence.models import FAMILIES
@@ -23,7 +24,7 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "converge",
         help="train tiny models with and without a backend's kernels and compare",

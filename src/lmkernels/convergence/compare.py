@@ -40,10 +40,14 @@ which shows the runs are deterministic).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch import nn
 
 from lmkernels.convergence import data, models
+from lmkernels.convergence.data import Batches
 from lmkernels.convergence.train import Patch, RunResult, TrainConfig, train_run
 from lmkernels.registry import LMKernelsError, UnknownBackendError, get_impl, parse_backend_spec
 
@@ -69,6 +73,8 @@ FACTOR_BF16 = 2.0
 
 @dataclasses.dataclass
 class Check:
+    """One comparison of a run against the baseline: the error, its limit, whether it passed."""
+
     metric: str
     value: float  # the candidate's error (vs baseline in fp32, vs the fp32 reference in bf16)
     limit: float
@@ -151,6 +157,8 @@ VARIANTS = ("all", "no-flce", "none")
 
 @dataclasses.dataclass
 class Case:
+    """One patched run of a family (the ops it patched) and its checks against the baseline."""
+
     family: str
     backend: str
     variant: str
@@ -168,6 +176,8 @@ class Case:
 
 @dataclasses.dataclass
 class FamilyRuns:
+    """A family's baseline run (plain transformers), its fp32 reference and its patched runs."""
+
     family: str
     baseline: RunResult
     reference: RunResult | None  # plain transformers in fp32, for bf16 runs
@@ -176,6 +186,9 @@ class FamilyRuns:
 
 @dataclasses.dataclass
 class Report:
+    """What run_convergence() returns: the training config, the backend, and per family the
+    runs and their checks; `passed` is whether every check held, `cases` every patched run."""
+
     config: TrainConfig
     backend: str
     families: list[FamilyRuns]
@@ -189,7 +202,7 @@ class Report:
         return all(c.passed for c in self.cases)
 
 
-def covered_ops(backend: str, model, device: str) -> tuple[tuple[str, ...], str]:
+def covered_ops(backend: str, model: nn.Module, device: str) -> tuple[tuple[str, ...], str]:
     """The patch ops whose lmkernels ops `backend` implements, and a note on those it does not.
 
     A backend may implement a few ops (a test backend, a third-party plugin); the others keep
@@ -199,17 +212,18 @@ def covered_ops(backend: str, model, device: str) -> tuple[tuple[str, ...], str]
 
     table = parse_backend_spec(backend, where="backend")
     mlp = next((m for m in model.modules() if hasattr(m, "act_fn") and hasattr(m, "gate_proj")), None)
-    kind = glu_kind(mlp.act_fn) if mlp is not None else None
+    act = getattr(mlp, "act_fn", None)
+    kind = glu_kind(act) if isinstance(act, nn.Module) else None
     needs = {"rms_norm": "rms_norm", "rope": "rope", "flce": "fused_linear_cross_entropy"}
     if kind is not None:
         needs["mlp"] = kind[0]
     ops, missing = [], []
     for patch_op in PATCH_OPS:
         op = needs.get(patch_op)
-        name = table.get(op, table.get("*", "auto")) if op else None
         if op is None:
             missing.append(f"{patch_op} (activation has no lmkernels op)")
             continue
+        name = table.get(op, table.get("*", "auto"))
         if name == "auto":
             ops.append(patch_op)
             continue
@@ -247,7 +261,9 @@ _BASELINES: dict[tuple, RunResult] = {}
 _BASELINES_KEPT = 4
 
 
-def _plain_run(base, batches, cfg: TrainConfig, dtype: str, label: str, progress: bool) -> RunResult:
+def _plain_run(
+    base: nn.Module, batches: Batches, cfg: TrainConfig, dtype: str, label: str, progress: bool
+) -> RunResult:
     key = (dataclasses.astuple(cfg), dtype)
     if key not in _BASELINES:
         while len(_BASELINES) >= _BASELINES_KEPT:
@@ -256,7 +272,9 @@ def _plain_run(base, batches, cfg: TrainConfig, dtype: str, label: str, progress
     return _BASELINES[key]
 
 
-def run_family(cfg: TrainConfig, backend: str, variants=("all",), progress: bool = False) -> FamilyRuns:
+def run_family(
+    cfg: TrainConfig, backend: str, variants: Sequence[str] = ("all",), progress: bool = False
+) -> FamilyRuns:
     batches = data.make_batches(
         cfg.steps, cfg.batch_size, cfg.seq_len, cfg.eval_batches, vocab_size=cfg.vocab_size, seed=cfg.seed
     )
@@ -288,12 +306,23 @@ def run_family(cfg: TrainConfig, backend: str, variants=("all",), progress: bool
 
 def run_convergence(
     backend: str,
-    families=("llama",),
+    families: str | Sequence[str] = ("llama",),
     ablation: bool = False,
     progress: bool = False,
-    **config,
+    **config: Any,
 ) -> Report:
-    """Train each family plain and patched with `backend`; `config`: TrainConfig fields."""
+    """Train each family plain and patched with `backend`, and compare (the module docstring).
+
+    Args:
+        backend: A backend name or spec ("compile", "triton,flce=compile", ...).
+        families: Model families (models.FAMILIES), one or several.
+        ablation: Also train one run per op patched alone (VARIANTS), not only all ops.
+        progress: Show a progress bar per training run on stderr.
+        **config: TrainConfig fields (steps, dtype, ...).
+
+    Returns:
+        The Report: every run's losses and checks; `report.passed` says whether all held.
+    """
     if isinstance(families, str):
         families = (families,)
     bad = [f for f in families if f not in models.FAMILIES]
@@ -306,4 +335,6 @@ def run_convergence(
         cfg = TrainConfig(family=family, **config)
         first = first or cfg
         runs.append(run_family(cfg, backend, variants, progress))
+    if first is None:
+        raise LMKernelsError(f"families: expected at least one of {models.FAMILIES}")
     return Report(first, backend, runs)

@@ -15,10 +15,14 @@ import dataclasses
 import functools
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from lmkernels.registry import LMKernelsError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 DEFAULT_VOCAB_SIZE = 512
 EVAL_FRACTION = 0.1  # the last 10% of the token stream is held out for evaluation
@@ -38,7 +42,7 @@ def load_text(path: str | None = None) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, path: str | None = None):
+def tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, path: str | None = None) -> Tokenizer:
     """A byte-level BPE tokenizer trained on the corpus (every byte is in the vocabulary)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

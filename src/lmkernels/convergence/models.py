@@ -8,9 +8,14 @@ sliding/global layers and final-logit softcapping.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from lmkernels.registry import LMKernelsError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2")
 
@@ -24,10 +29,10 @@ TINY = {
 }
 
 
-def _config_class(family: str):
+def _config_class(family: str) -> type[PretrainedConfig]:
     import transformers
 
-    classes = {
+    classes: dict[str, type[PretrainedConfig]] = {
         "llama": transformers.LlamaConfig,
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
@@ -39,9 +44,9 @@ def _config_class(family: str):
     return classes[family]
 
 
-def tiny_config(family: str, vocab_size: int, max_positions: int, **overrides):
+def tiny_config(family: str, vocab_size: int, max_positions: int, **overrides: Any) -> PretrainedConfig:
     """The transformers config of a tiny `family` model; `overrides` replace any field."""
-    fields = dict(TINY, vocab_size=vocab_size, max_position_embeddings=max_positions)
+    fields: dict[str, Any] = dict(TINY, vocab_size=vocab_size, max_position_embeddings=max_positions)
     # Gemma2 uses eager attention in transformers (softcapped attention logits); the others the
     # default SDPA. Attention is never patched, so this only has to match between runs.
     fields["attn_implementation"] = "eager" if family == "gemma2" else "sdpa"
@@ -55,12 +60,14 @@ def tiny_config(family: str, vocab_size: int, max_positions: int, **overrides):
     return _config_class(family)(**fields)
 
 
-def build_model(family: str, vocab_size: int, max_positions: int, seed: int = 0, **overrides):
+def build_model(
+    family: str, vocab_size: int, max_positions: int, seed: int = 0, **overrides: Any
+) -> PreTrainedModel:
     """A freshly initialized fp32 model on the CPU; the same seed gives the same weights."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(family, vocab_size, max_positions, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(config)
     return model

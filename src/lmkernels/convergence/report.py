@@ -5,14 +5,20 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from lmkernels.convergence.compare import METRICS, Report
+from lmkernels.convergence.train import RunResult
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 SHORT_METRICS = {"loss curve": "curve", "eval loss": "eval", "top-k log-probs": "logp", "params": "params"}
 WIDE_COLUMNS = 140  # the console width --wide prints at, whatever the terminal's
 
 
-def table(report: Report, wide: bool = True):
+def table(report: Report, wide: bool = True) -> Table:
     """One row per run. wide: each metric cell is the error, under a header with its fp32
     limit (bf16 limits depend on the bf16 baseline's own error, so bf16 cells show "error /
     limit"), and the ops each run patched. Narrow (fits 80 columns): each cell is error / limit,
@@ -62,7 +68,8 @@ def _ratio(value: float, limit: float) -> str:
     return f"{r:.2f}" if r < 100 else f"{r:.0e}"
 
 
-def print_report(report: Report, console=None, wide: bool = False) -> None:
+def print_report(report: Report, console: Console | None = None, wide: bool = False) -> None:
+    """The report as a table on `console` (default: stdout), 80 columns unless `wide`."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -72,7 +79,7 @@ def print_report(report: Report, console=None, wide: bool = False) -> None:
             file=console.file,
             width=max(console.width, WIDE_COLUMNS),
             force_terminal=console.is_terminal,
-            color_system=console.color_system,
+            color_system=console.color_system,  # type: ignore[arg-type]  # (rich: str property, Literal argument)
         ).print(table(report, wide))
     else:
         console.print(table(report, wide))
@@ -89,8 +96,10 @@ def print_report(report: Report, console=None, wide: bool = False) -> None:
     console.print(f"convergence verdict: {verdict}")
 
 
-def to_dict(report: Report) -> dict:
-    def run(r):
+def to_dict(report: Report) -> dict[str, Any]:
+    """The report as plain data (what write_json writes)."""
+
+    def run(r: RunResult | None) -> dict[str, Any] | None:
         if r is None:
             return None
         return {
@@ -131,6 +140,7 @@ def to_dict(report: Report) -> dict:
 
 
 def write_json(report: Report, path: str | Path) -> Path:
+    """Write to_dict(report) to `path` as JSON (parents created); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(to_dict(report), indent=2))

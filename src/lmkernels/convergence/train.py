@@ -6,12 +6,16 @@ import copy
 import dataclasses
 import gc
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from lmkernels.convergence.data import Batches
 from lmkernels.registry import LMKernelsError
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -40,7 +44,7 @@ class TrainConfig:
     topk: int = 8
     vocab_size: int = 512
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise LMKernelsError(f"dtype: expected one of {tuple(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
@@ -67,6 +71,9 @@ class Patch:
 
 @dataclasses.dataclass
 class RunResult:
+    """What train_run() measured: per-step losses and gradient norms, the eval loss and
+    log-probs, the final parameters and the wall time."""
+
     label: str
     dtype: str
     losses: list[float]  # training loss of every step, before that step's update
@@ -121,27 +128,47 @@ def require_plain_family(model: torch.nn.Module) -> None:
         )
 
 
-def _progress_bar(shown: bool):
+def _progress_bar(shown: bool) -> Progress:
     """A progress bar of training steps on stderr: on a terminal, removed when done; elsewhere (a
     log) its last state, one line per run. Not shown: nothing printed."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     from lmkernels.cliargs import width
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns: tuple[ProgressColumn, ...] = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     columns += (TextColumn("{task.fields[loss]}"),)
     console = Console(stderr=True, width=width())
     return Progress(*columns, console=console, transient=console.is_terminal, disable=not shown)
 
 
-def _train(model, batches, cfg, device, label, progress):
+def _train(
+    model: torch.nn.Module,
+    batches: Batches,
+    cfg: TrainConfig,
+    device: torch.device,
+    label: str,
+    progress: bool,
+) -> tuple[list[float], list[float], float, torch.Tensor, float]:
     # foreach=False: the same per-tensor update everywhere (multi-tensor kernels are equivalent,
     # but one code path on every device keeps the baseline and the candidates identical).
     opt = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, foreach=False
     )
-    losses, grad_norms = [], []
+    losses: list[float] = []
+    grad_norms: list[float] = []
     start = time.perf_counter()
     model.train()
     with _progress_bar(progress) as bar:

@@ -139,7 +139,13 @@ def _upstream_grads(outs: list[torch.Tensor], seed: int) -> list[torch.Tensor | 
     return grads
 
 
-def _run(fn: Callable[..., Any], inputs: dict[str, Any], grad_names: list[str], upstream, seed: int = 0):
+def _run(
+    fn: Callable[..., Any],
+    inputs: dict[str, Any],
+    grad_names: list[str],
+    upstream: list[torch.Tensor | None] | None,
+    seed: int = 0,
+) -> tuple[dict[str, torch.Tensor], list[torch.Tensor | None]]:
     """Run fn and backprop upstream grads (drawn from `seed` when None); return (tensors by name, upstream)."""
     outs = _outputs(fn(**inputs))
     if upstream is None:
@@ -255,7 +261,17 @@ def check_case(
     return result
 
 
-def _check(spec, impl, shape, dtype, case, device, seed, compile_backend, result):
+def _check(
+    spec: OpSpec,
+    impl: Impl,
+    shape: dict[str, int],
+    dtype: torch.dtype,
+    case: dict[str, Any],
+    device: str,
+    seed: int,
+    compile_backend: str | None,
+    result: CaseResult,
+) -> None:
     inputs = spec.make_inputs(shape, dtype, device, seed, **case)
     grad_names = [n for n in spec.grad_inputs if isinstance(inputs.get(n), torch.Tensor)]
     if dtype not in spec.dtypes:
@@ -309,10 +325,20 @@ def _check(spec, impl, shape, dtype, case, device, seed, compile_backend, result
     result.reason = "; ".join(problems)
 
 
-def _compile_check(spec, impl, inputs, grad_names, upstream, eager, ref, tol, compile_backend) -> str:
+def _compile_check(
+    spec: OpSpec,
+    impl: Impl,
+    inputs: dict[str, Any],
+    grad_names: list[str],
+    upstream: list[torch.Tensor | None],
+    eager: dict[str, torch.Tensor],
+    ref: dict[str, torch.Tensor],
+    tol: Tolerance,
+    compile_backend: str,
+) -> str:
     torch._dynamo.reset()
 
-    def call(**kw):
+    def call(**kw: Any) -> Any:
         return dispatch(spec.name, impl.backend, **kw)
 
     compiled = torch.compile(call, fullgraph=True, backend=compile_backend)

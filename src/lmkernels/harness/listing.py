@@ -4,6 +4,7 @@ columns (backends as rows, ops as short columns), and on request the reasons beh
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Sequence
 
 import torch
 
@@ -38,6 +39,8 @@ def _backend_order() -> list[str]:
 
 
 def render_list(width: int = 80, reasons: bool = False) -> str:
+    """`lmkernels list`: every op x backend, whether it runs here, in `width` columns; with
+    `reasons`, why each backend that cannot run here does not."""
     op_names = [s.name for s in ops()]
     backends = _backend_order()
     table = {(i.op, i.backend): i for i in impls()}
@@ -78,8 +81,8 @@ def render_list(width: int = 80, reasons: bool = False) -> str:
     if not reasons:
         text = f"Not here: {', '.join(noes)} (lmkernels list --reasons says why)."
         lines += ["", *textwrap.wrap(text, width, break_on_hyphens=False)]
-        why = [w for groups in noes.values() for w in groups]
-        if any("TRITON_INTERPRET=1" in w for w in why):
+        whys = [w for groups in noes.values() for w in groups]
+        if any("TRITON_INTERPRET=1" in w for w in whys):
             lines += textwrap.wrap(TRITON_HINT + ".", width, break_on_hyphens=False)
     else:
         lines += ["", "Why not:"]
@@ -94,7 +97,9 @@ def render_list(width: int = 80, reasons: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _reasons(backends, op_names, table) -> dict[str, dict[str, list[str]]]:
+def _reasons(
+    backends: Sequence[str], op_names: Sequence[str], table: dict[tuple[str, str], Impl]
+) -> dict[str, dict[str, list[str]]]:
     """backend -> reason -> ops it keeps the backend from running."""
     out: dict[str, dict[str, list[str]]] = {}
     for b in backends:

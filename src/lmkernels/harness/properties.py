@@ -105,10 +105,18 @@ def _base_and_view(
     return t.clone(), lambda b: b
 
 
-def _build(inputs, plan, grad_names, dtype=None):
+_Plan = dict[str, tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]]
+_Upstream = list[torch.Tensor | None]
+
+
+def _build(
+    inputs: dict[str, Any], plan: _Plan, grad_names: list[str], dtype: torch.dtype | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(the op's keyword arguments, the inputs gradients are taken for, every base: the leaves
     the caller owns), from fresh copies of the bases (cast to `dtype` for the fp64 run)."""
-    kwargs, leaves, bases = {}, {}, {}
+    kwargs: dict[str, Any] = {}
+    leaves: dict[str, torch.Tensor] = {}
+    bases: dict[str, torch.Tensor] = {}
     for name, value in inputs.items():
         if name not in plan:
             kwargs[name] = value
@@ -128,11 +136,16 @@ def _build(inputs, plan, grad_names, dtype=None):
     return kwargs, leaves, bases
 
 
-def _outputs(out) -> list[torch.Tensor]:
+def _outputs(out: Any) -> list[torch.Tensor]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def _run(fn, kwargs, leaves, upstream):
+def _run(
+    fn: Callable[..., Any],
+    kwargs: dict[str, Any],
+    leaves: dict[str, torch.Tensor],
+    upstream: _Upstream | Callable[[list[torch.Tensor]], _Upstream],
+) -> tuple[dict[str, torch.Tensor], _Upstream]:
     """(outputs and the leaves' gradients by name, the upstream gradients used). upstream: a
     list, or a function making one from the outputs (the first run's)."""
     outs = _outputs(fn(**kwargs))
@@ -153,7 +166,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8).clone()
 
 
-def _plan(spec: OpSpec, case: Case, device: str):
+def _plan(spec: OpSpec, case: Case, device: str) -> tuple[torch.dtype, dict[str, Any], _Plan, list[str]]:
     dtype = {v: k for k, v in DTYPE_NAMES.items()}[case.dtype]
     inputs = spec.make_inputs(case.shape, dtype, device, case.seed, **case.options)
     tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
@@ -162,8 +175,8 @@ def _plan(spec: OpSpec, case: Case, device: str):
     return dtype, inputs, plan, grad_names
 
 
-def _random_like(seed: int):
-    def make(outs):
+def _random_like(seed: int) -> Callable[[list[torch.Tensor]], _Upstream]:
+    def make(outs: list[torch.Tensor]) -> _Upstream:
         gen = torch.Generator().manual_seed(seed + 7919)
         return [
             torch.randn(o.shape, generator=gen).to(o.dtype).to(o.device) if o.requires_grad else None
@@ -239,7 +252,9 @@ def check_bad_input(
     return Result("fail", f"{corruption} of {name!r} was accepted")
 
 
-def _second_order(fn, inputs, grad_names, dtype, seed):
+def _second_order(
+    fn: Callable[..., Any], inputs: dict[str, Any], grad_names: list[str], dtype: torch.dtype, seed: int
+) -> dict[str, torch.Tensor]:
     """Every second-order gradient of fn at inputs (cast to dtype): d/d(inputs, v) of
     <d<out, v>/d inputs, w> for random v, w."""
     kw = {
@@ -257,7 +272,7 @@ def _second_order(fn, inputs, grad_names, dtype, seed):
     terms = [(g * w).sum() for g, w in zip(grads, ws) if g is not None and g.requires_grad]
     if not terms:
         return {}
-    seconds = torch.autograd.grad(sum(terms), leaves + vs, allow_unused=True)
+    seconds = torch.autograd.grad(sum(terms[1:], terms[0]), leaves + vs, allow_unused=True)
     names = [*grad_names, *(f"upstream[{i}]" for i in range(len(vs)))]
     return {
         f"gg_{n}": torch.zeros_like(x) if s is None else s for n, s, x in zip(names, seconds, leaves + vs)
@@ -269,7 +284,7 @@ def check_double_backward(spec: OpSpec, impl: Impl, device: str = "cpu", seed: i
     inputs = spec.make_inputs(spec.shapes["tiny"][0], torch.float32, device, seed)
     grad_names = [n for n in spec.grad_inputs if isinstance(inputs.get(n), torch.Tensor)]
 
-    def run(**kw):
+    def run(**kw: Any) -> Any:
         return dispatch(spec.name, impl.backend, **kw)
 
     if not impl.double_backward:
@@ -290,7 +305,7 @@ def check_double_backward(spec: OpSpec, impl: Impl, device: str = "cpu", seed: i
             for k, v in inputs.items()
         }
 
-        def positional(*tensors):
+        def positional(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
             outs = _outputs(spec.reference(**{**fp64, **dict(zip(grad_names, tensors))}))
             return tuple(o for o in outs if o.requires_grad)
 

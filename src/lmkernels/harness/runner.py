@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from lmkernels.harness.checks import DTYPE_NAMES, DTYPES_BY_NAME, CaseResult, case_id, check_case
+from lmkernels.harness.checks import DTYPE_NAMES, DTYPES_BY_NAME, CaseResult, TensorError, case_id, check_case
 from lmkernels.harness.listing import SHORT_NAMES
 from lmkernels.registry.core import Impl, LMKernelsError, OpSpec, get_impl, get_op, impls, ops
 from lmkernels.registry.dispatch import canonical_op
@@ -330,7 +330,7 @@ def write_reports(results: Sequence[CaseResult], out_dir: Path, meta: dict[str, 
             ]
         )
         for r in results:
-            rows = r.errors or [None]
+            rows: Sequence[TensorError | None] = r.errors or [None]
             for e in rows:
                 w.writerow(
                     [

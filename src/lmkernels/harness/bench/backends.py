@@ -26,7 +26,14 @@ def _is_default(v: Any) -> bool:
     return v is None or v is False or (isinstance(v, (int, float)) and v == 0)
 
 
-def naive_flce(hidden, weight, target, ignore_index=-100, reduction="mean", softcap=None):
+def naive_flce(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Plain PyTorch as people write it (and as transformers' loss does): the (tokens x V) logits,
     upcast to fp32, softcapped (Gemma 2's c * tanh(z / c)) if asked, then cross entropy."""
     logits = (hidden.reshape(-1, weight.shape[1]) @ weight.T).float()
@@ -47,7 +54,15 @@ def compile_naive_fn(inputs: dict[str, Any]) -> Callable[..., Any]:
         _naive_compiled = torch.compile(naive_flce)
     compiled = _naive_compiled
 
-    def run(hidden, weight, target, ignore_index=-100, reduction="mean", softcap=None, **_):
+    def run(
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        target: torch.Tensor,
+        ignore_index: int = -100,
+        reduction: str = "mean",
+        softcap: float | None = None,
+        **_: Any,
+    ) -> torch.Tensor:
         # grad_accum_dtype does not apply: dW is one matmul with fp32 accumulation.
         return compiled(hidden, weight, target, ignore_index, reduction, softcap)
 

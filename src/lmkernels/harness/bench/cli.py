@@ -7,7 +7,7 @@ import datetime
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,9 @@ from lmkernels.harness.bench.plan import DTYPES, MODES, default_shape
 from lmkernels.harness.bench.report import failure_notes, narrow_tables, rich_table, write_reports
 from lmkernels.harness.bench.run import run_bench
 from lmkernels.registry.core import LMKernelsError, get_op
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 WIDE_COLUMNS = 200  # the console width of --wide, whatever the terminal's
 
@@ -61,7 +64,7 @@ def _set_item(text: str) -> str:
     return text
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "bench",
         help="time and peak memory of every backend of one op (CUDA)",
@@ -155,7 +158,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"lmkernels-results/bench-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     command = " ".join(sys.argv)
 
-    def save_partial(rows, meta):  # after each point: a run stopped from outside keeps its results
+    def save_partial(
+        rows: list[dict[str, Any]], meta: dict[str, Any]
+    ) -> None:  # after each point: a run stopped from outside keeps its results
         write_reports(rows, meta | {"command": command, "partial": True}, out)
 
     rows, meta = run_bench(
@@ -181,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_tables(rows: list[dict[str, Any]], console, wide: bool = False) -> None:
+def print_tables(rows: list[dict[str, Any]], console: Console, wide: bool = False) -> None:
     """The results: narrow tables (80 columns) and the failures' notes, or with `wide` one
     table with every column, printed past the terminal's width."""
     from rich.console import Console
@@ -192,7 +197,7 @@ def print_tables(rows: list[dict[str, Any]], console, wide: bool = False) -> Non
             file=console.file,
             width=max(console.width, WIDE_COLUMNS),
             force_terminal=console.is_terminal,
-            color_system=console.color_system,
+            color_system=console.color_system,  # type: ignore[arg-type]  # (rich: str property, Literal argument)
         ).print(rich_table(rows))
         return
     for table in narrow_tables(rows):

@@ -61,7 +61,7 @@ def mode_fn(fn: Callable[..., Any], inputs: dict[str, Any], mode: str) -> Callab
     if mode == "fwd":
         return lambda: fn(**inputs)
 
-    def full():
+    def full() -> None:
         torch.autograd.backward(_outputs(fn(**inputs)), grads)
 
     return full
@@ -206,7 +206,8 @@ def interleaved_gpu_ms(
     detect = int(_sleep_cycles_per_ms() * (2 * max(hosts.values()) + 20))
     launches = {name: _launch_ms(*runs[name], detect) for name in runs}
     waits = {name for name, ms in launches.items() if ms is None or ms > MAX_COVERED_LAUNCH_MS}
-    cycles = _sleep_cycles(max((ms for name, ms in launches.items() if name not in waits), default=0.0))
+    covered = (ms for ms in launches.values() if ms is not None and ms <= MAX_COVERED_LAUNCH_MS)
+    cycles = _sleep_cycles(max(covered, default=0.0))
     names = list(runs)
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(calls):
@@ -298,7 +299,20 @@ def grad_tensors_of(inputs: dict[str, Any]) -> list[torch.Tensor]:
     return [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
 
 
-def _measure(op, backend, inputs, mode, warmup, rep, grad_tensors, device, row, profile, min_runs, gpu_runs):
+def _measure(
+    op: str,
+    backend: str,
+    inputs: dict[str, Any],
+    mode: str,
+    warmup: float,
+    rep: float,
+    grad_tensors: list[torch.Tensor],
+    device: str,
+    row: dict[str, Any],
+    profile: bool,
+    min_runs: int,
+    gpu_runs: int | None,
+) -> None:
     """Fills row; its closures, and the autograd graph they hold, die when it returns."""
     run = timed_call(op, backend, inputs, mode)  # its first forward also compiles / autotunes
     run()  # one more warm-up call, outside the memory measurement (e.g. bwd's first backward)

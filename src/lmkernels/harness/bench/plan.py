@@ -32,7 +32,8 @@ def default_shape(op: str) -> dict[str, int]:
         return dict(DESIGN_SHAPES[op])
     from lmkernels.registry import get_op
 
-    return dict(max(get_op(op).shapes["full"], key=lambda s: math.prod(s.values())))
+    largest = max(get_op(op).shapes["full"], key=lambda s: math.prod(s.values()))
+    return dict(largest)
 
 
 def default_cases(op: str, dtype: torch.dtype, quick: bool) -> list[dict[str, Any]]:
@@ -65,7 +66,7 @@ def plan(
 
 
 def options_id(options: dict[str, Any]) -> str:
-    def fmt(v):
+    def fmt(v: object) -> str:
         return DTYPE_NAMES.get(v, str(v)) if isinstance(v, torch.dtype) else str(v)
 
     return ",".join(f"{k}={fmt(v)}" for k, v in options.items()) or "default"

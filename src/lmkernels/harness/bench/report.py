@@ -7,9 +7,12 @@ import csv
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmkernels.harness.bench.roofline import BASELINES
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 _RATES = [f"{k}{s}" for s in ("", "_gpu", "_kernel") for k in ("gbps", "pct_copy_bw", "tflops", "pct_matmul")]
 CSV_FIELDS = [
@@ -79,7 +82,7 @@ def unique(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def rich_table(rows: list[dict[str, Any]]):
+def rich_table(rows: list[dict[str, Any]]) -> Table:
     from rich.table import Table
 
     table = Table(title="lmkernels bench")

@@ -4,6 +4,7 @@ over the matmul rate) and the ratios to the baselines."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ TIMES = (("", "ms"), ("_gpu", "gpu_ms"), ("_kernel", "kernel_ms"))  # column suf
 def copy_bandwidth_gbps(device: str = "cuda", nbytes: int = 2**31) -> float:
     """Device-to-device copy of `nbytes` (bytes read + written per second, in GB/s)."""
 
-    def measure_copy():  # its buffers are freed when it returns
+    def measure_copy() -> float:  # its buffers are freed when it returns
         src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
         dst = torch.empty_like(src)
         return time_ms(lambda: dst.copy_(src), [], device, 25, 200)[0]
@@ -31,7 +32,7 @@ def copy_bandwidth_gbps(device: str = "cuda", nbytes: int = 2**31) -> float:
 def matmul_tflops(device: str = "cuda", n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
     """Rate of an n^3 matmul (2 n^3 flops), the reference for FLCE's TFLOP/s."""
 
-    def measure_matmul():
+    def measure_matmul() -> float:
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
         return time_ms(lambda: a @ b, [], device, 25, 200)[0]
@@ -65,21 +66,25 @@ def add_rooflines(
                 row[f"pct_matmul{suffix}"] = 100 * tflops / mm_tflops if mm_tflops else None
 
 
-def add_ratios(rows: list[dict[str, Any]], key=None, baselines=BASELINES) -> None:
+def add_ratios(
+    rows: list[dict[str, Any]],
+    key: Callable[[dict[str, Any]], Hashable] | None = None,
+    baselines: Sequence[str] = BASELINES,
+) -> None:
     """speedup_vs_X = time(X) / time(row) (> 1: faster than X), per time (wall, _gpu, _kernel);
     mem_vs_X = peak(row) / peak(X). Rows compare within the same key (default: op, shape,
     options, dtype, mode)."""
     key = key or (lambda r: (r["op"], r["shape"], r["options"], r["dtype"], r["mode"]))
-    by_key: dict[tuple, dict[str, dict[str, Any]]] = {}
+    by_key: dict[Hashable, dict[str, dict[str, Any]]] = {}
     for row in rows:
         by_key.setdefault(key(row), {})[row["backend"]] = row
     for row in rows:
         group = by_key[key(row)]
         for base in baselines:
-            ref = group.get(base)
+            ref = group.get(base) or {}  # (no row of that backend: no ratios)
             for suffix, t in TIMES:
                 prefix = suffix.lstrip("_") + "_" if suffix else ""
-                ok = ref is not None and ref.get(t) and row.get(t)
+                ok = ref.get(t) and row.get(t)
                 row[f"{prefix}speedup_vs_{base}"] = ref[t] / row[t] if ok else None
-            ok = ref is not None and ref["peak_mib"] and row["peak_mib"] is not None
+            ok = ref.get("peak_mib") and row["peak_mib"] is not None
             row[f"mem_vs_{base}"] = row["peak_mib"] / ref["peak_mib"] if ok else None

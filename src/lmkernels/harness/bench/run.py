@@ -9,7 +9,7 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,9 @@ from lmkernels.harness.bench.measure import (
 from lmkernels.harness.bench.plan import DTYPE_NAMES, Point, options_id, plan
 from lmkernels.harness.bench.roofline import add_ratios, add_rooflines, copy_bandwidth_gbps, matmul_tflops
 from lmkernels.registry.core import OpSpec, get_op
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 
 def _version(dist: str) -> str | None:
@@ -67,10 +70,21 @@ def _failed_rows(backend: str, modes: Sequence[str], status: str, note: str) -> 
     return [empty_row(backend, m, status, note) for m in modes]
 
 
-def _measure_point(spec: OpSpec, point: Point, names, dtype, modes, device, warmup, rep, bar, task):
+def _measure_point(
+    spec: OpSpec,
+    point: Point,
+    names: Sequence[str],
+    dtype: torch.dtype,
+    modes: Sequence[str],
+    device: str,
+    warmup: float,
+    rep: float,
+    bar: Progress,
+    task: TaskID,
+) -> list[dict[str, Any]]:
     """Rows of every backend and mode for one (op, shape, options); fresh inputs per backend."""
     made = spec.make_inputs(point.shape, dtype, device, 0, **point.options)
-    measured = []
+    measured: list[dict[str, Any]] = []
     for backend in names:
         desc = f"{point.op} {spec.shape_id(point.shape)} {options_id(point.options)} {backend}"
         bar.update(task, description=desc)

@@ -7,7 +7,9 @@ the table that holds one in the place of the entry it replaces."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -25,7 +27,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: the interpre
 # --- the candidates: table entries with fields replaced -------------------------------------------
 
 
-def tables():
+# The records and tables are the Triton backend's (backends/triton/configs): typed Any here.
+
+
+def tables() -> Any:
     return tables_for(torch.device(DEVICE))
 
 
@@ -36,7 +41,7 @@ def _block(N: int) -> int:
 FWD_FIELDS = ("fwd_rows", "fwd_warps", "fwd_chunk", "hints")  # the rest of NormEntry's: the backward's
 
 
-def base_entry(table, op: str, N: int):
+def base_entry(table: Any, op: str, N: int) -> Any:
     """What the table runs for rows of N columns, as the record a candidate replaces fields of:
     the entry serving N; rows wider than max_fused_n, the wide path; narrower than every entry,
     an entry of the default forward and backward (whose several backward rows per program no
@@ -53,12 +58,12 @@ def base_entry(table, op: str, N: int):
     return entry
 
 
-def _fresh(base, candidates) -> list:
+def _fresh(base: Any, candidates: list[Any]) -> list[Any]:
     """The candidates once each, without the base's own, and without its `why` (unmeasured)."""
     return [replace(c, why="") for c in dict.fromkeys(candidates) if c != base]
 
 
-def norm_fwd_candidates(N: int, op: str, table=None) -> list:
+def norm_fwd_candidates(N: int, op: str, table: Any = None) -> list[Any]:
     """The table's entry with its forward replaced: rows x warps of a register-held row; for
     wide rows the row in chunks read again from L2 (eviction hints); each also compiled for the
     width (const_n, which the entry's backward shares). Wider than max_fused_n: the wide path's
@@ -88,7 +93,7 @@ def norm_fwd_candidates(N: int, op: str, table=None) -> list:
 COL_GRID = [(32, 128, 4, 8), (16, 256, 4, 8), (64, 64, 8, 4)]
 
 
-def norm_bwd_candidates(N: int, op: str, table=None) -> list:
+def norm_bwd_candidates(N: int, op: str, table: Any = None) -> list[Any]:
     """The table's entry with its backward replaced: pipeline stages; each switch flipped
     alone; warps x programs per SM; from 8192 columns the row as one or two register blocks
     (tail) read again after the row sums (reload_x). Wider than max_fused_n: the wide path's
@@ -122,12 +127,12 @@ def norm_bwd_candidates(N: int, op: str, table=None) -> list:
     return _fresh(base, out)
 
 
-def merged_entry(base, fwd, bwd):
+def merged_entry(base: Any, fwd: Any, bwd: Any) -> Any:
     """`base` with the forward fields that `fwd` changed and the backward fields that `bwd`
     changed (const_n: the backward's change where both made one)."""
     names = [f.name for f in dataclasses.fields(base) if f.name not in ("op", "cols", "why")]
 
-    def changed(e, fields):
+    def changed(e: Any, fields: Sequence[str]) -> dict[str, Any]:
         return {n: getattr(e, n) for n in fields if getattr(e, n) != getattr(base, n)}
 
     bwd_fields = [n for n in names if n not in FWD_FIELDS]
@@ -147,20 +152,24 @@ POS_GRID = [
 ]
 
 
-def rope_key(shape) -> tuple:
+# A RoPE point: (B, Hq, Hkv, T, D, rotary dim or None for D), as grids.ROPES holds them.
+RopeShape = tuple[int, int, int, int, int, int | None]
+
+
+def rope_key(shape: RopeShape) -> tuple[int, bool]:
     """(rotary half width, partial): what RoPE's table entries serve."""
     D, R = shape[4], shape[5] or shape[4]
     return R // 2, D > R
 
 
-def rope_pos_entry(table, shape):
+def rope_pos_entry(table: Any, shape: RopeShape) -> Any:
     """The table's position-kernel entry for the point, keyed by its rotary block width."""
     half, partial = rope_key(shape)
     block_half = _block(half)
     return replace(table.position_config(block_half, partial), block_half=block_half, why="")
 
 
-def rope_candidates(shape, table=None) -> list:
+def rope_candidates(shape: RopeShape, table: Any = None) -> list[Any]:
     """The table's tile entry for the rotary width (where it has none, one keyed for it) and its
     position entry, with their launch fields replaced."""
     table = table or tables().rope
@@ -176,14 +185,14 @@ def rope_candidates(shape, table=None) -> list:
     return _fresh(None, out)
 
 
-def fwd_name(r) -> str:
+def fwd_name(r: Any) -> str:
     if isinstance(r, WidePath):
         return f"fwd wide b{r.block} w{r.fwd_warps}"
     tag = f"fwd chunk{r.fwd_chunk} w{r.fwd_warps}" if r.fwd_chunk else f"fwd r{r.fwd_rows} w{r.fwd_warps}"
     return tag + (" hints" if r.hints else "") + (" const" if r.const_n else "")
 
 
-def bwd_name(r) -> str:
+def bwd_name(r: Any) -> str:
     if isinstance(r, ColumnConfig):
         return f"bwd col {r.block_m}x{r.block_n} w{r.num_warps} p{r.programs_per_sm}"
     if isinstance(r, WidePath):
@@ -193,12 +202,12 @@ def bwd_name(r) -> str:
     return tag + "".join(f" {f}" for f in flags if getattr(r, f))
 
 
-def rope_name(r) -> str:
+def rope_name(r: Any) -> str:
     stages = f" st{r.head_stages}" if getattr(r, "head_stages", 1) > 1 else ""
     return f"{'tile' if isinstance(r, RopeTileConfig) else 'pos'} e{r.tile_elements} w{r.num_warps} p{r.min_programs}{stages}"
 
 
-def as_json(record) -> dict | None:
+def as_json(record: Any) -> dict[str, Any] | None:
     """A record's launch fields (its `why` is the report's to write), named by its class."""
     if record is None:
         return None
@@ -206,7 +215,7 @@ def as_json(record) -> dict | None:
     return {"record": type(record).__name__, **fields}
 
 
-def from_json(config: dict):
+def from_json(config: dict[str, Any]) -> Any:
     fields = dict(config)
     cls = getattr(records, fields.pop("record"))
     if "cols" in fields:
@@ -214,7 +223,7 @@ def from_json(config: dict):
     return cls(**fields, why="")
 
 
-def norm_table_with(table, record):
+def norm_table_with(table: Any, record: Any) -> Any:
     """`table` with `record` in the place of the one it replaces."""
     if isinstance(record, NormEntry):
         entries = [e for e in table.entries if (e.op, e.cols) != (record.op, record.cols)]
@@ -222,10 +231,10 @@ def norm_table_with(table, record):
     return replace(table, **{"wide" if isinstance(record, WidePath) else "column": record})
 
 
-def variants(op: str, case, table_only: bool) -> list:
+def variants(op: str, case: Any, table_only: bool) -> list[tuple[str, Any]]:
     """(name, record) of each variant of a point, the table's first (record None: the op as
     called, the device's tables choosing)."""
-    out = [("table", None)]
+    out: list[tuple[str, Any]] = [("table", None)]
     if table_only:
         return out
     t = tables()
@@ -235,5 +244,12 @@ def variants(op: str, case, table_only: bool) -> list:
     else:
         out += [(fwd_name(r), r) for r in norm_fwd_candidates(case.N, op, t.norms)]
         out += [(bwd_name(r), r) for r in norm_bwd_candidates(case.N, op, t.norms)]
-    seen: set = set()
-    return [(name, r) for name, r in out if not (r is not None and (r in seen or seen.add(r)))]
+    seen: set[Any] = set()
+    unique = []
+    for name, r in out:
+        if r is not None:
+            if r in seen:
+                continue
+            seen.add(r)
+        unique.append((name, r))
+    return unique

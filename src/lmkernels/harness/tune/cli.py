@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from typing import Any
 
 DESCRIPTION = """\
 Time candidate launch configurations of the RMSNorm, LayerNorm and RoPE Triton
@@ -28,7 +29,7 @@ def _run(args: argparse.Namespace) -> int:
     return norms.run(args, shlex.join(["lmkernels", *sys.argv[1:]]))
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser(
         "tune",
         help="time launch configurations of the norm and RoPE kernels (CUDA)",

@@ -78,8 +78,8 @@ ROPES = {
         for hq, hkv, d, r in ((16, 16, 64, None), (16, 4, 256, None), (32, 8, 128, 64), (32, 32, 128, None))
     ],
 }
-for _grids in (NORMS, ROPES):
-    _grids["all"] = _grids["final"] + _grids["offgrid"]
+NORMS["all"] = NORMS["final"] + NORMS["offgrid"]
+ROPES["all"] = ROPES["final"] + ROPES["offgrid"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

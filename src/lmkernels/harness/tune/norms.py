@@ -38,7 +38,9 @@ import math
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import torch
 
@@ -93,8 +95,15 @@ class _NormLaunch(torch.autograd.Function):
 
         x, weight, *stats = ctx.saved_tensors
         if ctx.op == "rms_norm":
-            return None, None, None, *rms_norm.rms_norm_backward(dy, x, weight, *stats, 0.0, "llama", ctx.bwd)
-        return None, None, None, *layer_norm.layer_norm_backward(dy, x, weight, *stats, weight.dtype, ctx.bwd)
+            (rstd,) = stats
+            return None, None, None, *rms_norm.rms_norm_backward(dy, x, weight, rstd, 0.0, "llama", ctx.bwd)
+        mean, rstd = stats
+        return (
+            None,
+            None,
+            None,
+            *layer_norm.layer_norm_backward(dy, x, weight, mean, rstd, weight.dtype, ctx.bwd),
+        )
 
 
 class _RopeLaunch(torch.autograd.Function):
@@ -105,8 +114,9 @@ class _RopeLaunch(torch.autograd.Function):
     def forward(ctx, cfg, q, k, cos, sin, R):
         from lmkernels.backends.triton import rope
 
-        ctx.args = cfg, cos, sin, R, rope.is_bthd(q), rope.is_bthd(k)
-        return rope.rope_rotate_with(q, k, cos, sin, None, False, R, False, *ctx.args[4:], cfg)
+        q_bthd, k_bthd = rope.is_bthd(q), rope.is_bthd(k)
+        ctx.args = cfg, cos, sin, R, q_bthd, k_bthd
+        return rope.rope_rotate_with(q, k, cos, sin, None, False, R, False, q_bthd, k_bthd, cfg)
 
     @staticmethod
     def backward(ctx, dq, dk):
@@ -117,7 +127,7 @@ class _RopeLaunch(torch.autograd.Function):
         return None, dq, dk, None, None, None
 
 
-def rel_err(a, b) -> float:
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
@@ -143,7 +153,8 @@ class Case:
                 )
 
             self.R = R or D
-            self.tables = tuple(t.to(DEVICE).bfloat16() for t in rope_tables(torch.arange(T), self.R, "neox"))
+            cos, sin = (t.to(DEVICE).bfloat16() for t in rope_tables(torch.arange(T), self.R, "neox"))
+            self.tables = (cos, sin)
             self.inputs, self.grads = [heads(Hq), heads(Hkv)], [heads(Hq), heads(Hkv)]
             self.ref = lambda q, k: rope_reference(q, k, *self.tables, rotary_dim=R)
             self.triton = lambda q, k: _lk().rope(q, k, *self.tables, rotary_dim=R, backend="triton")
@@ -198,10 +209,10 @@ class Case:
             torch.autograd.backward(out, [g.to(dtype or g.dtype) for g in self.grads])
         return [o.detach() for o in out] + [t.grad for t in leaves]
 
-    def errors(self, fn) -> list[float]:
+    def errors(self, fn: Callable[..., Any]) -> list[float]:
         return [rel_err(o, t) for o, t in zip(self._outputs(fn, poison=True), self.truth)]
 
-    def check(self, fn) -> str | None:
+    def check(self, fn: Callable[..., Any]) -> str | None:
         """None if every output is within 2x the eager bf16 error + 1e-3, else why not."""
         for name, e, ee in zip(self.names, self.errors(fn), self.eager_err):
             if not e <= 2 * ee + 1e-3:
@@ -246,7 +257,13 @@ def _lk():
 # --- the run ----------------------------------------------------------------------------------------
 
 
-def measure(op, shape, args, copy_gbps, log) -> list[dict]:
+def measure(
+    op: str,
+    shape: tuple[int | None, ...],
+    args: argparse.Namespace,
+    copy_gbps: float,
+    log: Callable[[str], None],
+) -> list[dict[str, Any]]:
     from lmkernels.harness.bench.measure import gpu_time_ms
 
     case = Case(op, shape, args.rope_layout)
@@ -298,7 +315,7 @@ def _ms(rows, name):
     return next((r["ms"] for r in rows if r["variant"] == name and r["status"] == "ok"), None)
 
 
-def summary_line(op, shape, rows) -> str:
+def summary_line(op: str, shape: tuple[int | None, ...], rows: list[dict[str, Any]]) -> str:
     ok = [r for r in rows if r["status"] == "ok" and r["kind"] == "triton"]
     best = min(ok, key=lambda r: r["ms"]) if ok else {"variant": "-", "ms": None}
     f = lambda v: f"{v:.4f}" if v else "-"  # noqa: E731
@@ -306,13 +323,13 @@ def summary_line(op, shape, rows) -> str:
     return f"{op} {'x'.join(str(s) for s in shape if s)}: {times}; best {best['variant']} {f(best['ms'])}"
 
 
-def _why(speedups) -> str:
+def _why(speedups: list[float]) -> str:
     lo, hi = f"{min(speedups):.2f}", f"{max(speedups):.2f}"
     n = len(speedups)
     return f"fwd+bwd {lo if lo == hi else f'{lo}-{hi}'}x the entry it replaces ({n} shape{'s' * (n > 1)})"
 
 
-def entry_for(record, key: tuple, why: str) -> str:
+def entry_for(record: Any, key: tuple[Any, ...], why: str) -> str:
     """`record` as the generation's module holds it (configs.entry_text), with `why`."""
     if isinstance(record, (WidePath, ColumnConfig)):  # one each per table, not keyed entries
         return f"    {'wide' if isinstance(record, WidePath) else 'column'}={replace(record, why=why)!r},"
@@ -324,7 +341,7 @@ def entry_for(record, key: tuple, why: str) -> str:
     return entry_text(kind, key[1], fields, why)
 
 
-def suggestions(rows) -> list[str]:
+def suggestions(rows: list[dict[str, Any]]) -> list[str]:
     """Per table key (a norm entry's columns, the wide path, RoPE's rotary half width) and kind
     of record: of the records timed at every point of the key, the one with the least geometric
     mean of its time over the table's, as the entry it suggests, `why` its measured speedups.
@@ -365,7 +382,7 @@ def suggestions(rows) -> list[str]:
     return lines
 
 
-def markdown(rows, meta) -> str:
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"# Tuning, fwd+bwd bf16 GPU time, {meta['device']}", "", f"`{meta['command']}`", ""]
     lines += [
         f"torch {meta['torch']}, triton {meta['triton']}; copy bandwidth {meta['copy_gbps']:.0f} GB/s.",
@@ -378,10 +395,8 @@ def markdown(rows, meta) -> str:
         points.setdefault((r["op"], tuple(r["shape"])), []).append(r)
     for (op, shape), rs in points.items():
         ok = [r for r in rs if r["status"] == "ok" and r["kind"] == "triton"]
-        best, table = (
-            (min(ok, key=lambda r: r["ms"]) if ok else {}),
-            next((r for r in ok if r["variant"] == "table"), {}),
-        )
+        best: dict[str, Any] = min(ok, key=lambda r: r["ms"]) if ok else {}
+        table: dict[str, Any] = next((r for r in ok if r["variant"] == "table"), {})
         pct = lambda r: f"{r['pct_copy']:.0f}" if r.get("pct_copy") else "-"  # noqa: E731
         ms = lambda v: f"{v:.4f}" if v else "-"  # noqa: E731
         lines.append(
@@ -444,9 +459,9 @@ def run(args: argparse.Namespace, command: str) -> int:
             for part in range(parts)
         ]
         try:
-            for f in cf.as_completed(futures, timeout=args.warm_budget):
+            for done in cf.as_completed(futures, timeout=args.warm_budget):
                 try:
-                    log(f"warm {f.result()}")
+                    log(f"warm {done.result()}")
                 except Exception as e:  # noqa: BLE001  (e.g. out of memory: that group compiles later)
                     log(f"warm: {type(e).__name__}: {str(e)[:200]}")
         except cf.TimeoutError:
