@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 # (case, kind, sizes): bf16, shapes of the README's benchmarks.
-CASES = [
+CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("rms_norm 16384x4096", "rms_norm", dict(M=16384, N=4096)),
     ("rms_norm 4096x8192", "rms_norm", dict(M=4096, N=8192)),
     ("rms_norm 1024x2048", "rms_norm", dict(M=1024, N=2048)),
@@ -64,7 +64,7 @@ PAIRED_STEPS = 10  # --same-process: 2 x this many timed steps per tree, the ord
 _MISSING = object()
 
 
-def selected_cases() -> list[tuple[str, str, dict]]:
+def selected_cases() -> list[tuple[str, str, dict[str, Any]]]:
     """The CASES whose names contain one of --cases' comma-separated words (all without it)."""
     words = [w.strip() for w in os.environ.get(CASES_ENV, "").split(",") if w.strip()]
     return [c for c in CASES if not words or any(w in c[0] for w in words)]
@@ -347,7 +347,7 @@ def paired_worker(old_root: str, new_src: str, out: str) -> None:
     apply = {}
     for tree, package, root in (("old", OLD_PACKAGE, old_root), ("new", "lmkernels", new_src)):
         module = importlib.import_module(package)
-        if not os.path.abspath(module.__file__).startswith(os.path.abspath(root)):
+        if not os.path.abspath(module.__file__ or "").startswith(os.path.abspath(root)):
             raise SystemExit(f"paired worker: imported {package} from {module.__file__}, not from {root}")
         apply[tree] = importlib.import_module(f"{package}.integrations.transformers").apply
     torch.cuda.set_device(0)
@@ -357,7 +357,9 @@ def paired_worker(old_root: str, new_src: str, out: str) -> None:
             continue
         gc.collect()  # the previous case's models: patched forwards are reference cycles
         torch.cuda.empty_cache()
-        builds = {tree: functools.partial(_e2e_step, p, "cuda", fn) for tree, fn in apply.items()}
+        builds: dict[str, Callable[[], Any]] = {
+            tree: functools.partial(_e2e_step, p, "cuda", fn) for tree, fn in apply.items()
+        }
         steps, use = side_by_side(builds)
         peaks = {}
         for tree, step in steps.items():
@@ -450,7 +452,7 @@ def main(argv=None) -> int:
         old_root = renamed_tree(trees[names[0]], renamed.name)
     for r in range(a.rounds):
         if a.same_process:  # a process per case: side_by_side runs once per process
-            both = {"old": {}, "new": {}}
+            both: dict[str, dict[str, Any]] = {"old": {}, "new": {}}
             for i, (case, _, _) in enumerate(selected_cases()):
                 path = os.path.join(a.out, f"paired_{r}_{i}.json")
                 one = dict(env, **{CASES_ENV: case})

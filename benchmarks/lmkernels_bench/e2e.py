@@ -195,9 +195,9 @@ def run_worker(spec: dict[str, Any]) -> None:
 # --- the parent: plan, budget, subprocesses, reports ---------------------------------------------
 
 
-def plan_workers(args) -> list[dict[str, Any]]:
+def plan_workers(args) -> list[tuple[str, str, list[dict[str, Any]]]]:
     """[(model name, configuration, points)] in running order, the most important first."""
-    grid = TINY if args.tiny else QUICK if args.quick else FULL
+    grid: dict[str, Any] = TINY if args.tiny else QUICK if args.quick else FULL
     bs = grid["batch_seq"]
     at_bs = lambda sweep, batches: [{"sweep": sweep, "batch": b, "seq": bs} for b in batches]
     batch = at_bs("batch", args.batches or grid["batch"])
@@ -316,6 +316,7 @@ def run_interleaved(model_name, configs, points, args, out: Path, end: float) ->
     def reply(config: str, wait_s: float) -> dict[str, Any] | None:
         """The worker's next line; None if it exited or did not answer within wait_s."""
         pipe = procs[config].stdout
+        assert pipe is not None  # (Popen with stdout=PIPE)
         readable, _, _ = select.select([pipe], [], [], max(wait_s, 0.0))
         line = pipe.readline() if readable else ""
         return json.loads(line) if line else None
@@ -341,6 +342,7 @@ def run_interleaved(model_name, configs, points, args, out: Path, end: float) ->
                 point = point | {"timeline": bool(point.get("timeline")) and r == 0}
                 k = (r + i) % len(configs)
                 for config in configs[k:] + configs[:k]:
+                    row: dict[str, Any] | None
                     if config in failed:
                         row = blank(specs[config], point, "error", failed[config])
                     elif not whole or time.time() + 2 * last_s[config] > end:
@@ -349,9 +351,11 @@ def run_interleaved(model_name, configs, points, args, out: Path, end: float) ->
                         row = blank(specs[config], point, "skipped", "a point as small ran out of memory")
                     else:
                         t0 = time.time()
+                        stdin = procs[config].stdin
+                        assert stdin is not None  # (Popen with stdin=PIPE)
                         try:
-                            procs[config].stdin.write(json.dumps(point) + "\n")
-                            procs[config].stdin.flush()
+                            stdin.write(json.dumps(point) + "\n")
+                            stdin.flush()
                             row = reply(config, end - time.time() + GRACE_S)
                         except OSError:  # it exited: a broken pipe
                             row = None
@@ -367,7 +371,8 @@ def run_interleaved(model_name, configs, points, args, out: Path, end: float) ->
     finally:
         for proc in procs.values():
             try:
-                proc.stdin.close()
+                if proc.stdin is not None:  # (always: stdin=PIPE)
+                    proc.stdin.close()
             except OSError:
                 pass
         for proc in procs.values():

@@ -31,8 +31,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     by_point = {(r["model"], r["batch"], r["seq"], r["config"]): r for r in rows if r["status"] == "ok"}
     for r in rows:
         for base in BASES:
-            ref = by_point.get((r["model"], r["batch"], r["seq"], base))
-            ok = ref is not None and r["tokens_per_s"] and r["config"] != base
+            ref = by_point.get((r["model"], r["batch"], r["seq"], base)) or {}  # (none: no ratios)
+            ok = bool(ref) and r["tokens_per_s"] and r["config"] != base
             r[f"speedup_vs_{base}"] = r["tokens_per_s"] / ref["tokens_per_s"] if ok else None
             ok = ok and ref["peak_gib"] and r["peak_gib"]
             r[f"mem_vs_{base}"] = r["peak_gib"] / ref["peak_gib"] if ok else None
@@ -55,9 +55,9 @@ def paired_speedups(round_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for config in [c for c in configs if c not in BASES or c == "lmk"]:
             for base in [b for b in BASES if b in configs and b != config]:
                 pairs = [
-                    steps[(*point, base, r)] / steps[(*point, config, r)]
+                    steps[point + (base, r)] / steps[point + (config, r)]
                     for r in rounds
-                    if (*point, base, r) in steps and (*point, config, r) in steps
+                    if point + (base, r) in steps and point + (config, r) in steps
                 ]
                 if pairs:
                     out.append(
@@ -140,8 +140,8 @@ def write_reports(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, r
         title = f"end-to-end training, {model}: speedups paired by round (median, range)"
         paths.append(plot_e2e_paired(mine, out / f"e2e_paired_{model}.png", title))
     timelines = {}
-    for f in sorted((out / "raw").glob("timeline_*.json")):
-        tl = json.loads(f.read_text())
+    for path in sorted((out / "raw").glob("timeline_*.json")):
+        tl = json.loads(path.read_text())
         timelines[f"{tl['config']} (peak {max(tl['mib'], default=0) / 1024:.1f} GiB)"] = tl
     if timelines:
         first = next(iter(timelines.values()))

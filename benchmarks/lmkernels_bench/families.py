@@ -303,13 +303,14 @@ def main(argv=None) -> int:
     }
     head = [f"torch {meta['torch']}, transformers {meta['transformers']}, backend {args.backend}", ""]
     if args.stepcheck:
-        results, lines = {}, []
+        checks: dict[str, dict[str, Any]] = {}
+        lines: list[str] = []
         for family in args.families:
             runs = stepcheck_runs(family, args.backend, batches, args.seq_len, args.repeat, device)
-            results[family] = {"verdict": stepcheck_verdict(runs), "runs": runs}
-            lines.append(_fmt_stepcheck(family, results[family]["verdict"]))
+            checks[family] = {"verdict": stepcheck_verdict(runs), "runs": runs}
+            lines.append(_fmt_stepcheck(family, checks[family]["verdict"]))
             print(lines[-1], flush=True)
-        (out / "stepcheck.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        (out / "stepcheck.json").write_text(json.dumps({"meta": meta, "results": checks}, indent=1))
         md = [f"# Patched vs plain on the same weights, per step ({meta['device']})", "", *head]
         md += [
             "Errors against plain fp32 on the same weights, RMS over steps: patched / limit",
@@ -320,7 +321,7 @@ def main(argv=None) -> int:
             *lines,
         ]
         (out / "stepcheck.md").write_text("\n".join(md) + "\n")
-        return 0 if all(r["verdict"]["passed"] for r in results.values()) else 1
+        return 0 if all(r["verdict"]["passed"] for r in checks.values()) else 1
     results = []
     for family in args.families:
         results.append(

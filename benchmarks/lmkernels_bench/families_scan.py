@@ -63,7 +63,8 @@ def scan_one(model_type: str) -> tuple[str, str]:
     except Exception as e:
         return "build-fail", f"{type(e).__name__}: {str(e)[:160]}"
     patched = lk_hf.apply(copy.deepcopy(plain), backend="eager", strict=False)
-    ops = sorted(lk_hf.report(patched).patched_ops())
+    report = lk_hf.report(patched)
+    ops = sorted(report.patched_ops()) if report is not None else []
     if not ops:
         return "none-patched", ""
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -24,6 +24,7 @@ START, END = "<!-- families-table:start -->", "<!-- families-table:end -->"
 def _test_matrix():
     path = checkout() / "tests" / "test_integration_families.py"
     spec = importlib.util.spec_from_file_location("_family_tests", path)
+    assert spec is not None and spec.loader is not None  # (a .py file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.EXPECTED, module.BACKENDS, module.TRITON_FAMILIES

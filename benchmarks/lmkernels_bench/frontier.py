@@ -178,6 +178,7 @@ def run_case(table, shape, regime, dtype, device, rates, bar, task) -> list[dict
         cleanup(device)
         return [base | empty_row(n, "full", "OOM" if is_oom(e) else "error", note) for n in table]
     base["entropy"] = stats.get("mean_entropy")
+    assert spec.flops is not None  # (FLCE has a flops model)
     reps = repeats(spec.flops(dims), device, rates.get("matmul_tflops"))
     rows, passed = [], {}
     for name, (backend, options) in table.items():

@@ -24,7 +24,16 @@ FIELDS = [
     *(f"time_vs_{TIME_BASE}", f"time_vs_{MEM_BASE}", f"mem_vs_{TIME_BASE}", f"mem_vs_{MEM_BASE}"),
     "note",
 ]
-META_KEYS = ("date", "device", "torch", "cuda", "triton", "liger-kernel", "cut-cross-entropy", "lmkernels")
+META_KEYS: tuple[str, ...] = (
+    "date",
+    "device",
+    "torch",
+    "cuda",
+    "triton",
+    "liger-kernel",
+    "cut-cross-entropy",
+    "lmkernels",
+)
 META_KEYS += ("dtype", "command", "seconds", "partial")
 
 

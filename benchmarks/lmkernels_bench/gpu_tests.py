@@ -120,6 +120,7 @@ def run(group: str, out: Path, tool: str | None, timeout: float, select: str | N
     name = f"{group}-{tool or 'suite'}" + (f"-{abs(hash(select)) % 10000}" if select else "")
     start = time.perf_counter()
     print(f"{name}: {' '.join(pytest_args)}", flush=True)
+    code: int | str
     try:
         proc = subprocess.run(args, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
         log, code = proc.stdout + proc.stderr, proc.returncode

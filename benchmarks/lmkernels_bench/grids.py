@@ -33,7 +33,7 @@ def dims_of(op: str, shape: tuple) -> dict[str, int]:
 def ops_points(grid: str, ops=("rms_norm", "layer_norm", "rope")) -> list[tuple[str, tuple]]:
     """(op, shape) of a grid, the ops taking turns (a budget that runs out trims each op's end)."""
     norms, ropes = NORM_GRIDS[grid], ROPE_GRIDS[grid]
-    out = []
+    out: list[tuple[str, tuple]] = []
     for i in range(max(len(norms), len(ropes))):
         if i < len(norms):
             out += [(op, norms[i]) for op in ("rms_norm", "layer_norm") if op in ops]

@@ -25,7 +25,7 @@ OPS_IMPLS = ("triton", "compile", "liger")
 # with larger blocks, and 0.4 (the 16 smaller bf16 chunks at the 16k-token heads, elsewhere the
 # lean mode or the default); from the default's own need up (0.23-0.80 of the gradients on the
 # grid heads) every budget runs the default.
-FLCE_VARIANTS = ("triton", "triton_lean", "budget_0", "budget_0.15", "budget_0.4")
+FLCE_VARIANTS: tuple[str, ...] = ("triton", "triton_lean", "budget_0", "budget_0.15", "budget_0.4")
 FLCE_VARIANTS += ("compile_naive", "cce", "liger")
 FLCE_REGIMES = ("gaussian", "zipf")
 DIST_MODES = ("fsdp", "fsdp_lm_head", "tp")
@@ -138,7 +138,9 @@ def _bytes(op: str, shape: tuple) -> int:
 
     from lmkernels.registry import get_op
 
-    return get_op(op).bytes_moved(dims_of(op, shape), torch.bfloat16)
+    bytes_moved = get_op(op).bytes_moved
+    assert bytes_moved is not None  # (the norms and RoPE have a bytes model)
+    return bytes_moved(dims_of(op, shape), torch.bfloat16)
 
 
 def ops_part(ctx: Context, grid: str, layout="bhtd", ops=("rms_norm", "layer_norm", "rope"), extras=()):
@@ -222,7 +224,9 @@ def _fake_frontier(rng: random.Random) -> tuple[list[dict[str, Any]], dict[str, 
     for bt, h, v, softcap in SHAPES:
         for regime, name in [(g, n) for g in FLCE_REGIMES for n in FLCE_VARIANTS]:
             ms = 6 * bt * h * v / 5e11 * (1 + rng.random())
-            row = dict(variant=name, backend=name, options="default", shape=shape_label(bt, h, v, softcap))
+            row: dict[str, Any] = dict(
+                variant=name, backend=name, options="default", shape=shape_label(bt, h, v, softcap)
+            )
             row |= dict(dims={"BT": bt, "H": h, "V": v}, softcap=softcap, regime=regime, entropy=2.5)
             rows.append(
                 row | dict(status="ok", note="", gpu_ms=ms, ms=ms * 1.02, peak_mib=1e3 + rng.random())
@@ -282,10 +286,13 @@ def _fake_e2e(args: list[str], rng: random.Random) -> tuple[list[dict[str, Any]]
     from lmkernels_bench import e2e
 
     parsed = e2e.parse_args(args)
-    rows, round_rows = [], []
+    rows: list[dict[str, Any]] = []
+    round_rows: list[dict[str, Any]] = []
     for model, config, points in e2e.plan_workers(parsed):
         for p in points:
-            base = dict(model=model, config=config, sweep=p["sweep"], batch=p["batch"], seq=p["seq"])
+            base: dict[str, Any] = dict(
+                model=model, config=config, sweep=p["sweep"], batch=p["batch"], seq=p["seq"]
+            )
             steps = [
                 (20 + p["batch"] * p["seq"] / 400) * (1 + 0.2 * rng.random()) for _ in range(parsed.rounds)
             ]
@@ -359,7 +366,7 @@ def compare_part(ctx: Context):
             | {"old_peak_mib": 100.0, "new_peak_mib": 100.0}
             for c, d in (("rms_norm 16384x4096", 0.001), ("flce 8192x4096x128256", -0.002))
         ]
-        old = "dry-run"
+        old: str | None = "dry-run"
     else:
         old = os.environ.get(COMPARE_OLD_ENV)
         if not old or not Path(old, "lmkernels").is_dir():

@@ -124,6 +124,7 @@ def dist_checks_part(ctx: Context):
 
             with tempfile.TemporaryDirectory() as tmp:
                 out = str(Path(tmp) / f"checks_{backend}.json")
+                assert root is not None  # (a checkout unless dry_run)
                 script = str(root / "tests" / "distributed_checks.py")
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
                 cmd += [script, "--device", "cuda", "--backend", backend, "--timeout", "150", "--out", out]

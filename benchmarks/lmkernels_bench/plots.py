@@ -206,7 +206,7 @@ def plot_pareto_panels(
         ax.grid(True, alpha=0.3)
     for ax in list(axes.flat)[len(cases) :]:
         ax.axis("off")
-    handles = {}
+    handles: dict[str, Any] = {}
     for ax in axes.flat:
         for h, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, h)

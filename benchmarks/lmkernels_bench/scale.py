@@ -67,6 +67,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from lmkernels_bench import data
 from lmkernels_bench.scale_worker import (
@@ -160,7 +161,7 @@ def slug(config: str) -> str:
 def environment(args, argv=None) -> dict:
     import torch
 
-    env = {"command": data.command_line("dist-scale", argv), "torch": torch.__version__}
+    env: dict[str, Any] = {"command": data.command_line("dist-scale", argv), "torch": torch.__version__}
     cuda = torch.cuda.is_available() and not args.tiny
     env["device"] = torch.cuda.get_device_name() if cuda else "cpu"
     env["gpus_present"] = torch.cuda.device_count() if cuda else 0

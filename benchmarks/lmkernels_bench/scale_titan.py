@@ -24,6 +24,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 # mode: (tensor parallel degree, pipeline parallel degree); data parallel (FSDP2) takes the rest
 TITAN_LAYOUT = {"titan_fsdp": (1, 1), "titan_tp": (2, 1), "titan_pp": (1, 2)}
@@ -79,11 +80,13 @@ def older_torch_shims() -> list[str]:
     from torch.nn.attention import flex_attention
 
     applied = []
+    dist_module: Any = dist  # (the attributes below are this torch's missing ones)
+    fsdp_module: Any = fsdp
     if not hasattr(dist, "set_timeout"):
-        dist.set_timeout = dist.distributed_c10d._set_pg_timeout
+        dist_module.set_timeout = dist.distributed_c10d._set_pg_timeout
         applied.append("set_timeout")
     if not hasattr(fsdp, "DataParallelMeshDims"):
-        fsdp.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
+        fsdp_module.DataParallelMeshDims = type("DataParallelMeshDims", (), {})
         applied.append("DataParallelMeshDims")
     create = flex_attention.create_block_mask
     if "separate_full_blocks" not in inspect.signature(create, follow_wrapped=False).parameters:
@@ -103,7 +106,7 @@ def older_torch_shims() -> list[str]:
         def stage_init(self, *args, get_mesh=None, **kwargs):
             init(self, *args, **kwargs)
 
-        PipelineStage.__init__ = stage_init
+        PipelineStage.__init__ = stage_init  # type: ignore[method-assign]  # (a compatibility patch)
         applied.append("PipelineStage(get_mesh)")
     if "arg_mbs" in inspect.signature(schedules.PipelineScheduleSingle.step, follow_wrapped=False).parameters:
         return applied
@@ -126,7 +129,7 @@ def older_torch_shims() -> list[str]:
         return step_mbs
 
     for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
-        cls.step = premade_microbatches(cls.step)
+        cls.step = premade_microbatches(cls.step)  # type: ignore[method-assign]  # (a compatibility patch)
     return applied
 
 

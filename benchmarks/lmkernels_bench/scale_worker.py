@@ -14,16 +14,17 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from lmkernels_bench.e2e_setup import LLAMA_1B as E2E_LLAMA_1B
 from lmkernels_bench.e2e_setup import TINY_SIZES
 
 # The Llama-3.2-1B shape of the single-GPU benchmark, with untied embeddings (so lm_head can be
 # sharded on its own) and the layer count from --layers; its tiny variant checks the code on the CPU.
-LLAMA_1B = {k: v for k, v in E2E_LLAMA_1B.items() if k != "num_hidden_layers"} | {
+LLAMA_1B: dict[str, Any] = {k: v for k, v in E2E_LLAMA_1B.items() if k != "num_hidden_layers"} | {
     "tie_word_embeddings": False
 }
-TINY = LLAMA_1B | TINY_SIZES
+TINY: dict[str, Any] = LLAMA_1B | TINY_SIZES
 # Multicast over NVLink is unavailable on the lent machines (see the device notes).
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -200,7 +201,8 @@ def build_zero(args, device, stage: int):
     import torch
 
     if device.type == "cpu":  # the CPU run: skip DeepSpeed's shared-memory op build (~70 s of g++)
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+        comm: Any = sys.modules["deepspeed.comm.torch"]
+        comm.build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     model = patch_instance(new_model(args, device), args.config)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -224,7 +226,8 @@ def build_pp(args, device, rank: int, world: int):
     kind, backend = parse_config(args.config)
 
     def loss_fn(hidden, labels):  # every rank passes it: without one a schedule runs no backward
-        w = stage_mod.lm_head.weight
+        head: Any = stage_mod.lm_head  # (the last stage's: only it calls the loss)
+        w = head.weight
         target = F.pad(labels, (0, 1), value=-100)[..., 1:]
         if kind == "lmk":
             from lmkernels.integrations.lm_head_loss import causal_lm_loss
@@ -236,7 +239,7 @@ def build_pp(args, device, rank: int, world: int):
             low = torch.bfloat16 if device.type == "cuda" else w.dtype  # what autocast gives a linear
             h = hidden.reshape(-1, w.shape[1]).to(low)
             return LigerFusedLinearCrossEntropyLoss()(w.to(low), h, target.reshape(-1))
-        logits = stage_mod.lm_head(hidden).float()  # transformers' ForCausalLMLoss upcasts too
+        logits = head(hidden).float()  # transformers' ForCausalLMLoss upcasts too
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
     n_mb = 2 * world if args.batch % (2 * world) == 0 else world

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import statistics
-from typing import Any
+from typing import Any, TypeGuard
 
 from lmkernels_bench.frontier_report import COUNTED_REGIMES, pareto_verdicts
 from lmkernels_bench.parts_perf import COMPARE_OLD_ENV
@@ -100,14 +100,14 @@ def flce_ranges(rows: list[dict[str, Any]], path: str) -> str:
     for impl in _impl_order(run):
         t, m, c = [], [], []
         for case in by_case.values():
-            r, base, cce = case.get(impl), case.get("compile_naive"), case.get("cce")
-            if r is None:
+            got, base, cce = case.get(impl), case.get("compile_naive"), case.get("cce")
+            if got is None:
                 continue
             if base:
-                t.append(r["gpu_ms"] / base["gpu_ms"])
-                m.append(r["peak_mib"] / base["peak_mib"])
+                t.append(got["gpu_ms"] / base["gpu_ms"])
+                m.append(got["peak_mib"] / base["peak_mib"])
             if cce:
-                c.append(r["peak_mib"] / cce["peak_mib"])
+                c.append(got["peak_mib"] / cce["peak_mib"])
         if impl != "compile_naive":
             body.append([IMPL_TITLES.get(impl, impl), str(len(t)), _span(t), _span(m), _span(c)])
     header = ["FLCE, every shape", "cases", "time / compile", "peak / compile", "peak / CCE"]
@@ -271,6 +271,10 @@ def ops_summary(rows: list[dict[str, Any]], path: str) -> str:
 # --- end to end ---------------------------------------------------------------------------------------
 
 
+def _ran(r: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
+    return r is not None and r["status"] == "ok"
+
+
 def paired(base: dict[str, Any], ours: dict[str, Any]) -> str:
     """Speedup of `ours` over `base` (base's step time / ours): paired by round, median
     [range], when both ran the same rounds; else the ratio of the medians."""
@@ -300,9 +304,10 @@ def e2e_table(
     body, used = [], []
     for (_, batch, seq), rs in sorted(points.items(), key=lambda p: (p[0][2] * p[0][1], p[0][2])):
         by = {c: _ok(rs, config=c) for c in configs}
-        best = max((c for c in configs if by[c]), key=lambda c: by[c]["tokens_per_s"], default=None)
+        found = {c: r for c, r in by.items() if r}
+        best = max(found, key=lambda c: found[c]["tokens_per_s"], default=None)
         cells = [_cell(by[c], c == best) for c in configs]
-        ratios = [paired(by[c], by[ours]) if by[c] and by[ours] else "-" for c in others]
+        ratios = [paired(found[c], found[ours]) if c in found and ours in found else "-" for c in others]
         body.append([f"{batch} x {seq}", *cells, *ratios, rs[0]["commit"] or "-"])
         used += rs
     header = ["batch x seq", *(f"{CONFIG_TITLES.get(c, c)}" for c in configs)]
@@ -376,13 +381,12 @@ def dist_table(rows: list[dict[str, Any]], path: str) -> str:
                 cells.append(f"{r['tokens_per_s_per_gpu'] / 1e3:.1f}k")
                 peaks.append(f"{r['peak_mib'] / 1024:.1f}")
         lmk, plain, liger = by["lmk"], by["plain"], by["liger"]
-        ok = lambda r: r is not None and r["status"] == "ok"  # noqa: E731
         vs = [
-            _x(lmk["tokens_per_s_per_gpu"] / b["tokens_per_s_per_gpu"]) if ok(lmk) and ok(b) else "-"
+            _x(lmk["tokens_per_s_per_gpu"] / b["tokens_per_s_per_gpu"]) if _ran(lmk) and _ran(b) else "-"
             for b in (plain, liger)
         ]
         diff = "-"
-        if ok(lmk) and ok(plain) and lmk.get("losses") and plain.get("losses"):
+        if _ran(lmk) and _ran(plain) and lmk.get("losses") and plain.get("losses"):
             diff = f"{max(abs(a - b) for a, b in zip(lmk['losses'], plain['losses'])):.1e}"
         body.append(
             [

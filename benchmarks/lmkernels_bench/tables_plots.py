@@ -46,7 +46,7 @@ def plot_ops(rows: list[dict[str, Any]], path: Path) -> Path | None:
 
 
 def _bytes_of(points, op, shape) -> int:
-    r = next((rs[0] for k, rs in points.items() if k[0] == op and k[1] == shape), {})
+    r: dict[str, Any] = next((rs[0] for k, rs in points.items() if k[0] == op and k[1] == shape), {})
     return r.get("bytes") or 0
 
 
@@ -88,8 +88,8 @@ def plot_e2e(rows: list[dict[str, Any]], path: Path) -> Path | None:
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
     keys = sorted(points, key=lambda k: (k[1] * k[2], k[2]))
     for config in ("plain", "lmk", "liger"):
-        pts = [(i, _ok(points[k], config=config)) for i, k in enumerate(keys)]
-        pts = [(i, r) for i, r in pts if r]
+        found = [(i, _ok(points[k], config=config)) for i, k in enumerate(keys)]
+        pts = [(i, r) for i, r in found if r]
         if pts:
             label = CONFIG_TITLES[config]
             ax_t.plot([i for i, _ in pts], [r["tokens_per_s"] / 1e3 for _, r in pts], marker="o", label=label)

@@ -141,17 +141,17 @@ def _timer(args, times: list, peaks: list):
     import torch
     from transformers import TrainerCallback
 
-    cuda = args.device == "cuda"
+    cuda, warmup = args.device == "cuda", args.warmup
 
     class Timer(TrainerCallback):
-        def on_step_begin(self, a, state, control, **kwargs):
+        def on_step_begin(self, args, state, control, **kwargs):
             if cuda:
                 torch.cuda.synchronize()
-                if state.global_step == args.warmup:
+                if state.global_step == warmup:
                     torch.cuda.reset_peak_memory_stats()
             self.start = time.perf_counter()
 
-        def on_step_end(self, a, state, control, **kwargs):
+        def on_step_end(self, args, state, control, **kwargs):
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.start)
@@ -194,7 +194,8 @@ def run_head(args, head: str) -> dict[str, Any]:
             disable_tqdm=True,
             seed=0,
         )
-        times, peaks = [], []
+        times: list[float] = []
+        peaks: list[float] = []
         callbacks = [_timer(args, times, peaks)]
         lmk = None
         if head != "plain":
