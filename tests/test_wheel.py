@@ -84,6 +84,7 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
     (wheel,) = dist.glob("lmkernels-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "lmkernels/convergence/data/tinyshakespeare.txt" in names
+    assert "lmkernels/py.typed" in names  # type checkers read the package's annotations
     assert not any(n.startswith(("tests/", "benchmarks/", "scripts/")) for n in names)
 
     venv = tmp_path / "venv"
