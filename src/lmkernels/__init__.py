@@ -17,6 +17,7 @@ from lmkernels.ops import (
 from lmkernels.registry import (
     BackendNotSupportedError,
     ConsumedInputsError,
+    ForwardADError,
     HigherOrderGradientError,
     LMKernelsError,
     UnknownBackendError,
@@ -53,6 +54,7 @@ add_loader(_load_backends)
 __all__ = [
     "BackendNotSupportedError",
     "ConsumedInputsError",
+    "ForwardADError",
     "HigherOrderGradientError",
     "LMKernelsError",
     "UnknownBackendError",

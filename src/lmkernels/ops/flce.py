@@ -52,6 +52,7 @@ from lmkernels.utils import (
     check_number,
     check_same_device,
     check_tensor,
+    checked_values,
     data_checks_enabled,
     fail,
 )
@@ -196,6 +197,7 @@ def check_values(hidden, weight, target, ignore_index=FlceOptions.ignore_index, 
     if data_checks_enabled() and target.numel():
         # One host sync; LMKERNELS_CHECK_VALUES=0 skips it (every backend then gives a nan loss
         # for an out-of-range target, never an out-of-bounds read).
+        target = checked_values(target)
         bad = (target != ignore_index) & ((target < 0) | (target >= V))
         if bool(bad.any()):
             first = target[bad][0].item()

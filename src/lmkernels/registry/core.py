@@ -30,6 +30,11 @@ class HigherOrderGradientError(LMKernelsError, RuntimeError):
     instead of returning gradients that silently miss the second-order term."""
 
 
+class ForwardADError(LMKernelsError, RuntimeError):
+    """Forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) through an impl that has no
+    tangent formula: raised instead of returning a tangent that is silently zero or missing."""
+
+
 class ConsumedInputsError(LMKernelsError, RuntimeError):
     """A second backward through an op whose first backward used buffers it owned (handed over
     with consume_inputs=True, or gradients computed in the forward) and wrote over them."""
@@ -141,7 +146,13 @@ class Impl:
     # Whether a backward with create_graph=True gives gradients that are themselves
     # differentiable (double backward). Impls without it raise HigherOrderGradientError there.
     double_backward: bool = False
+    # Whether forward-mode AD (torch.func.jvp, torch.autograd.forward_ad dual tensors) gives the
+    # tangents of its outputs. Impls without it raise ForwardADError there.
+    forward_ad: bool = False
     compile_safe: bool = True
+    # Whether it runs under torch.func transforms inside code torch.compile traces (torch.compile
+    # of a torch.func.grad, jvp or vmap). Impls without it are not supported there.
+    compiled_transforms: bool = True
     # Returns why the backend cannot run at all here (package missing, no GPU), or None.
     available: Callable[[], str | None] = _always_available
     # Op-specific reasons for given inputs (unsupported option, shape limit, ...).
@@ -188,6 +199,11 @@ class Impl:
             cap = torch.cuda.get_device_capability(dev)
             if cap < self.min_capability:
                 reasons.append(f"needs compute capability >= {self.min_capability}, got {cap}")
+        if not self.compiled_transforms and torch.compiler.is_compiling():
+            if torch._C._are_functorch_transforms_active():
+                reasons.append(
+                    "no torch.func transform inside torch.compile (take it outside the compiled code)"
+                )
         if torch.is_grad_enabled() and not self.has_backward:
             if any(t.requires_grad for t in tensors):
                 reasons.append("no backward, but an input requires grad")
@@ -224,7 +240,7 @@ def register(op: str, backend: str, fn: Callable[..., Any], **capabilities: Any)
     This is all a new backend needs: the dispatcher, the harness, `lmkernels validate`, the
     test suite and the benchmarks enumerate the registry and pick it up. `capabilities` are the
     fields of Impl (priority, dtypes, devices, min_capability, has_backward, double_backward,
-    compile_safe, available, supports, description).
+    forward_ad, compile_safe, compiled_transforms, available, supports, description).
     """
     if op not in _OPS:
         raise UnknownOpError(f"register: unknown op {op!r}; known ops: {sorted(_OPS)}")
@@ -241,6 +257,20 @@ def higher_order_error(op: str, backend: str) -> HigherOrderGradientError:
     return HigherOrderGradientError(
         f"{op}: backend {backend!r} has no double backward (a backward with create_graph=True "
         f"would miss the second-order term); backends that have one: {able or 'none'}"
+    )
+
+
+def forward_ad_error(op: str, backend: str, where: str = "") -> ForwardADError:
+    """The error an impl without forward-mode AD raises when a tangent reaches it (`where` says
+    in which case, for an impl that has it in others): it names the op, the backend and the
+    other backends that have it."""
+    able = [
+        i.backend for i in impls(op) if i.forward_ad and i.backend != backend and not i.unavailable_reason()
+    ]
+    return ForwardADError(
+        f"{op}: backend {backend!r} has no forward-mode AD{' ' + where if where else ''} "
+        f"(torch.func.jvp, torch.autograd.forward_ad: the tangent would be missing); backends that "
+        f"have it: {able or 'none'}"
     )
 
 

@@ -1,5 +1,6 @@
-"""What the Triton op files share: the eager fast path around their torch.library ops, and the
-small launcher helpers every op needs.
+"""What the Triton op files share: the eager fast path around their torch.library ops, the
+autograd.Functions that run them under torch.func transforms and forward-mode AD, and the small
+launcher helpers every op needs.
 
 Each op is registered with torch.library.custom_op (+ register_fake, register_autograd) so that
 torch.compile sees an opaque op with a known output shape and gradient. Calling a custom op
@@ -8,11 +9,19 @@ the dispatcher and its per-call checks, more than the kernels of a 16384x4096 RM
 So eager calls go through a plain torch.autograd.Function that runs the same Python launchers
 and the same setup_context/backward, and only code being traced calls the custom op.
 
+Neither of those serves torch.func transforms (grad, vjp, jvp, vmap) or forward-mode AD
+(torch.autograd.forward_ad): a custom op has no tangent formula (functorch's jvp would see a
+zero tangent) and its autograd is not functorch's. Those calls go through a third Function
+(`transforms_function`): setup_context as its own staticmethod, the op's tangent formula as its
+jvp (or a named refusal, ForwardADError) and a vmap rule. Functorch unwraps the inputs before
+its forward runs, so the same launchers run on plain tensors.
+
 An op file therefore reads: kernels; raw launchers (plain Python functions, type-annotated);
 `op = torch.library.custom_op("lmkernels::name", raw_launcher, mutates_args=...)` with
 register_fake; setup_context and backward, registered on the op with register_autograd and
-turned into the eager Function with `eager_function`; the impl, `call(op, Function, *args)`.
-Inside a backward, launchers run through `op_or_raw(op, raw, name)(*args)`. Launchers launch their
+turned into the eager Function with `eager_function`, whose `transforms` is the
+`transforms_function` made of them and the jvp; the impl, `call(op, Function, *args)`. Inside a
+backward, launchers run through `op_or_raw(op, raw, name)(*args)`. Launchers launch their
 kernels with `_launch.launch(kernel, grid, *args, **constexprs)`, which skips Triton's per-call
 argument binding once a launch's specialization has been compiled.
 """
@@ -26,11 +35,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad
 import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import interpreting
-from lmkernels.registry.core import higher_order_error
+from lmkernels.registry.core import forward_ad_error, higher_order_error
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -58,15 +68,24 @@ def traced(args: tuple) -> bool:
 
     That is under torch.compile / torch.export (is_compiling), under any other tracer or fake
     tensor mode (make_fx, FakeTensorMode, the modes AOTAutograd traces under: a torch dispatch
-    mode is active), under functorch transforms, and for tensor subclasses: the raw launchers
-    hand real memory to Triton and would fail (or read garbage) on any of those.
+    mode is active), and for tensor subclasses: the raw launchers hand real memory to Triton and
+    would fail (or read garbage) on any of those. torch.func transforms and forward-mode AD are
+    `transforming`, not traced.
     """
-    if _is_compiling() or _dispatch_modes() or _functorch_active():
+    if _is_compiling() or _dispatch_modes():
         return True
     for a in args:
         if type(a) not in _PLAIN_TYPES and isinstance(a, torch.Tensor):
             return True
     return False
+
+
+def transforming() -> bool:
+    """True under torch.func transforms (functorch's wrapped tensors: grad, vjp, jvp, vmap) and
+    forward-mode AD (a torch.autograd.forward_ad.dual_level, whose dual tensors are plain
+    tensors): calls go to the op's `transforms_function` there. The test of
+    lmkernels.utils.transforms_active, with the lookups `call` inlines."""
+    return _functorch_active() or _forward_ad._current_level >= 0
 
 
 # Argument types that are neither a tensor subclass nor need an isinstance() to tell: that
@@ -81,6 +100,9 @@ _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _functorch_active = torch._C._are_functorch_transforms_active
 _grad_enabled = torch.is_grad_enabled
+# The dual level lives in this module's global `_current_level` (-1: no level entered).
+_forward_ad = torch.autograd.forward_ad
+_JVP = torch._C._functorch.TransformType.Jvp
 
 
 def eager_function(
@@ -88,14 +110,16 @@ def eager_function(
     forward: Callable[..., Any],
     setup_context: Callable[[Any, tuple, Any], None],
     backward: Callable[..., Any],
+    transforms: type[torch.autograd.Function],
 ) -> type[torch.autograd.Function]:
     """An autograd.Function running `forward` (the custom op's raw launcher) with the custom op's
-    own setup_context and backward, for eager calls.
+    own setup_context and backward, for eager calls; `transforms` (made by transforms_function)
+    is what `call` runs instead under torch.func transforms and forward-mode AD.
 
     forward takes ctx and calls setup_context itself: a Function that defines setup_context as a
     separate staticmethod pays an inspect.signature() bind on every apply(), which is host time
     this path exists to save. (The separate form is only needed for functorch transforms, and
-    those calls go to the custom op: see `traced`.)
+    those calls go to `transforms`.)
     """
 
     def forward_with_ctx(ctx, *args):
@@ -110,14 +134,129 @@ def eager_function(
             "forward": staticmethod(forward_with_ctx),
             "backward": staticmethod(backward),
             "raw_forward": staticmethod(forward),
+            "transforms": transforms,
         },
     )
 
 
+VmapRule = Callable[[type[torch.autograd.Function]], Callable[..., Any]]
+
+
+def transforms_function(
+    name: str,
+    op: Callable[..., Any],
+    forward: Callable[..., Any],
+    setup_context: Callable[[Any, tuple, Any], None],
+    backward: Callable[..., Any],
+    jvp: Callable[..., Any],
+    vmap: VmapRule | None = None,
+) -> type[torch.autograd.Function]:
+    """The autograd.Function of a launcher for torch.func transforms and forward-mode AD.
+
+    forward runs the raw launcher `forward` (the custom op `op` on traced arguments): functorch
+    calls it on the unwrapped tensors. setup_context must save with ctx.save_for_forward what
+    `jvp(ctx, *input_tangents) -> output tangents` reads; jvp computes the tangents or raises
+    (ForwardADError, HigherOrderGradientError). vmap: how the rule is made from the Function
+    (vmap_over_rows(...), or vmap_by_loop by default).
+    """
+
+    def run(*args):
+        return op(*args) if traced(args) else forward(*args)
+
+    function = type(
+        name,
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(run),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+            "jvp": staticmethod(jvp),
+        },
+    )
+    function.vmap = staticmethod((vmap or vmap_by_loop)(function))
+    return function
+
+
+def refuse_nested_jvp(op: str, backend: str = "triton") -> None:
+    """For a jvp staticmethod: ForwardADError under nested forward-mode AD (jvp of jvp, jacfwd
+    of jacfwd: two of functorch's jvp levels). torch runs an autograd.Function's jvp with
+    forward AD off, so the outer level would get no tangent of the tangent: a silent zero."""
+    stack = torch._C._functorch.get_interpreter_stack() or ()
+    if sum(i.key() == _JVP for i in stack) > 1:
+        raise forward_ad_error(op, backend, "nested in another forward-mode transform (jvp of jvp)")
+
+
+def vmap_by_loop(function: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """A vmap rule calling `function` once per batch element and stacking the results (batch
+    dim 0): right for any op, one launch per element."""
+
+    def vmap(info, in_dims, *args):
+        n = info.batch_size
+        results = [function.apply(*_element(args, in_dims, i)) for i in range(max(n, 1))]
+        outs = tuple(torch.stack(o) for o in zip(*map(_as_tuple, results)))
+        if n == 0:  # the call above ran on zeros, for the outputs' shapes
+            outs = tuple(o[:0] for o in outs)
+        if isinstance(results[0], tuple):
+            return outs, (0,) * len(outs)
+        return outs[0], 0
+
+    return vmap
+
+
+def _element(args: tuple, in_dims: tuple, i: int) -> list:
+    """Batch element i of args (zeros of an element's shape in an empty batch)."""
+    out = []
+    for a, d in zip(args, in_dims):
+        if d is not None:
+            a = a.select(d, i) if a.shape[d] else a.new_zeros(a.shape[:d] + a.shape[d + 1 :])
+        out.append(a)
+    return out
+
+
+def _as_tuple(out: Any) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def vmap_over_rows(rows: tuple[int, ...], stats: int = 0) -> VmapRule:
+    """A vmap rule for an op applied row by row over any leading dims of its arguments at
+    `rows` (the norms' x, the GLUs' gate and up): these get the batch as one more leading dim
+    (an unbatched one expanded) and the op runs once over the merged rows. Its last `stats`
+    outputs, one value per row (flat), come back as (batch, rows). Where another argument is
+    batched (a weight per batch element), one call per element (vmap_by_loop)."""
+
+    def make(function: type[torch.autograd.Function]) -> Callable[..., Any]:
+        by_loop = vmap_by_loop(function)
+
+        def vmap(info, in_dims, *args):
+            n = info.batch_size
+            if n == 0 or any(d is not None for i, d in enumerate(in_dims) if i not in rows):
+                return by_loop(info, in_dims, *args)
+            args = list(args)
+            for i in rows:
+                a, d = args[i], in_dims[i]
+                args[i] = a.expand(n, *a.shape) if d is None else a.movedim(d, 0)
+            out = function.apply(*args)
+            outs = _as_tuple(out)
+            first_stat = len(outs) - stats
+            outs = tuple(o.view(n, o.shape[0] // n) if j >= first_stat else o for j, o in enumerate(outs))
+            if isinstance(out, tuple):
+                return outs, (0,) * len(outs)
+            return outs[0], 0
+
+        return vmap
+
+    return make
+
+
 def call(op: Callable[..., Any], function: Any, *args: Any) -> Any:
-    """Run a differentiable op: the custom op when traced, else the eager Function, or the raw
-    launcher alone when no gradient will be taken (no graph to record)."""
-    if _is_compiling() or _dispatch_modes() or _functorch_active():
+    """Run a differentiable op: the custom op when traced, the Function's `transforms` under
+    torch.func transforms and forward-mode AD, else the eager Function, or the raw launcher alone
+    when no gradient will be taken (no graph to record)."""
+    if _is_compiling():
+        return op(*args)
+    if _functorch_active() or _forward_ad._current_level >= 0:
+        return function.transforms.apply(*args)
+    if _dispatch_modes():
         return op(*args)
     grad = _grad_enabled()
     record = False
@@ -132,20 +271,35 @@ def call(op: Callable[..., Any], function: Any, *args: Any) -> Any:
     return function.raw_forward(*args)
 
 
-def op_or_raw(op: Callable[..., Any], raw: Callable[..., Any], name: str) -> Callable[..., Any]:
+def op_or_raw(
+    op: Callable[..., Any], raw: Callable[..., Any], name: str, backend: str = "triton"
+) -> Callable[..., Any]:
     """For a launcher with no autograd formula of its own (a backward kernel of lmkernels op
     `name`): a function that runs the custom op when traced (AOTAutograd traces the registered
     backward, so the compiled graph calls the op), and the raw launcher otherwise.
 
     With grad mode on (a backward with create_graph=True) it raises HigherOrderGradientError:
-    the raw launcher's gradients would be silently cut from the graph.
+    the raw launcher's gradients would be silently cut from the graph. Under torch.func
+    transforms and forward-mode AD it runs as a Function whose own derivatives (backward, jvp)
+    raise it instead: functorch builds the graph of every backward, as create_graph=True does,
+    and only a transform taken of the result (grad of grad, jvp of grad) differentiates it.
     """
 
+    def refuse(ctx, *grads):
+        raise higher_order_error(name, backend)
+
+    def no_context(ctx, inputs, output):
+        pass
+
+    function = transforms_function(f"{name}_backward", op, raw, no_context, refuse, refuse)
+
     def run(*args: Any) -> Any:
+        if not _is_compiling() and transforming():
+            return function.apply(*args)
         if traced(args):
             return op(*args)
         if _grad_enabled():
-            raise higher_order_error(name, "triton")
+            raise higher_order_error(name, backend)
         return raw(*args)
 
     return run

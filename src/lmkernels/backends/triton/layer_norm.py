@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import call, eager_function, op_or_raw
+from lmkernels.backends.triton._common import (
+    call,
+    eager_function,
+    op_or_raw,
+    refuse_nested_jvp,
+    transforms_function,
+    vmap_over_rows,
+)
 from lmkernels.backends.triton._norm_kernels import LAYER_NORM_MODE
 from lmkernels.backends.triton._norm_launchers import norm_backward_into, norm_forward
 from lmkernels.backends.triton._norms import (
@@ -125,9 +132,51 @@ def _backward(ctx, dy, dmean, drstd):
     )
 
 
+def _setup_context_transforms(ctx, inputs, output):
+    _setup_context(ctx, inputs, output)
+    ctx.save_for_forward(inputs[0], inputs[1])  # x, weight
+    ctx.eps = inputs[3]
+
+
+def _jvp(ctx, dx, dweight, dbias, _):
+    """The tangent of y = (x - mean) * rstd * weight + bias, in fp32; mean and rstd have none.
+    They are recomputed from x, not read from the forward's outputs: an outer grad transform
+    differentiates this tangent, through x."""
+    refuse_nested_jvp("layer_norm")
+    x, weight = ctx.saved_tensors
+    dtype, x = x.dtype, x.float()
+    centered = x - x.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + ctx.eps)
+    xhat = centered * rstd
+    terms = []
+    if dx is not None:
+        dx = dx.float()
+        dxhat = rstd * (dx - dx.mean(-1, keepdim=True) - xhat * (xhat * dx).mean(-1, keepdim=True))
+        terms.append(dxhat if weight is None else dxhat * weight.float())
+    if dweight is not None:
+        terms.append(xhat * dweight.float())
+    if dbias is not None:
+        terms.append(dbias.float().expand(x.shape))
+    return sum(terms[1:], terms[0]).to(dtype), None, None
+
+
 _run_bwd = op_or_raw(layer_norm_bwd, _layer_norm_bwd, "layer_norm")
 layer_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
-_LayerNormFunction = eager_function("_LayerNormFunction", _layer_norm_fwd, _setup_context, _backward)
+_LayerNormFunction = eager_function(
+    "_LayerNormFunction",
+    _layer_norm_fwd,
+    _setup_context,
+    _backward,
+    transforms_function(
+        "_LayerNormTransforms",
+        layer_norm_fwd,
+        _layer_norm_fwd,
+        _setup_context_transforms,
+        _backward,
+        _jvp,
+        vmap_over_rows((0,), stats=2),
+    ),
+)
 
 
 # --- the impl ----------------------------------------------------------------------------------
@@ -147,5 +196,7 @@ register(
     auto_devices=("cuda",),
     available=triton_unavailable_reason,
     supports=row_limit_reasons,
+    forward_ad=True,
+    compiled_transforms=False,
     description="Triton: row tiles forward, persistent backward with fp32 dw/db partials",
 )

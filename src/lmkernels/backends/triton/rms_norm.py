@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import call, eager_function, op_or_raw
+from lmkernels.backends.triton._common import (
+    call,
+    eager_function,
+    op_or_raw,
+    refuse_nested_jvp,
+    transforms_function,
+    vmap_over_rows,
+)
 from lmkernels.backends.triton._norm_kernels import MODES
 from lmkernels.backends.triton._norm_launchers import norm_backward_into, norm_forward
 from lmkernels.backends.triton._norms import (
@@ -119,9 +126,50 @@ def _backward(ctx, dy, drstd):
     return dx, dw, None, None, None
 
 
+def _setup_context_transforms(ctx, inputs, output):
+    _setup_context(ctx, inputs, output)
+    ctx.save_for_forward(inputs[0], inputs[1])  # x, weight
+    ctx.eps = inputs[2]
+
+
+def _jvp(ctx, dx, dweight, *_):
+    """The tangent of y = x * rstd * (weight + offset), in fp32 (the casting modes differ only
+    in where they round, and a rounding's tangent is the identity); rstd has none. rstd is
+    recomputed from x, not read from the forward's output: an outer grad transform
+    differentiates this tangent, through x."""
+    refuse_nested_jvp("rms_norm")
+    x, weight = ctx.saved_tensors
+    dtype, x = x.dtype, x.float()
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
+    xhat = x * rstd
+    dy = None
+    if dx is not None:
+        dx = dx.float()
+        dy = rstd * (dx - xhat * (xhat * dx).mean(-1, keepdim=True))
+        if weight is not None:
+            dy = dy * (weight.float() + ctx.offset)
+    if dweight is not None:
+        dy = xhat * dweight.float() if dy is None else dy + xhat * dweight.float()
+    return dy.to(dtype), None
+
+
 _run_bwd = op_or_raw(rms_norm_bwd, _rms_norm_bwd, "rms_norm")
 rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
-_RMSNormFunction = eager_function("_RMSNormFunction", _rms_norm_fwd, _setup_context, _backward)
+_RMSNormFunction = eager_function(
+    "_RMSNormFunction",
+    _rms_norm_fwd,
+    _setup_context,
+    _backward,
+    transforms_function(
+        "_RMSNormTransforms",
+        rms_norm_fwd,
+        _rms_norm_fwd,
+        _setup_context_transforms,
+        _backward,
+        _jvp,
+        vmap_over_rows((0,), stats=1),
+    ),
+)
 
 
 # --- the impl ----------------------------------------------------------------------------------
@@ -141,5 +189,7 @@ register(
     auto_devices=("cuda",),
     available=triton_unavailable_reason,
     supports=row_limit_reasons,
+    forward_ad=True,
+    compiled_transforms=False,
     description="Triton: row tiles forward, persistent backward with fp32 dw partials",
 )
