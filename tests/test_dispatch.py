@@ -400,7 +400,7 @@ def test_triton_call_routes_each_kind_of_argument():
     dispatch mode; non-tensor options of any type are no tensors."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lmkernels.backends.triton._common import call
+    from lmkernels.backends.triton.common import call
 
     ran = []
 

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 import lmkernels  # noqa: E402
 from lmkernels.registry import get_op  # noqa: E402
 
-common = pytest.importorskip("lmkernels.backends.triton._common", reason="needs triton")
+common = pytest.importorskip("lmkernels.backends.triton.common", reason="needs triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HOPPER = DEVICE == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability() >= (9, 0)

@@ -17,7 +17,7 @@ def load_builtin() -> None:
     from lmkernels.backends.triton import triton_importable
 
     if triton_importable():
-        from lmkernels.backends.triton import flce, glu, layer_norm, rms_norm, rope  # noqa: F401
+        from lmkernels.backends.triton import flce, glu, norms, rope  # noqa: F401
     else:
         from lmkernels.backends.triton import _unavailable
 

@@ -289,11 +289,11 @@ def _use_triton(weight, bias) -> bool:
 
 
 class _TritonRows:
-    """The one-device FLCE's Triton row kernel (backends/triton/_flce_kernels.py) on this
+    """The one-device FLCE's Triton row kernel (backends/triton/flce_kernels.py) on this
     shard's chunks, set up once per call."""
 
     def __init__(self, target, tg, opts, vocab_size, v_local, max_chunk, device):
-        from lmkernels.backends.triton import _flce_kernels as kernels
+        from lmkernels.backends.triton import flce_kernels as kernels
         from lmkernels.backends.triton.configs import tables_for
 
         ignore_index, _, smoothing, softcap, z_scale = opts

@@ -1,5 +1,5 @@
-"""Fused linear cross entropy, Triton backend (the loops and the kernel: _flce_kernels.py; the
-memory-budget plan: _flce_plan.py).
+"""Fused linear cross entropy, Triton backend: the op, its autograd and registration (the plan,
+the row kernel and the GEMM loops: flce_kernels.py).
 
 The (tokens x V) logits are never materialized. cuBLAS computes logits in pieces (fp32
 accumulation; fp32 output, or for bf16 inputs in the default fast mode bf16 output, rounded as
@@ -25,7 +25,7 @@ rows are summed in the weight's dtype (one rounding each: measured 2.2x eager's 
 policy allows 3x) and the fast mode accumulate in it (one rounding per chunk). None, the
 default: both modes sum at most 8 chunks in the weight's dtype; the fast mode takes 8 token
 chunks when each holds at most CHUNK_BYTES of logits: bf16 logits for bf16 inputs
-(_flce_plan.bf16_logits_chunk: 0.85-1.02x the time at 0.51-0.82x the peak of fp32 chunks on the
+(kernels.bf16_logits_chunk: 0.85-1.02x the time at 0.51-0.82x the peak of fp32 chunks on the
 grid heads; on long batches, where 8 chunks would pass 2048 tokens each, up to 16 chunks of at
 least 2048 tokens: at 32k tokens x 128k the same time at 0.69x the peak), fp32 ones for fp16
 (BT * V <= 2^31); otherwise (or for fp16 weights) CHUNK_BYTES chunks into an fp32 V x H
@@ -38,7 +38,7 @@ where the loss's own peak matters: backend="triton_lean", or
 LMKERNELS_BACKEND="triton,flce=triton_lean".
 
 memory_budget (the op's option, a fraction f of the gradients' bytes) makes either backend one
-point of the range between the two (_flce_plan.plan): the triton default wherever it fits f x
+point of the range between the two (kernels.plan): the triton default wherever it fits f x
 the gradients beside them (no plan measured faster), else its bf16 chunks made smaller (16
 chunks of at least 1024 tokens), else the fast mode with the largest chunks of fp32
 logits that fit (grad_W summed in its own dtype over at most 8 of them, or else in an fp32
@@ -72,10 +72,9 @@ never read: their loss, and the gradients, are nan.
 
 import torch
 
-from lmkernels.backends.triton import _flce_kernels as kernels
-from lmkernels.backends.triton import _flce_plan as flce_plan
+from lmkernels.backends.triton import flce_kernels as kernels
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import (
+from lmkernels.backends.triton.common import (
     call,
     eager_function,
     op_or_raw,
@@ -134,7 +133,7 @@ def _forward_raw(
     rows = kernels.Rows(
         target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, V, table
     )
-    # The plan's chunk (_flce_plan.plan): lean, the backward's own peak; fast, the budget's.
+    # The plan's chunk (kernels.plan): lean, the backward's own peak; fast, the budget's.
     max_bytes = chunk_bytes or None
     loss, lse, gh, gw, gb, entropy, top1 = kernels.run_chunks(
         hidden,
@@ -415,7 +414,7 @@ def _flce(lean_default, hidden, weight, target, **options):
         grad_on and o.bias is not None and o.bias.requires_grad,
     )
     BT = hidden.numel() // H if H else 0
-    plan = flce_plan.plan(
+    plan = kernels.plan(
         BT, H, weight.shape[0], hidden.element_size(), weight.dtype, o.grad_accum_dtype, lean_default,
         o.memory_budget, o.reduction != "none" and any(needs), needs[1],
     )  # fmt: skip

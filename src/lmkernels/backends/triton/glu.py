@@ -32,9 +32,10 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import (
+from lmkernels.backends.triton.common import (
     cdiv,
     device_guard,
+    launch,
     op_or_raw,
     pdl,
     pdl_enter,
@@ -46,7 +47,6 @@ from lmkernels.backends.triton._common import (
     transforms_function,
     vmap_over_rows,
 )
-from lmkernels.backends.triton._launch import launch
 from lmkernels.registry.core import ConsumedInputsError, register
 from lmkernels.utils import empty
 

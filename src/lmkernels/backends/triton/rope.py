@@ -35,11 +35,12 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import (
+from lmkernels.backends.triton.common import (
     call,
     cdiv,
     device_guard,
     eager_function,
+    launch,
     next_power_of_2,
     pdl,
     pdl_enter,
@@ -48,7 +49,6 @@ from lmkernels.backends.triton._common import (
     to_dtype,
     transforms_function,
 )
-from lmkernels.backends.triton._launch import launch
 from lmkernels.backends.triton.configs import tables_for
 from lmkernels.backends.triton.configs.records import RopePosConfig, RopeTable, RopeTileConfig
 from lmkernels.registry.core import BackendNotSupportedError, forward_ad_error, register
