@@ -16,11 +16,12 @@ from lmkernels import cliargs
 from lmkernels.harness.bench import suite
 from lmkernels.harness.bench.backends import PSEUDO_BACKENDS, backends_for
 from lmkernels.harness.bench.measure import MIN_TIMED_RUNS
-from lmkernels.harness.bench.plan import DESIGN_SHAPES, DTYPES, MODES
+from lmkernels.harness.bench.plan import DTYPES, MODES
 from lmkernels.harness.bench.report import failure_notes, narrow_tables, rich_table, write_reports
 from lmkernels.harness.bench.run import run_bench
 from lmkernels.harness.bench.suite import SUITES
 from lmkernels.registry.core import LMKernelsError, get_op
+from lmkernels.registry.core import ops as all_ops
 
 WIDE_COLUMNS = 200  # the console width of --wide, whatever the terminal's
 
@@ -171,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         return run_suite(args, console)
     if args.part or args.update or args.check:
         raise LMKernelsError("--part goes with --suite; --update and --check with --report")
-    ops = args.op or list(DESIGN_SHAPES)
+    ops = args.op or [spec.name for spec in all_ops()]
     options = parse_options(args.set)
     if options:
         cliargs.check_options([get_op(op) for op in ops], options)

@@ -9,12 +9,15 @@ from typing import Any
 
 import torch
 
+from lmkernels.registry.core import get_op
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MODES = ("fwd", "bwd", "full")
 FLCE = "fused_linear_cross_entropy"
 
-# The reference ("design") shapes: Llama-3-8B-like sizes, one per op.
+# The reference ("design") shapes: Llama-3-8B-like sizes, one per op. An op not listed here is
+# measured on its OpSpec's last "full" shape, and one without SWEEPS swept over its "full" shapes.
 DESIGN_SHAPES: dict[str, dict[str, int]] = {
     "rms_norm": {"M": 16384, "N": 4096},
     "layer_norm": {"M": 4096, "N": 16384},
@@ -49,6 +52,16 @@ def default_cases(op: str, dtype: torch.dtype, quick: bool) -> list[dict[str, An
     return [{}]
 
 
+def design_shape(op: str) -> dict[str, int]:
+    """The op's design shape: DESIGN_SHAPES', else its OpSpec's last "full" shape."""
+    return DESIGN_SHAPES.get(op) or get_op(op).shapes["full"][-1]
+
+
+def sweeps(op: str) -> list[tuple[str, list[dict[str, int]]]]:
+    """The op's sweeps: SWEEPS', else one over its OpSpec's "full" shapes."""
+    return SWEEPS.get(op) or [("shape", get_op(op).shapes["full"])]
+
+
 @dataclasses.dataclass
 class Point:
     """One (op, shape, options) to measure, and where it belongs in the report."""
@@ -65,9 +78,9 @@ def plan(ops: Sequence[str], grid: str, dtype: torch.dtype, quick: bool, options
         cases = [options] if options is not None else default_cases(op, dtype, quick)
         for case in cases:
             if grid == "design":
-                points.append(Point(op, DESIGN_SHAPES[op], case, "design"))
+                points.append(Point(op, design_shape(op), case, "design"))
                 continue
-            for dim, shapes in SWEEPS[op]:
+            for dim, shapes in sweeps(op):
                 if quick:  # first, middle and last size
                     shapes = (
                         shapes[::2] if len(shapes) % 2 else [shapes[0], shapes[len(shapes) // 2], shapes[-1]]
