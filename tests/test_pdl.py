@@ -94,6 +94,7 @@ _SIZED = {
     "swiglu": [{"M": 1024, "N": 4096}],
     "geglu": [{"M": 1024, "N": 4096}],
     "fused_linear_cross_entropy": [{"BT": 1024, "H": 256, "V": 5000}],
+    "fused_linear_distillation": [{"BT": 1024, "Hs": 256, "Ht": 384, "V": 5000}],
 }
 SHAPES = {spec.name: _SIZED.get(spec.name, spec.shapes["quick"]) for spec in lmkernels.ops()}
 
