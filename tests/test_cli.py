@@ -37,11 +37,10 @@ def test_list_fits_80_columns(missing_peer, reasons):
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 80
     names = set(backend_names())
-    rows = {
-        ln.split()[0]: ln.split()[2:]
-        for ln in lines
-        if ln[:1] != " " and ln.split()[:1] and ln.split()[0] in names
-    }
+    rows: dict[str, list[str]] = {}  # backend -> its cells, over every block of op columns
+    for ln in lines:
+        if ln[:1] != " " and ln.split()[:1] and ln.split()[0] in names:
+            rows.setdefault(ln.split()[0], []).extend(ln.split()[2:])
     assert set(rows) == set(backend_names())
     assert rows["eager"] == ["yes"] * len(rows["eager"])
     assert "yes" not in rows["toypeer"] and rows["toypeer"].count("no") == 2

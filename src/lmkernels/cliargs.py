@@ -132,14 +132,15 @@ def split_commas(text: str) -> list[str]:
 
 def op_names(text: str) -> list[str]:
     """Type of --op: one op or a comma-separated list (aliases accepted), canonical names."""
-    from lmkernels.registry.dispatch import OP_ALIASES, all_op_names
+    from lmkernels.registry.dispatch import all_op_names, op_aliases
 
     known = all_op_names()
+    known_aliases = op_aliases()
     out = []
     for name in split_commas(text) or [text]:
-        name = OP_ALIASES.get(name, name)
+        name = known_aliases.get(name, name)
         if name not in known:
-            aliases = ", ".join(f"{a}={o}" for a, o in OP_ALIASES.items())
+            aliases = ", ".join(f"{a}={o}" for a, o in known_aliases.items())
             raise argparse.ArgumentTypeError(f"{unknown('op', name, known)} (aliases: {aliases})")
         out.append(name)
     return out

@@ -8,13 +8,12 @@ import textwrap
 import torch
 
 from lmkernels.cliargs import TRITON_HINT
-from lmkernels.registry.core import Impl, impls, ops
-
-SHORT_NAMES = {"fused_linear_cross_entropy": "flce"}
+from lmkernels.registry.core import Impl, get_op, impls, ops
 
 
 def short_op(name: str) -> str:
-    return SHORT_NAMES.get(name, name)
+    """The op's name in tables: its OpSpec.short_name, if it has one."""
+    return get_op(name).short_name or name
 
 
 def why_not_here(impl: Impl) -> str | None:
@@ -70,8 +69,9 @@ def render_list(width: int = 80, reasons: bool = False) -> str:
                 cell = "-" if impl is None else ("no" if why_not_here(impl) else "yes")
                 cells.append(f"{cell:<{w}}")
             lines.append(f"{b:<{name_w}}  {prio:>5}  {'  '.join(cells)}".rstrip())
-    if any(short_op(op) != op for op in op_names):
-        lines += ["", "flce = fused_linear_cross_entropy"]
+    legend = [f"{short_op(op)} = {op}" for op in op_names if short_op(op) != op]
+    if legend:
+        lines += ["", *textwrap.wrap(", ".join(legend), width, break_on_hyphens=False)]
     noes = _reasons(backends, op_names, table)
     if not noes:
         return "\n".join(lines)

@@ -449,6 +449,7 @@ SPEC = register_op(
         # rounding noise in any other dtype.
         sample_layouts={"weight": ("contiguous", "fresh", "transposed", "sliced")},
         description="lm_head matmul + cross entropy without materializing the logits",
+        short_name="flce",
     )
 )
 

@@ -95,6 +95,8 @@ class OpSpec:
       draw.booleans() (hypothesis in the tests, a seeded random.Random elsewhere).
     sample_layouts: input name -> the memory layouts the property tests may give it (default:
       every layout its rank allows; see harness/properties.py).
+    short_name: an alias of name, for the columns of `lmkernels list`, the validation tables and
+      the command line and LMKERNELS_BACKEND ("flce"); "" for none.
     """
 
     name: str
@@ -115,6 +117,7 @@ class OpSpec:
     error_inputs: Callable[[str], list[ErrorInput]] | None = None
     sample: Callable[[Any], tuple[dict[str, int], dict[str, Any]]] | None = None
     sample_layouts: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    short_name: str = ""
 
     def shape_id(self, shape: dict[str, int]) -> str:
         return "x".join(str(v) for v in shape.values())
@@ -213,6 +216,7 @@ class Impl:
 
 _OPS: dict[str, OpSpec] = {}
 _IMPLS: dict[str, dict[str, Impl]] = {}
+_SHORT_NAMES: dict[str, str] = {}  # OpSpec.short_name -> name
 _NOT_CACHED = object()
 
 
@@ -230,6 +234,8 @@ _registered_availability._dynamo_marked_constant = True  # type: ignore[attr-def
 
 def register_op(spec: OpSpec) -> OpSpec:
     _OPS[spec.name] = spec
+    if spec.short_name:
+        _SHORT_NAMES[spec.short_name] = spec.name
     _IMPLS.setdefault(spec.name, {})
     return spec
 

@@ -7,7 +7,7 @@ Precedence, highest first:
 4. ``auto``: the highest-priority impl whose ``not_supported_reasons`` is empty.
 
 A backend chosen by 1-3 that cannot take the inputs raises BackendNotSupportedError listing its
-reasons: it never silently falls back. Op names accept the aliases in OP_ALIASES.
+reasons: it never silently falls back. Op names accept the aliases of op_aliases().
 
 Where the choice lives. Eager calls read a ContextVar, so a choice made in one thread or
 asyncio task never reaches another. torch.compile cannot trace ContextVar.get, so code being
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from lmkernels.registry.core import (
+    _SHORT_NAMES,
     BackendNotSupportedError,
     Impl,
     LMKernelsError,
@@ -52,7 +53,8 @@ from lmkernels.registry.core import (
 ENV_VAR = "LMKERNELS_BACKEND"
 logger = logging.getLogger("lmkernels")
 AUTO = "auto"
-OP_ALIASES = {"flce": "fused_linear_cross_entropy", "rmsnorm": "rms_norm", "layernorm": "layer_norm"}
+# Aliases besides each op's OpSpec.short_name (e.g. "flce").
+OP_ALIASES = {"rmsnorm": "rms_norm", "layernorm": "layer_norm"}
 
 # Overrides set through use_backend()/set_backend(), as sorted (key, backend) pairs with key "*"
 # (global) or an op name: immutable and hashable, so the fast path keys its cache on them.
@@ -70,8 +72,14 @@ def _overrides() -> dict[str, str]:
     return dict(_CONTEXT.get())
 
 
+def op_aliases() -> dict[str, str]:
+    """alias -> op name: the ops' short names and OP_ALIASES."""
+    ops()  # a plugin's ops register with the backends
+    return {**_SHORT_NAMES, **OP_ALIASES}
+
+
 def canonical_op(name: str) -> str:
-    name = OP_ALIASES.get(name, name)
+    name = OP_ALIASES.get(name) or _SHORT_NAMES.get(name, name)
     get_op(name)  # raises UnknownOpError with the known names
     return name
 
