@@ -51,7 +51,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from lmkernels.ops._common import ROW_COUNTS, generator, op_function, randn, upcast
+from lmkernels.ops._common import ROW_COUNTS, check_class_indices, generator, op_function, randn, upcast
 from lmkernels.registry.core import ErrorInput, OpSpec, register_op
 from lmkernels.utils import (
     check_choice,
@@ -59,7 +59,6 @@ from lmkernels.utils import (
     check_number,
     check_same_device,
     check_tensor,
-    data_checks_enabled,
     fail,
 )
 
@@ -229,17 +228,10 @@ def check_inputs(student_hidden, student_weight, teacher_hidden, teacher_weight,
 
 
 def check_values(student_weight, target=None, ignore_index=DistillOptions.ignore_index, **_):
-    """Targets in range: reads values (one host sync), so the dispatcher runs it on every call
-    (check_inputs only once per input signature). LMKERNELS_CHECK_VALUES=0 skips it."""
-    V = student_weight.shape[0]
-    if target is not None and data_checks_enabled() and target.numel():
-        bad = (target != ignore_index) & ((target < 0) | (target >= V))
-        if bool(bad.any()):
-            first = target[bad][0].item()
-            fail(
-                f"target: expected class indices in [0, {V}) or ignore_index={ignore_index}, "
-                f"found {first} ({int(bad.sum())} out of range)"
-            )
+    """Targets in range: reads values, so the dispatcher runs it on every call (check_inputs only
+    once per input signature)."""
+    if target is not None:
+        check_class_indices(target, student_weight.shape[0], ignore_index)
 
 
 # make_inputs: logits of std LOGIT_STD from a latent the two models share, the student's class

@@ -43,7 +43,7 @@ import sys
 
 import torch
 
-from lmkernels.ops._common import ROW_COUNTS, generator, op_function, randn, upcast
+from lmkernels.ops._common import ROW_COUNTS, check_class_indices, generator, op_function, randn, upcast
 from lmkernels.registry.core import ErrorInput, OpSpec, Tolerance, register_op
 from lmkernels.utils import (
     check_bool,
@@ -52,8 +52,6 @@ from lmkernels.utils import (
     check_number,
     check_same_device,
     check_tensor,
-    checked_values,
-    data_checks_enabled,
     fail,
 )
 
@@ -193,18 +191,7 @@ def check_inputs(hidden, weight, target, **options):
 def check_values(hidden, weight, target, ignore_index=FlceOptions.ignore_index, **_):
     """Targets in range: reads values, so the dispatcher runs it on every call (check_inputs only
     once per input signature)."""
-    V = weight.shape[0]
-    if data_checks_enabled() and target.numel():
-        # One host sync; LMKERNELS_CHECK_VALUES=0 skips it (every backend then gives a nan loss
-        # for an out-of-range target, never an out-of-bounds read).
-        target = checked_values(target)
-        bad = (target != ignore_index) & ((target < 0) | (target >= V))
-        if bool(bad.any()):
-            first = target[bad][0].item()
-            fail(
-                f"target: expected class indices in [0, {V}) or ignore_index={ignore_index}, "
-                f"found {first} ({int(bad.sum())} out of range)"
-            )
+    check_class_indices(target, weight.shape[0], ignore_index)
 
 
 # Logit regimes of make_inputs (DESIGN.md, "Inputs like real training"): FLCE's speed can depend

@@ -62,6 +62,8 @@ from lmkernels.backends.triton.common import (
     soft_bf16,
     to_dtype,
     traced,
+    transforming,
+    transforms_function,
 )
 from lmkernels.backends.triton.flce_kernels import (
     MAX_SUPER_CHUNKS,
@@ -77,7 +79,7 @@ from lmkernels.backends.triton.flce_kernels import (
     scale_,
 )
 from lmkernels.ops.distill import DistillOptions, effective_divergence
-from lmkernels.registry.core import ConsumedInputsError, higher_order_error, register
+from lmkernels.registry.core import ConsumedInputsError, forward_ad_error, higher_order_error, register
 from lmkernels.utils import empty, env_sizes
 
 OP = "fused_linear_distillation"
@@ -643,7 +645,7 @@ _SECOND_BACKWARD = (
 
 
 def _backward(ctx, grad_loss, _gh, _gw, _gb):
-    if torch.is_grad_enabled() and not traced((grad_loss,)):  # create_graph=True
+    if torch.is_grad_enabled() and not (traced((grad_loss,)) or transforming()):  # create_graph=True
         raise higher_order_error(OP, "triton")
     if ctx.precomputed:
         if ctx.scaled:
@@ -657,15 +659,32 @@ def _backward(ctx, grad_loss, _gh, _gw, _gb):
         else:
             grads = [scale_(g, grad_loss) for g in (gh, gw, gb)]
             ctx.scaled = True
+        flags = ctx.flags
     else:
-        grads = _recompute(grad_loss, *ctx.saved_tensors, *ctx.options, *ctx.flags, ctx.tokens)
-    gh, gw, gb = (g if flag else None for g, flag in zip(grads, ctx.flags))
+        # What autograd asks for (the forward's flags, except under torch.func transforms).
+        needs = ctx.needs_input_grad
+        flags = (needs[0], needs[1], needs[5] and ctx.saved_tensors[5] is not None)
+        grads = _recompute(grad_loss, *ctx.saved_tensors, *ctx.options, *flags, ctx.tokens)
+    gh, gw, gb = (g if flag else None for g, flag in zip(grads, flags))
     return gh, gw, None, None, None, gb, *[None] * 12
 
 
+def _jvp(ctx, *tangents):
+    raise forward_ad_error(OP, "triton")
+
+
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
-# Eager calls: the same forward, context and backward, without the custom op's per-call cost.
-_DistillFunction = eager_function("DistillTritonFunction", _forward_raw, _setup_context, _backward)
+# Eager calls: the same forward, context and backward, without the custom op's per-call cost;
+# under torch.func transforms, their Function (no tangent: refused by name).
+_DistillFunction = eager_function(
+    "DistillTritonFunction",
+    _forward_raw,
+    _setup_context,
+    _backward,
+    transforms_function(
+        "DistillTritonTransforms", _forward_op, _forward_raw, _setup_context, _backward, _jvp
+    ),
+)
 
 
 # --- the impl ------------------------------------------------------------------------------------
@@ -676,7 +695,8 @@ def fused_linear_distillation_triton(
 ):
     o = DistillOptions(**options)
     Hs, Ht = student_weight.shape[1], teacher_weight.shape[1]
-    grad_on = torch.is_grad_enabled()
+    # Under torch.func transforms no gradient is computed in the forward (as FLCE's).
+    grad_on = torch.is_grad_enabled() and (torch.compiler.is_compiling() or not transforming())
     needs = (
         grad_on and student_hidden.requires_grad,
         grad_on and student_weight.requires_grad,
@@ -731,5 +751,6 @@ register(
     auto_devices=("cuda",),
     available=triton_unavailable_reason,
     supports=_supports,
+    compiled_transforms=False,
     description="chunks of both logits (<= 1 GiB), one row kernel; student gradients in the forward",
 )
