@@ -25,6 +25,7 @@ from lmkernels.ops.flce import SPEC, fused_linear_cross_entropy_reference  # noq
 
 if triton_unavailable_reason() is not None:
     pytest.skip(triton_unavailable_reason(), allow_module_level=True)
+lmkernels.impls()  # loads the backends: registers the lmkernels::flce_triton_* ops opcheck calls
 
 GRAD_NAMES = ("hidden", "weight", "bias")
 
