@@ -22,6 +22,10 @@ from lmkernels.registry.core import DEFAULT_TOLERANCES  # noqa: E402
 from lmkernels.utils import poison_outputs  # noqa: E402
 
 norms_mod = pytest.importorskip("lmkernels.backends.triton.norms", reason="needs triton")
+from lmkernels.backends.triton import triton_unavailable_reason  # noqa: E402
+
+if triton_unavailable_reason() is not None:  # e.g. the CPU interpreter of triton 3.6
+    pytest.skip(triton_unavailable_reason(), allow_module_level=True)
 from lmkernels.backends.triton.configs import hopper  # noqa: E402
 from lmkernels.backends.triton.configs.records import ColumnConfig  # noqa: E402
 

@@ -83,6 +83,8 @@ def render_explanation(e, columns: int | None = None) -> str:
         first = f"{mark}{name:<{name_w}}  {prio:>4}  "
         for i, reason in enumerate(reasons or ["ok"]):
             lines.append(cliargs.wrap(reason, first if i == 0 else indent, indent, columns=cols))
+    if e.note:
+        lines.append(cliargs.wrap(f"note: {e.note}", subsequent="  ", columns=cols))
     return "\n".join(lines)
 
 

@@ -268,6 +268,7 @@ class Explanation:
     chosen: str | None
     error: str | None
     rows: list[tuple[str, int, list[str]]]  # backend, priority, reasons (empty = can run)
+    note: str = ""  # what else decides the choice (torch.compile and the environment variable)
 
     def __str__(self) -> str:
         lines = [
@@ -278,7 +279,17 @@ class Explanation:
             mark = "->" if name == self.chosen else "  "
             status = "ok" if not reasons else "; ".join(reasons)
             lines.append(f"  {mark} {name:<14} priority {prio:>3}  {status}")
+        if self.note:
+            lines.append(f"  note: {self.note}")
         return "\n".join(lines)
+
+
+COMPILE_NOTE = (
+    f"code compiled with torch.compile chooses when it is traced: a use_backend()/set_backend() "
+    f"change retraces it; a change of {ENV_VAR} retraces it only where dynamo guards "
+    f"environment reads (torch 2.13 does; older releases may keep the traced choice: set "
+    f"{ENV_VAR} before compiling, or use use_backend())"
+)
 
 
 def explain(op: str, inputs: dict[str, Any], backend: str | None = None) -> Explanation:
@@ -294,7 +305,8 @@ def explain(op: str, inputs: dict[str, Any], backend: str | None = None) -> Expl
         chosen, error = resolve(op, inputs, backend).backend, None
     except LMKernelsError as e:
         chosen, error = None, str(e)
-    return Explanation(op, requested, chosen, error, rows)
+    note = COMPILE_NOTE if requested.source.startswith("env") else ""
+    return Explanation(op, requested, chosen, error, rows, note)
 
 
 def all_op_names() -> list[str]:
