@@ -237,7 +237,7 @@ def test_help_fits_and_cites_no_repository_file(monkeypatch, capsys):
             assert cited not in text, (argv, cited)
 
 
-def test_explain_says_why_auto_passes_over_higher_priority_backends(monkeypatch, capsys):
+def test_explain_says_why_auto_passes_over_triton_on_the_cpu(monkeypatch, capsys):
     """On the CPU under TRITON_INTERPRET=1 (conftest) Triton can run but is never chosen by
     auto: explain says so for every backend above the chosen one, within 80 columns."""
     from lmkernels.backends.triton import interpreting

@@ -238,7 +238,7 @@ def test_no_launch_with_a_freed_tensor(enabled):
     common.launch(kernel, (1,), empty, 0, 0.5, A=2)
 
 
-def test_ops_refuse_freed_tensors_forward_and_backward(triton_device):
+def test_triton_ops_refuse_freed_tensors_forward_and_backward(triton_device):
     """Through the library, on the path this machine takes (the GPU, else the interpreter): a
     freed weight in the forward, and a weight freed between the forward and the backward (what
     torch reports as "data is not allocated yet" for its own ops)."""
