@@ -197,8 +197,23 @@ def check_filters(op_filter: list[str] | None, backend_filter: list[str] | None)
 # --- main ---------------------------------------------------------------------------------------
 
 
+def _version_line() -> str:
+    """lmkernels' version and those of what it runs on."""
+    import lmkernels
+
+    parts = [f"lmkernels {lmkernels.__version__}", f"torch {torch.__version__}"]
+    try:
+        import triton
+
+        parts.append(f"triton {triton.__version__}")
+    except ImportError:
+        parts.append("no triton")
+    return ", ".join(parts)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = cliargs.Parser(prog="lmkernels", description=__doc__)
+    p.add_argument("--version", action="version", version=_version_line())
     sub = p.add_subparsers(dest="command", required=True)
 
     lst = sub.add_parser("list", help="which backend can run each op here")
@@ -208,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("explain", help="which impl would run for given inputs, and why not the others")
     e.add_argument("op", type=cliargs.op_name, help="op name, e.g. rms_norm or flce")
     e.add_argument("--shape", help='"M=4096,N=8192" or "4096x8192" (dims as in the op\'s grid)')
-    e.add_argument("--dtype", default="bf16", choices=list(DTYPES_BY_NAME))
+    e.add_argument("--dtype", default="bf16", type=cliargs.dtype_type("fp32", "bf16", "fp16", "fp64"))
     e.add_argument(
         "--device",
         type=cliargs.device,
@@ -239,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--dtype",
         action="extend",
-        type=cliargs.choice_list(VALIDATE_DTYPES, "dtype"),
+        type=cliargs.dtype_list,
         help="fp32, bf16, fp16 (repeatable or comma-separated); default all",
     )
     v.add_argument("--device", default="cpu", type=cliargs.device, help="cpu (default) or cuda")
