@@ -66,7 +66,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def render_explanation(e, columns: int | None = None) -> str:
-    """An Explanation as lines that fit the terminal: long reasons go on continuation lines."""
+    """An Explanation as a table that fits the terminal: long reasons wrap in their column."""
     cols = columns or cliargs.width()
     asked = (
         "auto (no backend asked for)"
@@ -74,15 +74,14 @@ def render_explanation(e, columns: int | None = None) -> str:
         else (f"requested {e.requested.backend!r} by {e.requested.source}")
     )
     head = f"{asked}: " + (f"runs {e.chosen!r}" if e.chosen else f"ERROR: {e.error}")
-    lines = [cliargs.wrap(head, subsequent="  ", columns=cols)]
-    name_w = max(len("backend"), *(len(name) for name, _, _ in e.rows))
-    indent = " " * (5 + name_w + 2 + 4 + 2)
-    lines.append(f"     {'backend':<{name_w}}  {'prio':>4}  ok, or why not")
-    for name, prio, reasons in e.rows:
-        mark = "  -> " if name == e.chosen else "     "
-        first = f"{mark}{name:<{name_w}}  {prio:>4}  "
-        for i, reason in enumerate(reasons or ["ok"]):
-            lines.append(cliargs.wrap(reason, first if i == 0 else indent, indent, columns=cols))
+    rows = [
+        ("->" if name == e.chosen else "", name, str(prio), "; ".join(reasons) or "ok")
+        for name, prio, reasons in e.rows
+    ]
+    lines = [
+        cliargs.wrap(head, subsequent="  ", columns=cols),
+        cliargs.table(("", "backend", "prio", "ok, or why not"), rows, cols),
+    ]
     if e.note:
         lines.append(cliargs.wrap(f"note: {e.note}", subsequent="  ", columns=cols))
     return "\n".join(lines)

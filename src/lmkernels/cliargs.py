@@ -28,6 +28,30 @@ def width() -> int:
     return min(WIDTH, shutil.get_terminal_size((WIDTH, 24)).columns)
 
 
+def table(
+    header: Sequence[str], rows: Iterable[Sequence[str]], columns: int | None = None, wrap_last: bool = True
+) -> str:
+    """A plain-text table (rich, no borders, no colour, two spaces between columns) that fits `columns` (default: the
+    terminal's, at most WIDTH): every column but the last keeps its cells on one line, the last
+    wraps (wrap_last) or is cut. Lines carry no trailing spaces."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(box=None, padding=(0, 2, 0, 0), pad_edge=False, header_style="", expand=False)
+    for i, name in enumerate(header):
+        last = i == len(header) - 1
+        t.add_column(name, no_wrap=not (last and wrap_last), overflow="fold" if last else "ellipsis")
+    for row in rows:
+        t.add_row(*row)
+    out = io.StringIO()
+    Console(
+        file=out, width=columns or width(), color_system=None, force_terminal=False, soft_wrap=False
+    ).print(t)
+    return "\n".join(line.rstrip() for line in out.getvalue().rstrip("\n").splitlines())
+
+
 def wrap(text: str, indent: str = "", subsequent: str | None = None, columns: int | None = None) -> str:
     """`text` wrapped to the terminal (at most WIDTH columns), each paragraph line on its own."""
     cols = columns or width()
