@@ -6,7 +6,7 @@ modes as a fixture, and the OpSpec's inputs. A test file imports the fixtures it
 import pytest
 import torch
 
-from lmkernels.backends.triton import _flce_plan as flce_plan
+from lmkernels.backends.triton import flce_kernels as kernels
 from lmkernels.ops.flce import SPEC
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -15,13 +15,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def fix_sizes(monkeypatch, chunk_tokens: int | None, blocks: tuple[int, int] | None) -> None:
     """Fix the plan's sizes through its environment variables (None: the plan's own rule)."""
     if chunk_tokens is None:
-        monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
+        monkeypatch.delenv(kernels.CHUNK_ENV, raising=False)
     else:
-        monkeypatch.setenv(flce_plan.CHUNK_ENV, str(chunk_tokens))
+        monkeypatch.setenv(kernels.CHUNK_ENV, str(chunk_tokens))
     if blocks is None:
-        monkeypatch.delenv(flce_plan.BLOCKS_ENV, raising=False)
+        monkeypatch.delenv(kernels.BLOCKS_ENV, raising=False)
     else:
-        monkeypatch.setenv(flce_plan.BLOCKS_ENV, f"{blocks[0]},{blocks[1]}")
+        monkeypatch.setenv(kernels.BLOCKS_ENV, f"{blocks[0]},{blocks[1]}")
 
 
 @pytest.fixture(autouse=True)

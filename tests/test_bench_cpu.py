@@ -1,4 +1,4 @@
-"""CPU benchmark suite (pytest-benchmark): forward+backward of the six ops on tiny shapes, eager
+"""CPU benchmark suite (pytest-benchmark): forward+backward of every op on tiny shapes, eager
 and compile backends, through the public functions. A smoke test of the benchmark path that CI
 can afford (< 60 s); the GPU numbers come from `lmkernels bench` (harness/bench/).
 

@@ -37,11 +37,10 @@ def test_list_fits_80_columns(missing_peer, reasons):
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 80
     names = set(backend_names())
-    rows = {
-        ln.split()[0]: ln.split()[2:]
-        for ln in lines
-        if ln[:1] != " " and ln.split()[:1] and ln.split()[0] in names
-    }
+    rows: dict[str, list[str]] = {}  # backend -> its cells, over every block of op columns
+    for ln in lines:
+        if ln[:1] != " " and ln.split()[:1] and ln.split()[0] in names:
+            rows.setdefault(ln.split()[0], []).extend(ln.split()[2:])
     assert set(rows) == set(backend_names())
     assert rows["eager"] == ["yes"] * len(rows["eager"])
     assert "yes" not in rows["toypeer"] and rows["toypeer"].count("no") == 2
@@ -162,7 +161,7 @@ BAD_ARGUMENTS = [
     (["explain", "rms_norm", "--set", "foo=1"], "--set: rms_norm unknown option 'foo'"),
     (["explain", "rms_norm", "--set", "casting_mode=bogus"], "casting_mode: expected one of"),
     (["explain", "rms_norm", "--backend", "eagr"], "argument --backend: unknown backend 'eagr'"),
-    (["explain", "rms_norm", "--dtype", "bf32"], "argument --dtype: invalid choice: 'bf32'"),
+    (["explain", "rms_norm", "--dtype", "bf32"], "argument --dtype: unknown dtype 'bf32'"),
     (["explain", "rms_norm", "--device", "tpu"], "argument --device: unknown device 'tpu'"),
     (["converge", "--backend", "eagr"], "argument --backend: unknown backend 'eagr'"),
     (["converge", "--backend", "triton,flc=eager"], "argument --backend: unknown op 'flc'"),
@@ -238,7 +237,7 @@ def test_help_fits_and_cites_no_repository_file(monkeypatch, capsys):
             assert cited not in text, (argv, cited)
 
 
-def test_explain_says_why_auto_passes_over_higher_priority_backends(monkeypatch, capsys):
+def test_explain_says_why_auto_passes_over_triton_on_the_cpu(monkeypatch, capsys):
     """On the CPU under TRITON_INTERPRET=1 (conftest) Triton can run but is never chosen by
     auto: explain says so for every backend above the chosen one, within 80 columns."""
     from lmkernels.backends.triton import interpreting
@@ -253,7 +252,7 @@ def test_explain_says_why_auto_passes_over_higher_priority_backends(monkeypatch,
         assert re.search(
             r"^ +triton +100 +not chosen automatically on cpu \(request it explicitly\)$", text, re.M
         )
-        assert re.search(r"^  -> compile +50 +ok$", text, re.M)
+        assert re.search(r"^-> +compile +50 +ok$", text, re.M)
     spec = get_op("rms_norm")
     e = explain("rms_norm", spec.make_inputs(spec.shapes["quick"][0], torch.float32, "cpu"))
     chosen = next(r for r in e.rows if r[0] == e.chosen)
@@ -464,3 +463,28 @@ def test_a_missing_extra_is_named_with_its_pip_command(argv):
     assert run.returncode == 2, out
     assert "Traceback" not in out
     assert "is not installed (pip install 'lmkernels[hf]')" in " ".join(out.split())
+
+
+def test_version_and_torch_dtype_names(capsys):
+    """`lmkernels --version` names lmkernels, torch and triton; every --dtype takes torch's dtype
+    names beside the short ones."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith(
+        f"lmkernels {lmkernels.__version__}, torch "
+    )
+    from lmkernels import cliargs
+
+    for name in ("bf16", "bfloat16", "torch.bfloat16", "BFloat16"):
+        assert cliargs.dtype_name(name) == "bf16"
+    assert cliargs.dtype_list("float32,torch.float16") == ["fp32", "fp16"]
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown dtype 'float64'"):
+        cliargs.dtype_type("fp32", "bf16")("float64")
+
+
+def test_command_errors_read_like_argparse_errors(capsys):
+    """An error found after parsing (a bad --shape) is one line in argparse's style, with the
+    program and command named, and exit status 2."""
+    assert cli.main(["explain", "rms_norm", "--device", "cpu", "--shape", "3xq"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("lmkernels explain: error: --shape: N='q' is not an integer")

@@ -25,7 +25,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from lmkernels.backends.triton import _norm_launchers, _norms, layer_norm, rms_norm
+from lmkernels.backends.triton import norms
 from lmkernels.backends.triton.configs import tables_for
 
 DTYPES = {torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float16: "*fp16"}
@@ -64,10 +64,7 @@ def signature(kernel, args, kwargs):
     return sig, constexprs, options
 
 
-KERNELS = {
-    _norm_launchers: ["_norm_bwd_kernel", "_norm_col_kernel"],
-    _norms: ["_sum_partials_kernel"],
-}
+KERNELS = {norms: ["_norm_bwd_kernel", "_norm_col_kernel", "_sum_partials_kernel"]}
 
 
 def launches(run):
@@ -92,14 +89,14 @@ def main(configs):
     table = tables_for(x.device).norms
     seen, compiled = set(), 0
     for fields in configs:
-        cfg = _norms.BwdConfig(**fields, column=table.column, sums=table.sums)
-        recorded = launches(lambda: layer_norm.layer_norm_backward(dy, x, w, stats, stats, torch.bfloat16, cfg))
-        recorded += launches(lambda: rms_norm.rms_norm_backward(dy, x, w, stats, 0.0, "llama", cfg))
+        cfg = norms.BwdConfig(**fields, column=table.column, sums=table.sums)
+        recorded = launches(lambda: norms.layer_norm_backward(dy, x, w, stats, stats, torch.bfloat16, cfg))
+        recorded += launches(lambda: norms.rms_norm_backward(dy, x, w, stats, 0.0, "llama", cfg))
         for kernel, args, kwargs in recorded:
             # On sm_90 the launchers add PDL (programmatic dependent launch) to every launch:
             # compiled that way here.
             variants = [dict(kwargs, PDL=True)]
-            if "PREFETCH" in kwargs and kwargs["PATH"] != _norms.PATH_WIDE:
+            if "PREFETCH" in kwargs and kwargs["PATH"] != norms.PATH_WIDE:
                 # The launcher prefetches on CUDA devices only (PTX): that path is compiled here.
                 variants.append(dict(kwargs, PREFETCH=True, PDL=True))
             for kw in variants:

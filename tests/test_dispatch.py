@@ -400,7 +400,7 @@ def test_triton_call_routes_each_kind_of_argument():
     dispatch mode; non-tensor options of any type are no tensors."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lmkernels.backends.triton._common import call
+    from lmkernels.backends.triton.common import call
 
     ran = []
 
@@ -464,3 +464,40 @@ def test_flce_options_are_defined_once():
     for impl in impls("fused_linear_cross_entropy"):
         with pytest.raises(TypeError, match="'softcapping'"):
             impl.fn(h, w, t, softcapping=30.0)
+
+
+def _dynamo_guards_environment() -> bool:
+    """Whether this torch's dynamo retraces a function whose os.environ read changed."""
+    import os
+
+    def probe(x):
+        return x + 1 if os.environ.get("LMKERNELS_TEST_PROBE") == "a" else x - 1
+
+    compiled = torch.compile(probe, backend="eager", fullgraph=True)
+    x = torch.zeros(1)
+    os.environ["LMKERNELS_TEST_PROBE"] = "a"
+    try:
+        first = compiled(x)
+        os.environ["LMKERNELS_TEST_PROBE"] = "b"
+        return not torch.equal(compiled(x), first)
+    finally:
+        os.environ.pop("LMKERNELS_TEST_PROBE")
+
+
+def test_compiled_code_follows_the_environment_or_explain_says_it_does_not(toys, monkeypatch):
+    """A function compiled with torch.compile chooses when traced. Where dynamo guards
+    environment reads, a later LMKERNELS_BACKEND change retraces it (as it retraces on a
+    use_backend change); elsewhere `explain` says the traced choice stays."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w: lmkernels.rms_norm(x, w), backend="eager", fullgraph=True)
+    monkeypatch.setenv("LMKERNELS_BACKEND", "toy_a")
+    compiled(X, W)
+    monkeypatch.setenv("LMKERNELS_BACKEND", "toy_b")
+    compiled(X, W)
+    if _dynamo_guards_environment():
+        assert toys == ["toy_a", "toy_b"]
+    else:
+        assert "set LMKERNELS_BACKEND before compiling" in explain("rms_norm", INPUTS).note
+    with lmkernels.use_backend("toy_a"):
+        compiled(X, W)
+    assert toys[-1] == "toy_a"

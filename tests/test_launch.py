@@ -1,4 +1,4 @@
-"""The launch cache (backends/triton/_launch.py): its key separates every launch that Triton
+"""The launch cache (backends/triton/common.py): its key separates every launch that Triton
 would compile differently, it hands the launcher the arguments in Triton's order, and it steps
 aside where it cannot follow; on a GPU, the library's own launches all go through it and give
 the same results as Triton's path, misaligned views included."""
@@ -16,20 +16,20 @@ triton = pytest.importorskip("triton", reason="needs triton")
 import triton.language as tl  # noqa: E402
 
 import lmkernels  # noqa: E402
-from lmkernels.backends.triton import _launch  # noqa: E402
-from lmkernels.backends.triton._common import pdl_enter  # noqa: E402
+from lmkernels.backends.triton import common  # noqa: E402
+from lmkernels.backends.triton.common import pdl_enter  # noqa: E402
 from lmkernels.registry import LMKernelsError  # noqa: E402
 
-GPU = torch.cuda.is_available() and torch.version.hip is None and not _launch.interpreting()
+GPU = torch.cuda.is_available() and torch.version.hip is None and not common.interpreting()
 
 
 def _key_spec(*args, **kwargs):
-    return _launch.launch_key(args, kwargs)[1:]
+    return common.launch_key(args, kwargs)[1:]
 
 
 def test_key_separates_constexprs_passed_by_position():
     """Positions 3 and 4 are constexprs: keyed by value, the others by specialization."""
-    key = lambda *args: _launch.launch_key(args, {}, (3, 4))  # noqa: E731
+    key = lambda *args: common.launch_key(args, {}, (3, 4))  # noqa: E731
     assert key(2, 3, 4, 5) != key(2, 3, 4, 6)
     assert key(2, 3, 4, 5) == key(18, 3, 4, 5)  # position 0: not divisible by 16 either way
     assert key(2, 3, 4, 5, True) != key(2, 3, 4, 5, 1)
@@ -149,18 +149,18 @@ class _Recorder:
 @pytest.fixture
 def enabled(monkeypatch):
     """The cache switched on as on a CUDA machine, device 0, no launch hooks."""
-    monkeypatch.setattr(_launch, "_ENABLED", True)
-    monkeypatch.setattr(_launch, "_JIT_FUNCTION", _Recorder)
-    monkeypatch.setattr(_launch, "_current_device", lambda: 0)
-    monkeypatch.setattr(_launch, "_hooks_set", lambda: False)
-    monkeypatch.setattr(_launch, "_stream_getter", lambda: lambda device: f"stream{device}")
+    monkeypatch.setattr(common, "_ENABLED", True)
+    monkeypatch.setattr(common, "_JIT_FUNCTION", _Recorder)
+    monkeypatch.setattr(common, "_current_device", lambda: 0)
+    monkeypatch.setattr(common, "_hooks_set", lambda: False)
+    monkeypatch.setattr(common, "_stream_getter", lambda: lambda device: f"stream{device}")
 
 
 def test_launcher_gets_every_parameter_in_order(enabled):
     kernel = _Recorder(_probe_kernel)
     x = torch.zeros(4)
-    _launch.launch(kernel, (3,), x, 4, 0.5, A=2, PDL=True)
-    _launch.launch(kernel, (5, 2), x, 4, 0.5, A=2, PDL=True)
+    common.launch(kernel, (3,), x, 4, 0.5, A=2, PDL=True)
+    common.launch(kernel, (5, 2), x, 4, 0.5, A=2, PDL=True)
     (kind0, *_), (kind1, args) = kernel.calls
     assert kind0 == "slow" and kind1 == "fast"
     # grid, stream, function, metadata, launch metadata and hooks (none), then x, n, scale, A,
@@ -171,11 +171,11 @@ def test_launcher_gets_every_parameter_in_order(enabled):
 def test_new_specialization_goes_through_triton(enabled):
     kernel = _Recorder(_probe_kernel)
     buf = torch.zeros(16)
-    _launch.launch(kernel, (1,), buf[:4], 4, 0.5, A=2)
-    _launch.launch(kernel, (1,), buf[1:5], 4, 0.5, A=2)  # misaligned: another key
-    _launch.launch(kernel, (1,), buf[:4], 16, 0.5, A=2)  # n divisible by 16: another key
-    _launch.launch(kernel, (1,), buf[:4], 4, 0.5, A=3)  # another constexpr value
-    _launch.launch(kernel, (1,), buf[4:8], 5, 0.25, A=2)  # the first key again
+    common.launch(kernel, (1,), buf[:4], 4, 0.5, A=2)
+    common.launch(kernel, (1,), buf[1:5], 4, 0.5, A=2)  # misaligned: another key
+    common.launch(kernel, (1,), buf[:4], 16, 0.5, A=2)  # n divisible by 16: another key
+    common.launch(kernel, (1,), buf[:4], 4, 0.5, A=3)  # another constexpr value
+    common.launch(kernel, (1,), buf[4:8], 5, 0.25, A=2)  # the first key again
     assert [c[0] for c in kernel.calls] == ["slow", "slow", "slow", "slow", "fast"]
 
 
@@ -183,25 +183,25 @@ def test_launches_the_cache_cannot_follow_stay_on_triton(enabled, monkeypatch):
     kernel = _Recorder(_probe_kernel)
     x = torch.zeros(4)
     for _ in range(2):
-        _launch.launch(kernel, (1,), x, n=4, scale=0.5, A=2)  # non-constexprs by keyword
-        _launch.launch(kernel, (1,), x, 4, 0.5, A=[2])  # an unhashable keyword value
-        _launch.launch(kernel, (1,), "text", 4, 0.5, A=2)  # an argument type the key lacks
+        common.launch(kernel, (1,), x, n=4, scale=0.5, A=2)  # non-constexprs by keyword
+        common.launch(kernel, (1,), x, 4, 0.5, A=[2])  # an unhashable keyword value
+        common.launch(kernel, (1,), "text", 4, 0.5, A=2)  # an argument type the key lacks
     assert [c[0] for c in kernel.calls] == ["slow"] * 6
-    monkeypatch.setattr(_launch, "_hooks_set", lambda: True)  # a profiler's launch hook
-    _launch.launch(kernel, (1,), x, 4, 0.5, A=2)
-    _launch.launch(kernel, (1,), x, 4, 0.5, A=2)
+    monkeypatch.setattr(common, "_hooks_set", lambda: True)  # a profiler's launch hook
+    common.launch(kernel, (1,), x, 4, 0.5, A=2)
+    common.launch(kernel, (1,), x, 4, 0.5, A=2)
     assert [c[0] for c in kernel.calls[6:]] == ["slow", "slow"]
 
 
 def test_constexprs_by_position_are_keyed_by_value(enabled):
     kernel = _Recorder(_probe_kernel)
     x = torch.zeros(4)
-    _launch.launch(kernel, (1,), x, 4, 0.5, 2)
-    _launch.launch(kernel, (1,), x, 4, 0.5, 3)  # another value: Triton compiles it apart
-    _launch.launch(kernel, (1,), x, 4, 0.5, 2.0)  # equal, of another type: apart too
-    _launch.launch(kernel, (1,), x, 4, 0.5, 2, 9)
-    _launch.launch(kernel, (1,), x, 4, 0.5, 3)
-    _launch.launch(kernel, (1,), x, 4, 0.5, 2, 9)
+    common.launch(kernel, (1,), x, 4, 0.5, 2)
+    common.launch(kernel, (1,), x, 4, 0.5, 3)  # another value: Triton compiles it apart
+    common.launch(kernel, (1,), x, 4, 0.5, 2.0)  # equal, of another type: apart too
+    common.launch(kernel, (1,), x, 4, 0.5, 2, 9)
+    common.launch(kernel, (1,), x, 4, 0.5, 3)
+    common.launch(kernel, (1,), x, 4, 0.5, 2, 9)
     assert [c[0] for c in kernel.calls] == ["slow", "slow", "slow", "slow", "fast", "fast"]
     # The positional constexprs go through in place, the remaining one (PDL) from its default.
     assert kernel.calls[-1][1][9:] == (x, 4, 0.5, 2, 9, False)
@@ -221,24 +221,24 @@ def test_no_launch_with_a_freed_tensor(enabled):
     context). The error names the kernel and the argument."""
     kernel = _Recorder(_probe_kernel)
     x = torch.zeros(4)
-    _launch.launch(kernel, (1,), x, 4, 0.5, A=2)
-    _launch.launch(kernel, (1,), x, 4, 0.5, A=2)
+    common.launch(kernel, (1,), x, 4, 0.5, A=2)
+    common.launch(kernel, (1,), x, 4, 0.5, A=2)
     for freed in (_freed(), _freed(), _freed(offset=2)):  # a view of a freed storage too
         with pytest.raises(
             LMKernelsError, match=r"_probe: tensor argument 0 \(shape \(4,\), torch.float32\) has no"
         ):
-            _launch.launch(kernel, (1,), freed, 4, 0.5, A=2)
+            common.launch(kernel, (1,), freed, 4, 0.5, A=2)
     two = _Recorder(_two_tensors_kernel)  # not the first argument; then past a key the cache lacks
     with pytest.raises(LMKernelsError, match="tensor argument 1 "):
-        _launch.launch(two, (1,), x, _freed(), 4)
+        common.launch(two, (1,), x, _freed(), 4)
     with pytest.raises(LMKernelsError, match="tensor argument 1 "):
-        _launch.launch(two, (1,), "text", _freed(), 4)
+        common.launch(two, (1,), "text", _freed(), 4)
     assert [c[0] for c in kernel.calls] == ["slow", "fast"] and two.calls == []
     empty = torch.zeros(0)  # no elements: nothing to read, a null pointer is fine
-    _launch.launch(kernel, (1,), empty, 0, 0.5, A=2)
+    common.launch(kernel, (1,), empty, 0, 0.5, A=2)
 
 
-def test_ops_refuse_freed_tensors_forward_and_backward(triton_device):
+def test_triton_ops_refuse_freed_tensors_forward_and_backward(triton_device):
     """Through the library, on the path this machine takes (the GPU, else the interpreter): a
     freed weight in the forward, and a weight freed between the forward and the backward (what
     torch reports as "data is not allocated yet" for its own ops)."""
@@ -259,23 +259,23 @@ def test_other_kernel_objects_stay_on_triton(enabled):
     wrapper = type("Wrapper", (), {"__getitem__": lambda self, grid: kernel[grid]})()
     x = torch.zeros(4)
     for _ in range(2):
-        _launch.launch(wrapper, (1,), x, 4, 0.5, A=2)
+        common.launch(wrapper, (1,), x, 4, 0.5, A=2)
     assert [c[0] for c in kernel.calls] == ["slow", "slow"]
 
 
 def test_cache_off_without_compiled_kernels():
     """Under the interpreter (CI) and without CUDA the cache never switches on."""
-    if _launch.interpreting() or not torch.cuda.is_available():
-        assert not _launch._enabled()
+    if common.interpreting() or not torch.cuda.is_available():
+        assert not common._enabled()
 
 
 def test_hooks_read_as_set_only_when_they_are():
-    assert not _launch._hook_set(None)
+    assert not common._hook_set(None)
     chain = type("Chain", (), {"calls": []})()
-    assert not _launch._hook_set(chain)
+    assert not common._hook_set(chain)
     chain.calls.append(print)
-    assert _launch._hook_set(chain)
-    assert _launch._hook_set(print)
+    assert common._hook_set(chain)
+    assert common._hook_set(print)
 
 
 # --- on the GPU ---------------------------------------------------------------------------------
@@ -288,7 +288,7 @@ def test_library_launches_all_use_the_cache():
     binding)."""
     import test_pdl
 
-    assert _launch._enabled()
+    assert common._enabled()
     for op, shapes in test_pdl.SHAPES.items():
         for shape in shapes:
             for _ in range(2):
@@ -297,7 +297,7 @@ def test_library_launches_all_use_the_cache():
     for param in test_pdl.KERNELS:
         cache = param.values[0].__dict__.get("_lmk_launches", ({}, ()))[0]
         launched += bool(cache)
-        assert all(e is not _launch._NOT_CACHED for e in cache.values()), param.id
+        assert all(e is not common._NOT_CACHED for e in cache.values()), param.id
     assert launched >= 8
 
 
@@ -318,7 +318,7 @@ def test_cached_launches_match_triton_path_on_misaligned_views(monkeypatch, op):
         return getattr(lmkernels, op)(x, w, backend="triton")
 
     cached = [run(o) for o in (0, 1, 0, 1)]
-    monkeypatch.setattr(_launch, "_ENABLED", False)
+    monkeypatch.setattr(common, "_ENABLED", False)
     triton_path = [run(o) for o in (0, 1)]
     for i, out in enumerate(cached):
         assert torch.equal(out, triton_path[i % 2]), f"{op}: call {i} differs from Triton's path"

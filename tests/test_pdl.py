@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 import lmkernels  # noqa: E402
 from lmkernels.registry import get_op  # noqa: E402
 
-common = pytest.importorskip("lmkernels.backends.triton._common", reason="needs triton")
+common = pytest.importorskip("lmkernels.backends.triton.common", reason="needs triton")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HOPPER = DEVICE == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability() >= (9, 0)
@@ -85,14 +85,18 @@ def test_pdl_only_on_hopper_cuda_devices():
 
 # --- on the GPU ---------------------------------------------------------------------------------
 
-SHAPES = {
+# Per op, the shapes its Triton kernels run at here: GPU-sized where listed, else (an op added
+# later) its OpSpec's quick shapes.
+_SIZED = {
     "rms_norm": [{"M": 3000, "N": 4096}, {"M": 1000, "N": 12285}],
     "layer_norm": [{"M": 3000, "N": 4096}, {"M": 1000, "N": 12285}],
     "rope": [{"B": 2, "Hq": 8, "Hkv": 2, "T": 1024, "D": 128}],
     "swiglu": [{"M": 1024, "N": 4096}],
     "geglu": [{"M": 1024, "N": 4096}],
     "fused_linear_cross_entropy": [{"BT": 1024, "H": 256, "V": 5000}],
+    "fused_linear_distillation": [{"BT": 1024, "Hs": 256, "Ht": 384, "V": 5000}],
 }
+SHAPES = {spec.name: _SIZED.get(spec.name, spec.shapes["quick"]) for spec in lmkernels.ops()}
 
 
 def _fwd_bwd(op, shape):

@@ -1,11 +1,11 @@
 """Property-based tests, driven by the registry: every op's random valid cases (OpSpec.sample)
 with random dtypes and memory layouts, through every backend of ours, judged by
 harness/properties.py (the correctness policy against fp64, inputs untouched, only
-lmkernels' errors, double backward correct or refused). A backend or op registered later is
-covered with no edits here.
+lmkernels' errors, double backward correct or refused; torch.func.jvp, forward_ad, grad and
+vmap correct or refused by name). A backend or op registered later is covered with no edits here.
 
 Profiles (LMKERNELS_HYPOTHESIS_PROFILE): "ci" (the default: a fixed, bounded number of
-examples per op and backend, derandomized so that CI is repeatable; about 3.5 minutes on one
+examples per op and backend, derandomized so that CI is repeatable; about 4 minutes on one
 CPU core: the file runs on one pytest worker) and "long" (500 random examples each, on demand). A case hypothesis finds failing is
 printed as a `Case(...)`; it goes into tests/property_regressions.py, which replays them all.
 """
@@ -24,7 +24,10 @@ from lmkernels.harness.properties import (
     Case,
     check_bad_input,
     check_double_backward,
+    check_forward_ad,
+    check_func_grad,
     check_sample,
+    check_vmap,
     layouts_for,
 )
 from lmkernels.registry.core import impls, ops
@@ -133,6 +136,27 @@ def test_bad_inputs_raise_lmkernels_errors_naming_them(spec, impl):
 def test_double_backward_is_right_or_refused(spec, impl):
     _skip_unavailable(impl)
     result = check_double_backward(spec, impl, DEVICE)
+    assert result.status == "pass", result.reason
+
+
+@pytest.mark.parametrize(("spec", "impl"), list(_ours()))
+def test_forward_ad_is_right_or_refused(spec, impl):
+    _skip_unavailable(impl)
+    result = check_forward_ad(spec, impl, DEVICE)
+    assert result.status == "pass", result.reason
+
+
+@pytest.mark.parametrize(("spec", "impl"), list(_ours()))
+def test_func_grad_matches_the_plain_gradient(spec, impl):
+    _skip_unavailable(impl)
+    result = check_func_grad(spec, impl, DEVICE)
+    assert result.status == "pass", result.reason
+
+
+@pytest.mark.parametrize(("spec", "impl"), list(_ours()))
+def test_vmap_matches_a_loop_or_is_refused(spec, impl):
+    _skip_unavailable(impl)
+    result = check_vmap(spec, impl, DEVICE)
     assert result.status == "pass", result.reason
 
 

@@ -19,13 +19,13 @@ pytest.importorskip("triton", reason="the Triton backend needs triton")
 
 import lmkernels  # noqa: E402
 from flce_common import BACKEND, DEVICE, fix_sizes, make, mode, small_chunks  # noqa: E402, F401
-from lmkernels.backends.triton import _flce_kernels as kernels  # noqa: E402
-from lmkernels.backends.triton import _flce_plan as flce_plan  # noqa: E402
+from lmkernels.backends.triton import flce_kernels as kernels  # noqa: E402
 from lmkernels.backends.triton import triton_unavailable_reason  # noqa: E402
 from lmkernels.ops.flce import SPEC, fused_linear_cross_entropy_reference  # noqa: E402
 
 if triton_unavailable_reason() is not None:
     pytest.skip(triton_unavailable_reason(), allow_module_level=True)
+lmkernels.impls()  # loads the backends: registers the lmkernels::flce_triton_* ops opcheck calls
 
 GRAD_NAMES = ("hidden", "weight", "bias")
 
@@ -153,7 +153,7 @@ def test_matches_fp64(monkeypatch, dtype, shape, case):
     if shape == "12x16x5000":
         # Vocabulary windows of 4500 + 500 columns: the first spans two BLOCK_V blocks of the
         # kernel with a masked tail (48-column windows would mean 105 blocks: slow to interpret).
-        monkeypatch.setenv(flce_plan.BLOCKS_ENV, "16,4500")
+        monkeypatch.setenv(kernels.BLOCKS_ENV, "16,4500")
     compare(make(SHAPES[shape], dtype, CASES[case]), dtype)
 
 
@@ -216,8 +216,8 @@ def test_no_host_sync(monkeypatch, mode, reduction, budget):
     any synchronizing torch call) with the target check off (its one sync, ops/flce.py); the
     budget 0 splits the tokens into super-chunks and the vocabulary into many blocks."""
     monkeypatch.setenv("LMKERNELS_CHECK_VALUES", "0")
-    monkeypatch.delenv(flce_plan.CHUNK_ENV, raising=False)
-    monkeypatch.delenv(flce_plan.BLOCKS_ENV, raising=False)
+    monkeypatch.delenv(kernels.CHUNK_ENV, raising=False)
+    monkeypatch.delenv(kernels.BLOCKS_ENV, raising=False)
     inputs = make({"BT": 4096, "H": 256, "V": 32000}, torch.bfloat16, {"reduction": reduction})
     inputs["memory_budget"] = budget
     hidden, weight = inputs["hidden"].requires_grad_(True), inputs["weight"].requires_grad_(True)
@@ -237,13 +237,13 @@ def test_budget_chunks_match_fp64(monkeypatch):
     (here 16 chunks of 128 tokens against the default's 8 of 256, the floor lowered from 1024
     so that the interpreter runs it)."""
     fix_sizes(monkeypatch, None, None)
-    monkeypatch.setattr(flce_plan, "MIN_FAST_CHUNK_TOKENS", 128)
+    monkeypatch.setattr(kernels, "MIN_FAST_CHUNK_TOKENS", 128)
     monkeypatch.setitem(BACKEND, "name", "triton")
     BT, H, V = 2048, 16, 64
     budget = 128 * V * 2 / ((BT + V) * H * 2)
-    default = flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, None, True, True)
+    default = kernels.plan(BT, H, V, 2, torch.bfloat16, None, False, None, True, True)
     assert default.chunk_bytes == 256 * V * 2
-    p = flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, budget, True, True)
+    p = kernels.plan(BT, H, V, 2, torch.bfloat16, None, False, budget, True, True)
     assert not p.lean and not p.fp32_logits and p.chunk_bytes == 128 * V * 2
     compare(make({"BT": BT, "H": H, "V": V}, torch.bfloat16, {"memory_budget": budget}), torch.bfloat16)
 
@@ -255,7 +255,7 @@ def test_budget_chunks_on_a_long_batch_match_fp64(monkeypatch):
     monkeypatch.setitem(BACKEND, "name", "triton")
     BT, H, V = 16384, 32, 256
     budget = 1024 * V * 2 / ((BT + V) * H * 2)
-    p = flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, budget, True, True)
+    p = kernels.plan(BT, H, V, 2, torch.bfloat16, None, False, budget, True, True)
     assert not p.lean and not p.fp32_logits and p.chunk_bytes == 1024 * V * 2
     compare(make({"BT": BT, "H": H, "V": V}, torch.bfloat16, {"memory_budget": budget}), torch.bfloat16)
 
@@ -267,7 +267,7 @@ def test_long_batch_matches_fp64(monkeypatch):
     fix_sizes(monkeypatch, None, None)
     monkeypatch.setitem(BACKEND, "name", "triton")
     BT, H, V = 32768, 32, 256
-    assert flce_plan.bf16_logits_chunk(BT, V, torch.bfloat16, 2) == BT // 16
+    assert kernels.bf16_logits_chunk(BT, V, torch.bfloat16, 2) == BT // 16
     compare(make({"BT": BT, "H": H, "V": V}, torch.bfloat16, {}), torch.bfloat16)
 
 
@@ -417,7 +417,7 @@ def _forward_args(inputs, reduction, grads, lean, stats=True):
         grads and inputs.get("bias") is not None,
         True,
         lean,
-        0 if not lean else 1 << 20,  # chunk_bytes (0: the default's) and block_bytes: flce_plan.plan's
+        0 if not lean else 1 << 20,  # chunk_bytes (0: the default's) and block_bytes: kernels.plan's
         lean,  # fp32_logits: the fast mode takes the input dtype's (bf16 inputs: bf16 logits)
         1 << 20,
         stats,

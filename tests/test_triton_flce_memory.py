@@ -16,8 +16,7 @@ pytest.importorskip("triton", reason="the Triton backend needs triton")
 
 import lmkernels  # noqa: E402
 from flce_common import BACKEND, DEVICE, fix_sizes, make, mode, small_chunks  # noqa: E402, F401
-from lmkernels.backends.triton import _flce_kernels as kernels  # noqa: E402
-from lmkernels.backends.triton import _flce_plan as flce_plan  # noqa: E402
+from lmkernels.backends.triton import flce_kernels as kernels  # noqa: E402
 from lmkernels.backends.triton import triton_unavailable_reason  # noqa: E402
 
 if triton_unavailable_reason() is not None:
@@ -128,19 +127,19 @@ def test_peak_memory_cuda(monkeypatch, accum, mode):
     grad_h, grad_w = BT * H * 2, V * H * 2
     slack = 8 * 2**20  # loss, lse, scales, cuBLAS workspace
     if mode == "lean":
-        budget = flce_plan.lean_budget_bytes(BT, H, V, 2)
+        budget = kernels.lean_budget_bytes(BT, H, V, 2)
         whole = accum == torch.float32
-        tokens, cols = flce_plan.flce_blocks(BT, H, V, budget, whole_tokens=whole, accumulate_h=True)
+        tokens, cols = kernels.flce_blocks(BT, H, V, budget, whole_tokens=whole, accumulate_h=True)
         expected = grad_h + grad_w + tokens * (H + cols) * 4
         assert peak_forward <= expected + slack, f"forward peak {peak_forward / 2**20:.0f} MiB"
         assert peak_backward <= expected + slack, f"backward peak {peak_backward / 2**20:.0f} MiB"
         if not whole:  # the budget holds: 8% above the gradients
             assert max(peak_forward, peak_backward) <= (grad_h + grad_w) * 1.08 + slack
     else:
-        chunk = flce_plan.bf16_logits_chunk(BT, V, torch.bfloat16, 2)
+        chunk = kernels.bf16_logits_chunk(BT, V, torch.bfloat16, 2)
         if accum == torch.float32 or chunk is None:
             # the fp32 accumulator, then the conversion's result next to it
-            logits = flce_plan.flce_chunk_tokens(BT, V) * V * 4
+            logits = kernels.flce_chunk_tokens(BT, V) * V * 4
             expected = grad_h + 2 * grad_w + max(logits, grad_w)
         else:  # 8 chunks of bf16 logits, summed in bf16 straight into grad_W
             expected = grad_h + grad_w + chunk * V * 2
@@ -162,15 +161,15 @@ def test_budget_peak_memory_cuda(monkeypatch, budget):
     chunks (0.4) and the default (1.0)."""
     fix_sizes(monkeypatch, None, None)
     BT, H, V = 16384, 2560, 151936
-    p = flce_plan.plan(BT, H, V, 2, torch.bfloat16, None, False, budget, True, True)
+    p = kernels.plan(BT, H, V, 2, torch.bfloat16, None, False, budget, True, True)
     grads = (BT + V) * H * 2
     if p.lean:
-        tokens, cols = flce_plan.flce_blocks(
+        tokens, cols = kernels.flce_blocks(
             BT, H, V, p.block_bytes, whole_tokens=p.accum_fp32, accumulate_h=True
         )
         extra = tokens * (H + cols) * 4
     else:
-        extra = flce_plan.fast_extra_bytes(p, BT, H, V, True, torch.bfloat16)
+        extra = kernels.fast_extra_bytes(p, BT, H, V, True, torch.bfloat16)
     inputs = make({"BT": BT, "H": H, "V": V}, torch.bfloat16, {"memory_budget": budget})
     hidden = inputs["hidden"].requires_grad_(True)
     weight = inputs["weight"].requires_grad_(True)

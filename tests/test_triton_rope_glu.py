@@ -23,6 +23,10 @@ import torch.nn.functional as F  # noqa: E402
 from torch._dynamo.testing import AotEagerAndRecordGraphs  # noqa: E402
 
 pytest.importorskip("triton", reason="the Triton backend needs triton")
+from lmkernels.backends.triton import triton_unavailable_reason  # noqa: E402
+
+if triton_unavailable_reason() is not None:  # e.g. the CPU interpreter of triton 3.6
+    pytest.skip(triton_unavailable_reason(), allow_module_level=True)
 
 import lmkernels  # noqa: E402
 from lmkernels.backends.triton import glu as glu_mod  # noqa: E402

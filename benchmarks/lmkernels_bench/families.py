@@ -6,11 +6,12 @@
 For each family: a small random model (tiny_model with SIZE, the vocabulary of the shipped Tiny
 Shakespeare BPE), the same init and batches for every run.
 
-- Trajectories: trained plain in fp32 (the reference), plain in bf16 (the baseline) and patched
-  in bf16 with --backend; verdict by the convergence policy's bf16 rule
-  (lmkernels.convergence.compare: err(patched) <= 2 x err(plain bf16) + floor, both against
-  fp32). One seed cannot tell bf16 chaos (a loss spike plain transformers shows on the same
-  weights) from a kernel error: hence the second check.
+- Trajectories: trained plain in fp32 (the reference), plain in bf16 NOISE_RUNS times (the rows
+  of each batch in another order: the same loss and gradients in exact arithmetic, another
+  bf16 rounding) and patched in bf16 with --backend. Each bf16 run's distance from fp32: the
+  mean |loss - fp32 loss| over the second half of the steps (where rounding has had time to
+  move a trajectory). Verdict: the patched run's distance is within NOISE_FACTOR x the largest
+  of the plain runs', i.e. inside the spread that rounding alone gives plain transformers.
 - Step check (--stepcheck): along the patched run, before every update, plain bf16 and plain
   fp32 copies loaded with the patched model's current weights run the same batch. Per step the
   loss, every parameter gradient (RMS over steps, against fp32: pass when patched <= 2 x plain
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import platform
 import sys
@@ -80,9 +82,29 @@ def family_model(model_type: str, batches, seq_len: int):
 # --- trajectories ---------------------------------------------------------------------------------
 
 
+# The trajectory check's noise: plain bf16 runs on the batches' rows in other orders.
+NOISE_RUNS = 3
+NOISE_FACTOR = 1.5
+
+
+def permuted(batches, seed: int):
+    """The same batches with the rows of each in another (seeded) order; seed 0: as they are."""
+    if seed == 0:
+        return batches
+    g = torch.Generator().manual_seed(seed)
+    train = [b[torch.randperm(b.shape[0], generator=g)] for b in batches.train]
+    return dataclasses.replace(batches, train=train)
+
+
+def distance(losses: list[float], reference: list[float]) -> float:
+    """Mean |loss - reference loss| over the second half of the steps."""
+    half = len(losses) // 2
+    pairs = list(zip(losses[half:], reference[half:]))
+    return sum(abs(a - b) for a, b in pairs) / max(1, len(pairs))
+
+
 def trajectory(model_type: str, backend: str, batches, steps: int, batch_size: int, seq_len: int, device):
-    """fp32 plain, bf16 plain and bf16 patched from one init; the bf16 rule's verdict."""
-    from lmkernels.convergence.compare import compare
+    """fp32 plain, bf16 plain NOISE_RUNS times (rows reordered) and bf16 patched, from one init."""
     from lmkernels.convergence.train import Patch, TrainConfig, train_run
     from lmkernels.integrations import transformers as lk_hf
 
@@ -90,7 +112,6 @@ def trajectory(model_type: str, backend: str, batches, steps: int, batch_size: i
     base = family_model(model_type, batches, seq_len)
     report = lk_hf.patch_report(base.to(device), backend=backend)
     base = base.cpu()
-    init = {n: p.detach().float().clone() for n, p in base.named_parameters()}
     cfg = TrainConfig(
         family=model_type,
         steps=steps,
@@ -101,10 +122,17 @@ def trajectory(model_type: str, backend: str, batches, steps: int, batch_size: i
         vocab_size=batches.vocab_size,
     )
     reference = train_run(base, batches, cfg, dtype="fp32", label=f"{model_type} fp32", progress=True)
-    baseline = train_run(base, batches, cfg, label=f"{model_type} bf16", progress=True)
+    plain = [
+        train_run(base, permuted(batches, seed), cfg, label=f"{model_type} bf16 #{seed}", progress=True)
+        for seed in range(NOISE_RUNS)
+    ]
     patch = Patch(backend, lk_hf.SUPPORTED_OPS)
     patched = train_run(base, batches, cfg, patch=patch, label=f"{model_type} lmk", progress=True)
-    checks = compare(patched, baseline, init, cfg.topk, reference)
+    noise = [distance(r.losses, reference.losses) for r in plain]
+    ours = distance(patched.losses, reference.losses)
+    limit = NOISE_FACTOR * max(noise)
+    eval_noise = [abs(r.eval_loss - reference.eval_loss) for r in plain]
+    eval_ours = abs(patched.eval_loss - reference.eval_loss)
     summary = report.summary()
     return {
         "family": model_type,
@@ -112,9 +140,14 @@ def trajectory(model_type: str, backend: str, batches, steps: int, batch_size: i
         "patched": summary["patched"],
         "kept": summary["kept"],
         "failed": summary["failed"],
-        "passed": all(c.passed for c in checks),
-        "checks": [vars(c) for c in checks],
-        "losses": {"fp32": reference.losses, "bf16": baseline.losses, "patched": patched.losses},
+        "passed": ours <= limit,
+        "distance": {"patched": ours, "plain_bf16": noise, "limit": limit},
+        "eval_loss_diff": {"patched": eval_ours, "plain_bf16": eval_noise},
+        "losses": {
+            "fp32": reference.losses,
+            "patched": patched.losses,
+            **{f"bf16_{i}": r.losses for i, r in enumerate(plain)},
+        },
         "seconds": time.perf_counter() - start,
     }
 
@@ -255,7 +288,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--families", nargs="+", default=list(DEFAULT))
     p.add_argument("--backend", default="triton")
-    p.add_argument("--steps", type=int, help="training steps (default 30, step check 20)")
+    p.add_argument("--steps", type=int, help="training steps (default 150, step check 20)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--stepcheck", action="store_true", help="the step check on shared weights")
@@ -266,13 +299,17 @@ def parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = parser()
     args = p.parse_args(argv)
-    args.steps = args.steps or (20 if args.stepcheck else 30)
+    args.steps = args.steps or (20 if args.stepcheck else 150)
     return args
 
 
 def _fmt_trajectory(r: dict[str, Any]) -> str:
-    worst = ", ".join(f"{c['metric']} {c['value']:.3g}/{c['limit']:.3g}" for c in r["checks"])
-    return f"| {r['family']} | {'pass' if r['passed'] else 'FAIL'} | {', '.join(r['ops'])} | {worst} |"
+    d = r["distance"]
+    noise = ", ".join(f"{v:.4f}" for v in d["plain_bf16"])
+    return (
+        f"| {r['family']} | {'pass' if r['passed'] else 'FAIL'} | {d['patched']:.4f} | {noise} | "
+        f"{d['limit']:.4f} | {', '.join(r['ops'])} |"
+    )
 
 
 def _fmt_stepcheck(family: str, v: dict[str, Any]) -> str:
@@ -330,7 +367,13 @@ def main(argv=None) -> int:
         print(_fmt_trajectory(results[-1]), flush=True)
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     md = [f"# Families, bf16 convergence on {meta['device']}", "", *head]
-    md += ["| family | verdict | patched ops | error / limit per metric |", "|---|---|---|---|"]
+    md += [
+        f"Mean |loss - fp32 loss| over the second half of {args.steps} steps: patched, plain bf16 with the",
+        f"batch rows in {NOISE_RUNS} orders (the rounding noise), limit {NOISE_FACTOR} x the largest.",
+        "",
+        "| family | verdict | patched | plain bf16 runs | limit | patched ops |",
+        "|---|---|---|---|---|---|",
+    ]
     (out / "summary.md").write_text("\n".join(md + [_fmt_trajectory(r) for r in results]) + "\n")
     return 0 if all(r["passed"] for r in results) else 1
 

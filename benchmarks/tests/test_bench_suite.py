@@ -175,6 +175,24 @@ def test_stepcheck_verdict():
     assert not families.stepcheck_verdict([[step(1e-1, 1e-3)]])["passed"]
 
 
+def test_trajectory_noise_runs_change_only_the_row_order():
+    """The plain bf16 runs that measure the rounding noise see every batch's rows in another
+    order, never other rows; the distance reads the second half of the steps."""
+    import torch
+
+    from lmkernels.convergence.data import Batches
+
+    batches = Batches(
+        train=[torch.arange(12).view(4, 3) + 100 * i for i in range(3)], eval=[], vocab_size=500
+    )
+    assert families.permuted(batches, 0) is batches
+    other = families.permuted(batches, 1)
+    for a, b in zip(batches.train, other.train):
+        assert sorted(map(tuple, a.tolist())) == sorted(map(tuple, b.tolist()))
+    assert any(not torch.equal(a, b) for a, b in zip(batches.train, other.train))
+    assert families.distance([9.0, 9.0, 1.5, 2.0], [0.0, 0.0, 1.0, 1.0]) == 0.75
+
+
 def test_compare_trees_summary_pairs_rounds():
     """`lmkernels-bench compare-trees`: per case the median of the per-round ratios, and the old
     tree's own spread as the noise."""

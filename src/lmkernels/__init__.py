@@ -8,6 +8,7 @@ with lk.use_backend("triton", flce="compile"): ...
 
 from lmkernels.ops import (
     fused_linear_cross_entropy,
+    fused_linear_distillation,
     geglu,
     layer_norm,
     rms_norm,
@@ -17,6 +18,7 @@ from lmkernels.ops import (
 from lmkernels.registry import (
     BackendNotSupportedError,
     ConsumedInputsError,
+    ForwardADError,
     HigherOrderGradientError,
     LMKernelsError,
     UnknownBackendError,
@@ -53,6 +55,7 @@ add_loader(_load_backends)
 __all__ = [
     "BackendNotSupportedError",
     "ConsumedInputsError",
+    "ForwardADError",
     "HigherOrderGradientError",
     "LMKernelsError",
     "UnknownBackendError",
@@ -60,6 +63,7 @@ __all__ = [
     "backend_names",
     "explain",
     "fused_linear_cross_entropy",
+    "fused_linear_distillation",
     "geglu",
     "get_impl",
     "get_op",

@@ -70,7 +70,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def render_explanation(e: Explanation, columns: int | None = None) -> str:
-    """An Explanation as lines that fit the terminal: long reasons go on continuation lines."""
+    """An Explanation as a table that fits the terminal: long reasons wrap in their column."""
     cols = columns or cliargs.width()
     asked = (
         "auto (no backend asked for)"
@@ -78,15 +78,16 @@ def render_explanation(e: Explanation, columns: int | None = None) -> str:
         else (f"requested {e.requested.backend!r} by {e.requested.source}")
     )
     head = f"{asked}: " + (f"runs {e.chosen!r}" if e.chosen else f"ERROR: {e.error}")
-    lines = [cliargs.wrap(head, subsequent="  ", columns=cols)]
-    name_w = max(len("backend"), *(len(name) for name, _, _ in e.rows))
-    indent = " " * (5 + name_w + 2 + 4 + 2)
-    lines.append(f"     {'backend':<{name_w}}  {'prio':>4}  ok, or why not")
-    for name, prio, reasons in e.rows:
-        mark = "  -> " if name == e.chosen else "     "
-        first = f"{mark}{name:<{name_w}}  {prio:>4}  "
-        for i, reason in enumerate(reasons or ["ok"]):
-            lines.append(cliargs.wrap(reason, first if i == 0 else indent, indent, columns=cols))
+    rows = [
+        ("->" if name == e.chosen else "", name, str(prio), "; ".join(reasons) or "ok")
+        for name, prio, reasons in e.rows
+    ]
+    lines = [
+        cliargs.wrap(head, subsequent="  ", columns=cols),
+        cliargs.table(("", "backend", "prio", "ok, or why not"), rows, cols),
+    ]
+    if e.note:
+        lines.append(cliargs.wrap(f"note: {e.note}", subsequent="  ", columns=cols))
     return "\n".join(lines)
 
 
@@ -205,8 +206,23 @@ def check_filters(op_filter: list[str] | None, backend_filter: list[str] | None)
 # --- main ---------------------------------------------------------------------------------------
 
 
+def _version_line() -> str:
+    """lmkernels' version and those of what it runs on."""
+    import lmkernels
+
+    parts = [f"lmkernels {lmkernels.__version__}", f"torch {torch.__version__}"]
+    try:
+        import triton
+
+        parts.append(f"triton {triton.__version__}")
+    except ImportError:
+        parts.append("no triton")
+    return ", ".join(parts)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = cliargs.Parser(prog="lmkernels", description=__doc__)
+    p.add_argument("--version", action="version", version=_version_line())
     sub = p.add_subparsers(dest="command", required=True)
 
     lst = sub.add_parser("list", help="which backend can run each op here")
@@ -216,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("explain", help="which impl would run for given inputs, and why not the others")
     e.add_argument("op", type=cliargs.op_name, help="op name, e.g. rms_norm or flce")
     e.add_argument("--shape", help='"M=4096,N=8192" or "4096x8192" (dims as in the op\'s grid)')
-    e.add_argument("--dtype", default="bf16", choices=list(DTYPES_BY_NAME))
+    e.add_argument("--dtype", default="bf16", type=cliargs.dtype_type("fp32", "bf16", "fp16", "fp64"))
     e.add_argument(
         "--device",
         type=cliargs.device,
@@ -247,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--dtype",
         action="extend",
-        type=cliargs.choice_list(VALIDATE_DTYPES, "dtype"),
+        type=cliargs.dtype_list,
         help="fp32, bf16, fp16 (repeatable or comma-separated); default all",
     )
     v.add_argument("--device", default="cpu", type=cliargs.device, help="cpu (default) or cuda")

@@ -31,6 +31,30 @@ def width() -> int:
     return min(WIDTH, shutil.get_terminal_size((WIDTH, 24)).columns)
 
 
+def table(
+    header: Sequence[str], rows: Iterable[Sequence[str]], columns: int | None = None, wrap_last: bool = True
+) -> str:
+    """A plain-text table (rich, no borders, no colour, two spaces between columns) that fits `columns` (default: the
+    terminal's, at most WIDTH): every column but the last keeps its cells on one line, the last
+    wraps (wrap_last) or is cut. Lines carry no trailing spaces."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(box=None, padding=(0, 2, 0, 0), pad_edge=False, header_style="", expand=False)
+    for i, name in enumerate(header):
+        last = i == len(header) - 1
+        t.add_column(name, no_wrap=not (last and wrap_last), overflow="fold" if last else "ellipsis")
+    for row in rows:
+        t.add_row(*row)
+    out = io.StringIO()
+    Console(
+        file=out, width=columns or width(), color_system=None, force_terminal=False, soft_wrap=False
+    ).print(t)
+    return "\n".join(line.rstrip() for line in out.getvalue().rstrip("\n").splitlines())
+
+
 def wrap(text: str, indent: str = "", subsequent: str | None = None, columns: int | None = None) -> str:
     """`text` wrapped to the terminal (at most WIDTH columns), each paragraph line on its own."""
     cols = columns or width()
@@ -71,32 +95,36 @@ def missing_module(e: ModuleNotFoundError) -> str:
     return f"{package} is not installed (pip install 'lmkernels[{EXTRAS.get(package, package)}]')"
 
 
-def invoke(args: argparse.Namespace) -> int:
-    """Run the subcommand args.func: an LMKernelsError is a one-line error (exit status 2),
-    Ctrl-C exits 130 and a closed pipe (`| head`) 141, with no traceback."""
+def invoke(args: argparse.Namespace, prog: str = "lmkernels") -> int:
+    """Run the subcommand args.func: an LMKernelsError, or a missing optional package, is an
+    error line in argparse's style ("lmkernels explain: error: ...", exit status 2), Ctrl-C exits
+    130 and a closed pipe (`| head`) 141, with no traceback."""
     import os
-
-    from rich.console import Console
-    from rich.markup import escape
 
     from lmkernels.registry import LMKernelsError
 
+    command = getattr(args, "command", None)
+    where = f"{prog} {command}" if command else prog
     try:
         return int(args.func(args) or 0)
     except LMKernelsError as e:
-        Console(stderr=True).print(f"[red]error:[/] {escape(str(e))}")
-        return 2
+        return error(where, str(e))
     except ModuleNotFoundError as e:
         if e.name is None or e.name.split(".")[0] not in EXTRAS:
             raise
-        Console(stderr=True).print(f"[red]error:[/] {escape(missing_module(e))}")
-        return 2
+        return error(where, missing_module(e))
     except KeyboardInterrupt:
-        Console(stderr=True).print("interrupted")
+        print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader left: no traceback, and none when Python flushes at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+
+
+def error(where: str, message: str) -> int:
+    """Print "<where>: error: <message>" to stderr, wrapped to the terminal; returns 2."""
+    print(wrap(f"{where}: error: {message}", subsequent="  "), file=sys.stderr)
+    return 2
 
 
 @contextlib.contextmanager
@@ -135,14 +163,15 @@ def split_commas(text: str) -> list[str]:
 
 def op_names(text: str) -> list[str]:
     """Type of --op: one op or a comma-separated list (aliases accepted), canonical names."""
-    from lmkernels.registry.dispatch import OP_ALIASES, all_op_names
+    from lmkernels.registry.dispatch import all_op_names, op_aliases
 
     known = all_op_names()
+    known_aliases = op_aliases()
     out = []
     for name in split_commas(text) or [text]:
-        name = OP_ALIASES.get(name, name)
+        name = known_aliases.get(name, name)
         if name not in known:
-            aliases = ", ".join(f"{a}={o}" for a, o in OP_ALIASES.items())
+            aliases = ", ".join(f"{a}={o}" for a, o in known_aliases.items())
             raise argparse.ArgumentTypeError(f"{unknown('op', name, known)} (aliases: {aliases})")
         out.append(name)
     return out
@@ -211,6 +240,46 @@ def choice_list(choices: Sequence[str], what: str) -> Callable[[str], list[str]]
 
     parse.__name__ = what
     return parse
+
+
+# The dtype names the commands take: the short ones and torch's (float32, torch.float32, ...).
+DTYPE_ALIASES = {
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp64": "fp64",
+    "float64": "fp64",
+    "double": "fp64",
+}
+
+
+def dtype_name(text: str, allowed: Sequence[str] = ("fp32", "bf16", "fp16")) -> str:
+    """A dtype's short name (fp32, bf16, fp16) from it or torch's name for it."""
+    short = DTYPE_ALIASES.get(text.strip().lower().removeprefix("torch."))
+    if short is None or short not in allowed:
+        known = [*allowed, *(k for k, v in DTYPE_ALIASES.items() if v in allowed and k not in allowed)]
+        raise argparse.ArgumentTypeError(unknown("dtype", text, known))
+    return short
+
+
+def dtype_type(*allowed: str) -> Callable[[str], str]:
+    """Type of a --dtype taking one of `allowed` (short names), by any of its names."""
+
+    def parse(text: str) -> str:
+        return dtype_name(text, allowed or ("fp32", "bf16", "fp16"))
+
+    parse.__name__ = "dtype"
+    return parse
+
+
+def dtype_list(text: str) -> list[str]:
+    """Type of a repeatable, comma-separated --dtype (validate)."""
+    return [dtype_name(v) for v in split_commas(text) or [text]]
 
 
 def device(text: str) -> str:

@@ -1,4 +1,4 @@
-"""Small helpers shared by ops and backends: output allocation, input checks."""
+"""Small helpers shared by ops and backends: output allocation, input checks, torch.func."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 import torch
+import torch.autograd.forward_ad
 
 from lmkernels.registry.core import LMKernelsError
 
@@ -131,6 +132,28 @@ def data_checks_enabled() -> bool:
     if torch.compiler.is_compiling():
         return False
     return os.environ.get("LMKERNELS_CHECK_VALUES", "1") not in ("0", "false", "False")
+
+
+def checked_values(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a value check reads for input t: t itself, or under torch.func transforms the
+    plain tensor inside functorch's wrappers. Under vmap that holds the values of every batch
+    element, which are all checked at once: a Python branch on a batched tensor's values is an
+    error there."""
+    if torch._C._are_functorch_transforms_active():
+        while torch._C._functorch.is_functorch_wrapped_tensor(t):
+            t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+# torch.autograd.forward_ad keeps the level of the dual tensors being made in a module global.
+_forward_ad = torch.autograd.forward_ad
+
+
+def transforms_active() -> bool:
+    """Whether torch.func transforms (grad, vjp, jvp, vmap, ...) or forward-mode AD (a
+    torch.autograd.forward_ad.dual_level) are active: where the backends' eager autograd
+    Functions, which have no tangent formula and no vmap rule, must not run."""
+    return torch._C._are_functorch_transforms_active() or _forward_ad._current_level >= 0
 
 
 def env_sizes(name: str, count: int) -> tuple[int, ...] | None:

@@ -15,6 +15,13 @@ logits. Here the tokens are cut into chunks and only one chunk's logits exist at
 Chunk size: about BT * H / V tokens (so a chunk's fp32 logits are about as large as the fp32
 hidden states), rounded up to a multiple of 64 and at least 64. For Llama 3 (H 4096, V 128256)
 and BT 8192 that is 320 tokens, 164 MB of fp32 logits per chunk.
+
+Under torch.func transforms (grad, vjp, jvp, vmap) and forward-mode AD every op runs its eager
+reference: torch.compile does not compile there (dynamo runs such frames eagerly), and the
+reference's plain PyTorch has every derivative, to any order, and every batching rule. FLCE then
+holds the (tokens x V) logits, as the eager backend does. A backward with create_graph=True
+outside them is refused (HigherOrderGradientError): AOTAutograd's compiled backward has no
+derivative of its own.
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ import math
 
 import torch
 
-from lmkernels.ops.flce import FlceOptions
-from lmkernels.ops.rope import rope_apply, rope_tables_at
+from lmkernels.ops.flce import FlceOptions, fused_linear_cross_entropy_reference
+from lmkernels.ops.rope import rope_apply, rope_reference, rope_tables_at
 from lmkernels.registry.core import _OPS, higher_order_error, register
+from lmkernels.utils import transforms_active
 
 # Compiled functions are built on first use: torch.compile imports dynamo and inductor (seconds),
 # which `import lmkernels` and the other backends must not pay for.
@@ -78,6 +86,8 @@ def _make_generic(name: str):
     prehook = _refusing_double_backward(name)
 
     def run(*args, **kwargs):
+        if transforms_active():
+            return reference(*args, **kwargs)
         out = _compiled(reference)(*args, **kwargs)
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             _guard_outputs(out, prehook)
@@ -104,6 +114,8 @@ _ROPE_PREHOOK = _refusing_double_backward("rope")
 def rope_compile(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None):
     """q and k each through its own compiled graph: one backward node per output, so q_out and
     k_out can be backpropagated separately (two backward calls), as with eager."""
+    if transforms_active():
+        return rope_reference(q, k, cos, sin, position_ids, layout, rotary_dim)
     rdim = q.shape[-1] if rotary_dim is None else rotary_dim
     fn = _compiled(_rope_one)
     out = fn(q, cos, sin, position_ids, layout, rdim), fn(k, cos, sin, position_ids, layout, rdim)
@@ -394,6 +406,8 @@ class _ChunkedFLCE(torch.autograd.Function):
 
 
 def flce_compile(hidden, weight, target, **options):
+    if transforms_active():
+        return fused_linear_cross_entropy_reference(hidden, weight, target, **options)
     o = FlceOptions(**options)  # memory_budget unread: the chunks follow flce_chunk_size
     opts = (o.ignore_index, o.reduction, o.label_smoothing, o.softcap, o.z_loss_scale)
     loss, lse, entropy, top1 = _ChunkedFLCE.apply(
@@ -405,17 +419,31 @@ def flce_compile(hidden, weight, target, **options):
 
 
 for _name in list(_OPS):
+    # forward_ad: the reference runs under forward-mode AD (module docstring).
     if _name == "fused_linear_cross_entropy":
-        register(_name, "compile", flce_compile, priority=50, description="chunked FLCE, compiled chunks")
+        register(
+            _name,
+            "compile",
+            flce_compile,
+            priority=50,
+            forward_ad=True,
+            description="chunked FLCE, compiled chunks",
+        )
     elif _name == "rope":
         register(
             _name,
             "compile",
             rope_compile,
             priority=50,
+            forward_ad=True,
             description="torch.compile of the reference, q and k apart",
         )
     else:
         register(
-            _name, "compile", _make_generic(_name), priority=50, description="torch.compile of the reference"
+            _name,
+            "compile",
+            _make_generic(_name),
+            priority=50,
+            forward_ad=True,
+            description="torch.compile of the reference",
         )

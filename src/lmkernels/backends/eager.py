@@ -8,6 +8,7 @@ for _spec in list(_OPS.values()):
         "eager",
         _spec.reference,
         priority=0,
-        double_backward=True,  # plain PyTorch ops: differentiable to any order
+        double_backward=True,  # plain PyTorch ops: differentiable to any order,
+        forward_ad=True,  # in forward mode too
         description="the op's eager PyTorch reference (fp32 inside)",
     )

@@ -40,7 +40,12 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.Argument
         default="compile",
         help="backend name or spec like 'triton,flce=compile' (default compile)",
     )
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="training dtype (default fp32)")
+    p.add_argument(
+        "--dtype",
+        type=cliargs.dtype_type("fp32", "bf16"),
+        default="fp32",
+        help="training dtype: fp32 (default) or bf16",
+    )
     p.add_argument("--steps", type=cliargs.positive_int, default=30, help="training steps (default 30)")
     p.add_argument(
         "--device", type=cliargs.device, default=None, help="cpu or cuda (default: cuda if available)"
@@ -64,7 +69,6 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.Argument
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.markup import escape
 
     from lmkernels.registry import LMKernelsError
 
@@ -91,11 +95,9 @@ def run(args: argparse.Namespace) -> int:
                 seed=args.seed,
             )
     except LMKernelsError as e:
-        console.print(f"[red]lmkernels converge: {escape(str(e))}[/]")
-        return 2
+        return cliargs.error("lmkernels converge", str(e))
     except ModuleNotFoundError as e:  # transformers, tokenizers, matplotlib come with the hf extra
-        console.print(f"[red]lmkernels converge: {escape(cliargs.missing_module(e))}[/]")
-        return 2
+        return cliargs.error("lmkernels converge", cliargs.missing_module(e))
     rep.print_report(report, console, wide=args.wide)
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{args.family}-{args.backend}-{args.dtype}")
     json_path = rep.write_json(report, f"{args.out}/converge-{slug}.json")

@@ -328,7 +328,7 @@ def _use_triton(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 
 class _TritonRows:
-    """The one-device FLCE's Triton row kernel (backends/triton/_flce_kernels.py) on this
+    """The one-device FLCE's Triton row kernel (backends/triton/flce_kernels.py) on this
     shard's chunks, set up once per call."""
 
     def __init__(
@@ -341,7 +341,7 @@ class _TritonRows:
         max_chunk: int,
         device: torch.device,
     ) -> None:
-        from lmkernels.backends.triton import _flce_kernels as kernels
+        from lmkernels.backends.triton import flce_kernels as kernels
         from lmkernels.backends.triton.configs import tables_for
 
         ignore_index, _, smoothing, softcap, z_scale = opts

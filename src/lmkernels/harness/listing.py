@@ -9,13 +9,13 @@ from collections.abc import Sequence
 import torch
 
 from lmkernels.cliargs import TRITON_HINT
-from lmkernels.registry.core import Impl, impls, ops
-
-SHORT_NAMES = {"fused_linear_cross_entropy": "flce"}
+from lmkernels.cliargs import table as render_table
+from lmkernels.registry.core import Impl, get_op, impls, ops
 
 
 def short_op(name: str) -> str:
-    return SHORT_NAMES.get(name, name)
+    """The op's name in tables: its OpSpec.short_name, if it has one."""
+    return get_op(name).short_name or name
 
 
 def why_not_here(impl: Impl) -> str | None:
@@ -44,37 +44,20 @@ def render_list(width: int = 80, reasons: bool = False) -> str:
     op_names = [s.name for s in ops()]
     backends = _backend_order()
     table = {(i.op, i.backend): i for i in impls()}
-    name_w = max(len("backend"), *(len(b) for b in backends))
-    lines = ["Which backend can run each op here (yes/no; - not registered)."]
-    # Op columns in blocks that fit the width (one block unless plugins add many ops).
-    first = name_w + 2 + 5 + 2  # backend, priority
-    blocks: list[list[str]] = [[]]
-    used = first
-    for op in op_names:
-        w = max(3, len(short_op(op))) + 2
-        if blocks[-1] and used + w > width:
-            blocks.append([])
-            used = first
-        blocks[-1].append(op)
-        used += w
-    for block in blocks:
-        widths = [max(3, len(short_op(op))) for op in block]
-        lines.append("")
-        head = f"{'backend':<{name_w}}  {'prio':>5}  " + "  ".join(
-            f"{short_op(op):<{w}}" for op, w in zip(block, widths)
-        )
-        lines.append(head.rstrip())
-        for b in backends:
-            prios = {table[(op, b)].priority for op in op_names if (op, b) in table}
-            prio = str(prios.pop()) if len(prios) == 1 else "var"
-            cells = []
-            for op, w in zip(block, widths):
-                impl = table.get((op, b))
-                cell = "-" if impl is None else ("no" if why_not_here(impl) else "yes")
-                cells.append(f"{cell:<{w}}")
-            lines.append(f"{b:<{name_w}}  {prio:>5}  {'  '.join(cells)}".rstrip())
-    if any(short_op(op) != op for op in op_names):
-        lines += ["", "flce = fused_linear_cross_entropy"]
+    lines = ["Which backend can run each op here (yes/no; - not registered).", ""]
+    rows = []
+    for b in backends:
+        prios = {table[(op, b)].priority for op in op_names if (op, b) in table}
+        prio = str(prios.pop()) if len(prios) == 1 else "var"
+        cells = []
+        for op in op_names:
+            impl = table.get((op, b))
+            cells.append("-" if impl is None else ("no" if why_not_here(impl) else "yes"))
+        rows.append((b, prio, *cells))
+    lines.append(render_table(("backend", "prio", *map(short_op, op_names)), rows, width, wrap_last=False))
+    legend = [f"{short_op(op)} = {op}" for op in op_names if short_op(op) != op]
+    if legend:
+        lines += ["", *textwrap.wrap(", ".join(legend), width, break_on_hyphens=False)]
     noes = _reasons(backends, op_names, table)
     if not noes:
         return "\n".join(lines)

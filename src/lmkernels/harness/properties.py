@@ -20,6 +20,17 @@ double_backward must match the reference's second-order gradients (gradgradcheck
 the eager reference itself), any other must raise HigherOrderGradientError naming the op and
 itself.
 
+The torch.func checks run every option set (OpSpec.cases) of the op's "tiny" shape, judged by
+the same policy against the reference run through the same transform in fp64:
+`check_forward_ad` (torch.func.jvp and torch.autograd.forward_ad, fp32 and bf16: an impl that
+declares forward_ad must match, any other must raise ForwardADError naming the op and itself;
+a jvp of a jvp may be refused so by any), `check_func_grad` (torch.func.grad against the
+reference's plain gradient, wherever the impl has a backward; a grad of a grad must match or,
+without double_backward, raise HigherOrderGradientError naming the op and the impl) and
+`check_vmap` (torch.vmap of the op and of its torch.func.vjp, with every
+tensor input batched and with the first one alone, against a loop; or an LMKernelsError naming
+the op and the backend). A missing or zero tangent or gradient is an error of 1 and fails.
+
 Layouts (the tensor the op gets, from a contiguous leaf `base` holding the values):
 contiguous (base itself), fresh (base.clone(): a non-leaf, as an MLP's projection output),
 transposed (last two dims, from column-major memory), sliced (every other element of a row
@@ -33,15 +44,17 @@ from __future__ import annotations
 import dataclasses
 import re
 import traceback
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeGuard
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
-from lmkernels.harness.checks import DTYPE_NAMES, _compare
+from lmkernels.harness.checks import DTYPE_NAMES, _compare, case_id
 from lmkernels.ops._common import dispatch
 from lmkernels.registry.core import (
     BackendNotSupportedError,
+    ForwardADError,
     HigherOrderGradientError,
     Impl,
     LMKernelsError,
@@ -321,6 +334,270 @@ def check_double_backward(spec: OpSpec, impl: Impl, device: str = "cpu", seed: i
     ref = _second_order(spec.reference, inputs, grad_names, torch.float64, seed)
     _, problems = _compare(got, eager, ref, spec.tolerances[torch.float32])
     return Result("fail", "; ".join(problems)) if problems else Result("pass")
+
+
+# --- torch.func transforms and forward-mode AD -------------------------------------------------
+
+
+_Tensors = tuple[torch.Tensor, ...]
+
+
+def _tiny_cases(
+    spec: OpSpec, dtypes: tuple[torch.dtype, ...], device: str, seed: int
+) -> Iterator[tuple[str, torch.dtype, dict[str, Any], list[str]]]:
+    """(label, dtype, inputs, names of the float inputs that get gradients) per option set and
+    dtype, on the op's "tiny" shape."""
+    for options in spec.cases:
+        for dtype in dtypes:
+            inputs = spec.make_inputs(spec.shapes["tiny"][0], dtype, device, seed, **options)
+            names = [n for n in spec.grad_inputs if _is_float(inputs.get(n))]
+            yield f"{case_id(options) or 'defaults'}, {DTYPE_NAMES[dtype]}", dtype, inputs, names
+
+
+def _is_float(v: object) -> TypeGuard[torch.Tensor]:
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
+
+
+def _fp64(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.double() if _is_float(v) else v for k, v in inputs.items()}
+
+
+def _of_grad_inputs(
+    fn: Callable[..., Any], inputs: dict[str, Any], names: Sequence[str]
+) -> Callable[..., _Tensors]:
+    """fn as a function of the tensors at `names` (positional), returning its float outputs."""
+
+    def f(*tensors: torch.Tensor) -> _Tensors:
+        outs = _outputs(fn(**{**inputs, **dict(zip(names, tensors))}))
+        return tuple(o for o in outs if o.is_floating_point())
+
+    return f
+
+
+def _impl_fn(spec: OpSpec, impl: Impl) -> Callable[..., Any]:
+    return lambda **kw: dispatch(spec.name, impl.backend, **kw)
+
+
+def _randn_like(tensors: Iterable[torch.Tensor], seed: int) -> _Tensors:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(t.shape, generator=gen).to(t) for t in tensors)
+
+
+def _tangents_out(
+    f: Callable[..., _Tensors],
+    primals: _Tensors,
+    tangents: _Tensors,
+    mode: str,
+    second: _Tensors | None = None,
+) -> dict[str, torch.Tensor]:
+    """The tangents of f's outputs by torch.func.jvp (mode "jvp") or dual tensors ("forward_ad"),
+    or ("jvp_of_jvp") the tangents along `second` of those along `tangents`, or ("grad_of_jvp")
+    the gradient of the tangents' squared norm; an output without a tangent gets zeros."""
+    if mode == "jvp_of_jvp":
+        # (torch types jvp's result as a pair or, with has_aux, a triple)
+        outs, touts = torch.func.jvp(lambda *ps: torch.func.jvp(f, ps, tangents)[1], primals, second)  # type: ignore[misc]
+    elif mode == "grad_of_jvp":
+
+        def squares(*ps: torch.Tensor) -> torch.Tensor:
+            return sum(t.double().square().sum() for t in torch.func.jvp(f, ps, tangents)[1])
+
+        grads = torch.func.grad(squares, tuple(range(len(primals))))(*primals)
+        return {f"grad[{i}]": g for i, g in enumerate(grads)}
+    elif mode == "jvp":
+        outs, touts = torch.func.jvp(f, primals, tangents)  # type: ignore[misc]
+    else:
+        with forward_ad.dual_level():
+            duals = f(*(forward_ad.make_dual(p, t) for p, t in zip(primals, tangents)))
+            outs = [forward_ad.unpack_dual(d).primal.detach() for d in duals]
+            touts = [forward_ad.unpack_dual(d).tangent for d in duals]
+            touts = [None if t is None else t.detach().clone() for t in touts]
+    return {
+        f"tangent[{i}]": torch.zeros_like(o) if t is None else t for i, (o, t) in enumerate(zip(outs, touts))
+    }
+
+
+def _names_op_and_backend(e: Exception, spec: OpSpec, impl: Impl) -> bool:
+    return spec.name in str(e) and repr(impl.backend) in str(e)
+
+
+def check_forward_ad(spec: OpSpec, impl: Impl, device: str = "cpu", seed: int = 0) -> Result:
+    """torch.func.jvp and torch.autograd.forward_ad through impl (module docstring); on the
+    first case also a jvp of a jvp and a grad of a jvp, which any impl may refuse by name."""
+    for n, (label, dtype, inputs, names) in enumerate(
+        _tiny_cases(spec, (torch.float32, torch.bfloat16), device, seed)
+    ):
+        if not names:
+            continue
+        primals = tuple(inputs[name] for name in names)
+        tangents, second = _randn_like(primals, seed + 3), _randn_like(primals, seed + 4)
+        run = _of_grad_inputs(_impl_fn(spec, impl), inputs, names)
+        for mode in ("jvp", "forward_ad", "jvp_of_jvp", "grad_of_jvp")[: 4 if n == 0 else 2]:
+            nested = mode.endswith("_of_jvp")
+            try:
+                got = _tangents_out(run, primals, tangents, mode, second)
+            except BackendNotSupportedError:
+                break
+            except (ForwardADError, HigherOrderGradientError) as e:
+                if not (nested or (not impl.forward_ad and isinstance(e, ForwardADError))):
+                    return Result("fail", f"{mode}, {label}: raised {type(e).__name__}: {e}")
+                if not _names_op_and_backend(e, spec, impl):
+                    return Result("fail", f"{mode}: the error does not name the op and the backend: {e}")
+                continue
+            except Exception as e:
+                return Result("fail", f"{mode}, {label}: raised {type(e).__name__}: {e}\n{_tail(e)}")
+            if not impl.forward_ad:
+                return Result("fail", f"{mode}, {label}: declares no forward_ad, yet raised nothing")
+            ref_mode = "jvp" if mode == "forward_ad" else mode
+            eager = _tangents_out(
+                _of_grad_inputs(spec.reference, inputs, names), primals, tangents, ref_mode, second
+            )
+            primals64, tangents64 = (tuple(t.double() for t in ts) for ts in (primals, tangents))
+            ref = _tangents_out(
+                _of_grad_inputs(spec.reference, _fp64(inputs), names),
+                primals64,
+                tangents64,
+                ref_mode,
+                tuple(t.double() for t in second),
+            )
+            _, problems = _compare(got, eager, ref, spec.tolerances[dtype])
+            if problems:
+                return Result("fail", f"{mode}, {label}: " + "; ".join(problems))
+    return Result("pass")
+
+
+def _weighted_sum(f: Callable[..., _Tensors], cotangents: _Tensors) -> Callable[..., Any]:
+    """sum_i <f(...)_i, v_i>: the scalar whose gradient is f's vjp with cotangents v."""
+    return lambda *ts: sum((o.double() * v.double()).sum() for o, v in zip(f(*ts), cotangents))
+
+
+def _plain_grads(
+    f: Callable[..., _Tensors], primals: _Tensors, cotangents: _Tensors
+) -> dict[str, torch.Tensor]:
+    leaves = [p.detach().requires_grad_(True) for p in primals]
+    total = _weighted_sum(f, cotangents)(*leaves)
+    grads = (
+        torch.autograd.grad(total, leaves, allow_unused=True) if total.requires_grad else [None] * len(leaves)
+    )
+    return {
+        f"grad[{i}]": torch.zeros_like(x) if g is None else g for i, (g, x) in enumerate(zip(grads, leaves))
+    }
+
+
+def _func_grads(
+    f: Callable[..., _Tensors], primals: _Tensors, cotangents: _Tensors, second: _Tensors | None = None
+) -> dict[str, torch.Tensor]:
+    """torch.func.grad of <f, cotangents>; with `second`, the grad of <that grad, second> (a
+    Hessian-vector product)."""
+    argnums = tuple(range(len(primals)))
+    grads = torch.func.grad(_weighted_sum(f, cotangents), argnums=argnums)
+    if second is not None:
+        grads = torch.func.grad(_weighted_sum(grads, second), argnums=argnums)
+    return {f"grad[{i}]": g for i, g in enumerate(grads(*primals))}
+
+
+def check_func_grad(spec: OpSpec, impl: Impl, device: str = "cpu", seed: int = 0) -> Result:
+    """torch.func.grad through impl against the plain gradient (module docstring); on the first
+    case also a grad of a grad, which an impl without double_backward may refuse
+    (HigherOrderGradientError)."""
+    if not impl.has_backward:
+        return Result("pass", "no backward")
+    for n, (label, dtype, inputs, names) in enumerate(_tiny_cases(spec, (torch.float32,), device, seed)):
+        if not names:
+            continue
+        primals = tuple(inputs[name] for name in names)
+        run = _of_grad_inputs(_impl_fn(spec, impl), inputs, names)
+        eager_fn = _of_grad_inputs(spec.reference, inputs, names)
+        ref_fn = _of_grad_inputs(spec.reference, _fp64(inputs), names)
+        primals64 = tuple(p.double() for p in primals)
+        cotangents = _randn_like(eager_fn(*primals), seed + 5)  # the impl's output shapes and dtypes
+        second = _randn_like(primals, seed + 6)
+        for order in (1, 2)[: 2 if n == 0 else 1]:
+            extra = () if order == 1 else (second,)
+            try:
+                got = _func_grads(run, primals, cotangents, *extra)
+            except BackendNotSupportedError:
+                break
+            except HigherOrderGradientError as e:
+                if order == 1 or impl.double_backward or not _names_op_and_backend(e, spec, impl):
+                    return Result("fail", f"{label}, order {order}: raised {e}")
+                continue
+            except Exception as e:
+                return Result("fail", f"{label}, order {order}: raised {type(e).__name__}: {e}\n{_tail(e)}")
+            if order == 1:
+                eager = _plain_grads(eager_fn, primals, cotangents)
+                ref = _plain_grads(ref_fn, primals64, cotangents)
+            else:
+                eager = _func_grads(eager_fn, primals, cotangents, second)
+                ref = _func_grads(ref_fn, primals64, cotangents, tuple(t.double() for t in second))
+            _, problems = _compare(got, eager, ref, spec.tolerances[dtype])
+            if problems:
+                return Result("fail", f"{label}, order {order}: " + "; ".join(problems))
+    return Result("pass")
+
+
+def _fixed_like(o: torch.Tensor) -> torch.Tensor:
+    """A cotangent of o's shape made from its shape alone (it is created inside vmap)."""
+    v = torch.sin(torch.arange(o.numel(), dtype=torch.float32, device=o.device) * 0.7 + 1.0)
+    return v.reshape(o.shape).to(o.dtype)
+
+
+def _outputs_and_vjp(
+    fn: Callable[..., Any], inputs: dict[str, Any], names: Sequence[str], backward: bool
+) -> _Tensors:
+    """fn's float outputs and, with a backward, their vjp with cotangents _fixed_like them."""
+    f = _of_grad_inputs(fn, inputs, names)
+    primals = [inputs[n] for n in names]
+    if not (backward and names):
+        return f(*primals)
+    outs, vjp_fn = torch.func.vjp(f, *primals)  # type: ignore[misc]  # (a triple only with has_aux)
+    return (*outs, *vjp_fn(tuple(_fixed_like(o) for o in outs)))
+
+
+def check_vmap(spec: OpSpec, impl: Impl, device: str = "cpu", seed: int = 0) -> Result:
+    """torch.vmap of impl and of its vjp against a loop (module docstring)."""
+    for options in spec.cases:
+        shape = spec.shapes["tiny"][0]
+        elements = [spec.make_inputs(shape, torch.float32, device, seed + i, **options) for i in (0, 1)]
+        tensors = [k for k, v in elements[0].items() if isinstance(v, torch.Tensor)]
+        for batched in (tensors, tensors[:1]):
+            try:
+                problems = _vmap_problems(spec, impl, elements, batched)
+            except BackendNotSupportedError:
+                break
+            except LMKernelsError as e:
+                if _names_op_and_backend(e, spec, impl):
+                    continue
+                problems = [f"the error does not name the op and the backend: {e}"]
+            except Exception as e:
+                problems = [f"raised {type(e).__name__}: {e}\n{_tail(e)}"]
+            if problems:
+                return Result(
+                    "fail", f"{case_id(options) or 'defaults'}, {batched} batched: " + "; ".join(problems)
+                )
+    return Result("pass")
+
+
+def _vmap_problems(spec: OpSpec, impl: Impl, elements: list[dict[str, Any]], batched: list[str]) -> list[str]:
+    """vmap over the inputs `batched` (the others are elements[0]'s) against a loop."""
+    names = [n for n in spec.grad_inputs if _is_float(elements[0].get(n))]
+    backward = impl.has_backward
+
+    def vmapped(*values: torch.Tensor) -> _Tensors:
+        inputs = {**elements[0], **dict(zip(batched, values))}
+        return _outputs_and_vjp(_impl_fn(spec, impl), inputs, names, backward)
+
+    outs_vmapped = torch.vmap(vmapped)(*(torch.stack([e[k] for e in elements]) for k in batched))
+    loops = []
+    for cast in (lambda kw: kw, _fp64):
+        outs = [
+            _outputs_and_vjp(
+                spec.reference, cast({**elements[0], **{k: e[k] for k in batched}}), names, backward
+            )
+            for e in elements
+        ]
+        loops.append({f"vmap[{j}]": torch.stack(o) for j, o in enumerate(zip(*outs))})
+    got = {f"vmap[{j}]": o for j, o in enumerate(outs_vmapped)}
+    return _compare(got, loops[0], loops[1], spec.tolerances[torch.float32])[1]
 
 
 def _tail(e: BaseException) -> str:

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from lmkernels.harness.checks import DTYPE_NAMES, DTYPES_BY_NAME, CaseResult, TensorError, case_id, check_case
-from lmkernels.harness.listing import SHORT_NAMES
+from lmkernels.harness.listing import short_op
 from lmkernels.registry.core import Impl, LMKernelsError, OpSpec, get_impl, get_op, impls, ops
 from lmkernels.registry.dispatch import canonical_op
 
@@ -126,7 +126,7 @@ def coverage_lines(plans: Sequence[Plan]) -> list[str]:
         n_cases = len({case_id(p.case) for p in ps})
         n_shapes = len({spec.shape_id(p.shape) for p in ps})
         lines.append(
-            f"{SHORT_NAMES.get(op, op)}: {len(ps) // len(backends)} cases per backend; "
+            f"{short_op(op)}: {len(ps) // len(backends)} cases per backend; "
             f"{' '.join(dtypes)}; {n_cases}/{len(spec.cases)} options; {n_shapes} shapes"
         )
     return lines
@@ -278,7 +278,7 @@ def summary_table(results: Sequence[CaseResult], failures_only: bool = False) ->
             continue
         style = "red" if n_fail else ("yellow" if n_uns and not n_pass else "green")
         table.add_row(
-            SHORT_NAMES.get(op, op),
+            short_op(op),
             backend,
             dtype,
             str(n_pass),

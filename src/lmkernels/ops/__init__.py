@@ -1,5 +1,6 @@
-"""The six ops: one file each with its OpSpec, eager reference and public function."""
+"""The ops: one file each with its OpSpec, eager reference and public function."""
 
+from lmkernels.ops.distill import fused_linear_distillation, fused_linear_distillation_reference
 from lmkernels.ops.flce import fused_linear_cross_entropy, fused_linear_cross_entropy_reference
 from lmkernels.ops.glu import geglu, geglu_reference, swiglu, swiglu_reference
 from lmkernels.ops.layer_norm import layer_norm, layer_norm_reference
@@ -9,6 +10,8 @@ from lmkernels.ops.rope import rope, rope_reference
 __all__ = [
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_reference",
+    "fused_linear_distillation",
+    "fused_linear_distillation_reference",
     "geglu",
     "geglu_reference",
     "layer_norm",

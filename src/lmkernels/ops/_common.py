@@ -6,8 +6,19 @@ from __future__ import annotations
 import torch
 
 from lmkernels.registry.fastpath import dispatch, op_function
+from lmkernels.utils import checked_values, data_checks_enabled, fail
 
-__all__ = ["NORM_WIDTHS", "ROW_COUNTS", "WIDTHS", "dispatch", "generator", "op_function", "randn", "upcast"]
+__all__ = [
+    "NORM_WIDTHS",
+    "ROW_COUNTS",
+    "WIDTHS",
+    "check_class_indices",
+    "dispatch",
+    "generator",
+    "op_function",
+    "randn",
+    "upcast",
+]
 
 # Sizes the property-based tests draw from (OpSpec.sample): empty, one, primes, powers of two
 # and others. WIDTHS, for a last dim, adds wide rows up to past 2^16 (drawn with few rows).
@@ -33,3 +44,18 @@ def randn(shape, dtype: torch.dtype, device, generator: torch.Generator, scale: 
 
 def generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def check_class_indices(target: torch.Tensor, V: int, ignore_index: int) -> None:
+    """Targets in [0, V) or ignore_index, for an op's check_values: one host sync (skipped with
+    LMKERNELS_CHECK_VALUES=0, where every backend gives a nan loss for an out-of-range target,
+    never an out-of-bounds read). Under vmap every batch element is checked at once."""
+    if data_checks_enabled() and target.numel():
+        target = checked_values(target)
+        bad = (target != ignore_index) & ((target < 0) | (target >= V))
+        if bool(bad.any()):
+            first = target[bad][0].item()
+            fail(
+                f"target: expected class indices in [0, {V}) or ignore_index={ignore_index}, "
+                f"found {first} ({int(bad.sum())} out of range)"
+            )

@@ -44,7 +44,7 @@ from typing import Literal, overload
 
 import torch
 
-from lmkernels.ops._common import ROW_COUNTS, generator, op_function, randn, upcast
+from lmkernels.ops._common import ROW_COUNTS, check_class_indices, generator, op_function, randn, upcast
 from lmkernels.registry.core import ErrorInput, OpSpec, Tolerance, register_op
 from lmkernels.types import Reduction
 from lmkernels.utils import (
@@ -54,7 +54,6 @@ from lmkernels.utils import (
     check_number,
     check_same_device,
     check_tensor,
-    data_checks_enabled,
     fail,
 )
 
@@ -194,17 +193,7 @@ def check_inputs(hidden, weight, target, **options):
 def check_values(hidden, weight, target, ignore_index=FlceOptions.ignore_index, **_):
     """Targets in range: reads values, so the dispatcher runs it on every call (check_inputs only
     once per input signature)."""
-    V = weight.shape[0]
-    if data_checks_enabled() and target.numel():
-        # One host sync; LMKERNELS_CHECK_VALUES=0 skips it (every backend then gives a nan loss
-        # for an out-of-range target, never an out-of-bounds read).
-        bad = (target != ignore_index) & ((target < 0) | (target >= V))
-        if bool(bad.any()):
-            first = target[bad][0].item()
-            fail(
-                f"target: expected class indices in [0, {V}) or ignore_index={ignore_index}, "
-                f"found {first} ({int(bad.sum())} out of range)"
-            )
+    check_class_indices(target, weight.shape[0], ignore_index)
 
 
 # Logit regimes of make_inputs (DESIGN.md, "Inputs like real training"): FLCE's speed can depend
@@ -449,6 +438,7 @@ SPEC = register_op(
         # rounding noise in any other dtype.
         sample_layouts={"weight": ("contiguous", "fresh", "transposed", "sliced")},
         description="lm_head matmul + cross entropy without materializing the logits",
+        short_name="flce",
     )
 )
 

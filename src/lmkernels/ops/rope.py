@@ -22,7 +22,14 @@ import torch
 from lmkernels.ops._common import generator, op_function, randn, upcast
 from lmkernels.registry.core import ErrorInput, OpSpec, register_op
 from lmkernels.types import RopeLayout
-from lmkernels.utils import check_choice, check_same_device, check_tensor, data_checks_enabled, fail
+from lmkernels.utils import (
+    check_choice,
+    check_same_device,
+    check_tensor,
+    checked_values,
+    data_checks_enabled,
+    fail,
+)
 
 LAYOUTS = ("neox", "interleaved")
 
@@ -105,6 +112,7 @@ def check_values(q, k, cos, sin, position_ids=None, **_):
     if position_ids is None or not position_ids.numel() or not data_checks_enabled():
         return
     P = cos.shape[0]
+    position_ids = checked_values(position_ids)
     ref, version, rows = _CHECKED
     if ref is not None and ref() is position_ids and version == position_ids._version and rows <= P:
         return

@@ -33,6 +33,11 @@ class HigherOrderGradientError(LMKernelsError, RuntimeError):
     instead of returning gradients that silently miss the second-order term."""
 
 
+class ForwardADError(LMKernelsError, RuntimeError):
+    """Forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) through an impl that has no
+    tangent formula: raised instead of returning a tangent that is silently zero or missing."""
+
+
 class ConsumedInputsError(LMKernelsError, RuntimeError):
     """A second backward through an op whose first backward used buffers it owned (handed over
     with consume_inputs=True, or gradients computed in the forward) and wrote over them."""
@@ -93,6 +98,8 @@ class OpSpec:
       draw.booleans() (hypothesis in the tests, a seeded random.Random elsewhere).
     sample_layouts: input name -> the memory layouts the property tests may give it (default:
       every layout its rank allows; see harness/properties.py).
+    short_name: an alias of name, for the columns of `lmkernels list`, the validation tables and
+      the command line and LMKERNELS_BACKEND ("flce"); "" for none.
     """
 
     name: str
@@ -113,6 +120,7 @@ class OpSpec:
     error_inputs: Callable[[str], list[ErrorInput]] | None = None
     sample: Callable[[Any], tuple[dict[str, int], dict[str, Any]]] | None = None
     sample_layouts: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    short_name: str = ""
 
     def shape_id(self, shape: dict[str, int]) -> str:
         return "x".join(str(v) for v in shape.values())
@@ -144,7 +152,13 @@ class Impl:
     # Whether a backward with create_graph=True gives gradients that are themselves
     # differentiable (double backward). Impls without it raise HigherOrderGradientError there.
     double_backward: bool = False
+    # Whether forward-mode AD (torch.func.jvp, torch.autograd.forward_ad dual tensors) gives the
+    # tangents of its outputs. Impls without it raise ForwardADError there.
+    forward_ad: bool = False
     compile_safe: bool = True
+    # Whether it runs under torch.func transforms inside code torch.compile traces (torch.compile
+    # of a torch.func.grad, jvp or vmap). Impls without it are not supported there.
+    compiled_transforms: bool = True
     # Returns why the backend cannot run at all here (package missing, no GPU), or None.
     available: Callable[[], str | None] = _always_available
     # Op-specific reasons for given inputs (unsupported option, shape limit, ...).
@@ -191,6 +205,11 @@ class Impl:
             cap = torch.cuda.get_device_capability(dev)
             if cap < self.min_capability:
                 reasons.append(f"needs compute capability >= {self.min_capability}, got {cap}")
+        if not self.compiled_transforms and torch.compiler.is_compiling():
+            if torch._C._are_functorch_transforms_active():
+                reasons.append(
+                    "no torch.func transform inside torch.compile (take it outside the compiled code)"
+                )
         if torch.is_grad_enabled() and not self.has_backward:
             if any(t.requires_grad for t in tensors):
                 reasons.append("no backward, but an input requires grad")
@@ -208,7 +227,9 @@ class ImplCapabilities(TypedDict, total=False):
     min_capability: tuple[int, int] | None
     has_backward: bool
     double_backward: bool
+    forward_ad: bool
     compile_safe: bool
+    compiled_transforms: bool
     available: Callable[[], str | None]
     supports: Callable[..., list[str]]
     description: str
@@ -217,6 +238,7 @@ class ImplCapabilities(TypedDict, total=False):
 
 _OPS: dict[str, OpSpec] = {}
 _IMPLS: dict[str, dict[str, Impl]] = {}
+_SHORT_NAMES: dict[str, str] = {}  # OpSpec.short_name -> name
 _NOT_CACHED = object()
 
 
@@ -235,6 +257,8 @@ _registered_availability._dynamo_marked_constant = True  # type: ignore[attr-def
 def register_op(spec: OpSpec) -> OpSpec:
     """Register a new op (its OpSpec); returns `spec`. Backends then register impls of it."""
     _OPS[spec.name] = spec
+    if spec.short_name:
+        _SHORT_NAMES[spec.short_name] = spec.name
     _IMPLS.setdefault(spec.name, {})
     return spec
 
@@ -246,8 +270,9 @@ def register(op: str, backend: str, fn: Callable[..., Any], **capabilities: Unpa
     test suite and the benchmarks enumerate the registry and pick it up. `fn` takes the op's
     inputs as keyword arguments (those of the op's public function, without `backend`).
     `capabilities` are the fields of Impl (ImplCapabilities: priority, dtypes, devices,
-    auto_devices, min_capability, has_backward, double_backward, compile_safe, available,
-    supports, description, external). Registering a backend again replaces it.
+    auto_devices, min_capability, has_backward, double_backward, forward_ad, compile_safe,
+    compiled_transforms, available, supports, description, external). Registering a backend
+    again replaces it.
     """
     if op not in _OPS:
         raise UnknownOpError(f"register: unknown op {op!r}; known ops: {sorted(_OPS)}")
@@ -264,6 +289,20 @@ def higher_order_error(op: str, backend: str) -> HigherOrderGradientError:
     return HigherOrderGradientError(
         f"{op}: backend {backend!r} has no double backward (a backward with create_graph=True "
         f"would miss the second-order term); backends that have one: {able or 'none'}"
+    )
+
+
+def forward_ad_error(op: str, backend: str, where: str = "") -> ForwardADError:
+    """The error an impl without forward-mode AD raises when a tangent reaches it (`where` says
+    in which case, for an impl that has it in others): it names the op, the backend and the
+    other backends that have it."""
+    able = [
+        i.backend for i in impls(op) if i.forward_ad and i.backend != backend and not i.unavailable_reason()
+    ]
+    return ForwardADError(
+        f"{op}: backend {backend!r} has no forward-mode AD{' ' + where if where else ''} "
+        f"(torch.func.jvp, torch.autograd.forward_ad: the tangent would be missing); backends that "
+        f"have it: {able or 'none'}"
     )
 
 

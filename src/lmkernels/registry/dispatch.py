@@ -7,7 +7,7 @@ Precedence, highest first:
 4. ``auto``: the highest-priority impl whose ``not_supported_reasons`` is empty.
 
 A backend chosen by 1-3 that cannot take the inputs raises BackendNotSupportedError listing its
-reasons: it never silently falls back. Op names accept the aliases in OP_ALIASES.
+reasons: it never silently falls back. Op names accept the aliases of op_aliases().
 
 Where the choice lives. Eager calls read a ContextVar, so a choice made in one thread or
 asyncio task never reaches another. torch.compile cannot trace ContextVar.get, so code being
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from lmkernels.registry.core import (
+    _SHORT_NAMES,
     BackendNotSupportedError,
     Impl,
     LMKernelsError,
@@ -52,7 +53,8 @@ from lmkernels.registry.core import (
 ENV_VAR = "LMKERNELS_BACKEND"
 logger = logging.getLogger("lmkernels")
 AUTO = "auto"
-OP_ALIASES = {"flce": "fused_linear_cross_entropy", "rmsnorm": "rms_norm", "layernorm": "layer_norm"}
+# Aliases besides each op's OpSpec.short_name (e.g. "flce").
+OP_ALIASES = {"rmsnorm": "rms_norm", "layernorm": "layer_norm"}
 
 # Overrides set through use_backend()/set_backend(), as sorted (key, backend) pairs with key "*"
 # (global) or an op name: immutable and hashable, so the fast path keys its cache on them.
@@ -70,10 +72,16 @@ def _overrides() -> dict[str, str]:
     return dict(_CONTEXT.get())
 
 
+def op_aliases() -> dict[str, str]:
+    """alias -> op name: the ops' short names and OP_ALIASES."""
+    ops()  # a plugin's ops register with the backends
+    return {**_SHORT_NAMES, **OP_ALIASES}
+
+
 def canonical_op(name: str) -> str:
     """The registered name of an op or its alias ("flce" -> "fused_linear_cross_entropy");
     UnknownOpError for anything else."""
-    name = OP_ALIASES.get(name, name)
+    name = OP_ALIASES.get(name) or _SHORT_NAMES.get(name, name)
     get_op(name)  # raises UnknownOpError with the known names
     return name
 
@@ -279,6 +287,7 @@ class Explanation:
     chosen: str | None
     error: str | None
     rows: list[tuple[str, int, list[str]]]  # backend, priority, reasons (empty = can run)
+    note: str = ""  # what else decides the choice (torch.compile and the environment variable)
 
     def __str__(self) -> str:
         lines = [
@@ -289,7 +298,17 @@ class Explanation:
             mark = "->" if name == self.chosen else "  "
             status = "ok" if not reasons else "; ".join(reasons)
             lines.append(f"  {mark} {name:<14} priority {prio:>3}  {status}")
+        if self.note:
+            lines.append(f"  note: {self.note}")
         return "\n".join(lines)
+
+
+COMPILE_NOTE = (
+    f"code compiled with torch.compile chooses when it is traced: a use_backend()/set_backend() "
+    f"change retraces it; a change of {ENV_VAR} retraces it only where dynamo guards "
+    f"environment reads (torch 2.13 does; older releases may keep the traced choice: set "
+    f"{ENV_VAR} before compiling, or use use_backend())"
+)
 
 
 def explain(op: str, inputs: dict[str, Any], backend: str | None = None) -> Explanation:
@@ -309,7 +328,8 @@ def explain(op: str, inputs: dict[str, Any], backend: str | None = None) -> Expl
         chosen, error = resolve(op, inputs, backend).backend, None
     except LMKernelsError as e:
         chosen, error = None, str(e)
-    return Explanation(op, requested, chosen, error, rows)
+    note = COMPILE_NOTE if requested.source.startswith("env") else ""
+    return Explanation(op, requested, chosen, error, rows, note)
 
 
 def all_op_names() -> list[str]:

@@ -1,6 +1,8 @@
-"""The Triton backend: one module per op (kernels, launchers, torch.library registration,
-autograd, registration in the lmkernels registry), imported by lmkernels.backends.load_builtin;
-this file holds only what they share about the environment (it imports none of them).
+"""The Triton backend: one public module per op (kernels, launchers, torch.library registration,
+autograd, registration in the lmkernels registry), each imported by
+lmkernels.backends.load_builtin, which finds them by name (every module here not starting with
+"_"; shared helpers are private modules); this file holds only what they share about the
+environment (it imports none of them).
 
 Triton is optional: without it (or without a GPU and TRITON_INTERPRET=1) the impls still
 register and report why they cannot run. On CPU they run only under TRITON_INTERPRET=1 and only

@@ -1,5 +1,5 @@
-"""Fused linear cross entropy, Triton backend (the loops and the kernel: _flce_kernels.py; the
-memory-budget plan: _flce_plan.py).
+"""Fused linear cross entropy, Triton backend: the op, its autograd and registration (the plan,
+the row kernel and the GEMM loops: flce_kernels.py).
 
 The (tokens x V) logits are never materialized. cuBLAS computes logits in pieces (fp32
 accumulation; fp32 output, or for bf16 inputs in the default fast mode bf16 output, rounded as
@@ -25,7 +25,7 @@ rows are summed in the weight's dtype (one rounding each: measured 2.2x eager's 
 policy allows 3x) and the fast mode accumulate in it (one rounding per chunk). None, the
 default: both modes sum at most 8 chunks in the weight's dtype; the fast mode takes 8 token
 chunks when each holds at most CHUNK_BYTES of logits: bf16 logits for bf16 inputs
-(_flce_plan.bf16_logits_chunk: 0.85-1.02x the time at 0.51-0.82x the peak of fp32 chunks on the
+(kernels.bf16_logits_chunk: 0.85-1.02x the time at 0.51-0.82x the peak of fp32 chunks on the
 grid heads; on long batches, where 8 chunks would pass 2048 tokens each, up to 16 chunks of at
 least 2048 tokens: at 32k tokens x 128k the same time at 0.69x the peak), fp32 ones for fp16
 (BT * V <= 2^31); otherwise (or for fp16 weights) CHUNK_BYTES chunks into an fp32 V x H
@@ -38,7 +38,7 @@ where the loss's own peak matters: backend="triton_lean", or
 LMKERNELS_BACKEND="triton,flce=triton_lean".
 
 memory_budget (the op's option, a fraction f of the gradients' bytes) makes either backend one
-point of the range between the two (_flce_plan.plan): the triton default wherever it fits f x
+point of the range between the two (kernels.plan): the triton default wherever it fits f x
 the gradients beside them (no plan measured faster), else its bf16 chunks made smaller (16
 chunks of at least 1024 tokens), else the fast mode with the largest chunks of fp32
 logits that fit (grad_W summed in its own dtype over at most 8 of them, or else in an fp32
@@ -62,19 +62,29 @@ the stored gradients in place, so the second raises ConsumedInputsError naming t
 recompute. A backward with create_graph=True raises HigherOrderGradientError (no double backward).
 Eager calls run the launchers through a plain autograd.Function (_common.call); only code that
 torch.compile traces calls the torch.library custom ops, which share its context and backward.
+Under torch.func transforms (grad, vjp, vmap) the forward computes no gradient and the backward
+recomputes them, for what autograd asks (a tensor batched by vmap inside grad reports
+requires_grad=False to the forward); the recomputing launcher's own derivatives are refused
+(HigherOrderGradientError: grad of grad). Forward-mode AD (jvp) raises ForwardADError.
 Out-of-range targets (possible only when LMKERNELS_CHECK_VALUES=0 skipped the input check) are
 never read: their loss, and the gradients, are nan.
 """
 
 import torch
 
-from lmkernels.backends.triton import _flce_kernels as kernels
-from lmkernels.backends.triton import _flce_plan as flce_plan
+from lmkernels.backends.triton import flce_kernels as kernels
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import call, eager_function, op_or_raw, traced
+from lmkernels.backends.triton.common import (
+    call,
+    eager_function,
+    op_or_raw,
+    traced,
+    transforming,
+    transforms_function,
+)
 from lmkernels.backends.triton.configs import tables_for
 from lmkernels.ops.flce import FlceOptions
-from lmkernels.registry.core import ConsumedInputsError, higher_order_error, register
+from lmkernels.registry.core import ConsumedInputsError, forward_ad_error, higher_order_error, register
 
 # --- torch.library registration ------------------------------------------------------------------
 
@@ -123,7 +133,7 @@ def _forward_raw(
     rows = kernels.Rows(
         target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, V, table
     )
-    # The plan's chunk (_flce_plan.plan): lean, the backward's own peak; fast, the budget's.
+    # The plan's chunk (kernels.plan): lean, the backward's own peak; fast, the budget's.
     max_bytes = chunk_bytes or None
     loss, lse, gh, gw, gb, entropy, top1 = kernels.run_chunks(
         hidden,
@@ -269,8 +279,12 @@ def _backward_fake(
     return gh, gw, gb
 
 
-# The recomputing backward: the custom op when traced, else the launcher.
-_recompute = op_or_raw(_backward_op, _backward_raw, "fused_linear_cross_entropy")
+# The recomputing backward: the custom op when traced, else the launcher (per backend, for the
+# errors' names).
+_RECOMPUTE = {
+    backend: op_or_raw(_backward_op, _backward_raw, "fused_linear_cross_entropy", backend)
+    for backend in ("triton", "triton_lean")
+}
 
 
 def _setup_context(ctx, inputs, output):
@@ -313,8 +327,9 @@ _SECOND_BACKWARD = (
 
 
 def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb, _entropy, _top1):
-    if torch.is_grad_enabled() and not traced((grad_loss,)):  # create_graph=True
+    if torch.is_grad_enabled() and not (traced((grad_loss,)) or transforming()):  # create_graph=True
         raise higher_order_error("fused_linear_cross_entropy", ctx.backend)
+    flags = ctx.flags
     if ctx.precomputed:
         if ctx.scaled:
             raise ConsumedInputsError(_SECOND_BACKWARD)
@@ -333,7 +348,10 @@ def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb, _entropy, _top1):
     else:
         hidden, weight, target, bias, class_weight, lse = ctx.saved_tensors
         ignore_index, reduction, label_smoothing, softcap, z_loss_scale, accum_fp32, block_bytes = ctx.options
-        grads = _recompute(
+        # What autograd asks for (the forward's flags, except under torch.func transforms).
+        needs = ctx.needs_input_grad
+        flags = (needs[0], needs[1], needs[3] and bias is not None)
+        grads = _RECOMPUTE[ctx.backend](
             grad_loss,
             hidden,
             weight,
@@ -346,17 +364,40 @@ def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb, _entropy, _top1):
             label_smoothing,
             softcap,
             z_loss_scale,
-            *ctx.flags,
+            *flags,
             accum_fp32,
             block_bytes,
         )
-    gh, gw, gb = (g if flag else None for g, flag in zip(grads, ctx.flags))
+    gh, gw, gb = (g if flag else None for g, flag in zip(grads, flags))
     return gh, gw, None, gb, *[None] * 15
 
 
+def _jvp(ctx, *tangents):
+    raise forward_ad_error("fused_linear_cross_entropy", ctx.backend)
+
+
+def _functions(backend: str) -> type[torch.autograd.Function]:
+    """Eager calls: the same forward, context and backward, without the custom op's per-call
+    cost (and their Function under torch.func transforms). One per backend, whose context names
+    it for the errors, whatever mode its plan chose."""
+
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+        ctx.backend = backend
+
+    return eager_function(
+        "FlceTritonFunction",
+        _forward_raw,
+        setup_context,
+        _backward,
+        transforms_function(
+            "FlceTritonTransforms", _forward_op, _forward_raw, setup_context, _backward, _jvp
+        ),
+    )
+
+
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
-# Eager calls: the same forward, context and backward, without the custom op's per-call cost.
-_FlceFunction = eager_function("FlceTritonFunction", _forward_raw, _setup_context, _backward)
+_FUNCTIONS = {False: _functions("triton"), True: _functions("triton_lean")}  # by lean_default
 
 
 # --- the impls -----------------------------------------------------------------------------------
@@ -365,21 +406,22 @@ _FlceFunction = eager_function("FlceTritonFunction", _forward_raw, _setup_contex
 def _flce(lean_default, hidden, weight, target, **options):
     o = FlceOptions(**options)
     H = weight.shape[1]
-    grad_on = torch.is_grad_enabled()
+    # Under torch.func transforms no gradient is computed in the forward (module docstring).
+    grad_on = torch.is_grad_enabled() and (torch.compiler.is_compiling() or not transforming())
     needs = (
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
         grad_on and o.bias is not None and o.bias.requires_grad,
     )
     BT = hidden.numel() // H if H else 0
-    plan = flce_plan.plan(
+    plan = kernels.plan(
         BT, H, weight.shape[0], hidden.element_size(), weight.dtype, o.grad_accum_dtype, lean_default,
         o.memory_budget, o.reduction != "none" and any(needs), needs[1],
     )  # fmt: skip
     # The gradient outputs are dropped here: the backward's saved tensors are their only owners.
     loss, lse, _, _, _, entropy, top1 = call(
         _forward_op,
-        _FlceFunction,
+        _FUNCTIONS[lean_default],
         hidden.reshape(-1, H),
         weight,
         target.reshape(-1),
@@ -430,6 +472,7 @@ _CAPABILITIES = dict(
     auto_devices=("cuda",),
     available=triton_unavailable_reason,
     supports=_supports,
+    compiled_transforms=False,
 )
 register(
     "fused_linear_cross_entropy",

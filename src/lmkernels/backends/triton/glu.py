@@ -8,7 +8,8 @@ The backward saves only gate and up and recomputes the activation and its deriva
 the program that then writes d_gate and d_up at the same element, so the results may be written
 over any of those three buffers.
 
-Where the gradients go (eager calls; torch.compile'd code calls the functional custom ops):
+Where the gradients go (eager calls; torch.compile'd code calls the functional custom ops, and
+under torch.func transforms the functional backward runs):
 - consume_inputs=True (the caller hands gate and up over for good: the nn modules and the
   transformers integration, which create them in the MLP's forward): d_gate is written over
   gate and d_up over up, as Liger Kernel does, and the backward allocates nothing. The saved
@@ -31,17 +32,21 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import (
+from lmkernels.backends.triton.common import (
     cdiv,
     device_guard,
+    launch,
     op_or_raw,
     pdl,
     pdl_enter,
+    refuse_nested_jvp,
     soft_bf16,
     to_dtype,
     traced,
+    transforming,
+    transforms_function,
+    vmap_over_rows,
 )
-from lmkernels.backends.triton._launch import launch
 from lmkernels.registry.core import ConsumedInputsError, register
 from lmkernels.utils import empty
 
@@ -227,6 +232,51 @@ _RUN_BWD = {
 glu_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+# --- torch.func transforms and forward-mode AD ---------------------------------------------------
+
+
+def _setup_context_transforms(ctx, inputs, output):
+    _setup_context(ctx, inputs, output)
+    ctx.save_for_forward(inputs[0], inputs[1])  # gate, up
+
+
+def _activation_torch(a: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """act(a) and act'(a) in fp32, as the kernels' _activation computes them."""
+    if activation == "silu":
+        s = torch.sigmoid(a)
+        return a * s, s * (1.0 + a * (1.0 - s))
+    if activation == "gelu_tanh":
+        c = _SQRT_2_OVER_PI.value
+        s = torch.sigmoid(2.0 * c * (a + _GELU_CUBIC.value * a * a * a))
+        return a * s, s + 2.0 * a * s * (1.0 - s) * c * (1.0 + 3.0 * _GELU_CUBIC.value * a * a)
+    cdf = 0.5 * (1.0 + torch.erf(a * _INV_SQRT_2.value))
+    return a * cdf, cdf + a * _INV_SQRT_2PI.value * torch.exp(-0.5 * a * a)
+
+
+def _jvp(ctx, d_gate, d_up, _):
+    """The tangent of act(gate) * up, in fp32."""
+    refuse_nested_jvp("swiglu" if ctx.activation == "silu" else "geglu")
+    gate, up = ctx.saved_tensors
+    act, d_act = _activation_torch(gate.float(), ctx.activation)
+    terms = []
+    if d_gate is not None:
+        terms.append(d_act * d_gate.float() * up.float())
+    if d_up is not None:
+        terms.append(act * d_up.float())
+    return sum(terms[1:], terms[0]).to(gate.dtype)
+
+
+_GLUTransforms = transforms_function(
+    "_GLUTransforms",
+    glu_forward,
+    _glu_forward,
+    _setup_context_transforms,
+    _backward,
+    _jvp,
+    vmap_over_rows((0, 1)),
+)
+
+
 # --- eager autograd, with the consuming backward -----------------------------------------------------
 
 _CONSUMED = (
@@ -308,8 +358,11 @@ class _GLUFunction(torch.autograd.Function):
 
 def _glu(gate, up, activation, consume_inputs):
     """As _common.call, with the eager Function's extra consume_inputs argument (not part of the
-    custom op: compiled graphs are functional and plan their own buffers)."""
+    custom op: compiled graphs are functional and plan their own buffers; nor of the transforms'
+    Function: functorch's tensors are not the caller's to hand over)."""
     args = (gate, up, activation)
+    if not torch.compiler.is_compiling() and transforming():
+        return _GLUTransforms.apply(*args)
     if traced(args):
         return glu_forward(*args)
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
@@ -339,6 +392,8 @@ register(
     auto_devices=("cuda",),
     available=triton_unavailable_reason,
     supports=_supports,
+    forward_ad=True,
+    compiled_transforms=False,
 )
 register(
     "geglu",
@@ -349,4 +404,6 @@ register(
     auto_devices=("cuda",),
     available=triton_unavailable_reason,
     supports=_supports,
+    forward_ad=True,
+    compiled_transforms=False,
 )

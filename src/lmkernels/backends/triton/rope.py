@@ -35,21 +35,23 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
-from lmkernels.backends.triton._common import (
+from lmkernels.backends.triton.common import (
     call,
     cdiv,
     device_guard,
     eager_function,
+    launch,
     next_power_of_2,
     pdl,
     pdl_enter,
+    refuse_nested_jvp,
     soft_bf16,
     to_dtype,
+    transforms_function,
 )
-from lmkernels.backends.triton._launch import launch
 from lmkernels.backends.triton.configs import tables_for
 from lmkernels.backends.triton.configs.records import RopePosConfig, RopeTable, RopeTileConfig
-from lmkernels.registry.core import register
+from lmkernels.registry.core import BackendNotSupportedError, forward_ad_error, register
 from lmkernels.utils import empty, empty_strided
 
 
@@ -525,7 +527,11 @@ def _setup_context_eager(ctx, inputs, output):
 
 def _backward(ctx, grad_q, grad_k):
     if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-        raise RuntimeError("lmkernels::rope_rotate: gradients for cos/sin are not implemented")
+        raise BackendNotSupportedError("rope: backend 'triton' has no gradients for cos and sin")
+    if grad_q is None or grad_k is None:  # not materialized (_setup_context_transforms)
+        q_shape, k_shape = ctx.shapes
+        grad_q = grad_k.new_zeros(q_shape) if grad_q is None else grad_q
+        grad_k = grad_q.new_zeros(k_shape) if grad_k is None else grad_k
     cos, sin, position_ids = ctx.tables if hasattr(ctx, "tables") else ctx.saved_tensors
     interleaved, rotary_dim, inverse, q_bthd, k_bthd = ctx.options
     # dq, dk in the layouts of q and k (see _rope_rotate).
@@ -535,8 +541,37 @@ def _backward(ctx, grad_q, grad_k):
     return dq, dk, None, None, None, None, None, None, None, None
 
 
+def _setup_context_transforms(ctx, inputs, output):
+    _setup_context(ctx, inputs, output)
+    ctx.save_for_forward(*inputs[:5])  # q, k, cos, sin, position_ids
+    # The jvp must see which inputs have no tangent (None, not zeros: cos and sin are refused).
+    ctx.set_materialize_grads(False)
+    ctx.shapes = (inputs[0].shape, inputs[1].shape)
+
+
+def _jvp(ctx, dq, dk, dcos, dsin, *_):
+    """The rotation is linear in q and k: their tangents, rotated like them (the same launcher).
+    Both outputs get one (zeros for an input without): a None among them fails an internal
+    assert of torch's forward AD under an outer grad transform."""
+    if dcos is not None or dsin is not None:
+        raise forward_ad_error("rope", "triton", "for cos and sin")
+    refuse_nested_jvp("rope")
+    q, k, cos, sin, position_ids = ctx.saved_tensors
+    tq = dq if dq is not None else torch.zeros_like(q)
+    tk = dk if dk is not None else torch.zeros_like(k)
+    return call(rope_rotate, _RopeFunction, tq, tk, cos, sin, position_ids, *ctx.options)
+
+
 rope_rotate.register_autograd(_backward, setup_context=_setup_context)
-_RopeFunction = eager_function("_RopeFunction", _rope_rotate, _setup_context_eager, _backward)
+_RopeFunction = eager_function(
+    "_RopeFunction",
+    _rope_rotate,
+    _setup_context_eager,
+    _backward,
+    transforms_function(
+        "_RopeTransforms", rope_rotate, _rope_rotate, _setup_context_transforms, _backward, _jvp
+    ),
+)
 
 
 # --- lmkernels impl --------------------------------------------------------------------------------
@@ -571,5 +606,7 @@ register(
     "rope", "triton", rope_triton, priority=100, devices=triton_devices(), auto_devices=("cuda",),
     available=triton_unavailable_reason, supports=_supports,
     double_backward=True,  # the backward is the inverse rotation, itself differentiable
+    forward_ad=True,  # and the tangent the rotation of the tangents (of q and k: cos/sin refused)
+    compiled_transforms=False,
     description="Triton, q and k in one launch, programs per position or per tile of positions",
 )  # fmt: skip

@@ -55,7 +55,8 @@ def parse_options(items: Sequence[str] | None) -> dict[str, Any] | None:
         k, sep, v = item.partition("=")
         if not sep:
             raise LMKernelsError(f"--set: expected key=value, got {item!r}")
-        out[k.strip()] = DTYPES[v] if v in DTYPES else cliargs.key_value(item)[1]
+        short = cliargs.DTYPE_ALIASES.get(v.strip().lower().removeprefix("torch."))
+        out[k.strip()] = DTYPES[short] if short in DTYPES else cliargs.key_value(item)[1]
     return out
 
 
@@ -86,7 +87,7 @@ def add_parser(subparsers: argparse._SubParsersAction[Any]) -> argparse.Argument
         help="backend (repeatable or comma-separated); default every available one, "
         "adapters and compile_naive included",
     )
-    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    p.add_argument("--dtype", default="bf16", type=cliargs.dtype_type())
     p.add_argument(
         "--mode",
         default="full",

@@ -46,13 +46,13 @@ def base_entry(table: Any, op: str, N: int) -> Any:
     the entry serving N; rows wider than max_fused_n, the wide path; narrower than every entry,
     an entry of the default forward and backward (whose several backward rows per program no
     entry can hold)."""
-    from lmkernels.backends.triton import _norms
+    from lmkernels.backends.triton import norms
 
     if N > table.max_fused_n:
         return table.wide
     entry = table.entry(op, N)
     if entry is None:
-        f, b, block = _norms.fwd_config(table, op, N), _norms.bwd_config(table, op, N), _block(N)
+        f, b, block = norms.fwd_config(table, op, N), norms.bwd_config(table, op, N), _block(N)
         entry = NormEntry(op=op, cols=(block // 2 + 1, block), fwd_rows=f.rows, fwd_warps=f.num_warps,
                           bwd_warps=b.num_warps, programs_per_sm=b.programs_per_sm, why="")  # fmt: skip
     return entry

@@ -79,30 +79,30 @@ class _NormLaunch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, op, fwd, bwd, x, weight, bias=None):
-        from lmkernels.backends.triton import layer_norm, rms_norm
+        from lmkernels.backends.triton import norms
 
         if op == "rms_norm":
-            y, *stats = rms_norm.rms_norm_forward(x, weight, 1e-6, 0.0, "llama", fwd)
+            y, *stats = norms.rms_norm_forward(x, weight, 1e-6, 0.0, "llama", fwd)
         else:
-            y, *stats = layer_norm.layer_norm_forward(x, weight, bias, 1e-5, fwd)
+            y, *stats = norms.layer_norm_forward(x, weight, bias, 1e-5, fwd)
         ctx.save_for_backward(x, weight, *stats)
         ctx.op, ctx.bwd = op, bwd
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        from lmkernels.backends.triton import layer_norm, rms_norm
+        from lmkernels.backends.triton import norms
 
         x, weight, *stats = ctx.saved_tensors
         if ctx.op == "rms_norm":
             (rstd,) = stats
-            return None, None, None, *rms_norm.rms_norm_backward(dy, x, weight, rstd, 0.0, "llama", ctx.bwd)
+            return None, None, None, *norms.rms_norm_backward(dy, x, weight, rstd, 0.0, "llama", ctx.bwd)
         mean, rstd = stats
         return (
             None,
             None,
             None,
-            *layer_norm.layer_norm_backward(dy, x, weight, mean, rstd, weight.dtype, ctx.bwd),
+            *norms.layer_norm_backward(dy, x, weight, mean, rstd, weight.dtype, ctx.bwd),
         )
 
 
@@ -185,7 +185,7 @@ class Case:
             return self.triton
         if self.op == "rope":
             return lambda q, k: _RopeLaunch.apply(record, q, k, *self.tables, self.R)
-        from lmkernels.backends.triton._norms import bwd_config, fwd_config
+        from lmkernels.backends.triton.norms import bwd_config, fwd_config
 
         table = norm_table_with(tables().norms, record)
         fwd, bwd = fwd_config(table, self.op, self.N), bwd_config(table, self.op, self.N)

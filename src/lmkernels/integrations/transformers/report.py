@@ -1,9 +1,8 @@
-"""What apply() patched and what it kept, and why: a plain-text table that fits 80 columns."""
+"""What apply() patched and what it kept, and why: plain-text tables that fit 80 columns."""
 
 from __future__ import annotations
 
 import dataclasses
-import textwrap
 
 from lmkernels.integrations.transformers.structure import FAILED, KEPT, PATCHED, Finding
 
@@ -66,7 +65,9 @@ class PatchReport:
         return line
 
     def format(self, width: int = WIDTH) -> str:
-        """The report as a plain-text table of `width` columns: patched, kept, failed."""
+        """The report as a table per status (op, module, why) that fits `width` columns."""
+        from lmkernels.cliargs import table
+
         lines = [f"lmkernels patch report: {self.model}, backend {self.backend or 'auto'}"]
         for status, title in (
             (PATCHED, "patched"),
@@ -76,19 +77,15 @@ class PatchReport:
             group = self.by_status(status)
             if not group:
                 continue
-            lines.append(f"{title}:")
-            for f in group:
-                count = f" x{f.count}" if f.count > 1 else ""
-                head = f"  {f.op:<11} {f.what}{count}"
-                body = textwrap.wrap(f.detail, width - 6) or [""]
-                if len(head) + 2 + len(body[0]) <= width and len(body) == 1:
-                    lines.append(f"{head}: {body[0]}")
-                else:
-                    lines.append(head)
-                    lines.extend(f"      {b}" for b in textwrap.wrap(f.detail, width - 6))
+            rows = [(f.op, f.what + (f" x{f.count}" if f.count > 1 else ""), f.detail) for f in group]
+            lines += [
+                "",
+                f"{title}:",
+                table(("op", "module", "how" if status == PATCHED else "why"), rows, width),
+            ]
         if not self.findings:
             lines.append("  nothing lmkernels can patch was found")
-        return "\n".join(line[:width] if len(line) > width else line for line in lines)
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.format()

@@ -1,54 +1,288 @@
-"""The norm kernel family: one forward kernel, one backward kernel and one column kernel, of
-which RMSNorm and LayerNorm are specializations, and their launchers.
-
-LayerNorm is RMSNorm of the centered row plus a bias: HAS_MEAN centers x (and keeps the row's
-mean), HAS_BIAS adds the bias, and the backward's dx gets LayerNorm's extra mean(g) term. The
-rest of the variation is the casting MODE, RMSNorm's casting_mode (the semantics of
-`lmkernels.ops.rms_norm.rms_norm_reference`): "llama" rounds the normalized row to x.dtype
-before the weight multiply, "gemma" rounds once at the end, "none" rounds after every step as
-eager PyTorch does in x.dtype (emulated in-kernel). LayerNorm's semantics
-(`lmkernels.ops.layer_norm.layer_norm_reference`: fp32 math, one rounding of y) are "gemma"'s,
-with the weight used as it is (no offset).
-
-An argument a norm does not have (RMSNorm's mean and bias pointers, LayerNorm's offset) is
-passed as None: Triton makes a None argument a constexpr, absent from the compiled kernel,
-which then has only the parameters its norm reads.
-
-The work is laid out as _norms.py describes: a tile of rows per program forward, a persistent
-backward that sums the weight (and bias) gradient partials in fp32 (registers, or the column
-kernel for wide rows). The launchers: _norm_launchers.py.
-"""
+"""The norm kernel family: one forward, one backward and one column kernel, of which RMSNorm and
+LayerNorm are specializations, and the jit helpers they share. The host code: norms.py."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from lmkernels.backends.triton._common import pdl_enter
-from lmkernels.backends.triton._norms import (
-    PATH_WIDE,
-    col_sums,
-    load_block,
-    load_x_dy,
-    per_col,
-    per_row,
-    prefetch_tile,
-    round_as,
-    row_block,
-    row_sums,
-    row_sums2,
-    tile_block,
-    tile_rows,
-    tile_zeros,
-    to_dtype,
-    widen,
-)
+from lmkernels.backends.triton.common import pdl_enter, to_dtype
+from lmkernels.backends.triton.configs.records import PATH_WIDE
+
+# The norm kernel family: one forward kernel, one backward kernel and one column kernel, of
+# which RMSNorm and LayerNorm are specializations, and their launchers.
+#
+# LayerNorm is RMSNorm of the centered row plus a bias: HAS_MEAN centers x (and keeps the row's
+# mean), HAS_BIAS adds the bias, and the backward's dx gets LayerNorm's extra mean(g) term. The
+# rest of the variation is the casting MODE, RMSNorm's casting_mode (the semantics of
+# `lmkernels.ops.rms_norm.rms_norm_reference`): "llama" rounds the normalized row to x.dtype
+# before the weight multiply, "gemma" rounds once at the end, "none" rounds after every step as
+# eager PyTorch does in x.dtype (emulated in-kernel). LayerNorm's semantics
+# (`lmkernels.ops.layer_norm.layer_norm_reference`: fp32 math, one rounding of y) are "gemma"'s,
+# with the weight used as it is (no offset).
+#
+# An argument a norm does not have (RMSNorm's mean and bias pointers, LayerNorm's offset) is
+# passed as None: Triton makes a None argument a constexpr, absent from the compiled kernel,
+# which then has only the parameters its norm reads.
+#
+# The work is laid out as the layout above describes: a tile of rows per program forward, a persistent
+# backward that sums the weight (and bias) gradient partials in fp32 (registers, or the column
+# kernel for wide rows).
+#
+# Both norms lay the work out the same way:
+# - forward: a tile of `rows` rows per program, in registers; or (rows wider than the table's
+#   max_fused_n, and where the table says so) one row per program in chunks, x read again from
+#   L2 (with eviction `hints` that keep it there between the passes).
+# - backward (PATH_REGS): a persistent grid (a few programs per SM); each program loops over row
+#   tiles pid, pid + P, ... and sums its weight (and bias) gradient contributions in fp32
+#   registers, one partial row written at the end. A second small kernel sums the P partial rows
+#   (deterministic, no atomics). `stages` > 1 software-pipelines the loop over row tiles: the
+#   next rows' loads are in flight (through shared memory) while a row is reduced, which is what
+#   lets one row per SM reach the copy bandwidth.
+# - PATH_WIDE (rows wider than max_fused_n): tiles of rows in column blocks, two passes (the
+#   second from L2), the column loops pipelined; the backward kernel writes dx only, and a column
+#   kernel, one program per (column block, row range), sums the weight (and bias) gradients from
+#   x and dy read again. That costs two more reads, and saves the per-row accumulators that make
+#   the wide backward spill.
+# - rows that fill at most 3/4 of their power-of-two block (5120, 11008) may be held as two
+#   register blocks, `block` (a power of two <= N) and `tail` (e.g. 4096 + 1024): fewer padding
+#   lanes, hence fewer registers per thread and more rows in flight per SM.
+# - `reload_x`: the backward reads a row's x and dy a second time after the row sums, one
+#   register block at a time, from L1 / L2, instead of holding them. That frees the registers the
+#   gradient sums of a wide row need (LayerNorm's two), without the column kernel's HBM reads.
+# - `prefetch`: a backward with one program per SM and one row in flight asks L2 for its next
+#   row as soon as the current row's loads are issued (prefetch_tile), so that HBM streams
+#   through the row's reductions.
+# - `hold_x` (RMSNorm): the backward holds a bf16 row's x and dy as loaded across the row sums,
+#   then widens them to fp32 a second time (widen) instead of reading them again (reload_x) or
+#   keeping fp32 copies.
 
 MODES = {"llama": 0, "gemma": 1, "none": 2}  # casting_mode -> MODE of the kernels
 LAYER_NORM_MODE = MODES["gemma"]  # LayerNorm rounds once, at the end
 GEMMA: tl.constexpr = tl.constexpr(MODES["gemma"])
 NONE: tl.constexpr = tl.constexpr(MODES["none"])
 WIDE: tl.constexpr = tl.constexpr(PATH_WIDE)
+
+
+# --- jit helpers -------------------------------------------------------------------------------
+
+
+@triton.jit
+def load_x_dy(x_ptr, dy_ptr, offs, mask, EVICT: tl.constexpr):
+    """x and dy of one register block of a backward's row tile, as stored (bf16: half the
+    registers of fp32). EVICT: the loads' cache eviction policy (reload_x reads the block
+    twice: keep it, then let it go)."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0, eviction_policy=EVICT)
+    return x, dy
+
+
+@triton.jit
+def widen(v, AGAIN: tl.constexpr):
+    """`v` (a block as loaded) in fp32. AGAIN: a second widening of the same held registers
+    (hold_x), written with other operations (bf16: its bits shifted into an fp32's top half, the
+    same value) so that the compiler cannot merge it with the first and keep the fp32 copy
+    alive across the row sums instead of the half-size one."""
+    if AGAIN and v.dtype == tl.bfloat16:
+        out = (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        out = v.to(tl.float32)
+    return out
+
+
+@triton.jit
+def round_as(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """fp32 `v` as if stored in `dtype` and loaded back: emulates one eager op in `dtype`."""
+    return to_dtype(v, dtype, SOFT_BF16).to(tl.float32)
+
+
+@triton.jit
+def load_block(ptr, mask, HINTS: tl.constexpr, AGAIN: tl.constexpr):
+    """A block of a row read in passes (the wide forward), in fp32. HINTS: tell the cache
+    that the block will be read again by a later pass (AGAIN: keep it in L2) or not (evict it
+    first), so that the later passes find the row in L2."""
+    if HINTS and AGAIN:
+        v = tl.load(ptr, mask=mask, other=0.0, eviction_policy="evict_last")
+    elif HINTS:
+        v = tl.load(ptr, mask=mask, other=0.0, eviction_policy="evict_first")
+    else:
+        v = tl.load(ptr, mask=mask, other=0.0)
+    return v.to(tl.float32)
+
+
+# A tile of ROWS rows is a [ROWS, columns] block, except a single row (ROWS == 1): a scalar row
+# index and 1-D blocks. The computation is the same, the code Triton makes of it is not: with
+# the row width a constant (const_n), the RMSNorm backward kernel at 65536 x 16384 took 1705 us
+# in the 1-D form against 2066 us as a [1, 16384] tile (2048 us without const_n), on an H200.
+# The helpers give the kernels one text for both.
+
+
+@triton.jit
+def tile_rows(tile, M, ROWS: tl.constexpr):
+    """The rows of tile `tile` (int64) and their mask."""
+    if ROWS == 1:
+        rows = tile.to(tl.int64)
+    else:
+        rows = tile.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    return rows, rows < M
+
+
+@triton.jit
+def tile_block(rows, row_mask, cols, col_mask, N, ROWS: tl.constexpr):
+    """The element offsets and mask of columns `cols` of a tile's rows. A single row needs no row
+    mask: the grid (forward) or the loop bound (backward) keeps it below M."""
+    if ROWS == 1:
+        offs = rows * N + cols
+        mask = col_mask
+    else:
+        offs = rows[:, None] * N + cols[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+    return offs, mask
+
+
+@triton.jit
+def per_row(v, ROWS: tl.constexpr):
+    """A per-row value, broadcast against a tile."""
+    if ROWS == 1:
+        out = v
+    else:
+        out = v[:, None]
+    return out
+
+
+@triton.jit
+def per_col(v, ROWS: tl.constexpr):
+    """A per-column value (a block of the weight), broadcast against a tile."""
+    if ROWS == 1:
+        out = v
+    else:
+        out = v[None, :]
+    return out
+
+
+@triton.jit
+def row_sums(t, ROWS: tl.constexpr):
+    """Sums over the columns of a tile: one per row."""
+    if ROWS == 1:
+        out = tl.sum(t, axis=0)
+    else:
+        out = tl.sum(t, axis=1)
+    return out
+
+
+@triton.jit
+def _add_pairs(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def row_sums2(a, b, ROWS: tl.constexpr):
+    """row_sums of two tiles in one reduction. Two tl.sum calls are two reductions, each with
+    its own exchange through shared memory and barriers, and the second waits for the first;
+    one reduction of both exchanges both values at once (sm_90 PTX: one barrier fewer)."""
+    if ROWS == 1:
+        sa, sb = tl.reduce((a, b), 0, _add_pairs)
+    else:
+        sa, sb = tl.reduce((a, b), 1, _add_pairs)
+    return sa, sb
+
+
+@triton.jit
+def col_sums(t, ROWS: tl.constexpr):
+    """Sums over the rows of a tile: one per column."""
+    if ROWS == 1:
+        out = t
+    else:
+        out = tl.sum(t, axis=0)
+    return out
+
+
+@triton.jit
+def tile_zeros(ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """An fp32 accumulator the shape of a tile's block."""
+    if ROWS == 1:
+        out = tl.zeros([BLOCK], tl.float32)
+    else:
+        out = tl.zeros([ROWS, BLOCK], tl.float32)
+    return out
+
+
+@triton.jit
+def row_block(rows, row_mask, cols, start, N, ROWS: tl.constexpr):
+    """Columns start + cols of a tile of rows (the wide backward's blocks): the block's column
+    indices and mask, the tile's element offsets and mask (as tile_block)."""
+    block_cols = start + cols
+    block_mask = block_cols < N
+    offs, mask = tile_block(rows, row_mask, block_cols, block_mask, N, ROWS)
+    return block_cols, block_mask, offs, mask
+
+
+@triton.jit
+def prefetch_l2(ptr, start, count):
+    """Asks L2 for elements [start, start + count) of `ptr` (their 16-byte aligned interior), with
+    one `cp.async.bulk.prefetch.L2` (sm_90+) from the program's first thread, and does not wait:
+    a hint, nothing depends on it. PTX: the interpreter cannot run it."""
+    esize: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+    begin = (ptr + start).to(tl.int64)
+    end = begin + count * esize
+    begin = (begin + 15) // 16 * 16
+    size = (end // 16 * 16 - begin).to(tl.int32)
+    tl.inline_asm_elementwise(
+        """{ .reg .pred p, q; .reg .u32 t;
+        mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.gt.s32 q, $2, 0; and.pred p, p, q;
+        @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }""",
+        "=r,l,r", [begin, size], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def prefetch_tile(x_ptr, dy_ptr, tile, M, N, ROWS: tl.constexpr):
+    """prefetch_l2 of row tile `tile` of x and dy ([M, N], row-major), if it exists. The
+    persistent backward asks for a tile it will work on later, so that HBM keeps streaming
+    while it reduces the current one and that tile's loads then wait on L2, not HBM."""
+    if tile * ROWS < M:
+        start = tile.to(tl.int64) * ROWS * N
+        count = tl.minimum(M - tile * ROWS, ROWS).to(tl.int64) * N
+        prefetch_l2(x_ptr, start, count)
+        prefetch_l2(dy_ptr, start, count)
+
+
+@triton.jit
+def _sum_columns(
+    partial_ptr, out_ptr, P, N, SOFT_BF16: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    acc = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
+    for start in range(0, P, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)
+        mask = (rows[:, None] < P) & col_mask[None, :]
+        acc += tl.load(partial_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0)
+    total = tl.sum(acc, axis=0)
+    tl.store(out_ptr + cols, to_dtype(total, out_ptr.dtype.element_ty, SOFT_BF16), mask=col_mask)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    partial0_ptr,
+    out0_ptr,
+    partial1_ptr,
+    out1_ptr,
+    P0,
+    P1,
+    N,
+    SOFT_BF16: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """out_j[c] = sum over p of partial_j[p, c] (fp32), rounded to out_j's dtype; j = program_id(1).
+    One launch reduces both the weight and the bias partials of LayerNorm (P0 and P1 rows)."""
+    pdl_enter(PDL)
+    if tl.program_id(1) == 0:
+        _sum_columns(partial0_ptr, out0_ptr, P0, N, SOFT_BF16, BLOCK_P, BLOCK_N)
+    else:
+        _sum_columns(partial1_ptr, out1_ptr, P1, N, SOFT_BF16, BLOCK_P, BLOCK_N)
 
 
 # --- the math of one block ---------------------------------------------------------------------
