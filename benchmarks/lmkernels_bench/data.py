@@ -92,6 +92,11 @@ def commit(root: Path | None = None) -> str | None:
     root = root or repo_root()
     if root is None:
         return None
+    # A copy of the tree inside another repository (an exported tree): git would answer with the
+    # enclosing repository's commit, not the tree's.
+    top = _git(root, "rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != Path(root).resolve():
+        return None
     head = _git(root, "rev-parse", "--short", "HEAD")
     if head is None:
         return None

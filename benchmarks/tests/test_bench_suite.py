@@ -292,3 +292,25 @@ def test_dist_table_rows_per_size():
     assert len(body) == 2, text
     assert body[0].startswith("| pipeline parallel (1F1B) | 2 |") and "| 1.10x |" in body[0]
     assert body[1].startswith("| pipeline parallel (1F1B), 4096 tokens each | 2 |") and "| 1.25x |" in body[1]
+
+
+def test_commit_of_an_exported_tree_is_not_the_enclosing_repository(tmp_path, monkeypatch):
+    """A copy of the tree without its git history, placed inside another repository, has no
+    commit of its own: none is recorded (LMKERNELS_COMMIT names it), never the enclosing one's."""
+    import subprocess
+
+    monkeypatch.delenv("LMKERNELS_COMMIT", raising=False)
+    outer = tmp_path / "outer"
+    (outer / "export" / "src" / "lmkernels").mkdir(parents=True)
+    env = {
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
+    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "outer"]):
+        subprocess.run(["git", *args], cwd=outer, check=True, env={**__import__("os").environ, **env})
+    assert data.commit(outer / "export") is None
+    assert data.commit(outer) is not None  # the repository's own root: its commit
+    monkeypatch.setenv("LMKERNELS_COMMIT", "abc1234")
+    assert data.commit(outer / "export") == "abc1234"
