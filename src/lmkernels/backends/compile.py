@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from lmkernels.ops.flce import FlceOptions, fused_linear_cross_entropy_reference
+from lmkernels.ops.flce import FlceOptions, entropy_gradient_error, fused_linear_cross_entropy_reference
 from lmkernels.ops.rope import rope_apply, rope_reference, rope_tables_at
 from lmkernels.registry.core import _OPS, higher_order_error, register
 from lmkernels.utils import transforms_active
@@ -365,13 +365,18 @@ class _ChunkedFLCE(torch.autograd.Function):
             out = loss.sum()
         else:
             out = loss.sum() * scale
-        ctx.mark_non_differentiable(lse, entropy, top1)
+        ctx.mark_non_differentiable(lse, top1)
+        ctx.set_materialize_grads(False)  # (the entropy's None gradient: not differentiated)
         return out, lse.view(target.shape), entropy, top1
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_lse, _grad_entropy, _grad_top1):
+    def backward(ctx, grad_out, _grad_lse, grad_entropy, _grad_top1):
         if torch.is_grad_enabled():  # create_graph=True: these gradients are not differentiable
             raise higher_order_error("fused_linear_cross_entropy", "compile")
+        if grad_entropy is not None:
+            raise entropy_gradient_error("compile")
+        if grad_out is None:
+            return (None,) * 8
         ignore_index, reduction, label_smoothing, softcap, z_loss_scale = ctx.opts
         if ctx.grads_now:
             grad_h, grad_w, grad_b = ctx.saved_tensors
@@ -405,6 +410,10 @@ class _ChunkedFLCE(torch.autograd.Function):
         return grad_h.view(hidden.shape), grad_w, grad_b, None, None, None, None, None
 
 
+def _flce_compile_supports(temperature=1.0, **_) -> list[str]:
+    return ["temperature: not in the compiled chunks yet (eager has it)"] if temperature != 1.0 else []
+
+
 def flce_compile(hidden, weight, target, **options):
     if transforms_active():
         return fused_linear_cross_entropy_reference(hidden, weight, target, **options)
@@ -426,6 +435,7 @@ for _name in list(_OPS):
             "compile",
             flce_compile,
             priority=50,
+            supports=_flce_compile_supports,
             forward_ad=True,
             description="chunked FLCE, compiled chunks",
         )

@@ -4,8 +4,9 @@ Shapes: hidden (..., H), weight (V, H), target (...) int64/int32 with values in 
 ignore_index, bias (V,), class_weight (V,). The loss is returned in fp32 whatever the inputs'
 dtype (a training loss is reduced and logged in fp32 anyway).
 
-Per token i with target t, logits z = softcap(h_i @ W.T + b) (softcap c: c * tanh(z / c)),
-lse = logsumexp(z), class weights w (all ones if class_weight is None), smoothing e:
+Per token i with target t, logits z = softcap(h_i @ W.T + b) / T (softcap c: c * tanh(y / c);
+temperature T, in fp32 after the matmul), lse = logsumexp(z), class weights w (all ones if
+class_weight is None), smoothing e:
 
     loss_i = (1 - e) * w[t] * (lse - z[t]) + (e / V) * sum_c w[c] * (lse - z[c]) + s * lse**2
 
@@ -21,10 +22,12 @@ deliberate difference from torch: when every token is ignored, "mean" returns 0 
 nan), so a fully padded micro-batch does not poison a training run.
 
 return_lse=True returns (loss, lse) with lse (shape of target, fp32, not differentiable).
-return_stats=True returns (loss, lse, entropy, is_top1), per token (shape of target), not
-differentiable: entropy = lse - sum_c p_c z_c of the softmax p of the logits z (fp32), and
-is_top1 = no logit is larger than the target's (False for ignored tokens): what a trainer logs as
-the entropy and the token accuracy, without a pass of its own over the logits.
+return_stats=True returns (loss, lse, entropy, is_top1), per token (shape of target):
+entropy = sum_c p_c (lse - z_c) of the softmax p of the logits z (fp32), differentiable (an
+entropy bonus's gradient flows to hidden, weight and bias, RL trainers' entropy term), and
+is_top1 = no logit is larger than the target's (False for ignored tokens): the entropy and token
+accuracy a trainer logs, without a pass of its own over the logits. lse and is_top1 are not
+differentiable.
 grad_accum_dtype: the dtype backends may accumulate the weight gradient in across chunks of
 tokens. torch.float32: rounded once; weight.dtype: the leanest (one rounding per chunk); None:
 the backend's documented default, always within the correctness policy. The eager reference
@@ -44,7 +47,7 @@ import sys
 import torch
 
 from lmkernels.ops._common import ROW_COUNTS, check_class_indices, generator, op_function, randn, upcast
-from lmkernels.registry.core import ErrorInput, OpSpec, Tolerance, register_op
+from lmkernels.registry.core import BackendNotSupportedError, ErrorInput, OpSpec, Tolerance, register_op
 from lmkernels.utils import (
     check_bool,
     check_choice,
@@ -76,6 +79,7 @@ class FlceOptions:
     grad_accum_dtype: torch.dtype | None = None
     return_stats: bool = False
     memory_budget: float | None = None
+    temperature: float = 1.0  # T: the logits are divided by it (after the softcap)
 
 
 def fused_linear_cross_entropy_reference(
@@ -93,6 +97,7 @@ def fused_linear_cross_entropy_reference(
     grad_accum_dtype=None,
     return_stats=False,
     memory_budget=None,
+    temperature=1.0,
 ):
     """The module docstring's semantics in eager PyTorch; the options are FlceOptions' fields."""
     V, H = weight.shape
@@ -104,6 +109,8 @@ def fused_linear_cross_entropy_reference(
     logits = upcast(torch.nn.functional.linear(hidden.reshape(-1, H), weight, bias))
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
+    if temperature != 1.0:
+        logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     valid = t != ignore_index
     # A target outside [0, V) (only possible with value checks off) is never read: nan loss.
@@ -135,11 +142,27 @@ def fused_linear_cross_entropy_reference(
         gap = lse[:, None] - logits  # entropy = sum_c p_c (lse - z_c): no cancellation at large z
         entropy = (torch.exp(-gap) * gap).nan_to_num(nan=0.0).sum(-1)
         top = logits.gather(1, safe_t[:, None])[:, 0] >= logits.amax(-1)
-        stats = (entropy.detach(), valid & in_range & top)
+        stats = (entropy, valid & in_range & top)
         return out, lse.detach().view(target.shape), *(x.view(target.shape) for x in stats)
     if return_lse:
         return out, lse.detach().view(target.shape)
     return out
+
+
+def entropy_gradient_error(backend: str) -> BackendNotSupportedError:
+    """What a backend whose entropy (return_stats) has no gradient raises when a loss
+    differentiates it, naming the backends that have one."""
+    from lmkernels.registry.core import impls
+
+    able = [i.backend for i in impls("fused_linear_cross_entropy") if i.backend in ENTROPY_GRADIENT]
+    return BackendNotSupportedError(
+        f"fused_linear_cross_entropy: backend {backend!r} has no gradient for the entropy of "
+        f"return_stats=True (a loss differentiates it); backends that have one: {able}"
+    )
+
+
+# The backends whose return_stats entropy has a gradient.
+ENTROPY_GRADIENT = {"eager"}
 
 
 def check_inputs(hidden, weight, target, **options):
@@ -172,6 +195,11 @@ def check_inputs(hidden, weight, target, **options):
         if o.softcap == 0:
             fail("softcap: expected None or a positive number, got 0")
     check_number("z_loss_scale", o.z_loss_scale, low=0.0, what="a non-negative number")
+    check_number(
+        "temperature", o.temperature, low=0.0, high=sys.float_info.max, what="a positive finite number"
+    )
+    if o.temperature == 0:
+        fail("temperature: expected a positive finite number, got 0")
     check_bool("return_lse", o.return_lse)
     check_bool("return_stats", o.return_stats)
     if o.memory_budget is not None:
@@ -363,6 +391,8 @@ def error_inputs(device):
         ErrorInput(args(softcap=0.0), "softcap: expected None or a positive number"),
         ErrorInput(args(softcap=-2.0), "softcap: expected None or a positive number"),
         ErrorInput(args(z_loss_scale=-1.0), "z_loss_scale: expected a non-negative number"),
+        ErrorInput(args(temperature=0.0), "temperature: expected a positive finite number"),
+        ErrorInput(args(temperature=float("inf")), "temperature: expected a positive finite number"),
         ErrorInput(args(ignore_index=-1.5), "ignore_index: expected an int"),
         ErrorInput(args(return_lse="yes"), "return_lse: expected a bool"),
         ErrorInput(args(return_stats=1), "return_stats: expected a bool"),
@@ -457,6 +487,7 @@ def fused_linear_cross_entropy(
     grad_accum_dtype=None,
     return_stats=False,
     memory_budget=None,
+    temperature=1.0,
     *,
     backend=None,
 ):

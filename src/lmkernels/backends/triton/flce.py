@@ -83,7 +83,7 @@ from lmkernels.backends.triton.common import (
     transforms_function,
 )
 from lmkernels.backends.triton.configs import tables_for
-from lmkernels.ops.flce import FlceOptions
+from lmkernels.ops.flce import FlceOptions, entropy_gradient_error
 from lmkernels.registry.core import ConsumedInputsError, forward_ad_error, higher_order_error, register
 
 # --- torch.library registration ------------------------------------------------------------------
@@ -293,7 +293,7 @@ def _setup_context(ctx, inputs, output):
         inputs[7:]
     )
     loss, lse, gh, gw, gb, entropy, top1 = output
-    ctx.mark_non_differentiable(lse, gh, gw, gb, entropy, top1)
+    ctx.mark_non_differentiable(lse, gh, gw, gb, top1)
     # Autograd would otherwise hand the backward zero-filled gradients for the four outputs
     # nothing differentiates: zeros the size of grad_W and grad_hidden, allocated while the real
     # ones are alive (on the H200 that doubled grad_W + grad_hidden: the lean mode's peak).
@@ -326,9 +326,11 @@ _SECOND_BACKWARD = (
 )
 
 
-def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb, _entropy, _top1):
+def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb, grad_entropy, _top1):
     if torch.is_grad_enabled() and not (traced((grad_loss,)) or transforming()):  # create_graph=True
         raise higher_order_error("fused_linear_cross_entropy", ctx.backend)
+    if grad_entropy is not None:
+        raise entropy_gradient_error(ctx.backend)
     flags = ctx.flags
     if ctx.precomputed:
         if ctx.scaled:
@@ -460,8 +462,10 @@ def fused_linear_cross_entropy_triton_lean(hidden, weight, target, **options):
     return _flce(True, hidden, weight, target, **options)
 
 
-def _supports(class_weight=None, **inputs) -> list[str]:
+def _supports(class_weight=None, temperature=1.0, **inputs) -> list[str]:
     reasons = []
+    if temperature != 1.0:
+        reasons.append("temperature: not in the Triton kernels yet (eager has it)")
     if class_weight is not None and class_weight.requires_grad and torch.is_grad_enabled():
         reasons.append("no gradient for class_weight (it requires grad)")
     return reasons
