@@ -1,4 +1,4 @@
-"""Fused linear cross entropy: the loss of cross_entropy(softcap(hidden @ weight.T + bias), target).
+"""Fused linear cross entropy: the loss of cross_entropy(softcap(hidden @ weight.T + bias) / T, target).
 
 Shapes: hidden (..., H), weight (V, H), target (...) int64/int32 with values in [0, V) or
 ignore_index, bias (V,), class_weight (V,). The loss is returned in fp32 whatever the inputs'
@@ -21,13 +21,25 @@ too, so without class weights it is the mean of s * lse**2 over non-ignored toke
 deliberate difference from torch: when every token is ignored, "mean" returns 0 (torch returns
 nan), so a fully padded micro-batch does not poison a training run.
 
+Temperature T (> 0): the logits are divided by T in fp32 after the matmul and after the softcap,
+as TRL's fused head computes them; lse, the loss, the entropy and is_top1 are those of the
+scaled logits, and every gradient carries the chain factor 1/T.
+
+reduction "none": the per-token loss is fp32 and differentiable under any upstream gradient (per
+token, of any sign, zero for some tokens: what per-sequence sums and RL advantages give it).
+
 return_lse=True returns (loss, lse) with lse (shape of target, fp32, not differentiable).
 return_stats=True returns (loss, lse, entropy, is_top1), per token (shape of target):
-entropy = sum_c p_c (lse - z_c) of the softmax p of the logits z (fp32), differentiable (an
-entropy bonus's gradient flows to hidden, weight and bias, RL trainers' entropy term), and
-is_top1 = no logit is larger than the target's (False for ignored tokens): the entropy and token
-accuracy a trainer logs, without a pass of its own over the logits. lse and is_top1 are not
-differentiable.
+entropy H = sum_c p_c (lse - z_c) of the softmax p of the logits z (fp32), and is_top1 = no
+logit is larger than the target's (False for ignored tokens): the entropy and token accuracy a
+trainer logs, without a pass of its own over the logits. The entropy is differentiable in every
+backend of ours (an entropy bonus, RL trainers' entropy term; ignored tokens have an entropy and
+its gradient too): dH/dz_c = -p_c (z_c - lse + H), times the softcap's and the temperature's
+chain factors, added to the loss's d loss/dz per token as g_loss * d loss/dz + g_H * dH/dz. lse
+and is_top1 are not differentiable. (The Triton backends then keep the logsumexp and the
+entropy and compute both terms in their recomputing backward, which return_stats=True selects
+whenever a gradient is needed: the plain loss's path, without stats, is unchanged.)
+
 grad_accum_dtype: the dtype backends may accumulate the weight gradient in across chunks of
 tokens. torch.float32: rounded once; weight.dtype: the leanest (one rounding per chunk); None:
 the backend's documented default, always within the correctness policy. The eager reference
@@ -47,7 +59,7 @@ import sys
 import torch
 
 from lmkernels.ops._common import ROW_COUNTS, check_class_indices, generator, op_function, randn, upcast
-from lmkernels.registry.core import BackendNotSupportedError, ErrorInput, OpSpec, Tolerance, register_op
+from lmkernels.registry.core import ErrorInput, OpSpec, Tolerance, register_op
 from lmkernels.utils import (
     check_bool,
     check_choice,
@@ -149,22 +161,6 @@ def fused_linear_cross_entropy_reference(
     return out
 
 
-def entropy_gradient_error(backend: str) -> BackendNotSupportedError:
-    """What a backend whose entropy (return_stats) has no gradient raises when a loss
-    differentiates it, naming the backends that have one."""
-    from lmkernels.registry.core import impls
-
-    able = [i.backend for i in impls("fused_linear_cross_entropy") if i.backend in ENTROPY_GRADIENT]
-    return BackendNotSupportedError(
-        f"fused_linear_cross_entropy: backend {backend!r} has no gradient for the entropy of "
-        f"return_stats=True (a loss differentiates it); backends that have one: {able}"
-    )
-
-
-# The backends whose return_stats entropy has a gradient.
-ENTROPY_GRADIENT = {"eager"}
-
-
 def check_inputs(hidden, weight, target, **options):
     o = FlceOptions(**options)
     check_tensor("hidden", hidden)
@@ -242,7 +238,7 @@ def _normal(shape, dtype, device, g, dg, scale):
     return torch.randn(shape, generator=dg, device=device, dtype=dtype).mul_(scale)
 
 
-def _softmax_pass(hidden, weight, bias=None, softcap=None, uniforms=None):
+def _softmax_pass(hidden, weight, bias=None, softcap=None, uniforms=None, temperature=1.0):
     """(mean softmax entropy in nats, targets drawn from the softmax by inverse CDF at `uniforms`
     or None) of the logits the op sees, chunk by chunk over tokens: no (tokens x V) tensor."""
     V = weight.shape[0]
@@ -255,6 +251,8 @@ def _softmax_pass(hidden, weight, bias=None, softcap=None, uniforms=None):
             z += bias.float()
         if softcap is not None:
             z = softcap * torch.tanh(z / softcap)
+        if temperature != 1.0:
+            z = z / temperature
         lse = torch.logsumexp(z, dim=-1, keepdim=True)
         p = torch.exp(z - lse)
         entropy += (lse[:, 0] - (p * z).sum(-1)).double().sum()
@@ -321,7 +319,9 @@ def make_inputs(
         out["class_weight"] = (torch.rand(V, generator=g) + 0.5).to(device, dtype)
     if regime == "zipf" or stats is not None:
         uniforms = torch.rand(BT, generator=g, dtype=torch.float64) if regime == "zipf" else None
-        entropy, sampled = _softmax_pass(hidden, weight, out.get("bias"), options.get("softcap"), uniforms)
+        entropy, sampled = _softmax_pass(
+            hidden, weight, out.get("bias"), options.get("softcap"), uniforms, options.get("temperature", 1.0)
+        )
         if sampled is not None:
             target = sampled.cpu()
         if stats is not None:
