@@ -87,6 +87,7 @@ def dtensor_linear_cross_entropy(
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     z_loss_scale: float = 0.0,
+    temperature: float = 1.0,
     backend: str | None = None,
 ) -> torch.Tensor:
     """`lmkernels.fused_linear_cross_entropy` for DTensor inputs (layouts in the module docstring).
@@ -103,6 +104,7 @@ def dtensor_linear_cross_entropy(
         label_smoothing=label_smoothing,
         softcap=softcap,
         z_loss_scale=z_loss_scale,
+        temperature=temperature,
     )
     w_place = weight.placements[0] if is_dtensor(weight) else Replicate()
     if isinstance(w_place, Replicate):
