@@ -49,6 +49,11 @@ bytes (grad_hidden + grad_weight): None for the backend's default, 0 for the lea
 Not part of the math: the Triton backends choose their chunks, and whether to recompute the
 logits in the backward, from it; eager (which holds the logits) and compile (its own chunks)
 ignore it; the peers' adapters refuse it.
+
+flce_mean_logits(hidden, weight, bias, softcap, temperature): the mean over the vocabulary of
+each token's logits z (temperature and softcap included; fp32, no gradient), what DPO and KTO
+log, without the logits: (h . mean_c(W_c) + mean(b)) / T without a softcap, chunks of tokens
+with one.
 """
 
 from __future__ import annotations
@@ -494,3 +499,79 @@ def fused_linear_cross_entropy(
     """Cross entropy of hidden @ weight.T (+ bias, softcap) against target without materializing
     the (tokens x V) logits in the fused backends. See the module docstring for the semantics;
     the options are FlceOptions' fields."""
+
+
+# --- mean logits ---------------------------------------------------------------------------------
+
+MEAN_LOGITS_CHUNK_BYTES = 1 << 28  # fp32 logits per chunk of tokens (with a softcap)
+
+
+def _check_mean_logits(hidden, weight, bias, softcap, temperature):
+    check_tensor("hidden", hidden)
+    check_tensor("weight", weight, ndim=2)
+    V, H = weight.shape
+    if hidden.dim() < 1 or hidden.shape[-1] != H:
+        fail(f"hidden: expected shape (..., {H}) to match weight (V={V}, H={H}), got {tuple(hidden.shape)}")
+    if weight.dtype != hidden.dtype:
+        fail(f"weight: expected dtype {hidden.dtype} (same as hidden), got {weight.dtype}")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1)
+        if bias.shape[0] != V:
+            fail(f"bias: expected shape ({V},) to match weight's V, got {tuple(bias.shape)}")
+        if bias.dtype != weight.dtype:
+            fail(f"bias: expected dtype {weight.dtype} (same as weight), got {bias.dtype}")
+    check_same_device(hidden=hidden, weight=weight, bias=bias)
+    if softcap is not None:
+        check_number("softcap", softcap, low=0.0, what="None or a positive number")
+        if softcap == 0:
+            fail("softcap: expected None or a positive number, got 0")
+    check_number(
+        "temperature", temperature, low=0.0, high=sys.float_info.max, what="a positive finite number"
+    )
+    if temperature == 0:
+        fail("temperature: expected a positive finite number, got 0")
+
+
+def flce_mean_logits(hidden, weight, bias=None, softcap=None, temperature=1.0) -> torch.Tensor:
+    """Per token, the mean over the vocabulary of the logits fused_linear_cross_entropy sees,
+    z = softcap(hidden @ weight.T + bias) / temperature: fp32, shape hidden.shape[:-1], no
+    gradient (a metric: TRL's DPO and KTO log it as mean_logits), without the (tokens x V) logits.
+
+    Without a softcap the mean is linear in the logits: (h . mean_c(W_c) + mean(b)) / T, with
+    mean_c(W_c) summed in fp32 from the weight's own dtype (no copy of it) and one fp32
+    matrix-vector product per chunk of tokens: exact to fp32 rounding, and more exact than the
+    mean of logits rounded to a 16-bit dtype. With a softcap every logit is needed: fp32
+    logits (fp32 accumulation) of chunks of tokens of at most MEAN_LOGITS_CHUNK_BYTES.
+    """
+    _check_mean_logits(hidden, weight, bias, softcap, temperature)
+    V, H = weight.shape
+    with torch.no_grad():
+        h = hidden.detach().reshape(-1, H)
+        w = weight.detach()
+        n = h.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=h.device)
+        if softcap is None:
+            w_mean = w.sum(0, dtype=torch.float32).div_(V)
+            shift = 0.0 if bias is None else bias.detach().sum(dtype=torch.float32) / V
+            rows = max(1, MEAN_LOGITS_CHUNK_BYTES // (4 * max(H, 1)))
+            for s in range(0, n, rows):
+                out[s : s + rows] = h[s : s + rows].float() @ w_mean + shift
+        else:
+            # fp32 output of the 16-bit GEMM on CUDA; elsewhere the weight upcast once
+            fp32_out = h.is_cuda and h.dtype != torch.float32 and hasattr(torch.ops.aten.mm, "dtype_out")
+            w_mm = w if fp32_out or w.dtype == torch.float32 else w.float()
+            b = None if bias is None else bias.detach().float()
+            rows = max(1, MEAN_LOGITS_CHUNK_BYTES // (4 * max(V, 1)))
+            for s in range(0, n, rows):
+                hc = h[s : s + rows]
+                if fp32_out:
+                    z = torch.mm(hc, w_mm.T, out_dtype=torch.float32)
+                else:
+                    z = hc.to(w_mm.dtype) @ w_mm.T
+                if b is not None:
+                    z += b
+                z = torch.tanh_(z.div_(softcap)).mul_(softcap)
+                out[s : s + rows] = z.mean(-1)
+        if temperature != 1.0:
+            out.div_(temperature)
+    return out.view(hidden.shape[:-1])
