@@ -282,6 +282,7 @@ def make_inputs(
     lean=False,
     regime="gaussian",
     stats=None,
+    entropy_grad=True,
     **options,
 ):
     """hidden (BT, H), weight (V, H), target (BT,) whose logits follow `regime`:
@@ -296,6 +297,8 @@ def make_inputs(
 
     lean: grad_accum_dtype = the weight's dtype (what Liger does by default and all CCE can do).
     stats: a dict that receives "mean_entropy" (nats, of the softmax of the logits the op sees).
+    entropy_grad: for the harness (no_upstream below), not an input: False gives the
+    return_stats entropy no upstream gradient (a loss that only logs it).
     """
     check_choice("regime", regime, REGIMES)
     g = generator(seed)
@@ -362,11 +365,20 @@ def sample(draw):
         "with_class_weight": draw.booleans(),
         "return_lse": draw.booleans(),
         "return_stats": draw.booleans(),
+        # (only read with return_stats: whether a loss differentiates the entropy, see no_upstream)
+        "entropy_grad": draw.booleans(),
+        "temperature": draw.sampled_from((1.0, 1.0, 0.7, 2.0)),
         "memory_budget": draw.sampled_from((None, None, 0.0, 0.01, 0.08, 0.5, 4.0)),
         "lean": draw.booleans(),
         "regime": draw.sampled_from(("gaussian", "uniform", "zipf") if H >= 2 else ("gaussian", "uniform")),
     }
     return {"BT": BT, "H": H, "V": V}, options
+
+
+def _no_upstream(options) -> tuple[int, ...]:
+    """The harness's cases with return_stats and entropy_grad=False give the entropy (output 2)
+    no upstream gradient: a loss that only logs it."""
+    return (2,) if options.get("return_stats") and not options.get("entropy_grad", True) else ()
 
 
 def error_inputs(device):
@@ -442,6 +454,12 @@ SPEC = register_op(
             {"softcap": 30.0, "z_loss_scale": 1e-4, "ignore_index": 3},
             {"return_lse": True, "ignore_fraction": 1.0},
             {"return_stats": True, "softcap": 30.0, "with_bias": True},
+            # The entropy differentiated (the harness gives it an upstream gradient, as every
+            # differentiable output) or, with entropy_grad=False, only logged.
+            {"return_stats": True, "reduction": "none", "temperature": 0.7},
+            {"return_stats": True, "label_smoothing": 0.1, "z_loss_scale": 1e-4, "with_class_weight": True},
+            {"return_stats": True, "entropy_grad": False, "reduction": "sum"},
+            {"temperature": 0.7, "softcap": 30.0, "with_bias": True, "reduction": "sum"},
             {"memory_budget": 0.0, "reduction": "sum", "with_class_weight": True},
             {"memory_budget": 0.25, "label_smoothing": 0.1},
             {"memory_budget": 2.0, "softcap": 30.0, "with_bias": True},
@@ -467,6 +485,7 @@ SPEC = register_op(
         flops=lambda s: 6 * s["BT"] * s["H"] * s["V"],
         error_inputs=error_inputs,
         sample=sample,
+        no_upstream=_no_upstream,
         # A weight expanded over V makes every class the same: the gradients are 0 in fp64 and
         # rounding noise in any other dtype.
         sample_layouts={"weight": ("contiguous", "fresh", "transposed", "sliced")},
