@@ -116,8 +116,8 @@ def check_fsdp_plus_tp_2d_mesh(ctx):
 @check
 def check_vocab_parallel_flce(ctx):
     """The vocab-parallel loss against the one-device reference: uneven split (V=131), bias,
-    ignored tokens, label smoothing + softcap + z-loss, all reductions, fast and lean modes, an
-    upstream gradient other than 1; loss and all gradients. Then bf16 under the op's policy, in
+    ignored tokens, label smoothing + softcap + z-loss, temperature, all reductions, fast and
+    lean modes, an upstream gradient other than 1; loss and all gradients. Then bf16 under the op's policy, in
     several chunks (grad_weight summed in bf16), and a second backward of a fast graph raises."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -137,8 +137,9 @@ def check_vocab_parallel_flce(ctx):
     cases = [
         {},
         {"reduction": "sum"},
-        {"reduction": "none", "label_smoothing": 0.1},
+        {"reduction": "none", "label_smoothing": 0.1, "temperature": 2.0},
         {"label_smoothing": 0.2, "softcap": 3.0, "z_loss_scale": 1e-2},
+        {"label_smoothing": 0.2, "softcap": 3.0, "z_loss_scale": 1e-2, "temperature": 0.7},
     ]
     import lmkernels.distributed.vocab_parallel as vp
     from lmkernels.backends.triton import triton_unavailable_reason

@@ -178,3 +178,88 @@ def test_flce_entropy_at_large_logits_matches_fp64(backend, scale, triton_device
     )[2]
     # fp32 logits of size ~scale carry an absolute error of ~scale * 1e-7 per logit
     assert (entropy.double() - ref).abs().max() <= 1e-6 * scale
+
+
+def _flce_grads(fn, hidden, weight, bias, target, upstream, **options):
+    """(outputs, grads of hidden, weight, bias) of sum over the outputs of upstream(outputs)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
+    out = fn(leaves[0], leaves[1], target, bias=leaves[2], **options)
+    outs = out if isinstance(out, tuple) else (out,)
+    upstream(outs).backward()
+    return [o.detach() for o in outs], [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("backend", _backends("fused_linear_cross_entropy"))
+@pytest.mark.parametrize("stats", [False, True], ids=["loss", "loss_and_entropy"])
+@pytest.mark.parametrize("upstream", ["random", "some_tokens"])
+def test_flce_per_token_outputs_under_any_upstream_gradient(backend, stats, upstream, triton_device):
+    """reduction="none": the per-token loss (and entropy) are fp32 whatever the inputs' dtype,
+    and their gradients match fp64 under any per-token upstream gradient: random of both signs
+    with exact zeros, or a loss over some tokens only (a per-sequence sum, RL advantages), the
+    entropy differentiated over others; temperature and softcap on."""
+    device = _device(backend, triton_device)
+    BT, H, V = 23, 16, 41
+    hidden, weight, bias = _randn(BT, H, seed=1), _randn(V, H, seed=2) * 0.5, _randn(V, seed=3) * 0.1
+    target = torch.randint(0, V, (BT,), generator=torch.Generator().manual_seed(4))
+    target[[2, 9]] = -100
+    g = _randn(2, BT, seed=5)
+    g[:, ::4] = 0.0
+    pick = torch.rand(2, BT, generator=torch.Generator().manual_seed(6)) < 0.4
+
+    def up(outs):
+        if upstream == "random":
+            terms = [(outs[0] * g[0].to(outs[0].device)).sum()]
+            if stats:
+                terms.append((outs[2] * g[1].to(outs[2].device)).sum())
+        else:
+            terms = [outs[0][pick[0].to(outs[0].device)].sum()]
+            if stats:
+                terms.append(-0.3 * outs[2][pick[1].to(outs[2].device)].sum())
+        return sum(terms)
+
+    options = dict(reduction="none", return_stats=stats, temperature=0.7, softcap=5.0)
+    ref_outs, ref_grads = _flce_grads(
+        fused_linear_cross_entropy_reference,
+        *(t.double() for t in (hidden, weight, bias)),
+        target,
+        up,
+        **options,
+    )
+    for dtype in (torch.float32, torch.bfloat16):
+        args = [t.to(device, dtype) for t in (hidden, weight, bias)]
+        outs, grads = _flce_grads(
+            lambda *a, **k: lmkernels.fused_linear_cross_entropy(*a, backend=backend, **k),
+            *args,
+            target.to(device),
+            up,
+            **options,
+        )
+        assert outs[0].dtype == torch.float32 and outs[0].shape == (BT,)
+        if stats:
+            assert outs[2].dtype == torch.float32 and outs[2].shape == (BT,)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for got, want in [*zip(outs[:1] + outs[2:3], ref_outs[:1] + ref_outs[2:3]), *zip(grads, ref_grads)]:
+            err = (got.cpu().double() - want).norm() / want.norm()
+            assert err <= tol, (dtype, err)
+
+
+@pytest.mark.parametrize("backend", _backends("fused_linear_cross_entropy"))
+def test_flce_entropy_masked_in_place(backend, triton_device):
+    """The returned entropy may be written over (masked in place, as a trainer zeroes padding):
+    the backward keeps its own copy, and the masked tokens' entropy gets no gradient."""
+    device = _device(backend, triton_device)
+    hidden, weight = _randn(2, 7, 16, seed=1), _randn(29, 16, seed=2) * 0.5
+    target = torch.randint(0, 29, (2, 7), generator=torch.Generator().manual_seed(3))
+    target[0, :2] = -100
+    grads = {}
+    for name, dev, fn in (
+        ("ref", "cpu", fused_linear_cross_entropy_reference),
+        ("impl", device, lambda *a, **k: lmkernels.fused_linear_cross_entropy(*a, backend=backend, **k)),
+    ):
+        h, w = (t.to(dev).requires_grad_() for t in (hidden.clone(), weight.clone()))
+        loss, _, entropy, _ = fn(h, w, target.to(dev), reduction="none", return_stats=True)
+        entropy.masked_fill_(target.to(dev) == -100, 0.0)
+        (loss.sum() - 0.5 * entropy.sum()).backward()
+        grads[name] = (h.grad.cpu(), w.grad.cpu())
+    for got, want in zip(grads["impl"], grads["ref"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -137,3 +137,65 @@ def test_allowed_error_never_drops_as_eagers_error_grows():
         assert allowed_error(tol.bound / tol.factor / 2, tol) == tol.bound / 2 + tol.floor
         assert allowed_error(2 * tol.bound, tol) == 2 * tol.factor * tol.bound
         assert allowed_error(float("nan"), tol) == tol.bound
+
+
+# --- FLCE's entropy: a dropped gradient term is caught ----------------------------------------------
+
+FLCE = get_op("fused_linear_cross_entropy")
+FLCE_SHAPE = {"BT": 9, "H": 8, "V": 13}
+
+
+def _flce_stats(hidden, weight, target, **options):
+    from lmkernels.ops.flce import fused_linear_cross_entropy_reference
+
+    return fused_linear_cross_entropy_reference(hidden, weight, target, **options)
+
+
+def entropy_detached(hidden, weight, target, **options):
+    """The entropy returned without a gradient (marked non-differentiable)."""
+    out = _flce_stats(hidden, weight, target, **options)
+    if not options.get("return_stats"):
+        return out
+    loss, lse, entropy, top1 = out
+    return loss, lse, entropy.detach(), top1
+
+
+def entropy_term_dropped(hidden, weight, target, **options):
+    """The entropy differentiable, its term of the gradient missing (zero)."""
+    out = _flce_stats(hidden, weight, target, **options)
+    if not options.get("return_stats"):
+        return out
+    loss, lse, entropy, top1 = out
+    return loss, lse, entropy.detach() + 0.0 * hidden.sum(-1), top1
+
+
+FLCE_TOYS = {
+    "entropy_detached": (entropy_detached, "not differentiable"),
+    "entropy_term_dropped": (entropy_term_dropped, "grad_hidden: rel err"),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("name", list(FLCE_TOYS))
+def test_missing_entropy_gradient_is_caught(name, reduction):
+    """check_case (validate, test_correctness) and check_sample (the property tests, whose
+    upstream gradients are drawn from the impl's own outputs) both fail a backend whose
+    return_stats entropy lacks its gradient term; with entropy_grad=False (the entropy only
+    logged) both pass it."""
+    from lmkernels.harness.properties import Case, check_sample
+
+    fn, expected = FLCE_TOYS[name]
+    impl = register("fused_linear_cross_entropy", f"toy_{name}", fn, priority=-100)
+    try:
+        case = {"return_stats": True, "reduction": reduction}
+        result = check_case(FLCE, impl, FLCE_SHAPE, torch.float32, case)
+        assert result.status == "fail" and expected in result.reason, result.reason
+        sample = Case(FLCE.name, impl.backend, FLCE_SHAPE, case, "fp32", {}, seed=3)
+        prop = check_sample(FLCE, impl, sample)
+        assert prop.status == "fail" and expected.split(":")[0] in prop.reason, prop.reason
+        logged = {**case, "entropy_grad": False}
+        assert check_case(FLCE, impl, FLCE_SHAPE, torch.float32, logged).status == "pass"
+        sample.options = logged
+        assert check_sample(FLCE, impl, sample).status == "pass"
+    finally:
+        unregister("fused_linear_cross_entropy", f"toy_{name}")

@@ -205,17 +205,37 @@ def test_trl_head_kept_without_flce():
     assert not _decision(model).ours and "flce is not patched" in cb.summary
 
 
-def test_entropy_gradient_refused():
-    """lmkernels' entropy has no gradient: a loss that differentiates it raises (never a silently
-    missing term); detached, as TRL's SFT metrics use it, it is fine."""
+@pytest.mark.parametrize("backend", ["eager", "triton"])  # (the Triton interpreter on the CPU)
+def test_entropy_gradient_equals_trls(backend):
+    """A loss that differentiates the routed head's entropy (an entropy bonus) gets the gradient
+    TRL's own head gives (the term is computed, never silently missing), temperature and final
+    softcap included; detached, as TRL's SFT metrics use it, it adds nothing."""
     pytest.importorskip("trl", reason="TRL is in the hf extra")
-    model = _with_trl_head(lk_hf.apply(tc.tiny(), backend="eager"), outputs=SFT_OUTPUTS)
-    ids, labels = _trl_batch(model)
-    out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    plain = tc.tiny("gemma2")
+    ids, labels = _trl_batch(plain)
+    kwargs = dict(input_ids=ids, labels=labels, fused_lm_head=True)
+    ref_model = _with_trl_head(copy.deepcopy(plain), outputs=SFT_OUTPUTS, temperature=0.7)
+    model = _with_trl_head(
+        lk_hf.apply(copy.deepcopy(plain), backend=backend), outputs=SFT_OUTPUTS, temperature=0.7
+    )
+    ref = ref_model(**kwargs)
+    (ref.loss - 0.3 * ref.entropy.sum()).backward()
+    out = model(**kwargs)
     assert _decision(model).ours
-    (out.loss + 0 * out.entropy.detach().sum()).backward(retain_graph=True)
-    with pytest.raises(LMKernelsError, match="entropy.*no gradient.*LmkernelsCallback"):
-        (out.loss - 0.01 * out.entropy.sum()).backward()
+    (out.loss - 0.3 * out.entropy.sum()).backward()
+    ref_grads, grads = _grads(ref_model), _grads(model)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name, g in ref_grads.items():
+        assert _rel(grads[name], g) <= 1e-4, name
+    detached = _with_trl_head(
+        lk_hf.apply(copy.deepcopy(plain), backend=backend), outputs=SFT_OUTPUTS, temperature=0.7
+    )
+    out = detached(**kwargs)
+    (out.loss + 0 * out.entropy.detach().sum()).backward()
+    model.zero_grad()
+    model(**kwargs).loss.backward()
+    for name, g in _grads(model).items():
+        assert _rel(_grads(detached)[name], g) <= 1e-6, name
 
 
 # --- TRL's trainers --------------------------------------------------------------------------------

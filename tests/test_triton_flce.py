@@ -31,7 +31,8 @@ GRAD_NAMES = ("hidden", "weight", "bias")
 
 
 def truth_fp64(inputs):
-    """The loss (and lse) in fp64 by F.cross_entropy + the z-loss term, per the docstring."""
+    """The loss (and lse) in fp64 by F.cross_entropy + the z-loss term, per the docstring (the
+    logits softcapped, then divided by the temperature)."""
     weight = inputs["weight"].double()
     V, H = weight.shape
     h = inputs["hidden"].double().reshape(-1, H)
@@ -42,6 +43,7 @@ def truth_fp64(inputs):
         logits = logits + inputs["bias"].double()
     if inputs.get("softcap") is not None:
         logits = inputs["softcap"] * torch.tanh(logits / inputs["softcap"])
+    logits = logits / inputs.get("temperature", 1.0)
     cw = inputs.get("class_weight")
     cw = cw.double() if cw is not None else None
     per_token = F.cross_entropy(
@@ -399,7 +401,7 @@ def test_second_backward_lean_recomputes():
     assert torch.equal(first, second)
 
 
-def _forward_args(inputs, reduction, grads, lean, stats=True):
+def _forward_args(inputs, reduction, grads, lean, stats=True, temperature=0.7):
     H = inputs["weight"].shape[1]
     return (
         inputs["hidden"].reshape(-1, H),
@@ -421,6 +423,7 @@ def _forward_args(inputs, reduction, grads, lean, stats=True):
         lean,  # fp32_logits: the fast mode takes the input dtype's (bf16 inputs: bf16 logits)
         1 << 20,
         stats,
+        temperature,
     )
 
 
@@ -444,11 +447,16 @@ def test_opcheck_forward(reduction, lean, dtype):
     torch.library.opcheck(torch.ops.lmkernels.flce_triton_forward.default, args)
 
 
+@pytest.mark.parametrize("entropy", [False, True], ids=["loss", "loss_and_entropy"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_opcheck_backward(reduction):
+def test_opcheck_backward(reduction, entropy):
     inputs = make({"BT": 12, "H": 16, "V": 40}, torch.bfloat16, {"with_bias": True})
-    lse = torch.logsumexp(inputs["hidden"].float() @ inputs["weight"].float().T + inputs["bias"].float(), -1)
+    logits = (inputs["hidden"].float() @ inputs["weight"].float().T + inputs["bias"].float()) / 0.7
+    lse = torch.logsumexp(logits, -1)
     grad_shape = (12,) if reduction == "none" else ()
+    g = torch.Generator().manual_seed(1)
+    grad_entropy = torch.randn(12, generator=g).to(DEVICE) if entropy else None
+    entropy_values = (torch.softmax(logits, -1) * (lse[:, None] - logits)).sum(-1) if entropy else None
     args = (
         torch.randn(grad_shape, generator=torch.Generator().manual_seed(0)).to(DEVICE),
         inputs["hidden"],
@@ -467,6 +475,9 @@ def test_opcheck_backward(reduction):
         True,
         False,
         True,
+        0.7,
+        grad_entropy,
+        entropy_values,
     )
     torch.library.opcheck(torch.ops.lmkernels.flce_triton_backward.default, args)
 

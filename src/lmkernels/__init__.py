@@ -7,6 +7,7 @@ with lk.use_backend("triton", flce="compile"): ...
 """
 
 from lmkernels.ops import (
+    flce_mean_logits,
     fused_linear_cross_entropy,
     fused_linear_distillation,
     geglu,
@@ -62,6 +63,7 @@ __all__ = [
     "UnknownOpError",
     "backend_names",
     "explain",
+    "flce_mean_logits",
     "fused_linear_cross_entropy",
     "fused_linear_distillation",
     "geglu",

@@ -219,6 +219,8 @@ def _liger_flce_supports(hidden, weight, target, **options):
     o = FlceOptions(**options)
     # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
+    if o.temperature != 1.0:
+        reasons.append("temperature: Liger's FLCE has no temperature")
     if o.return_lse or o.return_stats:
         reasons.append("return_lse/return_stats=True: Liger's FLCE does not return the logsumexp")
     if o.memory_budget is not None:
@@ -267,6 +269,8 @@ def _cce_supports(hidden, weight, target, **options):
     o = FlceOptions(**options)
     # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
+    if o.temperature != 1.0:
+        reasons.append("temperature: CCE has no temperature")
     if o.memory_budget is not None:
         reasons.append("memory_budget: CCE sizes its blocks itself")
     if o.bias is not None:
@@ -326,6 +330,8 @@ def _torch_native_supports(hidden, weight, target, **options):
     o = FlceOptions(**options)
     # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
+    if o.temperature != 1.0:
+        reasons.append("temperature: torch's linear_cross_entropy has no temperature")
     if o.memory_budget is not None:
         reasons.append("memory_budget: torch's linear_cross_entropy chunks by its own options")
     if o.softcap is not None:

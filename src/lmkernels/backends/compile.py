@@ -140,7 +140,8 @@ def _mm_f32(a, b):
     return a.float() @ b.float()
 
 
-def _chunk_logits(h, weight, bias, softcap):
+def _chunk_logits(h, weight, bias, softcap, temperature):
+    """(fp32 logits, tanh(logits / softcap) or None): the softcap's, then the temperature's."""
     logits = _mm_f32(h, weight.T)
     if bias is not None:
         logits = logits + bias.float()
@@ -148,6 +149,8 @@ def _chunk_logits(h, weight, bias, softcap):
     if softcap is not None:
         capped = torch.tanh(logits / softcap)
         logits = softcap * capped
+    if temperature != 1.0:
+        logits = logits / temperature
     return logits, capped
 
 
@@ -197,11 +200,15 @@ def _grads_from_logits(
     label_smoothing,
     softcap,
     z_loss_scale,
+    temperature,
+    grad_ent=None,
+    entropy=None,
 ):
-    """Gradients of sum_i grad_tok[i] * loss_i for one chunk.
+    """Gradients of sum_i grad_tok[i] * loss_i (+ grad_ent[i] * entropy_i) for one chunk.
 
     d loss_i / d z_c = p_c * ((1-e) w_t + (e/V) sum(w) + 2 s lse) - (1-e) w_t [c == t] - (e/V) w_c,
-    then times 1 - tanh^2 through the softcap.
+    d H_i / d z_c = -p_c (z_c - lse + H), then times 1 - tanh^2 through the softcap and 1 / T
+    through the temperature.
     """
     V = logits.shape[1]
     valid = target != ignore_index
@@ -215,8 +222,13 @@ def _grads_from_logits(
     if label_smoothing:
         smooth_w = class_weight.float() if class_weight is not None else torch.ones_like(logits[0])
         dlogits = dlogits - (label_smoothing / V) * g[:, None] * smooth_w[None, :]
+    if grad_ent is not None:
+        term = probs * (logits - (lse - entropy)[:, None])
+        dlogits = dlogits - torch.where(probs > 0, term, 0.0) * grad_ent.float()[:, None]
     if softcap is not None:
         dlogits = dlogits * (1.0 - capped.square())
+    if temperature != 1.0:
+        dlogits = dlogits / temperature
     grad_h = _mm_f32(dlogits, weight)
     grad_w = _mm_f32(dlogits.T, h)
     grad_b = dlogits.sum(0) if bias is not None else None
@@ -239,9 +251,19 @@ def _stats_from_logits(logits, lse, target, ignore_index, stats):
 
 
 def _chunk_loss(
-    h, weight, bias, target, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, stats
+    h,
+    weight,
+    bias,
+    target,
+    class_weight,
+    ignore_index,
+    label_smoothing,
+    softcap,
+    z_loss_scale,
+    temperature,
+    stats,
 ):
-    logits, _ = _chunk_logits(h, weight, bias, softcap)
+    logits, _ = _chunk_logits(h, weight, bias, softcap, temperature)
     loss, lse = _loss_from_logits(logits, target, class_weight, ignore_index, label_smoothing, z_loss_scale)
     return loss, lse, *_stats_from_logits(logits, lse, target, ignore_index, stats)
 
@@ -257,10 +279,11 @@ def _chunk_loss_and_grads(
     label_smoothing,
     softcap,
     z_loss_scale,
+    temperature,
     stats,
 ):
     """Loss, logsumexp (and stats) and gradients of one chunk from a single logits matmul."""
-    logits, capped = _chunk_logits(h, weight, bias, softcap)
+    logits, capped = _chunk_logits(h, weight, bias, softcap, temperature)
     loss, lse = _loss_from_logits(logits, target, class_weight, ignore_index, label_smoothing, z_loss_scale)
     entropy, top = _stats_from_logits(logits, lse, target, ignore_index, stats)
     grads = _grads_from_logits(
@@ -277,15 +300,30 @@ def _chunk_loss_and_grads(
         label_smoothing,
         softcap,
         z_loss_scale,
+        temperature,
     )
     return loss, lse, entropy, top, *grads
 
 
 def _chunk_grads(
-    h, weight, bias, target, class_weight, grad_tok, lse, ignore_index, label_smoothing, softcap, z_loss_scale
+    h,
+    weight,
+    bias,
+    target,
+    class_weight,
+    grad_tok,
+    lse,
+    ignore_index,
+    label_smoothing,
+    softcap,
+    z_loss_scale,
+    temperature,
+    grad_ent,
+    entropy,
 ):
-    """Recompute one chunk's logits and return its gradients, given the stored logsumexp."""
-    logits, capped = _chunk_logits(h, weight, bias, softcap)
+    """Recompute one chunk's logits and return its gradients, given the stored logsumexp (and
+    the entropy, whose upstream gradient grad_ent is None when nothing differentiates it)."""
+    logits, capped = _chunk_logits(h, weight, bias, softcap, temperature)
     return _grads_from_logits(
         h,
         weight,
@@ -300,13 +338,16 @@ def _chunk_grads(
         label_smoothing,
         softcap,
         z_loss_scale,
+        temperature,
+        grad_ent,
+        entropy,
     )
 
 
 class _ChunkedFLCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, opts, grad_accum_dtype, stats):
-        ignore_index, reduction, label_smoothing, softcap, z_loss_scale = opts
+        ignore_index, reduction, label_smoothing, softcap, z_loss_scale, temperature = opts
         H = weight.shape[1]
         h2 = hidden.reshape(-1, H)
         t = target.reshape(-1)
@@ -319,9 +360,11 @@ class _ChunkedFLCE(torch.autograd.Function):
             scale = 1.0 / torch.where(denom == 0, 1.0, denom)
         else:
             scale = torch.ones((), device=hidden.device)
-        args = (ignore_index, label_smoothing, softcap, z_loss_scale)
+        args = (ignore_index, label_smoothing, softcap, z_loss_scale, temperature)
         needs_grad = any(ctx.needs_input_grad[:3])
-        grads_now = needs_grad and reduction != "none"
+        # The entropy's upstream gradient (return_stats) is per token and unknown here: with
+        # stats the backward recomputes, with both terms.
+        grads_now = needs_grad and reduction != "none" and not stats
         loss = torch.empty(BT, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(BT, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(BT if stats else 0, dtype=torch.float32, device=hidden.device)
@@ -357,7 +400,9 @@ class _ChunkedFLCE(torch.autograd.Function):
         if grads_now:
             ctx.save_for_backward(grad_h, grad_w, grad_b)
         else:
-            ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse, scale)
+            # (a copy of the entropy: the caller may write over the output it gets)
+            saved_entropy = entropy.clone() if stats else None
+            ctx.save_for_backward(hidden, weight, bias, target, class_weight, lse, scale, saved_entropy)
         ctx.hidden_shape = hidden.shape
         if reduction == "none":
             out = loss.view(target.shape)
@@ -365,25 +410,32 @@ class _ChunkedFLCE(torch.autograd.Function):
             out = loss.sum()
         else:
             out = loss.sum() * scale
-        ctx.mark_non_differentiable(lse, entropy, top1)
+        ctx.mark_non_differentiable(lse, top1)
+        ctx.set_materialize_grads(False)  # (the entropy's None gradient: not differentiated)
         return out, lse.view(target.shape), entropy, top1
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_lse, _grad_entropy, _grad_top1):
+    def backward(ctx, grad_out, _grad_lse, grad_entropy, _grad_top1):
         if torch.is_grad_enabled():  # create_graph=True: these gradients are not differentiable
             raise higher_order_error("fused_linear_cross_entropy", "compile")
-        ignore_index, reduction, label_smoothing, softcap, z_loss_scale = ctx.opts
-        if ctx.grads_now:
+        ignore_index, reduction, label_smoothing, softcap, z_loss_scale, temperature = ctx.opts
+        if ctx.grads_now:  # (no stats: nothing differentiates the empty entropy placeholder)
             grad_h, grad_w, grad_b = ctx.saved_tensors
             gh = (grad_h * grad_out).view(ctx.hidden_shape) if ctx.needs_input_grad[0] else None
             gw = (grad_w * grad_out) if ctx.needs_input_grad[1] else None
             gb = (grad_b * grad_out) if grad_b is not None and ctx.needs_input_grad[2] else None
             return gh, gw, gb, None, None, None, None, None
-        hidden, weight, bias, target, class_weight, lse, scale = ctx.saved_tensors
+        hidden, weight, bias, target, class_weight, lse, scale, entropy = ctx.saved_tensors
         H = weight.shape[1]
         h2, t = hidden.reshape(-1, H), target.reshape(-1)
         BT = h2.shape[0]
-        grad_tok = grad_out.reshape(-1).float() if reduction == "none" else (grad_out * scale).expand(BT)
+        if grad_out is None:  # only the entropy is differentiated
+            grad_tok = lse.new_zeros(()).expand(BT)
+        elif reduction == "none":
+            grad_tok = grad_out.reshape(-1).float()
+        else:
+            grad_tok = (grad_out * scale).expand(BT)
+        grad_ent = None if grad_entropy is None else grad_entropy.reshape(-1).float()
         acc_dtype = ctx.grad_accum_dtype or torch.float32
         grad_h = torch.empty_like(h2)
         grad_w = torch.zeros(weight.shape, dtype=acc_dtype, device=weight.device)
@@ -392,11 +444,12 @@ class _ChunkedFLCE(torch.autograd.Function):
             if bias is not None
             else None
         )
-        args = (ignore_index, label_smoothing, softcap, z_loss_scale)
+        args = (ignore_index, label_smoothing, softcap, z_loss_scale, temperature)
         for start in range(0, BT, ctx.chunk):
             sl = slice(start, min(start + ctx.chunk, BT))
+            ent = (None, None) if grad_ent is None else (grad_ent[sl], entropy[sl])
             gh, gw, gb = _compiled(_chunk_grads)(
-                h2[sl], weight, bias, t[sl], class_weight, grad_tok[sl], lse[sl], *args
+                h2[sl], weight, bias, t[sl], class_weight, grad_tok[sl], lse[sl], *args, *ent
             )
             grad_h[sl] = gh
             grad_w += gw.to(acc_dtype)
@@ -409,7 +462,7 @@ def flce_compile(hidden, weight, target, **options):
     if transforms_active():
         return fused_linear_cross_entropy_reference(hidden, weight, target, **options)
     o = FlceOptions(**options)  # memory_budget unread: the chunks follow flce_chunk_size
-    opts = (o.ignore_index, o.reduction, o.label_smoothing, o.softcap, o.z_loss_scale)
+    opts = (o.ignore_index, o.reduction, o.label_smoothing, o.softcap, o.z_loss_scale, float(o.temperature))
     loss, lse, entropy, top1 = _ChunkedFLCE.apply(
         hidden, weight, o.bias, target, o.class_weight, opts, o.grad_accum_dtype, o.return_stats
     )

@@ -96,6 +96,7 @@ def dtensor_linear_cross_entropy(
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     z_loss_scale: float = 0.0,
+    temperature: float = 1.0,
     backend: str | None = None,
 ) -> torch.Tensor:
     """`lmkernels.fused_linear_cross_entropy` for DTensor inputs (layouts in the module docstring).
@@ -112,6 +113,7 @@ def dtensor_linear_cross_entropy(
         label_smoothing=label_smoothing,
         softcap=softcap,
         z_loss_scale=z_loss_scale,
+        temperature=temperature,
     )
     if not isinstance(weight, DTensor) or isinstance(weight.placements[0], Replicate):
         w = _replicated_local(weight, mesh)

@@ -11,8 +11,9 @@ ops/flce.py). The gradient of the logits is
 
     dz_c = g_i * ((1 + 2 s lse_i) * softmax_c - (1 - e) [c == t_i] - e / V)
 
-(times 1 - (z / softcap)^2 under a softcap), so grad_weight is the local shard's own gradient and
-grad_hidden, a partial sum over the shards, is all-reduced once.
+(times 1 - (z / softcap)^2 under a softcap, and 1 / T with a temperature T, which divides the
+logits after the softcap as in the one-device op), so grad_weight is the local shard's own
+gradient and grad_hidden, a partial sum over the shards, is all-reduced once.
 
 Two modes, as the Triton FLCE has (backends/triton/flce.py):
 - fast (the default): for "mean" / "sum" the forward turns each chunk's logits into dz right
@@ -128,11 +129,16 @@ def _raw_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def _logits(
     h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None
 ) -> torch.Tensor:
-    """fp32 logits of one chunk of tokens."""
+    """fp32 logits of one chunk of tokens, softcapped (the temperature not yet applied)."""
     z = _raw_logits(h, weight, bias)
     if softcap is not None:
         z = torch.tanh_(z / softcap).mul_(softcap)
     return z
+
+
+def _scaled_(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The logits divided by the temperature, in place."""
+    return z if temperature == 1.0 else z.div_(temperature)
 
 
 class _Targets:
@@ -166,8 +172,9 @@ def _local_stats_torch_(
     return lse_local, m, target_z, sum_z
 
 
-def _cap(x: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    return x if softcap is None else torch.tanh(x / softcap) * softcap
+def _cap(x: torch.Tensor, softcap: float | None, temperature: float = 1.0) -> torch.Tensor:
+    x = x if softcap is None else torch.tanh(x / softcap) * softcap
+    return x if temperature == 1.0 else x / temperature
 
 
 def _combine(
@@ -340,18 +347,20 @@ class _TritonRows:
         v_local: int,
         max_chunk: int,
         device: torch.device,
+        temperature: float,
     ) -> None:
         from lmkernels.backends.triton import flce_kernels as kernels
         from lmkernels.backends.triton.configs import tables_for
 
         ignore_index, _, smoothing, softcap, z_scale = opts
         self.kernels, self.tg, self.smoothing, self.softcap = kernels, tg, smoothing, softcap
+        self.temperature = temperature
         self.v_local, self.max_chunk, self.device = v_local, max_chunk, device
         # Pass 2 (dlogits): the full problem, the chunk's columns starting at the shard's first
         # vocabulary row. Pass 1 (this shard's logsumexp, forward only) is set up when first used.
         self.table = tables_for(device).flce
         self.grads = kernels.Rows(
-            target, None, None, ignore_index, smoothing, softcap, z_scale, vocab_size, self.table
+            target, None, None, ignore_index, smoothing, softcap, z_scale, vocab_size, self.table, temperature
         )
         self.stats: Any = None
 
@@ -360,21 +369,22 @@ class _TritonRows:
     ) -> tuple[torch.Tensor, None, torch.Tensor, torch.Tensor | None]:
         """_local_stats_torch_'s results from raw logits z (no softcap applied; kept): one read
         of the chunk (two with label smoothing)."""
-        n, cap = z.shape[0], self.softcap
+        n, cap, temp = z.shape[0], self.softcap, self.temperature
         tg = self.tg
         if self.v_local:
-            target_z = torch.where(tg.in_shard[s:e], _cap(z.gather(1, tg.safe_t[s:e])[:, 0], cap), 0.0)
+            target_z = torch.where(tg.in_shard[s:e], _cap(z.gather(1, tg.safe_t[s:e])[:, 0], cap, temp), 0.0)
         else:  # a shard without vocabulary rows holds no target (gather needs a column)
             target_z = z.new_zeros((n,))
         sum_z = None
         if self.smoothing:
             sum_z = z.sum(dim=1) if cap is None else torch.tanh(z / cap).sum(dim=1) * cap
+            sum_z = sum_z if temp == 1.0 else sum_z / temp
         lse_local = z.new_full((n,), float("-inf"))
         if self.v_local:
             if self.stats is None:  # no target, no smoothing: only the logsumexp is wanted
                 no_target = torch.full((self.max_chunk,), -1, dtype=torch.long, device=self.device)
                 self.stats = self.kernels.Rows(
-                    no_target, None, None, -1, 0.0, cap, 0.0, self.v_local, self.table
+                    no_target, None, None, -1, 0.0, cap, 0.0, self.v_local, self.table, temp
                 )
                 self.scratch = torch.empty(self.max_chunk, dtype=torch.float32, device=self.device)
             self.stats.launch(z, None, slice(0, n), lse_local, self.scratch, None, 0, False)
@@ -406,12 +416,13 @@ def _triton_rows(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     chunks: list[tuple[int, int]],
+    temperature: float,
 ) -> _TritonRows | None:
     """A _TritonRows where _use_triton allows, else None (torch ops)."""
     if not _use_triton(weight, bias):
         return None
     max_chunk = max(e - s for s, e in chunks)
-    return _TritonRows(target, tg, opts, vocab_size, weight.shape[0], max_chunk, weight.device)
+    return _TritonRows(target, tg, opts, vocab_size, weight.shape[0], max_chunk, weight.device, temperature)
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -427,18 +438,20 @@ class _VocabParallelCE(torch.autograd.Function):
         vocab_size: int,
         opts: _Opts,
         fast: bool,
+        temperature: float,
     ) -> torch.Tensor:
         ignore_index, reduction, smoothing, softcap, z_scale = opts
         n, v_local = hidden.shape[0], weight.shape[0]
         tg = _Targets(target, ignore_index, start, v_local, smoothing)
         count = tg.valid.sum()
         chunks = _chunks(n, vocab_size, group)
-        triton_rows = _triton_rows(target, tg, opts, vocab_size, weight, bias, chunks)
+        triton_rows = _triton_rows(target, tg, opts, vocab_size, weight, bias, chunks, temperature)
         if fast:
             # The upstream gradient of each token's loss, with the loss's own reduction; the
-            # backward multiplies by grad_out.
+            # backward multiplies by grad_out. (The torch ops take the temperature's chain
+            # factor 1/T with it: dz is linear in g; the row kernel applies it itself.)
             g = 1.0 / count.clamp(min=1) if reduction == "mean" else torch.ones((), device=hidden.device)
-            g_rows = torch.where(tg.valid, g, 0.0)
+            g_rows = torch.where(tg.valid, g, 0.0) / temperature
             sums = _GradSums(hidden, weight, bias, ctx.needs_input_grad[:3], len(chunks))
         lse = hidden.new_empty(n, dtype=torch.float32)
         loss = hidden.new_empty(n, dtype=torch.float32)
@@ -449,7 +462,9 @@ class _VocabParallelCE(torch.autograd.Function):
             else:
                 z = _logits(hidden[s:e], weight, bias, softcap)
                 capped = _softcap_slope(z, softcap) if fast else None
-                lse_local, m, target_z, sum_z = _local_stats_torch_(z, tg, s, e, smoothing)
+                lse_local, m, target_z, sum_z = _local_stats_torch_(
+                    _scaled_(z, temperature), tg, s, e, smoothing
+                )
             lse_c, target_z, sum_z = _combine(lse_local, target_z, sum_z, group)
             loss_c = (1.0 - smoothing) * (lse_c - target_z)
             if smoothing:
@@ -478,7 +493,7 @@ class _VocabParallelCE(torch.autograd.Function):
             ctx.save_for_backward(*sums.finish(hidden, weight, bias, group))
         else:
             ctx.save_for_backward(hidden, weight, bias, target, lse, count)
-            ctx.meta = (group, start, vocab_size, opts)
+            ctx.meta = (group, start, vocab_size, opts, temperature)
         if reduction == "none":
             return loss
         if reduction == "sum":
@@ -490,17 +505,18 @@ class _VocabParallelCE(torch.autograd.Function):
         if ctx.fast:
             # The gradients of the reduced loss, computed in the forward; the buffers are ours.
             grads = [None if t is None else ctx.scale_(t, grad_out) for t in ctx.saved_tensors]
-            return (*grads, None, None, None, None, None, None)
+            return (*grads, *[None] * 7)
         hidden, weight, bias, target, lse, count = ctx.saved_tensors
-        group, start, vocab_size, opts = ctx.meta
+        group, start, vocab_size, opts, temperature = ctx.meta
         ignore_index, reduction, smoothing, softcap, _ = opts
         n, v_local = hidden.shape[0], weight.shape[0]
         tg = _Targets(target, ignore_index, start, v_local, smoothing)
         g = grad_out.float() / count.clamp(min=1) if reduction == "mean" else grad_out.float()
         chunks = _chunks(n, vocab_size, group)
         sums = _GradSums(hidden, weight, bias, ctx.needs_input_grad[:3], len(chunks))
-        triton_rows = _triton_rows(target, tg, opts, vocab_size, weight, bias, chunks)
-        g_rows = torch.where(tg.valid, g.expand(n), 0.0) if triton_rows is None else None  # torch ops
+        triton_rows = _triton_rows(target, tg, opts, vocab_size, weight, bias, chunks, temperature)
+        # torch ops: with the temperature's chain factor (the row kernel applies it itself)
+        g_rows = torch.where(tg.valid, g.expand(n), 0.0) / temperature if triton_rows is None else None
         for s, e in chunks:
             if triton_rows is not None:
                 z = _raw_logits(hidden[s:e], weight, bias)
@@ -509,12 +525,12 @@ class _VocabParallelCE(torch.autograd.Function):
                 assert g_rows is not None  # (set whenever triton_rows is None)
                 z = _logits(hidden[s:e], weight, bias, softcap)
                 capped = _softcap_slope(z, softcap)
-                p = z.sub_(lse[s:e, None]).exp_()
+                p = _scaled_(z, temperature).sub_(lse[s:e, None]).exp_()
                 low = sums.low_dtype(weight)
                 dz = _dlogits(p, 1.0, capped, lse[s:e], tg, s, e, g_rows[s:e], opts, vocab_size, low)
             sums.add(dz, hidden[s:e], weight, s, e)
             del z, dz
-        return (*sums.finish(hidden, weight, bias, group), None, None, None, None, None, None)
+        return (*sums.finish(hidden, weight, bias, group), *[None] * 7)
 
 
 def vocab_parallel_cross_entropy(
@@ -531,13 +547,15 @@ def vocab_parallel_cross_entropy(
     label_smoothing: float = 0.0,
     softcap: float | None = None,
     z_loss_scale: float = 0.0,
+    temperature: float = 1.0,
     lean: bool = False,
 ) -> torch.Tensor:
     """`lmkernels.fused_linear_cross_entropy` of the full (vocab_size, H) weight, from this rank's
     rows [vocab_start, vocab_start + len(weight_shard)) of it (default: DTensor's Shard(0) split
     over `group`). hidden (..., H) and target (...) must be the same on every rank of the group.
     Returns what one device returns; gradients: the local shard's for weight_shard / bias_shard,
-    the full one (all-reduced) for hidden. Class weights and return_lse are not supported.
+    the full one (all-reduced) for hidden. `temperature` divides the logits after the softcap,
+    as in the one-device op. Class weights, return_lse and return_stats are not supported.
     `lean`: recompute the logits in the backward instead of computing the gradients in the
     forward (module docstring)."""
     if reduction not in ("mean", "sum", "none"):
@@ -557,6 +575,8 @@ def vocab_parallel_cross_entropy(
         raise LMKernelsError(f"label_smoothing: expected a number in [0, 1], got {label_smoothing}")
     if softcap is not None and not softcap > 0:
         raise LMKernelsError(f"softcap: expected None or a positive number, got {softcap}")
+    if not 0.0 < temperature < float("inf"):
+        raise LMKernelsError(f"temperature: expected a positive finite number, got {temperature}")
     if vocab_start is None:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         vocab_start, end = shard_range(vocab_size, world, rank)
@@ -575,6 +595,15 @@ def vocab_parallel_cross_entropy(
     wants_grad = any(t is not None and t.requires_grad for t in (h, weight_shard, bias_shard))
     fast = not lean and reduction != "none" and torch.is_grad_enabled() and wants_grad
     loss = _VocabParallelCE.apply(
-        h, weight_shard, bias_shard, target.reshape(-1), group, vocab_start, vocab_size, opts, fast
+        h,
+        weight_shard,
+        bias_shard,
+        target.reshape(-1),
+        group,
+        vocab_start,
+        vocab_size,
+        opts,
+        fast,
+        float(temperature),
     )
     return loss.view(target.shape) if reduction == "none" else loss

@@ -2,7 +2,9 @@
 
 For a case (op, impl, shape, dtype, option set) the harness
 1. builds inputs with the OpSpec's make_inputs, and upstream gradients rounded to each output's
-   dtype (so every run sees identical values);
+   dtype (so every run sees identical values): a random one for every output the reference
+   differentiates (but those OpSpec.no_upstream names for the case); an impl output that gets
+   one and has no gradient fails (a term of the gradient would be missing);
 2. runs the eager reference in fp64 on the same input values: the ground truth;
 3. runs the eager reference in the case's dtype: what plain PyTorch gets;
 4. runs the impl with freshly allocated outputs poisoned with NaN;
@@ -128,15 +130,31 @@ def _clone_inputs(inputs: dict[str, Any], dtype: torch.dtype | None, grad_names:
     return out
 
 
-def _upstream_grads(outs: list[torch.Tensor], seed: int) -> list[torch.Tensor | None]:
+def _upstream_grads(
+    outs: list[torch.Tensor], seed: int, skip: tuple[int, ...] = ()
+) -> list[torch.Tensor | None]:
+    """A random upstream gradient for every differentiable output (of the reference's run), but
+    those at `skip` (OpSpec.no_upstream: outputs the case's loss only logs)."""
     g = torch.Generator().manual_seed(seed + 7919)
     grads: list[torch.Tensor | None] = []
-    for o in outs:
-        if o.requires_grad:
+    for i, o in enumerate(outs):
+        if o.requires_grad and i not in skip:
             grads.append(torch.randn(o.shape, generator=g).to(o.dtype).to(o.device))
         else:
             grads.append(None)
     return grads
+
+
+def without_gradient(outs: list[torch.Tensor], upstream: list[torch.Tensor | None]) -> list[str]:
+    """Problems for the outputs given an upstream gradient (the reference differentiates them)
+    that have none: a term of the gradient dropped, which the gradients' errors alone might miss
+    (e.g. an upstream gradient drawn from the impl's own outputs)."""
+    names = _output_names(len(outs))
+    return [
+        f"{names[i]}: not differentiable, the reference's is (its gradient term would be missing)"
+        for i, (o, g) in enumerate(zip(outs, upstream))
+        if g is not None and not o.requires_grad
+    ]
 
 
 def _run(
@@ -145,16 +163,20 @@ def _run(
     grad_names: list[str],
     upstream: list[torch.Tensor | None] | None,
     seed: int = 0,
-) -> tuple[dict[str, torch.Tensor], list[torch.Tensor | None]]:
-    """Run fn and backprop upstream grads (drawn from `seed` when None); return (tensors by name, upstream)."""
+    skip: tuple[int, ...] = (),
+) -> tuple[dict[str, torch.Tensor], list[torch.Tensor | None], list[str]]:
+    """Run fn and backprop upstream grads (drawn from `seed` when None, none for the outputs at
+    `skip`); return (tensors by name, upstream, problems: outputs that got an upstream gradient
+    and have no gradient)."""
     outs = _outputs(fn(**inputs))
     if upstream is None:
         # Drawn once, in the dtype of the low-precision run's outputs, so the fp64, eager and
         # impl runs all backpropagate identical values.
-        upstream = _upstream_grads(outs, seed)
+        upstream = _upstream_grads(outs, seed, skip)
     result = {}
     for name, o in zip(_output_names(len(outs)), outs):
         result[name] = o.detach()
+    problems = without_gradient(outs, upstream) if grad_names else []
     pairs = [(o, g) for o, g in zip(outs, upstream) if g is not None and o.requires_grad]
     wrt = [inputs[n] for n in grad_names]
     if pairs and wrt:
@@ -163,7 +185,7 @@ def _run(
         )
         for n, gr in zip(grad_names, grads):
             result[f"grad_{n}"] = gr if gr is not None else torch.zeros_like(inputs[n])
-    return result, upstream
+    return result, upstream, problems
 
 
 def _snapshot(inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -290,20 +312,29 @@ def _check(
         # fp64 and same-dtype eager runs depend only on the case, not on the impl: computed once
         # and shared by the impls checked one after another (the runner orders cases so).
         _REFERENCE_CACHE.clear()
-        eager, upstream = _run(
-            spec.reference, _clone_inputs(inputs, None, grad_names), grad_names, None, seed
+        eager, upstream, _ = _run(
+            spec.reference,
+            _clone_inputs(inputs, None, grad_names),
+            grad_names,
+            None,
+            seed,
+            spec.skipped_upstream(case),
         )
-        ref, _ = _run(spec.reference, _clone_inputs(inputs, torch.float64, grad_names), grad_names, upstream)
+        ref, _, _ = _run(
+            spec.reference, _clone_inputs(inputs, torch.float64, grad_names), grad_names, upstream
+        )
         _REFERENCE_CACHE.update(key=key, eager=eager, ref=ref, upstream=upstream)
     eager, ref, upstream = _REFERENCE_CACHE["eager"], _REFERENCE_CACHE["ref"], _REFERENCE_CACHE["upstream"]
 
     impl_inputs = _clone_inputs(inputs, None, grad_names)
     before = _snapshot(impl_inputs)
     with poison_outputs():
-        got, _ = _run(impl.fn, impl_inputs, grad_names, upstream)
+        got, _, no_grad = _run(impl.fn, impl_inputs, grad_names, upstream)
     if impl.has_backward is False:
         got.update({k: v for k, v in eager.items() if k.startswith("grad_")})
+        no_grad = []
     errors, problems = _compare(got, eager, ref, tol)
+    problems = no_grad + problems
     # consume_inputs=True: the caller hands its tensors over, the impl may write over them.
     kept = {} if inputs.get("consume_inputs") is True else _snapshot(impl_inputs)
     for k, v in kept.items():
@@ -343,9 +374,10 @@ def _compile_check(
 
     compiled = torch.compile(call, fullgraph=True, backend=compile_backend)
     try:
-        got, _ = _run(compiled, _clone_inputs(inputs, None, grad_names), grad_names, upstream)
+        got, _, no_grad = _run(compiled, _clone_inputs(inputs, None, grad_names), grad_names, upstream)
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return f"fail: {type(e).__name__}: {first}"[:300]
     _, problems = _compare(got, eager, ref, tol)
+    problems = no_grad + problems
     return "pass" if not problems else "fail: " + "; ".join(problems)

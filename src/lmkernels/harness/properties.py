@@ -5,7 +5,9 @@ dtype, a memory layout per tensor input and a seed. `check_sample` runs it throu
 dispatch with one backend and holds it to:
 
 - values and gradients within the correctness policy (checks.py) against the reference in fp64
-  on the same input values, the reference in the same dtype standing for plain PyTorch;
+  on the same input values, the reference in the same dtype standing for plain PyTorch, under
+  random upstream gradients for every differentiable output (but those OpSpec.no_upstream
+  names for the case); an output the reference differentiates and the impl does not fails;
 - no NaN or Inf unless the reference has it there, no unwritten output (outputs are poisoned);
 - no input modified: every tensor the caller owns (the leaves here) keeps its bits, whatever
   the options (with consume_inputs=True only a non-leaf "fresh" tensor may be written);
@@ -158,12 +160,14 @@ def _run(
     kwargs: dict[str, Any],
     leaves: dict[str, torch.Tensor],
     upstream: _Upstream | Callable[[list[torch.Tensor]], _Upstream],
-) -> tuple[dict[str, torch.Tensor], _Upstream]:
-    """(outputs and the leaves' gradients by name, the upstream gradients used). upstream: a
-    list, or a function making one from the outputs (the first run's)."""
+) -> tuple[dict[str, torch.Tensor], _Upstream, list[bool]]:
+    """(outputs and the leaves' gradients by name, the upstream gradients used, whether each
+    output is differentiable). upstream: a list, or a function making one from the outputs (the
+    first run's)."""
     outs = _outputs(fn(**kwargs))
     if callable(upstream):
         upstream = upstream(outs)
+    differentiable = [o.requires_grad for o in outs]
     result = {f"out[{i}]": o.detach() for i, o in enumerate(outs)}
     pairs = [(o, g) for o, g in zip(outs, upstream) if g is not None and o.requires_grad]
     if pairs and leaves:
@@ -172,7 +176,7 @@ def _run(
         )
         for name, g in zip(leaves, grads):
             result[f"grad_{name}"] = g if g is not None else torch.zeros_like(leaves[name])
-    return result, upstream
+    return result, upstream, differentiable
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -188,12 +192,18 @@ def _plan(spec: OpSpec, case: Case, device: str) -> tuple[torch.dtype, dict[str,
     return dtype, inputs, plan, grad_names
 
 
-def _random_like(seed: int) -> Callable[[list[torch.Tensor]], _Upstream]:
+def _random_like(seed: int, skip: tuple[int, ...] = ()) -> Callable[[list[torch.Tensor]], _Upstream]:
+    """Random upstream gradients for the differentiable outputs but those at `skip`
+    (OpSpec.no_upstream); check_sample fails an impl whose output is not differentiable where
+    the reference's is, so drawing from the impl's outputs drops no term unnoticed."""
+
     def make(outs: list[torch.Tensor]) -> _Upstream:
         gen = torch.Generator().manual_seed(seed + 7919)
         return [
-            torch.randn(o.shape, generator=gen).to(o.dtype).to(o.device) if o.requires_grad else None
-            for o in outs
+            torch.randn(o.shape, generator=gen).to(o.dtype).to(o.device)
+            if o.requires_grad and i not in skip
+            else None
+            for i, o in enumerate(outs)
         ]
 
     return make
@@ -204,19 +214,29 @@ def check_sample(spec: OpSpec, impl: Impl, case: Case, device: str = "cpu") -> R
     dtype, inputs, plan, grad_names = _plan(spec, case, device)
     kwargs, leaves, bases = _build(inputs, plan, grad_names)
     before = {name: _bits(base) for name, base in bases.items()}
+    skip = spec.skipped_upstream(case.options)
     try:
         with poison_outputs():
-            got, upstream = _run(
-                lambda **kw: dispatch(spec.name, impl.backend, **kw), kwargs, leaves, _random_like(case.seed)
+            got, upstream, impl_diff = _run(
+                lambda **kw: dispatch(spec.name, impl.backend, **kw),
+                kwargs,
+                leaves,
+                _random_like(case.seed, skip),
             )
     except BackendNotSupportedError as e:
         return Result("unsupported", str(e))
     except Exception as e:
         return Result("fail", f"raised {type(e).__name__}: {e}\n{_tail(e)}")
-    eager, _ = _run(spec.reference, *_build(inputs, plan, grad_names)[:2], upstream)
-    ref, _ = _run(spec.reference, *_build(inputs, plan, grad_names, torch.float64)[:2], upstream)
+    eager, _, eager_diff = _run(spec.reference, *_build(inputs, plan, grad_names)[:2], upstream)
+    ref, _, _ = _run(spec.reference, *_build(inputs, plan, grad_names, torch.float64)[:2], upstream)
 
     problems = [f"input {n} was modified" for n, b in bases.items() if not torch.equal(_bits(b), before[n])]
+    if leaves and impl.has_backward:
+        problems += [
+            f"out[{i}]: not differentiable, the reference's is (its gradient term would be missing)"
+            for i, (mine, theirs) in enumerate(zip(impl_diff, eager_diff))
+            if theirs and not mine and i not in skip
+        ]
     # Where the fp64 reference itself is not finite (an overflow the op defines), the impl must
     # have nan where it has nan; the policy's errors are taken over the finite results.
     finite_ref = {}

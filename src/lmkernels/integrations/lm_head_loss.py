@@ -139,8 +139,8 @@ def token_stats(
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per token of `targets` (any shape, hidden is (*targets.shape, H)): the loss -log p_target
-    (differentiable), the entropy of the next-token distribution and whether the target is its
-    most likely token (neither differentiable), of the logits
+    and the entropy of the next-token distribution (both differentiable) and whether the target
+    is its most likely token, of the logits
 
         softcap(scale * (hidden @ weight.T + bias))      (softcap c: c * tanh(z / c))
 

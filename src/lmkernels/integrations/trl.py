@@ -11,8 +11,8 @@ through TRL's head, not lmkernels', without a word.
 mixed-precision wrapper, reading what TRL bound into it: the outputs asked for, temperature,
 fp32 cast, softcap, logit scale) and, where lmkernels' fused loss can give the trainer
 everything it reads, answers `fused_lm_head=True` with one `lmkernels.fused_linear_cross_entropy(
-..., reduction="none", return_stats=True)` call (log-probs with their gradient, entropy and
-top-1 without: TRL's metrics); every other call goes to the forward TRL wrapped. The choice is
+..., reduction="none", return_stats=True)` call (log-probs and entropy with their gradients,
+top-1: TRL's metrics); every other call goes to the forward TRL wrapped. The choice is
 made once per TRL head and logged once (logger "lmkernels": INFO when lmkernels runs the loss,
 WARNING when TRL's head is kept, with the reason). TRL's head is kept where lmkernels cannot
 give what the trainer needs:
@@ -24,8 +24,8 @@ give what the trainer needs:
 - DeepSpeed ZeRO-3 (TRL gathers the partitioned head itself), a lm_head the fused loss cannot
   compute (peft.py), "flce" not patched on the model, or trl_head="trl" (LmkernelsCallback).
 
-The entropy lmkernels returns has no gradient; should a loss differentiate it anyway, the
-backward raises (never a silently missing term).
+The entropy lmkernels returns carries its gradient (every FLCE backend of ours differentiates
+it), so a loss that differentiates it on a routed head trains as on TRL's.
 
 When it runs: `LmkernelsCallback` routes at on_train_begin with the trainer's config (GRPO's
 entropy_coef); a patched model also routes itself at its first `fused_lm_head=True` call (a
@@ -338,29 +338,6 @@ def _wrapper(
     return forward
 
 
-class _EntropyWithoutGradient(torch.autograd.Function):
-    """The entropy as a value whose gradient is refused: a loss that differentiates it raises."""
-
-    @staticmethod
-    def forward(ctx: Any, entropy: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        return entropy.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        raise LMKernelsError(
-            "entropy: a loss differentiates the per-token entropy of lmkernels' fused LM head, which has "
-            "no gradient (GRPO entropy_coef?); pass callbacks=[lk_hf.LmkernelsCallback()] so that "
-            "TRL's head is kept for that trainer, or LmkernelsCallback(trl_head='trl')"
-        )
-
-
-def _guard(entropy: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() and anchor.requires_grad:
-        guarded: torch.Tensor = _EntropyWithoutGradient.apply(entropy, anchor)
-        return guarded
-    return entropy
-
-
 def fused_output(
     self: Any,
     head: TrlHead,
@@ -414,7 +391,7 @@ def fused_output(
     return FusedCausalLMOutput(
         loss=loss,
         log_probs=-nll,
-        entropy=_guard(entropy, hidden) if "entropy" in head.outputs else None,
+        entropy=entropy if "entropy" in head.outputs else None,
         is_top1=is_top1 if "is_top1" in head.outputs else None,
         label_mask=mask,
         aux_loss=aux_loss,

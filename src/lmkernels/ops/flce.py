@@ -1,11 +1,12 @@
-"""Fused linear cross entropy: the loss of cross_entropy(softcap(hidden @ weight.T + bias), target).
+"""Fused linear cross entropy: the loss of cross_entropy(softcap(hidden @ weight.T + bias) / T, target).
 
 Shapes: hidden (..., H), weight (V, H), target (...) int64/int32 with values in [0, V) or
 ignore_index, bias (V,), class_weight (V,). The loss is returned in fp32 whatever the inputs'
 dtype (a training loss is reduced and logged in fp32 anyway).
 
-Per token i with target t, logits z = softcap(h_i @ W.T + b) (softcap c: c * tanh(z / c)),
-lse = logsumexp(z), class weights w (all ones if class_weight is None), smoothing e:
+Per token i with target t, logits z = softcap(h_i @ W.T + b) / T (softcap c: c * tanh(y / c);
+temperature T, in fp32 after the matmul), lse = logsumexp(z), class weights w (all ones if
+class_weight is None), smoothing e:
 
     loss_i = (1 - e) * w[t] * (lse - z[t]) + (e / V) * sum_c w[c] * (lse - z[c]) + s * lse**2
 
@@ -20,11 +21,25 @@ too, so without class weights it is the mean of s * lse**2 over non-ignored toke
 deliberate difference from torch: when every token is ignored, "mean" returns 0 (torch returns
 nan), so a fully padded micro-batch does not poison a training run.
 
+Temperature T (> 0): the logits are divided by T in fp32 after the matmul and after the softcap,
+as TRL's fused head computes them; lse, the loss, the entropy and is_top1 are those of the
+scaled logits, and every gradient carries the chain factor 1/T.
+
+reduction "none": the per-token loss is fp32 and differentiable under any upstream gradient (per
+token, of any sign, zero for some tokens: what per-sequence sums and RL advantages give it).
+
 return_lse=True returns (loss, lse) with lse (shape of target, fp32, not differentiable).
-return_stats=True returns (loss, lse, entropy, is_top1), per token (shape of target), not
-differentiable: entropy = lse - sum_c p_c z_c of the softmax p of the logits z (fp32), and
-is_top1 = no logit is larger than the target's (False for ignored tokens): what a trainer logs as
-the entropy and the token accuracy, without a pass of its own over the logits.
+return_stats=True returns (loss, lse, entropy, is_top1), per token (shape of target):
+entropy H = sum_c p_c (lse - z_c) of the softmax p of the logits z (fp32), and is_top1 = no
+logit is larger than the target's (False for ignored tokens): the entropy and token accuracy a
+trainer logs, without a pass of its own over the logits. The entropy is differentiable in every
+backend of ours (an entropy bonus, RL trainers' entropy term; ignored tokens have an entropy and
+its gradient too): dH/dz_c = -p_c (z_c - lse + H), times the softcap's and the temperature's
+chain factors, added to the loss's d loss/dz per token as g_loss * d loss/dz + g_H * dH/dz. lse
+and is_top1 are not differentiable. (The Triton backends then keep the logsumexp and the
+entropy and compute both terms in their recomputing backward, which return_stats=True selects
+whenever a gradient is needed: the plain loss's path, without stats, is unchanged.)
+
 grad_accum_dtype: the dtype backends may accumulate the weight gradient in across chunks of
 tokens. torch.float32: rounded once; weight.dtype: the leanest (one rounding per chunk); None:
 the backend's documented default, always within the correctness policy. The eager reference
@@ -34,6 +49,11 @@ bytes (grad_hidden + grad_weight): None for the backend's default, 0 for the lea
 Not part of the math: the Triton backends choose their chunks, and whether to recompute the
 logits in the backward, from it; eager (which holds the logits) and compile (its own chunks)
 ignore it; the peers' adapters refuse it.
+
+flce_mean_logits(hidden, weight, bias, softcap, temperature): the mean over the vocabulary of
+each token's logits z (temperature and softcap included; fp32, no gradient), what DPO and KTO
+log, without the logits: (h . mean_c(W_c) + mean(b)) / T without a softcap, chunks of tokens
+with one.
 """
 
 from __future__ import annotations
@@ -78,6 +98,7 @@ class FlceOptions:
     grad_accum_dtype: torch.dtype | None = None
     return_stats: bool = False
     memory_budget: float | None = None
+    temperature: float = 1.0  # T: the logits are divided by it (after the softcap)
 
 
 def fused_linear_cross_entropy_reference(
@@ -95,6 +116,7 @@ def fused_linear_cross_entropy_reference(
     grad_accum_dtype=None,
     return_stats=False,
     memory_budget=None,
+    temperature=1.0,
 ):
     """The module docstring's semantics in eager PyTorch; the options are FlceOptions' fields."""
     V, H = weight.shape
@@ -106,6 +128,8 @@ def fused_linear_cross_entropy_reference(
     logits = upcast(torch.nn.functional.linear(hidden.reshape(-1, H), weight, bias))
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
+    if temperature != 1.0:
+        logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     valid = t != ignore_index
     # A target outside [0, V) (only possible with value checks off) is never read: nan loss.
@@ -137,7 +161,7 @@ def fused_linear_cross_entropy_reference(
         gap = lse[:, None] - logits  # entropy = sum_c p_c (lse - z_c): no cancellation at large z
         entropy = (torch.exp(-gap) * gap).nan_to_num(nan=0.0).sum(-1)
         top = logits.gather(1, safe_t[:, None])[:, 0] >= logits.amax(-1)
-        stats = (entropy.detach(), valid & in_range & top)
+        stats = (entropy, valid & in_range & top)
         return out, lse.detach().view(target.shape), *(x.view(target.shape) for x in stats)
     if return_lse:
         return out, lse.detach().view(target.shape)
@@ -174,6 +198,11 @@ def check_inputs(hidden, weight, target, **options):
         if o.softcap == 0:
             fail("softcap: expected None or a positive number, got 0")
     check_number("z_loss_scale", o.z_loss_scale, low=0.0, what="a non-negative number")
+    check_number(
+        "temperature", o.temperature, low=0.0, high=sys.float_info.max, what="a positive finite number"
+    )
+    if o.temperature == 0:
+        fail("temperature: expected a positive finite number, got 0")
     check_bool("return_lse", o.return_lse)
     check_bool("return_stats", o.return_stats)
     if o.memory_budget is not None:
@@ -216,7 +245,7 @@ def _normal(shape, dtype, device, g, dg, scale):
     return torch.randn(shape, generator=dg, device=device, dtype=dtype).mul_(scale)
 
 
-def _softmax_pass(hidden, weight, bias=None, softcap=None, uniforms=None):
+def _softmax_pass(hidden, weight, bias=None, softcap=None, uniforms=None, temperature=1.0):
     """(mean softmax entropy in nats, targets drawn from the softmax by inverse CDF at `uniforms`
     or None) of the logits the op sees, chunk by chunk over tokens: no (tokens x V) tensor."""
     V = weight.shape[0]
@@ -229,6 +258,8 @@ def _softmax_pass(hidden, weight, bias=None, softcap=None, uniforms=None):
             z += bias.float()
         if softcap is not None:
             z = softcap * torch.tanh(z / softcap)
+        if temperature != 1.0:
+            z = z / temperature
         lse = torch.logsumexp(z, dim=-1, keepdim=True)
         p = torch.exp(z - lse)
         entropy += (lse[:, 0] - (p * z).sum(-1)).double().sum()
@@ -253,6 +284,7 @@ def make_inputs(
     lean=False,
     regime="gaussian",
     stats=None,
+    entropy_grad=True,
     **options,
 ):
     """hidden (BT, H), weight (V, H), target (BT,) whose logits follow `regime`:
@@ -267,6 +299,8 @@ def make_inputs(
 
     lean: grad_accum_dtype = the weight's dtype (what Liger does by default and all CCE can do).
     stats: a dict that receives "mean_entropy" (nats, of the softmax of the logits the op sees).
+    entropy_grad: for the harness (no_upstream below), not an input: False gives the
+    return_stats entropy no upstream gradient (a loss that only logs it).
     """
     check_choice("regime", regime, REGIMES)
     g = generator(seed)
@@ -295,7 +329,9 @@ def make_inputs(
         out["class_weight"] = (torch.rand(V, generator=g) + 0.5).to(device, dtype)
     if regime == "zipf" or stats is not None:
         uniforms = torch.rand(BT, generator=g, dtype=torch.float64) if regime == "zipf" else None
-        entropy, sampled = _softmax_pass(hidden, weight, out.get("bias"), options.get("softcap"), uniforms)
+        entropy, sampled = _softmax_pass(
+            hidden, weight, out.get("bias"), options.get("softcap"), uniforms, options.get("temperature", 1.0)
+        )
         if sampled is not None:
             target = sampled.cpu()
         if stats is not None:
@@ -331,11 +367,20 @@ def sample(draw):
         "with_class_weight": draw.booleans(),
         "return_lse": draw.booleans(),
         "return_stats": draw.booleans(),
+        # (only read with return_stats: whether a loss differentiates the entropy, see no_upstream)
+        "entropy_grad": draw.booleans(),
+        "temperature": draw.sampled_from((1.0, 1.0, 0.7, 2.0)),
         "memory_budget": draw.sampled_from((None, None, 0.0, 0.01, 0.08, 0.5, 4.0)),
         "lean": draw.booleans(),
         "regime": draw.sampled_from(("gaussian", "uniform", "zipf") if H >= 2 else ("gaussian", "uniform")),
     }
     return {"BT": BT, "H": H, "V": V}, options
+
+
+def _no_upstream(options) -> tuple[int, ...]:
+    """The harness's cases with return_stats and entropy_grad=False give the entropy (output 2)
+    no upstream gradient: a loss that only logs it."""
+    return (2,) if options.get("return_stats") and not options.get("entropy_grad", True) else ()
 
 
 def error_inputs(device):
@@ -365,6 +410,8 @@ def error_inputs(device):
         ErrorInput(args(softcap=0.0), "softcap: expected None or a positive number"),
         ErrorInput(args(softcap=-2.0), "softcap: expected None or a positive number"),
         ErrorInput(args(z_loss_scale=-1.0), "z_loss_scale: expected a non-negative number"),
+        ErrorInput(args(temperature=0.0), "temperature: expected a positive finite number"),
+        ErrorInput(args(temperature=float("inf")), "temperature: expected a positive finite number"),
         ErrorInput(args(ignore_index=-1.5), "ignore_index: expected an int"),
         ErrorInput(args(return_lse="yes"), "return_lse: expected a bool"),
         ErrorInput(args(return_stats=1), "return_stats: expected a bool"),
@@ -409,6 +456,12 @@ SPEC = register_op(
             {"softcap": 30.0, "z_loss_scale": 1e-4, "ignore_index": 3},
             {"return_lse": True, "ignore_fraction": 1.0},
             {"return_stats": True, "softcap": 30.0, "with_bias": True},
+            # The entropy differentiated (the harness gives it an upstream gradient, as every
+            # differentiable output) or, with entropy_grad=False, only logged.
+            {"return_stats": True, "reduction": "none", "temperature": 0.7},
+            {"return_stats": True, "label_smoothing": 0.1, "z_loss_scale": 1e-4, "with_class_weight": True},
+            {"return_stats": True, "entropy_grad": False, "reduction": "sum"},
+            {"temperature": 0.7, "softcap": 30.0, "with_bias": True, "reduction": "sum"},
             {"memory_budget": 0.0, "reduction": "sum", "with_class_weight": True},
             {"memory_budget": 0.25, "label_smoothing": 0.1},
             {"memory_budget": 2.0, "softcap": 30.0, "with_bias": True},
@@ -434,6 +487,7 @@ SPEC = register_op(
         flops=lambda s: 6 * s["BT"] * s["H"] * s["V"],
         error_inputs=error_inputs,
         sample=sample,
+        no_upstream=_no_upstream,
         # A weight expanded over V makes every class the same: the gradients are 0 in fp64 and
         # rounding noise in any other dtype.
         sample_layouts={"weight": ("contiguous", "fresh", "transposed", "sliced")},
@@ -459,6 +513,7 @@ def fused_linear_cross_entropy(
     grad_accum_dtype: torch.dtype | None = None,
     return_stats: Literal[False] = False,
     memory_budget: float | None = None,
+    temperature: float = 1.0,
     *,
     backend: str | None = None,
 ) -> torch.Tensor: ...
@@ -481,6 +536,7 @@ def fused_linear_cross_entropy(
     grad_accum_dtype: torch.dtype | None = None,
     return_stats: Literal[False] = False,
     memory_budget: float | None = None,
+    temperature: float = 1.0,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -502,6 +558,7 @@ def fused_linear_cross_entropy(
     grad_accum_dtype: torch.dtype | None = None,
     return_stats: Literal[True],
     memory_budget: float | None = None,
+    temperature: float = 1.0,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
@@ -522,6 +579,7 @@ def fused_linear_cross_entropy(
     grad_accum_dtype: torch.dtype | None = None,
     return_stats: bool = False,
     memory_budget: float | None = None,
+    temperature: float = 1.0,
     *,
     backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
@@ -543,10 +601,11 @@ def fused_linear_cross_entropy(
     grad_accum_dtype: torch.dtype | None = None,
     return_stats: bool = False,
     memory_budget: float | None = None,
+    temperature: float = 1.0,
     *,
     backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """Cross entropy of the logits ``softcap(hidden @ weight.T + bias)`` against target, without
+    """Cross entropy of the logits ``softcap(hidden @ weight.T + bias) / temperature`` against target, without
     materializing the (tokens x V) logits in the fused backends: the lm_head matmul and the loss
     of a causal LM in one op.
 
@@ -579,6 +638,8 @@ def fused_linear_cross_entropy(
             backend's default, within the correctness policy). Not part of the math.
         return_stats: True also returns lse, the softmax entropy and whether the target is a
             top-1 class, per token (what a trainer logs, without a pass of its own).
+        temperature: T > 0: the logits are divided by it, in fp32, after the softcap (the
+            sampling temperature RL trainers score their samples at); 1 for none.
         memory_budget: How much memory the op may hold beyond its gradients, as a fraction of
             their bytes (grad_hidden + grad_weight): None for the backend's default, 0 for the
             least it can do; a number >= 0. Not part of the math: the Triton backends choose
@@ -592,11 +653,100 @@ def fused_linear_cross_entropy(
     Returns:
         The loss (a scalar, or target's shape for reduction="none"; differentiable with respect
         to hidden, weight and bias). With return_lse=True: (loss, lse). With return_stats=True:
-        (loss, lse, entropy, is_top1), where entropy is ``lse - sum_c p_c z_c`` of the softmax p
-        (fp32) and is_top1 is bool, True where no logit exceeds the target's (False for ignored
-        tokens). lse, entropy and is_top1 have target's shape and no gradient.
+        (loss, lse, entropy, is_top1), where entropy is ``sum_c p_c (lse - z_c)`` of the softmax p
+        (fp32, differentiable: an entropy bonus's gradient flows to hidden, weight and bias) and
+        is_top1 is bool, True where no logit exceeds the target's (False for ignored tokens). All
+        have target's shape; lse and is_top1 have no gradient.
 
     Raises:
         LMKernelsError: An input of the wrong type, shape, dtype or device, or an option out of
             range; the message names the argument.
     """
+
+
+# --- mean logits ---------------------------------------------------------------------------------
+
+MEAN_LOGITS_CHUNK_BYTES = 1 << 28  # fp32 logits per chunk of tokens (with a softcap)
+
+
+def _check_mean_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    softcap: float | None,
+    temperature: float,
+) -> None:
+    check_tensor("hidden", hidden)
+    check_tensor("weight", weight, ndim=2)
+    V, H = weight.shape
+    if hidden.dim() < 1 or hidden.shape[-1] != H:
+        fail(f"hidden: expected shape (..., {H}) to match weight (V={V}, H={H}), got {tuple(hidden.shape)}")
+    if weight.dtype != hidden.dtype:
+        fail(f"weight: expected dtype {hidden.dtype} (same as hidden), got {weight.dtype}")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1)
+        if bias.shape[0] != V:
+            fail(f"bias: expected shape ({V},) to match weight's V, got {tuple(bias.shape)}")
+        if bias.dtype != weight.dtype:
+            fail(f"bias: expected dtype {weight.dtype} (same as weight), got {bias.dtype}")
+    check_same_device(hidden=hidden, weight=weight, bias=bias)
+    if softcap is not None:
+        check_number("softcap", softcap, low=0.0, what="None or a positive number")
+        if softcap == 0:
+            fail("softcap: expected None or a positive number, got 0")
+    check_number(
+        "temperature", temperature, low=0.0, high=sys.float_info.max, what="a positive finite number"
+    )
+    if temperature == 0:
+        fail("temperature: expected a positive finite number, got 0")
+
+
+def flce_mean_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Per token, the mean over the vocabulary of the logits fused_linear_cross_entropy sees,
+    z = softcap(hidden @ weight.T + bias) / temperature: fp32, shape hidden.shape[:-1], no
+    gradient (a metric: TRL's DPO and KTO log it as mean_logits), without the (tokens x V) logits.
+
+    Without a softcap the mean is linear in the logits: (h . mean_c(W_c) + mean(b)) / T, with
+    mean_c(W_c) summed in fp32 from the weight's own dtype (no copy of it) and one fp32
+    matrix-vector product per chunk of tokens: exact to fp32 rounding, and more exact than the
+    mean of logits rounded to a 16-bit dtype. With a softcap every logit is needed: fp32
+    logits (fp32 accumulation) of chunks of tokens of at most MEAN_LOGITS_CHUNK_BYTES.
+    """
+    _check_mean_logits(hidden, weight, bias, softcap, temperature)
+    V, H = weight.shape
+    with torch.no_grad():
+        h = hidden.detach().reshape(-1, H)
+        w = weight.detach()
+        n = h.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=h.device)
+        if softcap is None:
+            w_mean = w.sum(0, dtype=torch.float32).div_(V)
+            shift = 0.0 if bias is None else bias.detach().sum(dtype=torch.float32) / V
+            rows = max(1, MEAN_LOGITS_CHUNK_BYTES // (4 * max(H, 1)))
+            for s in range(0, n, rows):
+                out[s : s + rows] = h[s : s + rows].float() @ w_mean + shift
+        else:
+            # fp32 output of the 16-bit GEMM on CUDA; elsewhere the weight upcast once
+            fp32_out = h.is_cuda and h.dtype != torch.float32 and hasattr(torch.ops.aten.mm, "dtype_out")
+            w_mm = w if fp32_out or w.dtype == torch.float32 else w.float()
+            b = None if bias is None else bias.detach().float()
+            rows = max(1, MEAN_LOGITS_CHUNK_BYTES // (4 * max(V, 1)))
+            for s in range(0, n, rows):
+                hc = h[s : s + rows]
+                if fp32_out:
+                    z = torch.mm(hc, w_mm.T, out_dtype=torch.float32)
+                else:
+                    z = hc.to(w_mm.dtype) @ w_mm.T
+                if b is not None:
+                    z += b
+                z = torch.tanh_(z.div_(softcap)).mul_(softcap)
+                out[s : s + rows] = z.mean(-1)
+        if temperature != 1.0:
+            out.div_(temperature)
+    return out.view(hidden.shape[:-1])

@@ -98,6 +98,10 @@ class OpSpec:
       draw.booleans() (hypothesis in the tests, a seeded random.Random elsewhere).
     sample_layouts: input name -> the memory layouts the property tests may give it (default:
       every layout its rank allows; see harness/properties.py).
+    no_upstream(options): the indices of differentiable outputs the harness gives no upstream
+      gradient in a case of these make_inputs options (an output a loss only logs, such as
+      FLCE's entropy with entropy_grad=False); every other output the reference differentiates
+      gets a random one, and an impl whose output there has no gradient fails.
     short_name: an alias of name, for the columns of `lmkernels list`, the validation tables and
       the command line and LMKERNELS_BACKEND ("flce"); "" for none.
     """
@@ -121,6 +125,11 @@ class OpSpec:
     sample: Callable[[Any], tuple[dict[str, int], dict[str, Any]]] | None = None
     sample_layouts: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     short_name: str = ""
+    no_upstream: Callable[[dict[str, Any]], tuple[int, ...]] | None = None
+
+    def skipped_upstream(self, options: dict[str, Any]) -> tuple[int, ...]:
+        """no_upstream(options), or () without it."""
+        return tuple(self.no_upstream(options)) if self.no_upstream is not None else ()
 
     def shape_id(self, shape: dict[str, int]) -> str:
         return "x".join(str(v) for v in shape.values())

@@ -46,7 +46,15 @@ accumulator that the budget pays for too), and where none fits, the lean mode wi
 within it. None keeps each backend's default above.
 
 reduction "none" (a gradient per token) or no gradient needed: both modes keep only the
-logsumexp and the backward recomputes (the budget is CHUNK_BYTES in fast mode).
+logsumexp and the backward recomputes (the budget is CHUNK_BYTES in fast mode). So does
+return_stats=True whenever a gradient is needed, whatever the reduction: the entropy's upstream
+gradient is per token and unknown in the forward. The forward then keeps the entropy too (BT
+floats), and when a loss differentiates it the backward's row kernel adds its term
+-g_H p_c (z_c - lse + H) to the loss's dlogits in the same pass (ENTROPY_GRAD): no other GEMM
+or buffer. Without return_stats the plan, the kernels and the results are those of the plain loss.
+
+temperature T: the row kernel multiplies the fp32 logits by 1/T after the softcap, and the
+upstream gradients by 1/T (the chain factor; every dlogits term is linear in them).
 
 fp16 dlogits are kept in fp16's normal range (>= 6.1e-5). Unscaled they are a probability
 (~1/V: 1e-5 at V = 128k) times the token's gradient scale (1/tokens for "mean": 1e-4), far
@@ -89,8 +97,10 @@ from lmkernels.registry.core import ConsumedInputsError, forward_ad_error, highe
 # --- torch.library registration ------------------------------------------------------------------
 
 
-def _grads_in_forward(reduction, grad_hidden, grad_weight, grad_bias, lean):
-    return not lean and reduction != "none" and (grad_hidden or grad_weight or grad_bias)
+def _grads_in_forward(reduction, grad_hidden, grad_weight, grad_bias, lean, stats):
+    """Whether the forward computes the gradients (fast mode): a reduced loss without the
+    return_stats entropy, whose upstream gradient (per token) the forward cannot know."""
+    return not lean and reduction != "none" and not stats and (grad_hidden or grad_weight or grad_bias)
 
 
 def _forward_raw(
@@ -113,6 +123,7 @@ def _forward_raw(
     fp32_logits: bool,
     block_bytes: int,
     stats: bool,
+    temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, lse, grad_hidden, grad_weight, grad_bias, entropy, top1) for hidden (BT, H), target (BT,).
 
@@ -123,7 +134,7 @@ def _forward_raw(
     """
     BT, H = hidden.shape
     V = weight.shape[0]
-    grads_now = _grads_in_forward(reduction, grad_hidden, grad_weight, grad_bias, lean)
+    grads_now = _grads_in_forward(reduction, grad_hidden, grad_weight, grad_bias, lean, stats)
     scale = None
     if reduction == "mean":
         scale = kernels.mean_scale(target, class_weight, ignore_index, V)
@@ -131,7 +142,16 @@ def _forward_raw(
         scale = torch.ones((), dtype=torch.float32, device=hidden.device)
     table = tables_for(hidden.device).flce
     rows = kernels.Rows(
-        target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, V, table
+        target,
+        bias,
+        class_weight,
+        ignore_index,
+        label_smoothing,
+        softcap,
+        z_loss_scale,
+        V,
+        table,
+        temperature,
     )
     # The plan's chunk (kernels.plan): lean, the backward's own peak; fast, the budget's.
     max_bytes = chunk_bytes or None
@@ -190,9 +210,10 @@ def _forward_fake(
     fp32_logits,
     block_bytes,
     stats,
+    temperature,
 ):
     BT = hidden.shape[0]
-    grads_now = _grads_in_forward(reduction, grad_hidden, grad_weight, grad_bias, lean)
+    grads_now = _grads_in_forward(reduction, grad_hidden, grad_weight, grad_bias, lean, stats)
     loss = hidden.new_empty((BT,) if reduction == "none" else (), dtype=torch.float32)
     lse = hidden.new_empty((BT,), dtype=torch.float32)
     gh = torch.empty_like(hidden) if grads_now and grad_hidden else hidden.new_empty(0)
@@ -222,10 +243,14 @@ def _backward_raw(
     grad_bias: bool,
     accum_fp32: bool,
     block_bytes: int,
+    temperature: float,
+    grad_entropy: torch.Tensor | None,
+    entropy: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of the loss for upstream gradient grad_loss (0-dim, or (BT,) for "none"),
-    recomputing the logits block by block from lse within block_bytes. Gradients not asked for
-    are empty (0,)."""
+    """Gradients of the loss for upstream gradient grad_loss (0-dim, or (BT,) for "none"), plus
+    the entropy's for its upstream gradient grad_entropy ((BT,), or None: not differentiated;
+    entropy: the forward's), recomputing the logits block by block from lse within block_bytes.
+    Gradients not asked for are empty (0,)."""
     BT, H = hidden.shape
     V = weight.shape[0]
     grad = grad_loss.float()
@@ -233,8 +258,20 @@ def _backward_raw(
         grad = grad * kernels.mean_scale(target, class_weight, ignore_index, V)
     table = tables_for(hidden.device).flce
     rows = kernels.Rows(
-        target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, V, table
+        target,
+        bias,
+        class_weight,
+        ignore_index,
+        label_smoothing,
+        softcap,
+        z_loss_scale,
+        V,
+        table,
+        temperature,
     )
+    entropy_grad = None
+    if grad_entropy is not None:
+        entropy_grad = (grad_entropy.reshape(-1).float().contiguous(), entropy)
     gh, gw, gb = kernels.run_blocks(
         hidden,
         weight,
@@ -246,6 +283,7 @@ def _backward_raw(
         grad_bias and bias is not None,
         accum_fp32,
         block_bytes,
+        entropy_grad,
     )
     return _or_empty(hidden, bias, gh, gw, gb)
 
@@ -272,6 +310,9 @@ def _backward_fake(
     grad_bias,
     accum_fp32,
     block_bytes,
+    temperature,
+    grad_entropy,
+    entropy,
 ):
     gh = torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0)
     gw = torch.empty_like(weight) if grad_weight else hidden.new_empty(0)
@@ -289,23 +330,38 @@ _RECOMPUTE = {
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, target, bias, class_weight, ignore_index, reduction = inputs[:7]
-    label_smoothing, softcap, z_loss_scale, grad_h, grad_w, grad_b, accum_fp32, lean, _, _, block_bytes, _ = (
-        inputs[7:]
-    )
+    (
+        label_smoothing,
+        softcap,
+        z_loss_scale,
+        grad_h,
+        grad_w,
+        grad_b,
+        accum_fp32,
+        lean,
+        _,
+        _,
+        block_bytes,
+        stats,
+        temperature,
+    ) = inputs[7:]
     loss, lse, gh, gw, gb, entropy, top1 = output
-    ctx.mark_non_differentiable(lse, gh, gw, gb, entropy, top1)
+    ctx.mark_non_differentiable(lse, gh, gw, gb, top1)
     # Autograd would otherwise hand the backward zero-filled gradients for the four outputs
     # nothing differentiates: zeros the size of grad_W and grad_hidden, allocated while the real
     # ones are alive (on the H200 that doubled grad_W + grad_hidden: the lean mode's peak).
     ctx.set_materialize_grads(False)
     ctx.flags = (grad_h, grad_w, grad_b and bias is not None)
     ctx.backend = "triton_lean" if lean else "triton"
-    ctx.precomputed = _grads_in_forward(reduction, grad_h, grad_w, grad_b, lean)
+    ctx.precomputed = _grads_in_forward(reduction, grad_h, grad_w, grad_b, lean, stats)
     ctx.scaled = False  # whether a backward scaled the precomputed gradients in place
     if ctx.precomputed:
         ctx.save_for_backward(gh, gw, gb)
     else:
-        ctx.save_for_backward(hidden, weight, target, bias, class_weight, lse)
+        # With return_stats the entropy too (BT floats), for its gradient's term: a copy, so that
+        # the caller may write over the output it got (masking it in place, say).
+        saved_entropy = entropy.detach().clone() if stats else None
+        ctx.save_for_backward(hidden, weight, target, bias, class_weight, lse, saved_entropy)
         ctx.options = (
             ignore_index,
             reduction,
@@ -314,6 +370,7 @@ def _setup_context(ctx, inputs, output):
             z_loss_scale,
             accum_fp32,
             block_bytes,
+            temperature,
         )
 
 
@@ -326,11 +383,13 @@ _SECOND_BACKWARD = (
 )
 
 
-def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb, _entropy, _top1):
-    if torch.is_grad_enabled() and not (traced((grad_loss,)) or transforming()):  # create_graph=True
+def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb, grad_entropy, _top1):
+    present = tuple(g for g in (grad_loss, grad_entropy) if g is not None)
+    if torch.is_grad_enabled() and not (traced(present) or transforming()):  # create_graph=True
         raise higher_order_error("fused_linear_cross_entropy", ctx.backend)
     flags = ctx.flags
     if ctx.precomputed:
+        # (no return_stats: the entropy output is an empty placeholder nothing differentiates)
         if ctx.scaled:
             raise ConsumedInputsError(_SECOND_BACKWARD)
         # The forward computed the gradients of the reduced loss; only the upstream scalar is
@@ -346,11 +405,22 @@ def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb, _entropy, _top1):
             grads = [kernels.scale_(g, grad_loss) for g in (gh, gw, gb)]
             ctx.scaled = True
     else:
-        hidden, weight, target, bias, class_weight, lse = ctx.saved_tensors
-        ignore_index, reduction, label_smoothing, softcap, z_loss_scale, accum_fp32, block_bytes = ctx.options
+        hidden, weight, target, bias, class_weight, lse, entropy = ctx.saved_tensors
+        (
+            ignore_index,
+            reduction,
+            label_smoothing,
+            softcap,
+            z_loss_scale,
+            accum_fp32,
+            block_bytes,
+            temperature,
+        ) = ctx.options
         # What autograd asks for (the forward's flags, except under torch.func transforms).
         needs = ctx.needs_input_grad
         flags = (needs[0], needs[1], needs[3] and bias is not None)
+        if grad_loss is None:  # only the entropy is differentiated
+            grad_loss = lse.new_zeros(())
         grads = _RECOMPUTE[ctx.backend](
             grad_loss,
             hidden,
@@ -367,9 +437,12 @@ def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb, _entropy, _top1):
             *flags,
             accum_fp32,
             block_bytes,
+            temperature,
+            grad_entropy,
+            entropy if grad_entropy is not None else None,
         )
     gh, gw, gb = (g if flag else None for g, flag in zip(grads, flags))
-    return gh, gw, None, gb, *[None] * 15
+    return gh, gw, None, gb, *[None] * 16
 
 
 def _jvp(ctx, *tangents):
@@ -414,9 +487,11 @@ def _flce(lean_default, hidden, weight, target, **options):
         grad_on and o.bias is not None and o.bias.requires_grad,
     )
     BT = hidden.numel() // H if H else 0
+    # return_stats: the recomputing backward (it has the entropy's term), as for "none"
+    grads_now = o.reduction != "none" and not o.return_stats and any(needs)
     plan = kernels.plan(
         BT, H, weight.shape[0], hidden.element_size(), weight.dtype, o.grad_accum_dtype, lean_default,
-        o.memory_budget, o.reduction != "none" and any(needs), needs[1],
+        o.memory_budget, grads_now, needs[1],
     )  # fmt: skip
     # The gradient outputs are dropped here: the backward's saved tensors are their only owners.
     loss, lse, _, _, _, entropy, top1 = call(
@@ -439,6 +514,7 @@ def _flce(lean_default, hidden, weight, target, **options):
         plan.fp32_logits,
         plan.block_bytes,
         o.return_stats,
+        float(o.temperature),
     )
     if o.reduction == "none":
         loss = loss.view(target.shape)

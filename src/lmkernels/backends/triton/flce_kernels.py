@@ -338,8 +338,9 @@ def _flce_rows_kernel(
     grad_ptr,  # upstream gradient per token; grad_stride 0 broadcasts one scalar
     lse_ptr,  # written (LSE_GIVEN False) or read (True)
     loss_ptr,  # per-token loss, written when LSE_GIVEN is False
-    entropy_ptr,  # per-token entropy of the softmax, written with STATS
+    entropy_ptr,  # per-token entropy of the softmax, written with STATS, read with ENTROPY_GRAD
     top1_ptr,  # per token: the target's logit is the largest (int8), written with STATS
+    entropy_grad_ptr,  # per-token upstream gradient of the entropy (fp32), read with ENTROPY_GRAD
     V,
     col_start,  # the window's first column in the full vocabulary
     n_cols,  # the window's width (V for a full row; pass 1 needs full rows)
@@ -350,6 +351,7 @@ def _flce_rows_kernel(
     label_smoothing,
     softcap,
     z_loss_scale,
+    inv_temperature,  # 1 / T: the logits are multiplied by it after the softcap
     HAS_BIAS: tl.constexpr,
     HAS_CLASS_WEIGHT: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
@@ -358,6 +360,8 @@ def _flce_rows_kernel(
     LSE_GIVEN: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     STATS: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr,
+    ENTROPY_GRAD: tl.constexpr,  # pass 2 adds g_H * dH/dz (LSE_GIVEN: the recomputing backward)
     BLOCK_V: tl.constexpr,
     SOFT_BF16: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -402,6 +406,8 @@ def _flce_rows_kernel(
                 z += tl.load(bias_ptr + c, mask=mask, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
                 z = softcap * _tanh(z / softcap)
+            if HAS_TEMPERATURE:
+                z = z * inv_temperature
             if HAS_SMOOTHING:
                 if HAS_CLASS_WEIGHT:
                     w_c = tl.load(class_weight_ptr + c, mask=mask, other=0.0).to(tl.float32)
@@ -426,6 +432,8 @@ def _flce_rows_kernel(
             z_t += tl.load(bias_ptr + t, mask=t_ok, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
             z_t = softcap * _tanh(z_t / softcap)
+        if HAS_TEMPERATURE:
+            z_t = z_t * inv_temperature
         loss = (1.0 - label_smoothing) * w_t * (lse - z_t)
         if HAS_SMOOTHING:
             loss += smooth_v * (w_sum * lse - zw)
@@ -442,9 +450,19 @@ def _flce_rows_kernel(
             # Every warp has read the target's logit (z_t) before any warp overwrites it below.
             tl.debug_barrier()
         # Pass 2: d loss / d z_c = g * (p_c * coef - (1-e) w_t [c == t] - (e/V) w_c), with
-        # coef = (1-e) w_t + (e/V) sum(w) + 2 s lse, times 1 - tanh^2 through the softcap.
+        # coef = (1-e) w_t + (e/V) sum(w) + 2 s lse; with ENTROPY_GRAD plus
+        # g_H * dH / d z_c = -g_H p_c (z_c - lse + H) (ignored tokens too: their entropy is an
+        # output); times 1 - tanh^2 through the softcap and 1 / T through the temperature, which
+        # every term is linear in g and g_H takes with them.
         g = tl.load(grad_ptr + row * grad_stride).to(tl.float32)
         g = tl.where(valid, g, 0.0)
+        if HAS_TEMPERATURE:
+            g = g * inv_temperature
+        if ENTROPY_GRAD:
+            g_h = tl.load(entropy_grad_ptr + row).to(tl.float32)
+            if HAS_TEMPERATURE:
+                g_h = g_h * inv_temperature
+            lse_minus_h = lse - tl.load(entropy_ptr + row)  # -g_H p_c (z_c - lse + H)
         coef = (1.0 - label_smoothing) * w_t
         if HAS_SMOOTHING:
             coef += smooth_v * w_sum
@@ -469,7 +487,14 @@ def _flce_rows_kernel(
             if HAS_SOFTCAP:
                 th = _tanh(z / softcap)
                 z = softcap * th
-            d = tl.exp(z - lse) * a
+            if HAS_TEMPERATURE:
+                z = z * inv_temperature
+            if ENTROPY_GRAD:
+                p = tl.exp(z - lse)
+                # (p = 0: no term, also where z - lse + H is not finite)
+                d = tl.where(p > 0.0, p * (a + g_h * (lse_minus_h - z)), 0.0)
+            else:
+                d = tl.exp(z - lse) * a
             d = tl.where(c == t, d - b, d)
             if HAS_SMOOTHING:
                 if HAS_CLASS_WEIGHT:
@@ -596,15 +621,21 @@ def mean_scale(target, class_weight, ignore_index, V):
     return 1.0 / torch.where(denom == 0, 1.0, denom)
 
 
-def _fp16_grad_factor(grad, headroom):
+def _fp16_grad_factor(grad, headroom, other=None):
     """(grad * K, 1 / K) with K = headroom / 2^e, max |grad| = m * 2^e (m in [0.5, 1)): powers of
-    two, so the unscaling is exact. A zero or non-finite max gives e = 0."""
-    if grad.numel() == 0:  # no tokens ("none" over an empty batch): nothing to scale
-        return grad, torch.ones((), dtype=torch.float32, device=grad.device)
-    _, e = torch.frexp(grad.abs().max())
-    e = e.clamp(-100, 100)  # K and 1 / K stay finite in fp32
+    two, so the unscaling is exact. A zero or non-finite max gives e = 0. other: a second
+    upstream gradient (the entropy's) that shares K (the max is over both); then returns
+    (grad * K, other * K, 1 / K)."""
     one = torch.ones((), dtype=torch.float32, device=grad.device)
-    return grad * torch.ldexp(one * headroom, -e), torch.ldexp(one / headroom, e)
+    parts = [x.abs().max() for x in (grad, other) if x is not None and x.numel()]
+    if not parts:  # no tokens ("none" over an empty batch): nothing to scale
+        return (grad, one) if other is None else (grad, other, one)
+    _, e = torch.frexp(torch.stack(parts).max() if len(parts) > 1 else parts[0])
+    e = e.clamp(-100, 100)  # K and 1 / K stay finite in fp32
+    k = torch.ldexp(one * headroom, -e)
+    if other is None:
+        return grad * k, torch.ldexp(one / headroom, e)
+    return grad * k, other * k, torch.ldexp(one / headroom, e)
 
 
 # --- the loops ------------------------------------------------------------------------------------
@@ -614,23 +645,45 @@ class Rows:
     """What every launch of _flce_rows_kernel shares for one FLCE call."""
 
     def __init__(
-        self, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss_scale, V, table
+        self,
+        target,
+        bias,
+        class_weight,
+        ignore_index,
+        label_smoothing,
+        softcap,
+        z_loss_scale,
+        V,
+        table,
+        temperature=1.0,
     ):
         self.target = target.contiguous()
         self.bias = bias.contiguous() if bias is not None else None
         self.class_weight = class_weight.contiguous() if class_weight is not None else None
         self.cw_sum = self.class_weight.float().sum() if class_weight is not None else None
         self.options = (int(ignore_index), float(label_smoothing), softcap, float(z_loss_scale))
+        self.temperature = float(temperature)
         self.V = V
         self.table = table  # FlceTable: the launch per row width (configs.tables_for)
 
-    def launch(self, logits, dlogits, rows, lse, loss, grad, col_start, lse_given, stats=None):
+    def launch(
+        self, logits, dlogits, rows, lse, loss, grad, col_start, lse_given, stats=None, entropy_grad=None
+    ):
         """One program per row of `logits` (rows = slice of the tokens, columns from col_start).
-        stats: (entropy, top1) buffers of all tokens to write, or None."""
+        stats: (entropy, top1) buffers of all tokens to write, or None. entropy_grad (with
+        lse_given and grad): (upstream gradient of the entropy, the entropy), fp32 per token of
+        all tokens, whose term the dlogits get too; or None."""
         ignore_index, label_smoothing, softcap, z_loss_scale = self.options
         n_rows, n_cols = logits.shape
         dummy = lse  # stands in for absent optional pointers (never read: constexpr flags)
         g = grad if grad is None or grad.dim() == 0 else grad[rows]
+        if entropy_grad is not None:
+            assert lse_given and grad is not None, "the entropy's gradient is the recomputing pass's"
+            entropy_ptr, egrad_ptr = entropy_grad[1][rows], entropy_grad[0][rows]
+        elif stats is not None:
+            entropy_ptr, egrad_ptr = stats[0][rows], dummy
+        else:
+            entropy_ptr, egrad_ptr = dummy, dummy
         block_v, num_warps = self.table.rows_launch(n_cols)
         launch(
             _flce_rows_kernel,
@@ -644,8 +697,9 @@ class Rows:
             g if g is not None else dummy,
             lse[rows],
             loss[rows] if loss is not None else dummy,
-            stats[0][rows] if stats is not None else dummy,
+            entropy_ptr,
             stats[1][rows] if stats is not None else dummy,
+            egrad_ptr,
             self.V,
             col_start,
             n_cols,
@@ -656,6 +710,7 @@ class Rows:
             label_smoothing,
             softcap if softcap is not None else 1.0,
             z_loss_scale,
+            1.0 / self.temperature,
             HAS_BIAS=self.bias is not None,
             HAS_CLASS_WEIGHT=self.class_weight is not None,
             HAS_SMOOTHING=label_smoothing != 0.0,
@@ -664,6 +719,8 @@ class Rows:
             LSE_GIVEN=lse_given,
             WRITE_GRAD=grad is not None,
             STATS=stats is not None,
+            HAS_TEMPERATURE=self.temperature != 1.0,
+            ENTROPY_GRAD=entropy_grad is not None,
             BLOCK_V=block_v,
             SOFT_BF16=soft_bf16(logits),
             num_warps=num_warps,
@@ -782,8 +839,23 @@ def run_chunks(
     return (loss, lse, *_finish(grad_h, grad_w, grad_b, unscale, weight.dtype), entropy, top1)
 
 
-def run_blocks(hidden, weight, rows, lse, grad, need_hidden, need_weight, need_bias, accum_fp32, budget):
-    """The recomputing backward: gradients of sum_i grad[i] * loss_i from the saved logsumexp.
+def run_blocks(
+    hidden,
+    weight,
+    rows,
+    lse,
+    grad,
+    need_hidden,
+    need_weight,
+    need_bias,
+    accum_fp32,
+    budget,
+    entropy_grad=None,
+):
+    """The recomputing backward: gradients of sum_i grad[i] * loss_i from the saved logsumexp,
+    plus sum_i g_H[i] * H_i with entropy_grad = (g_H, H) (fp32 per token: the entropy's upstream
+    gradient and the saved entropy; the kernel adds its term to the same dlogits, so the GEMMs
+    are the loss's alone).
 
     Blocked over (token super-chunk x vocabulary block), sized by flce_blocks within `budget`
     bytes beyond the results. Per block: fp32 logits (cuBLAS), dlogits over them (the kernel,
@@ -800,7 +872,12 @@ def run_blocks(hidden, weight, rows, lse, grad, need_hidden, need_weight, need_b
     grad_b = torch.zeros(V, dtype=torch.float32, device=device) if need_bias else None
     # fp16: grad_W blocks go through an fp32 block and are unscaled there, so the dlogits can
     # keep the full headroom even though grad_W itself is stored in fp16.
-    grad, unscale = _fp16_scaling(grad, dtype, False, True)
+    if entropy_grad is not None and dtype == torch.float16:
+        g_h, entropy = entropy_grad
+        grad, g_h, unscale = _fp16_grad_factor(grad, FP16_DLOGITS_SCALE, g_h)
+        entropy_grad = (g_h, entropy)
+    else:
+        grad, unscale = _fp16_scaling(grad, dtype, False, True)
     w_block = torch.empty((0,), dtype=torch.float32, device=device)
     # fp32 inputs accumulate straight into grad_hidden; 16-bit ones in an fp32 accumulator.
     separate_acc = need_hidden and dtype != torch.float32
@@ -819,7 +896,9 @@ def run_blocks(hidden, weight, rows, lse, grad, need_hidden, need_weight, need_b
                 logits = block[: (s1 - s0) * (v1 - v0)].view(s1 - s0, v1 - v0)
                 _mm_fp32(h, w_fp32[v0:v1].T, out=logits)
                 dlogits = _dlogits_view(logits, dtype)
-                rows.launch(logits, dlogits, slice(s0, s1), lse, None, grad, v0, lse_given=True)
+                rows.launch(
+                    logits, dlogits, slice(s0, s1), lse, None, grad, v0, True, entropy_grad=entropy_grad
+                )
                 dlogits = _gemm_ready(dlogits)
                 if grad_w is not None and unscale is not None:
                     w_block = w_block.new_empty((v1 - v0, H)) if w_block.shape[0] != v1 - v0 else w_block
