@@ -1,36 +1,41 @@
 """TRL's fused LM head, run on lmkernels' fused loss (or kept, saying why).
 
 TRL 1.x trainers (SFT, DPO, GRPO, RLOO, KTO) never let the model compute its loss: after
-building the trainer they wrap the policy's forward with `trl.trainer.utils.add_fused_lm_head`,
-and call `model(..., fused_lm_head=True)`, which runs the backbone and TRL's own chunked
-log-prob kernel on lm_head's weight, returning per-token log-probs (and entropy, token accuracy,
-... as the trainer asks) in a `FusedCausalLMOutput`. A model patched by lmkernels would train
-through TRL's head, not lmkernels', without a word.
+building the trainer they wrap the policy's forward (and the reference model's) with
+`trl.trainer.utils.add_fused_lm_head`, and call `model(..., fused_lm_head=True)`, which runs the
+backbone and TRL's own chunked log-prob kernel on lm_head's weight, returning per-token
+log-probs (and entropy, token accuracy, mean logit, log sum p^2, ... as the trainer asks) in a
+`FusedCausalLMOutput`. A model patched by lmkernels would train through TRL's head, not
+lmkernels', without a word.
 
 `route(model)` finds TRL's head on a patched model (by its code object, also inside accelerate's
 mixed-precision wrapper, reading what TRL bound into it: the outputs asked for, temperature,
-fp32 cast, softcap, logit scale) and, where lmkernels' fused loss can give the trainer
-everything it reads, answers `fused_lm_head=True` with one `lmkernels.fused_linear_cross_entropy(
-..., reduction="none", return_stats=True)` call (log-probs with their gradient, entropy and
-top-1 without: TRL's metrics); every other call goes to the forward TRL wrapped. The choice is
-made once per TRL head and logged once (logger "lmkernels": INFO when lmkernels runs the loss,
-WARNING when TRL's head is kept, with the reason). TRL's head is kept where lmkernels cannot
-give what the trainer needs:
+fp32 cast, softcap, logit scale) and answers `fused_lm_head=True` with one
+`lmkernels.fused_linear_cross_entropy(..., reduction="none", return_stats=True)` call: log-probs
+and entropy with their gradients (the entropy's where the FLCE backend has it,
+lmkernels.ops.flce.ENTROPY_GRADIENT: GRPO's entropy bonus), top-1; the mean logit (DPO / KTO
+metrics) from lmkernels.losses.mean_logits (no pass over the logits), log sum p^2 (DPO's WPO
+weights) from one more FLCE forward without gradient. Every other call goes to the forward TRL
+wrapped. The choice is made once per TRL head and logged once (logger "lmkernels": INFO when
+lmkernels runs the loss, WARNING when TRL's head is kept, with the reason). TRL's head is kept
+where lmkernels cannot give what the trainer needs:
 
-- outputs other than log-probs, entropy and top-1 (DPO and KTO read mean_logits, WPO
-  log_sum_sq_probs);
-- an entropy that needs a gradient (GRPO with entropy_coef != 0 or adaptive entropy), or
-  may (a trainer whose config lmkernels was not shown: see LmkernelsCallback);
+- an output lmkernels does not compute (none in TRL 1.16);
+- an entropy that needs a gradient (GRPO with entropy_coef != 0 or adaptive entropy) on an FLCE
+  backend without it, or that may need one (a trainer whose config lmkernels was not shown:
+  see LmkernelsCallback);
 - DeepSpeed ZeRO-3 (TRL gathers the partitioned head itself), a lm_head the fused loss cannot
   compute (peft.py), "flce" not patched on the model, or trl_head="trl" (LmkernelsCallback).
 
-The entropy lmkernels returns has no gradient; should a loss differentiate it anyway, the
-backward raises (never a silently missing term).
+An entropy without a gradient (such a backend) is guarded: should a loss differentiate it anyway,
+the backward raises naming the fix (never a silently missing term).
 
 When it runs: `LmkernelsCallback` routes at on_train_begin with the trainer's config (GRPO's
-entropy_coef); a patched model also routes itself at its first `fused_lm_head=True` call (a
-forward pre-hook patching.py installs), from what the model alone shows: the SFT head
-(log-probs, entropy, top-1) routes; heads whose entropy may need a gradient are kept.
+entropy_coef), the reference model's head too (patched like the policy; its calls run under
+no_grad), and the distillation trainers' losses (trl_distill.py); a patched model also routes
+itself at its first `fused_lm_head=True` call (a forward pre-hook patching.py installs), from
+what the model alone shows: heads whose entropy may need a gradient are kept unless the backend
+has it.
 """
 
 from __future__ import annotations
@@ -48,11 +53,15 @@ from torch import nn
 from lmkernels.integrations import peft as lk_peft
 from lmkernels.integrations.lm_head_loss import lm_head_token_stats
 from lmkernels.integrations.transformers.record import RECORD, Saved
-from lmkernels.registry import LMKernelsError
+from lmkernels.ops.flce import ENTROPY_GRADIENT
+from lmkernels.registry import LMKernelsError, resolve
+from lmkernels.utils import FLOAT_DTYPES
 
 logger = logging.getLogger("lmkernels")
 
-OURS = frozenset({"log_probs", "entropy", "is_top1"})  # what lmkernels' fused head returns
+# What lmkernels' fused head returns: every output of TRL 1.16's head (mean_logits: TRL's DPO /
+# KTO metrics; log_sum_sq_probs: DPO's WPO weights, one more forward over the head).
+OURS = frozenset({"log_probs", "entropy", "is_top1", "mean_logits", "log_sum_sq_probs"})
 PREFER = ("auto", "lmkernels", "trl")
 # "auto": lmkernels wherever it can give the trainer what it reads (docs/trainers.md has the
 # measured SFT step, `lmkernels-bench trl-head`).
@@ -78,6 +87,7 @@ class TrlHead:
     softcap: float | None = None
     logit_scale: float = 1.0
     backbone_attr: str = "base_model"
+    entropy_gradient: bool = False  # whether the FLCE backend lmkernels runs has the entropy's gradient
 
 
 @dataclasses.dataclass
@@ -183,6 +193,27 @@ def _zero3() -> bool:
     return bool(is_deepspeed_zero3_enabled())
 
 
+def flce_backend(model: nn.Module, backend: str | None) -> str | None:
+    """The FLCE backend the head will call: `backend` (the patch's), else the one lmkernels'
+    dispatch picks for a head on lm_head's device and dtype (None if none can run)."""
+    if backend is not None:
+        return backend
+    weight = next(model.get_output_embeddings().parameters())
+    dtype = weight.dtype if weight.dtype in FLOAT_DTYPES else torch.float32
+    device = weight.device
+    inputs = dict(
+        hidden=torch.zeros(1, 2, dtype=dtype, device=device),
+        weight=torch.zeros(3, 2, dtype=dtype, device=device),
+        target=torch.zeros(1, dtype=torch.long, device=device),
+        reduction="none",
+        return_stats=True,
+    )
+    try:
+        return resolve("fused_linear_cross_entropy", inputs).backend
+    except LMKernelsError:
+        return None
+
+
 def _keep_reason(model: nn.Module, head: TrlHead, patch, plain) -> str:
     """Why TRL's head must stay on `model` ("" if lmkernels can run it)."""
     hints = patch.hints
@@ -194,19 +225,23 @@ def _keep_reason(model: nn.Module, head: TrlHead, patch, plain) -> str:
         return "flce is not patched on this model" + (f" ({failed[0]})" if failed else " (ops excluded it)")
     extra = sorted(set(head.outputs) - OURS)
     if extra:
-        return (
-            f"the trainer reads {', '.join(extra)} from TRL's head (DPO / KTO metrics, WPO weights); "
-            f"lmkernels' fused loss gives log-probs, entropy and top-1 only"
-        )
+        return f"the trainer reads {', '.join(extra)} from TRL's head, which lmkernels' fused head does not compute"
     if "entropy" in head.outputs:
         grad = hints.get("entropy_grad")
-        if grad is None and "is_top1" not in head.outputs:  # not the SFT head: GRPO, RLOO, ...
-            return (
-                "the trainer may differentiate the entropy (GRPO's entropy_coef) and its config was "
-                "not shown to lmkernels: pass callbacks=[lk_hf.LmkernelsCallback()] to the trainer"
-            )
-        if grad:
-            return "the entropy bonus (entropy_coef / use_adaptive_entropy) needs the entropy's gradient"
+        backend = flce_backend(model, patch.flce_backend)
+        if backend not in ENTROPY_GRADIENT:
+            able = ", ".join(sorted(ENTROPY_GRADIENT))
+            if grad is None and "is_top1" not in head.outputs:  # not the SFT head: GRPO, RLOO, ...
+                return (
+                    f"the trainer may differentiate the entropy (GRPO's entropy_coef), which FLCE backend "
+                    f"{backend!r} cannot yet (backends that can: {able}), and its config was not shown "
+                    f"to lmkernels: pass callbacks=[lk_hf.LmkernelsCallback()] to the trainer"
+                )
+            if grad:
+                return (
+                    f"the entropy bonus (entropy_coef / use_adaptive_entropy) needs the entropy's gradient, "
+                    f"which FLCE backend {backend!r} does not have yet (backends that have it: {able})"
+                )
     if _zero3():
         return "DeepSpeed ZeRO-3: TRL's head gathers the partitioned lm_head itself"
     problem = lk_peft.head_problem(model.get_output_embeddings())
@@ -218,7 +253,13 @@ def _keep_reason(model: nn.Module, head: TrlHead, patch, plain) -> str:
 
 
 def _describe(head: TrlHead) -> str:
-    names = {"log_probs": "log-probs", "entropy": "entropy", "is_top1": "token accuracy"}
+    names = {
+        "log_probs": "log-probs",
+        "entropy": "entropy",
+        "is_top1": "token accuracy",
+        "mean_logits": "mean logits",
+        "log_sum_sq_probs": "log sum p^2 (one more forward)",
+    }
     parts = [names.get(o, o) for o in head.outputs]
     if head.temperature != 1.0:
         parts.append(f"temperature {head.temperature:g}")
@@ -254,6 +295,8 @@ def route(model: nn.Module, log: bool = True, trl_forward=None, plain=None) -> D
         return decided  # seen before (TRL's forward left inside another wrapper)
     why = head.problem or _keep_reason(model, head, patch, plain)
     decision = Decision(not why, why, "", head=head.fn, trl=None if why else head)
+    if not why:
+        head.entropy_gradient = flce_backend(model, patch.flce_backend) in ENTROPY_GRADIENT
     if head.top:
         trl_forward = head.forward if trl_forward is None else trl_forward
         forward = _wrapper(model, decision.trl, trl_forward, plain, patch.flce_backend)
@@ -289,9 +332,14 @@ def _pre_hook(module: nn.Module, args, kwargs):
 
 
 def redirected(self: nn.Module, kwargs: dict):
-    """(True, TRL's output computed by lmkernels) if the pre-hook redirected this call."""
-    if not kwargs.pop(REDIRECT, False):
+    """(True, TRL's output computed by lmkernels) if the pre-hook redirected this call; (True,
+    fn(self, kwargs)) if the caller passed REDIRECT=fn (a loss computed inside the model's wrapped
+    forward: trl_distill.py)."""
+    flag = kwargs.pop(REDIRECT, False)
+    if not flag:
         return False, None
+    if callable(flag):
+        return True, flag(self, kwargs)
     patch = vars(self)[RECORD]
     labels, shift = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
     num_items = kwargs.pop("num_items_in_batch", None)
@@ -319,7 +367,8 @@ def _wrapper(model: nn.Module, head: TrlHead | None, trl_forward, plain, backend
 
 
 class _EntropyWithoutGradient(torch.autograd.Function):
-    """The entropy as a value whose gradient is refused: a loss that differentiates it raises."""
+    """The entropy as a value whose gradient is refused (a backend without it): a loss that
+    differentiates it raises."""
 
     @staticmethod
     def forward(ctx, entropy, anchor):
@@ -328,14 +377,17 @@ class _EntropyWithoutGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         raise LMKernelsError(
-            "entropy: a loss differentiates the per-token entropy of lmkernels' fused LM head, which has "
-            "no gradient (GRPO entropy_coef?); pass callbacks=[lk_hf.LmkernelsCallback()] so that "
-            "TRL's head is kept for that trainer, or LmkernelsCallback(trl_head='trl')"
+            "entropy: a loss differentiates the per-token entropy of lmkernels' fused LM head, whose FLCE "
+            "backend has no gradient for it (GRPO entropy_coef?); pass callbacks=[lk_hf.LmkernelsCallback()] "
+            "so that TRL's head is kept for that trainer, or LmkernelsCallback(trl_head='trl'), or a "
+            f"backend that has it ({', '.join(sorted(ENTROPY_GRADIENT))})"
         )
 
 
-def _guard(entropy: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() and anchor.requires_grad:
+def _guard(entropy: torch.Tensor, anchor: torch.Tensor, head: TrlHead) -> torch.Tensor:
+    """The entropy, its gradient refused with the trainer's fix in the message where the backend
+    has none (the op itself would refuse it too, without the fix)."""
+    if torch.is_grad_enabled() and anchor.requires_grad and not head.entropy_gradient:
         return _EntropyWithoutGradient.apply(entropy, anchor)
     return entropy
 
@@ -362,11 +414,23 @@ def fused_output(self, head: TrlHead, backend, args, kwargs, labels, shift_label
     # TRL's logits: softcap(logit_scale * z) / T == softcap_{c/T}((logit_scale / T) * z)
     scale = head.logit_scale / head.temperature
     softcap = None if head.softcap is None else head.softcap / head.temperature
-    nll, entropy, is_top1 = lm_head_token_stats(
-        lm_head, hidden, targets, scale=scale, softcap=softcap, fp32=head.fp32, backend=backend
+    stats = lm_head_token_stats(
+        lm_head,
+        hidden,
+        targets,
+        scale=scale,
+        softcap=softcap,
+        fp32=head.fp32,
+        mean_logits="mean_logits" in head.outputs,
+        log_sum_sq_probs="log_sum_sq_probs" in head.outputs,
+        backend=backend,
     )
+    nll, entropy, is_top1, mean_logits, log_sum_sq = stats
     if shift_labels is None:
-        nll, entropy, is_top1, targets = (x[:, :-1] for x in (nll, entropy, is_top1, targets))
+        nll, entropy, is_top1, targets, mean_logits, log_sum_sq = (
+            None if x is None else x[:, :-1]
+            for x in (nll, entropy, is_top1, targets, mean_logits, log_sum_sq)
+        )
     mask = targets != -100
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = nll.sum() / count
@@ -382,8 +446,10 @@ def fused_output(self, head: TrlHead, backend, args, kwargs, labels, shift_label
     return FusedCausalLMOutput(
         loss=loss,
         log_probs=-nll,
-        entropy=_guard(entropy, hidden) if "entropy" in head.outputs else None,
+        entropy=_guard(entropy, hidden, head) if "entropy" in head.outputs else None,
         is_top1=is_top1 if "is_top1" in head.outputs else None,
+        mean_logits=mean_logits,
+        log_sum_sq_probs=log_sum_sq,
         label_mask=mask,
         aux_loss=aux_loss,
     )
