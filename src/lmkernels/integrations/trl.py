@@ -24,8 +24,14 @@ where lmkernels cannot give what the trainer needs:
 - an entropy that needs a gradient (GRPO with entropy_coef != 0 or adaptive entropy) on an FLCE
   backend without it, or that may need one (a trainer whose config lmkernels was not shown:
   see LmkernelsCallback);
-- DeepSpeed ZeRO-3 (TRL gathers the partitioned head itself), a lm_head the fused loss cannot
-  compute (peft.py), "flce" not patched on the model, or trl_head="trl" (LmkernelsCallback).
+- a lm_head the fused loss cannot compute (peft.py), "flce" not patched on the model, or
+  trl_head="trl" (LmkernelsCallback).
+
+Under DeepSpeed ZeRO-3 the head runs as lm_head's forward (lm_head_loss._fsdp_call ->
+distributed/zero.call_as_forward), so ZeRO-3's own hooks gather the partitioned weight for it and
+for its backward, as TRL's maybe_gather_lm_head_ctx does for TRL's head; under FSDP2 as
+lm_head's registered FSDP forward method (or the root's unshard), DTensor weights outside one
+gathered with full_tensor() as TRL does.
 
 An entropy without a gradient (such a backend) is guarded: should a loss differentiate it anyway,
 the backward raises naming the fix (never a silently missing term).
@@ -242,8 +248,6 @@ def _keep_reason(model: nn.Module, head: TrlHead, patch, plain) -> str:
                     f"the entropy bonus (entropy_coef / use_adaptive_entropy) needs the entropy's gradient, "
                     f"which FLCE backend {backend!r} does not have yet (backends that have it: {able})"
                 )
-    if _zero3():
-        return "DeepSpeed ZeRO-3: TRL's head gathers the partitioned lm_head itself"
     problem = lk_peft.head_problem(model.get_output_embeddings())
     if problem:
         return problem
@@ -427,8 +431,10 @@ def fused_output(self, head: TrlHead, backend, args, kwargs, labels, shift_label
     )
     nll, entropy, is_top1, mean_logits, log_sum_sq = stats
     if shift_labels is None:
+        # copies, not views: FSDP2 warns that an in-place op on a view output would drop its
+        # pre-backward hook (TRL's own head returns new tensors too)
         nll, entropy, is_top1, targets, mean_logits, log_sum_sq = (
-            None if x is None else x[:, :-1]
+            None if x is None else x[:, :-1].clone()
             for x in (nll, entropy, is_top1, targets, mean_logits, log_sum_sq)
         )
     mask = targets != -100
