@@ -180,6 +180,41 @@ def test_trl_head_wrapped_before_apply():
     assert vars(model)["forward"] == trl_forward
 
 
+def _accelerate_wrapped(model):
+    """The model's forward wrapped as accelerate's prepare_model wraps it under mixed precision
+    (autocast, outputs to fp32; autocast off here so the values compare exactly)."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    autocast = torch.autocast("cpu", enabled=False)
+    model.forward = types.MethodType(convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
+    return model
+
+
+def test_trl_head_inside_accelerate_wrapper_before_apply():
+    """TRL's head inside accelerate's wrapper before apply() (a trainer's reference model, which
+    LmkernelsCallback patches at on_train_begin): the wrapper stays, the forward TRL's head wraps
+    becomes the patched one, the head runs on lmkernels; revert() restores TRL's."""
+    pytest.importorskip("trl", reason="TRL is in the hf extra")
+    pytest.importorskip("accelerate")
+    plain = tc.tiny()
+    ids, labels = _trl_batch(plain)
+    ref = _accelerate_wrapped(_with_trl_head(copy.deepcopy(plain), outputs=DPO_OUTPUTS))
+    model = _accelerate_wrapped(_with_trl_head(copy.deepcopy(plain), outputs=DPO_OUTPUTS))
+    wrapper = vars(model)["forward"]
+    lk_hf.apply(model, backend="eager")
+    assert vars(model)["forward"] is wrapper and _decision(model).ours
+    with tc.flce_calls() as calls, torch.no_grad():
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        want = ref(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert calls == ["none"]
+    for name in DPO_OUTPUTS:
+        assert _rel(getattr(out, name).float(), getattr(want, name).float()) <= RTOL, name
+    lk_hf.revert(model)
+    with tc.flce_calls() as calls, torch.no_grad():
+        model(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert calls == [] and vars(model)["forward"] is wrapper
+
+
 @pytest.mark.parametrize(
     "outputs, hints, backend, expect",
     [
