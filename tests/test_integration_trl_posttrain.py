@@ -215,6 +215,47 @@ def test_kto_trainer(tmp_path):
     assert calls.count("none") >= 8
 
 
+# --- CPO (SimPO, AlphaPO), ORPO: trl.experimental, log-probs from the logits in TRL ------------------
+
+
+def _reference_free(name, **config):
+    def make(model, tmp_path, callbacks):
+        from datasets import Dataset
+
+        if name == "cpo":
+            from trl.experimental.cpo import CPOConfig as Config
+            from trl.experimental.cpo import CPOTrainer as Trainer
+        else:
+            from trl.experimental.orpo import ORPOConfig as Config
+            from trl.experimental.orpo import ORPOTrainer as Trainer
+        args = Config(**tc.run_args(tmp_path), max_length=24, bf16=False, **config)
+        data = Dataset.from_dict({"prompt": _words(0, 8), "chosen": _words(1, 8), "rejected": _words(2, 8)})
+        return Trainer(
+            model=model, args=args, train_dataset=data, processing_class=tc.tokenizer(), callbacks=callbacks
+        )
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "name, config",
+    [
+        ("cpo", {"beta": 0.5}),
+        ("cpo", {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0, "simpo_gamma": 1.0}),  # SimPO
+        ("cpo", {"loss_type": "ipo", "alpha": 0.2}),  # length-normalized, AlphaPO rewards
+        ("orpo", {"beta": 0.3}),
+    ],
+    ids=str,
+)
+def test_reference_free_trainers(name, config, tmp_path):
+    """CPOTrainer and ORPOTrainer (trl.experimental; TRL builds the full logits): their log-probs,
+    cross entropy and logits metrics from lmkernels' fused head, equal to TRL's."""
+    trainer, cb, calls, _ = _compare(_reference_free(name, **config), tmp_path)
+    assert "log-probs from the logits: run on lmkernels.fused_linear_cross_entropy" in cb.summary
+    per_step = 2 if name == "orpo" else 1  # ORPO: one more call for its prompt + completion NLL
+    assert calls.count("none") == 4 and calls.count("mean") >= (4 if per_step == 2 else 0)
+
+
 # --- GRPO, RLOO -------------------------------------------------------------------------------------
 
 

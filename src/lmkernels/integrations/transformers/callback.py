@@ -11,7 +11,8 @@
 - on_train_begin (TRL's fused head, if any, is on the model by then): routes TRL's head
   (trl.route); patches the trainer's reference model (DPO, KTO, GRPO, RLOO) and teacher (GKD,
   DistillationTrainer) like the policy and routes their heads; runs GKD's and
-  DistillationTrainer's divergence on lmkernels.fused_linear_distillation (trl_distill.py); and
+  DistillationTrainer's divergence on lmkernels.fused_linear_distillation (trl_distill.py), the
+  log-probs of trl.experimental's CPOTrainer / ORPOTrainer on the fused head (trl_prefs.py); and
   logs, once, on the main process: what is patched and kept, and which loss runs. (The trainer
   is found at on_init_end as the caller whose callback handler holds this callback: the events
   carry the model, not the trainer.) Logger "lmkernels": INFO when lmkernels' fused loss runs, WARNING when it does not (a
@@ -150,7 +151,7 @@ class LmkernelsCallback(TrainerCallback):
         teacher (GKD, DistillationTrainer) patched like the policy, their TRL heads routed;
         GKD's and DistillationTrainer's divergence on fused_linear_distillation. Returns the
         summary lines, each with whether it is a warning."""
-        from lmkernels.integrations import trl_distill
+        from lmkernels.integrations import trl_distill, trl_prefs
 
         lines = []
         for attr, role in (("ref_model", "reference model"), ("teacher_model", "teacher")):
@@ -164,6 +165,14 @@ class LmkernelsCallback(TrainerCallback):
             route, what = trl_distill.route_gkd, "GKD's generalized JSD"
         elif "trl.trainer.distillation_trainer.DistillationTrainer" in names:
             route, what = trl_distill.route_distillation, "DistillationTrainer's chunked divergence"
+        if trl_prefs.kind(trainer) is not None:
+            what = f"{type(trainer).__name__}'s log-probs from the logits"
+            if self.trl_head == "trl":
+                lines.append((f"{what}: kept (trl_head='trl')", False))
+            else:
+                why = trl_prefs.route(trainer)
+                verdict = f"kept ({why})" if why else "run on lmkernels.fused_linear_cross_entropy"
+                lines.append((f"{what}: {verdict}", bool(why)))
         if route is not None:
             if self.trl_head == "trl":
                 lines.append((f"distillation: {what} kept (trl_head='trl')", False))
