@@ -132,24 +132,46 @@ def _mean_over_ranks(losses: list[float]) -> list[float]:
     return (t / dist.get_world_size()).tolist()
 
 
-def initialize_run(ctx, stage: int, model_kw=None):
+def initialize_run(ctx, stage: int, model_kw=None, trl_outputs=None):
+    """trl_outputs: TRL's fused LM head (add_fused_lm_head with these outputs) on the patched
+    model, called with fused_lm_head=True: lmkernels runs it (every output computed, the
+    entropy's gradient path taken), its loss (the mean token cross entropy) trained."""
     deepspeed = _deepspeed()
     if deepspeed is None:
         return NOT_INSTALLED
     model_kw = model_kw or {}
     model = patched(tiny(**model_kw))
+    if trl_outputs is not None:
+        from trl.trainer.utils import add_fused_lm_head
+
+        from lmkernels.integrations.transformers import patching
+
+        vars(model)[patching.RECORD].hints["entropy_grad"] = "entropy" in trl_outputs
+        add_fused_lm_head(model, outputs=trl_outputs)
     watch = LmHeadWatch(model) if stage == 3 else None
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage))
     losses = []
     for ids in global_batches(ctx["world"]):
         ids = ids.chunk(ctx["world"])[ctx["rank"]]
-        loss = engine(input_ids=ids, labels=ids).loss
+        if trl_outputs is None:
+            loss = engine(input_ids=ids, labels=ids).loss
+        else:
+            out = engine(input_ids=ids, labels=ids, fused_lm_head=True)
+            for name in trl_outputs:
+                assert torch.isfinite(getattr(out, name).float()).all(), name
+            loss = out.loss + 0.0 * out.entropy.sum()  # the entropy's backward runs (zero gradient)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
     losses = _mean_over_ranks(losses)
     extra = watch.verdict(model, STEPS) if watch else {}
+    if trl_outputs is not None:
+        from lmkernels.integrations.transformers import patching
+
+        decision = vars(model)[patching.RECORD].trl_decision
+        assert decision is not None and decision.ours, decision and decision.message
+        extra["trl_head"] = decision.message
     with _gathered(deepspeed, model, stage):
         final = params(model)
     engine.destroy()
@@ -164,6 +186,18 @@ def check_zero2_initialize(ctx):
 @check
 def check_zero3_initialize(ctx):
     return initialize_run(ctx, 3)
+
+
+@check
+def check_zero3_trl_head(ctx):
+    """TRL's fused LM head under ZeRO-3 on lmkernels: the partitioned lm_head gathered by its own
+    hooks (call_as_forward) for log-probs, entropy, mean logits, top-1 and log sum p^2."""
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return {"skipped": "TRL is not installed"}
+    outputs = ("log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs")
+    return initialize_run(ctx, 3, trl_outputs=outputs)
 
 
 @check

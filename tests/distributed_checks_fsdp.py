@@ -44,6 +44,30 @@ def check_fsdp_lm_head_alone_triton(ctx):
     return fsdp_run(ctx, lm_head_alone=True, backend="eager,flce=triton")
 
 
+TRL_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs")
+
+
+def _trl_missing():
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return {"skipped": "TRL is not installed"}
+    return None
+
+
+@check
+def check_fsdp_trl_head_lm_head_alone(ctx):
+    """TRL's fused LM head on lmkernels with lm_head sharded on its own (its FSDP forward method
+    unshards it for the head's every output)."""
+    return _trl_missing() or fsdp_run(ctx, lm_head_alone=True, trl_outputs=TRL_OUTPUTS)
+
+
+@check
+def check_fsdp_trl_head_layers_root(ctx):
+    """The same with lm_head in the root unit (unsharded by the root's forward)."""
+    return _trl_missing() or fsdp_run(ctx, trl_outputs=TRL_OUTPUTS)
+
+
 @check
 def check_fsdp_embed_and_lm_head_alone(ctx):
     return fsdp_run(ctx, lm_head_alone=True, embed_alone=True)

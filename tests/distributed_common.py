@@ -135,16 +135,22 @@ def optimizer(model):
     return torch.optim.SGD(foreach_safe_param_groups(model.parameters()), lr=LR, foreach=True)
 
 
-def train(model, batches, rank=None, world=1):
+def train(model, batches, rank=None, world=1, fused_lm_head=False):
     """SGD steps; rank=None: every rank sees the whole batch (one process, tensor parallel), else
-    its slice of rows (data parallel). Returns the global mean loss of each step."""
+    its slice of rows (data parallel). Returns the global mean loss of each step.
+    fused_lm_head: through TRL's fused LM head (model(..., fused_lm_head=True), its loss, plus
+    zero times the entropy: the entropy's backward runs)."""
     opt = optimizer(model)
     model.train()
     losses = []
     for ids in batches:
         if rank is not None:
             ids = ids.chunk(world)[rank]
-        loss = model(input_ids=ids, labels=ids).loss
+        if fused_lm_head:
+            out = model(input_ids=ids, labels=ids, fused_lm_head=True)
+            loss = out.loss + 0.0 * out.entropy.sum()
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -213,12 +219,28 @@ def patched(model, backend=None):
     return lk_hf.apply(model, backend=backend or BACKEND)
 
 
-def fsdp_run(ctx, lm_head_alone=False, embed_alone=False, ckpt=None, backend=None, model_kw=None, **shard_kw):
+def fsdp_run(
+    ctx,
+    lm_head_alone=False,
+    embed_alone=False,
+    ckpt=None,
+    backend=None,
+    model_kw=None,
+    trl_outputs=None,
+    **shard_kw,
+):
+    """trl_outputs: TRL's fused LM head with these outputs added to the patched model (before the
+    sharding, as TRL's trainers do), trained through it (lmkernels runs it: checked)."""
     from torch.distributed.fsdp import fully_shard
 
     model_kw = model_kw or {}
     backend = backend or BACKEND
     model = patched(tiny(**model_kw), backend)
+    if trl_outputs is not None:
+        from trl.trainer.utils import add_fused_lm_head
+
+        vars(model)[patching_record()].hints["entropy_grad"] = "entropy" in trl_outputs
+        add_fused_lm_head(model, outputs=trl_outputs)
     if ckpt is not None:
         # transformers 5 renamed gradient checkpointing to activation checkpointing
         enable = getattr(model, "activation_checkpointing_enable", None)
@@ -239,5 +261,16 @@ def fsdp_run(ctx, lm_head_alone=False, embed_alone=False, ckpt=None, backend=Non
     if lm_head_alone:
         w = model.lm_head.weight
         assert type(w).__name__ == "DTensor" and w.to_local().shape[0] < V, "lm_head is not sharded"
-    losses = train(model, global_batches(ctx["world"]), ctx["rank"], ctx["world"])
-    return compare(losses, params(model), reference(ctx["world"], **model_kw), backend)
+    losses = train(model, global_batches(ctx["world"]), ctx["rank"], ctx["world"], trl_outputs is not None)
+    out = compare(losses, params(model), reference(ctx["world"], **model_kw), backend)
+    if trl_outputs is not None:
+        decision = vars(model)[patching_record()].trl_decision
+        assert decision is not None and decision.ours, decision and decision.message
+        out["trl_head"] = decision.message
+    return out
+
+
+def patching_record() -> str:
+    from lmkernels.integrations.transformers import patching
+
+    return patching.RECORD

@@ -76,6 +76,11 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+DPO_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
+WPO_OUTPUTS = (*DPO_OUTPUTS, "log_sum_sq_probs")
+GRPO_OUTPUTS = ("log_probs", "entropy")
+
+
 @pytest.mark.parametrize(
     "model_type, head_kwargs, call, backend",
     [
@@ -84,13 +89,20 @@ def _grads(model):
         ("llama", {}, "shift_labels", "eager"),
         ("gemma2", {"temperature": 0.7}, "", "eager"),  # final softcap, then the temperature
         ("cohere", {"temperature": 1.3, "cast_lm_head_to_fp32": True}, "", "eager"),  # logit_scale
+        ("llama", {"outputs": DPO_OUTPUTS}, "", "eager"),  # DPO / KTO: mean_logits
+        ("gemma2", {"outputs": WPO_OUTPUTS, "temperature": 0.7}, "num_items", "eager"),  # WPO, softcap
+        ("llama", {"outputs": DPO_OUTPUTS}, "", "triton"),
+        ("llama", {"outputs": GRPO_OUTPUTS, "temperature": 0.7}, "entropy_bonus", "eager"),  # entropy_coef
     ],
 )
 def test_trl_head_outputs_equal_trl(model_type, head_kwargs, call, backend, caplog):
     """model(..., fused_lm_head=True) on a patched model runs lmkernels' fused loss (routed at its
     first call, logged once) and returns what TRL's head returns: log-probs with their gradient,
-    entropy, top-1, label mask, loss; over calls after the first too."""
+    entropy (with its gradient, for an entropy bonus, where the backend has it), top-1, mean
+    logits, log sum p^2, label mask, loss; over calls after the first too."""
     pytest.importorskip("trl", reason="TRL is in the hf extra")
+    head_kwargs = {"outputs": SFT_OUTPUTS, **head_kwargs}
+    outputs = head_kwargs["outputs"]
     plain = tc.tiny(model_type)
     ids, labels = _trl_batch(plain)
     kwargs = dict(input_ids=ids, labels=labels, fused_lm_head=True)
@@ -98,31 +110,42 @@ def test_trl_head_outputs_equal_trl(model_type, head_kwargs, call, backend, capl
         kwargs["num_items_in_batch"] = torch.tensor(13)
     if call == "shift_labels":
         kwargs["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
-    ref_model = _with_trl_head(copy.deepcopy(plain), outputs=SFT_OUTPUTS, **head_kwargs)
-    model = _with_trl_head(
-        lk_hf.apply(copy.deepcopy(plain), backend=backend), outputs=SFT_OUTPUTS, **head_kwargs
-    )
+    ref_model = _with_trl_head(copy.deepcopy(plain), **head_kwargs)
+    model = lk_hf.apply(copy.deepcopy(plain), backend=backend)
+    model = _with_trl_head(model, **head_kwargs)
+
+    def objective(out):
+        total = out.loss + out.log_probs[0].sum()
+        return total - 0.1 * out.entropy.sum() if call == "entropy_bonus" else total
+
     ref = ref_model(**kwargs)
-    (ref.loss + ref.log_probs[0].sum()).backward()
+    objective(ref).backward()
     with caplog.at_level(logging.INFO, logger="lmkernels"), tc.flce_calls() as calls:
         outs = [model(**kwargs) for _ in range(2)]
-    assert calls == ["none", "none"]
+    per_call = ["none", "none"] if "log_sum_sq_probs" in outputs else ["none"]
+    assert calls == per_call * 2
     assert _decision(model).ours
     [record] = _lmk_messages(caplog)
     assert record.levelno == logging.INFO and "runs on lmkernels.fused_linear_cross_entropy" in record.message
-    (outs[0].loss + outs[0].log_probs[0].sum()).backward()
+    objective(outs[0]).backward()
     for out in outs:
         assert out.log_probs.shape == ref.log_probs.shape
         assert _rel(out.log_probs, ref.log_probs) <= RTOL
         assert _rel(out.entropy, ref.entropy) <= RTOL
-        assert (
-            torch.equal(out.is_top1.bool(), ref.is_top1.bool())
-            and out.is_top1.any()
-            and not out.is_top1.all()
-        )
+        if "is_top1" in outputs:
+            assert (
+                torch.equal(out.is_top1.bool(), ref.is_top1.bool())
+                and out.is_top1.any()
+                and not out.is_top1.all()
+            )
+        for name in ("mean_logits", "log_sum_sq_probs", "is_top1"):
+            assert (getattr(out, name) is None) == (name not in outputs), name
+        for name in ("mean_logits", "log_sum_sq_probs"):
+            if name in outputs:
+                assert _rel(getattr(out, name), getattr(ref, name)) <= RTOL, name
+                assert not getattr(out, name).requires_grad
         assert torch.equal(out.label_mask, ref.label_mask)
         assert _rel(out.loss, ref.loss) <= RTOL
-        assert out.log_sum_sq_probs is None and out.mean_logits is None
     ref_grads, grads = _grads(ref_model), _grads(model)
     assert grads.keys() == ref_grads.keys() and grads
     for name, g in ref_grads.items():
@@ -154,28 +177,64 @@ def test_trl_head_wrapped_before_apply():
     assert vars(model)["forward"] == trl_forward
 
 
+def _accelerate_wrapped(model):
+    """The model's forward wrapped as accelerate's prepare_model wraps it under mixed precision
+    (autocast, outputs to fp32; autocast off here so the values compare exactly)."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    autocast = torch.autocast("cpu", enabled=False)
+    model.forward = types.MethodType(convert_outputs_to_fp32(autocast(model.forward.__func__)), model)
+    return model
+
+
+def test_trl_head_inside_accelerate_wrapper_before_apply():
+    """TRL's head inside accelerate's wrapper before apply() (a trainer's reference model, which
+    LmkernelsCallback patches at on_train_begin): the wrapper stays, the forward TRL's head wraps
+    becomes the patched one, the head runs on lmkernels; revert() restores TRL's."""
+    pytest.importorskip("trl", reason="TRL is in the hf extra")
+    pytest.importorskip("accelerate")
+    plain = tc.tiny()
+    ids, labels = _trl_batch(plain)
+    ref = _accelerate_wrapped(_with_trl_head(copy.deepcopy(plain), outputs=DPO_OUTPUTS))
+    model = _accelerate_wrapped(_with_trl_head(copy.deepcopy(plain), outputs=DPO_OUTPUTS))
+    wrapper = vars(model)["forward"]
+    lk_hf.apply(model, backend="eager")
+    assert vars(model)["forward"] is wrapper and _decision(model).ours
+    with tc.flce_calls() as calls, torch.no_grad():
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        want = ref(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert calls == ["none"]
+    for name in DPO_OUTPUTS:
+        assert _rel(getattr(out, name).float(), getattr(want, name).float()) <= RTOL, name
+    lk_hf.revert(model)
+    with tc.flce_calls() as calls, torch.no_grad():
+        model(input_ids=ids, labels=labels, fused_lm_head=True)
+    assert calls == [] and vars(model)["forward"] is wrapper
+
+
 @pytest.mark.parametrize(
-    "outputs, hints, expect",
+    "outputs, hints, backend, expect",
     [
-        # DPO / KTO read mean_logits (and WPO log_sum_sq_probs): TRL's head stays.
-        (("log_probs", "entropy", "mean_logits", "is_top1"), {}, "mean_logits"),
-        # GRPO / RLOO without the trainer's config: the entropy may need a gradient.
-        (("log_probs", "entropy"), {}, "LmkernelsCallback"),
-        (("log_probs", "entropy"), {"entropy_grad": True}, "entropy_coef"),
-        (("log_probs", "entropy"), {"entropy_grad": False}, None),
-        (SFT_OUTPUTS, {"prefer": "trl"}, "trl_head='trl'"),
+        # DPO / KTO (mean_logits) and WPO (log_sum_sq_probs): lmkernels computes them.
+        (DPO_OUTPUTS, {}, "eager", None),
+        (WPO_OUTPUTS, {}, "eager", None),
+        # GRPO / RLOO: the entropy carries its gradient on every backend of ours (routed).
+        (GRPO_OUTPUTS, {}, "triton", None),
+        (GRPO_OUTPUTS, {}, "eager", None),
+        (SFT_OUTPUTS, {"prefer": "trl"}, "eager", "trl_head='trl'"),
     ],
 )
-def test_trl_head_kept_with_reason(outputs, hints, expect, caplog):
+def test_trl_head_kept_with_reason(outputs, hints, backend, expect, caplog):
     """Where lmkernels' fused loss cannot give the trainer what it reads, TRL's head is kept, logged
-    once with the reason (WARNING; INFO for trl_head='trl'), and TRL's outputs come back unchanged."""
+    once with the reason (WARNING; INFO for trl_head='trl'), and TRL's outputs come back unchanged;
+    elsewhere lmkernels runs it."""
     pytest.importorskip("trl", reason="TRL is in the hf extra")
     plain = tc.tiny()
     ids, labels = _trl_batch(plain)
     ref = _with_trl_head(copy.deepcopy(plain), outputs=outputs)(
         input_ids=ids, labels=labels, fused_lm_head=True
     )
-    model = lk_hf.apply(copy.deepcopy(plain), backend="eager")
+    model = lk_hf.apply(copy.deepcopy(plain), backend=backend)
     vars(model)[patching.RECORD].hints.update(hints)
     _with_trl_head(model, outputs=outputs)
     with caplog.at_level(logging.INFO, logger="lmkernels"), tc.flce_calls() as calls:
@@ -183,13 +242,13 @@ def test_trl_head_kept_with_reason(outputs, hints, expect, caplog):
         model(input_ids=ids, labels=labels, fused_lm_head=True)
     [record] = _lmk_messages(caplog)
     if expect is None:
-        assert _decision(model).ours and calls == ["none", "none"]
+        assert _decision(model).ours and calls and set(calls) == {"none"}
     else:
         assert not _decision(model).ours and calls == []
         assert "TRL's fused LM head kept" in record.message and expect in record.message
         assert record.levelno == (logging.INFO if hints.get("prefer") == "trl" else logging.WARNING)
-        for name in outputs:  # TRL's own head ran: its values (the patched body differs by rounding)
-            assert _rel(getattr(out, name), getattr(ref, name)) <= RTOL
+    for name in outputs:  # TRL's values (the patched body differs by rounding)
+        assert _rel(getattr(out, name).float(), getattr(ref, name).float()) <= RTOL, name
 
 
 def test_trl_head_kept_without_flce():
@@ -362,9 +421,10 @@ def _grpo_run(model, tmp_path, callbacks=None, **config):
 
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_grpo_trainer_callback(entropy_coef, tmp_path):
-    """GRPOTrainer with LmkernelsCallback: without an entropy bonus the policy's log-probs run on
-    lmkernels (temperature 0.7); with entropy_coef, which differentiates the entropy, TRL's head is
-    kept and the summary says why. Losses, entropy and weights equal GRPO without lmkernels."""
+    """GRPOTrainer with LmkernelsCallback: the policy's log-probs run on lmkernels (temperature
+    0.7), with entropy_coef the entropy's gradient too (backends that have it: eager; the others
+    keep TRL's head, test_trl_head_kept_with_reason). Losses, entropy and weights equal GRPO
+    without lmkernels."""
     pytest.importorskip("trl", reason="TRL is in the hf extra")
     plain = tc.tiny()
     ref, ref_params, _ = _grpo_run(copy.deepcopy(plain), tmp_path / "plain", entropy_coef=entropy_coef)
@@ -375,10 +435,8 @@ def test_grpo_trainer_callback(entropy_coef, tmp_path):
     torch.testing.assert_close(torch.tensor(logs), torch.tensor(ref), rtol=0, atol=tc.LOGGED_ATOL)
     tc.assert_params_close(ref_params, model_params)
     assert any(_rel(p, plain.state_dict()[n]) > 1e-4 for n, p in model_params.items())  # it trained
-    if entropy_coef:
-        assert calls == [] and "TRL's fused LM head kept (the entropy bonus" in cb.summary
-    else:
-        assert calls and set(calls) == {"none"} and "temperature 0.7" in cb.summary
+    # with entropy_coef the entropy's gradient runs through lmkernels' fused head too (eager)
+    assert calls and set(calls) == {"none"} and "temperature 0.7" in cb.summary
 
 
 # --- the transformers Trainer -----------------------------------------------------------------------

@@ -18,7 +18,7 @@ from pathlib import Path
 import lmkernels
 
 ROOT = Path(lmkernels.__file__).parent
-UPPER = ("backends", "nn", "integrations", "harness", "convergence", "cli", "distributed")
+UPPER = ("backends", "nn", "losses", "integrations", "harness", "convergence", "cli", "distributed")
 
 
 def _module_name(path: Path) -> str:
@@ -129,6 +129,27 @@ def test_registry_and_ops_import_nothing_above_them():
             if above or (mod.startswith("lmkernels.registry") and t.startswith("lmkernels.ops")):
                 bad.append(f"{mod} -> {t}")
     assert not bad, "lower layers importing upper ones:\n" + "\n".join(sorted(bad))
+
+
+def test_losses_build_on_the_ops_only():
+    """lmkernels.losses (post-training losses for plain PyTorch) sits on the ops and the registry:
+    never on the integrations, the nn modules, the backends or the harness."""
+    graph = import_graph()
+    allowed = ("lmkernels.ops", "lmkernels.registry", "lmkernels.utils", "lmkernels.losses")
+    bad = [
+        f"{mod} -> {t}"
+        for mod, targets in graph.items()
+        if mod.startswith("lmkernels.losses")
+        for t in targets
+        if t != "lmkernels" and not t.startswith(allowed)
+    ]
+    assert not bad, "lmkernels.losses importing above the ops:\n" + "\n".join(sorted(bad))
+    assert not any(
+        t.startswith("lmkernels.losses")
+        for m, ts in graph.items()
+        if m.startswith(("lmkernels.ops", "lmkernels.registry"))
+        for t in ts
+    )
 
 
 IMPORT_TIMER = textwrap.dedent(

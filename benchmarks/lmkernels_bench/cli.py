@@ -20,6 +20,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "dist-scale": ("scale", "distributed training on 1-4 GPUs: FSDP2, TP, 2-D, ZeRO, pipeline"),
     "compare-trees": ("compare_trees", "two source trees in turns on one GPU: before / after a change"),
     "trl-head": ("trl_head", "one TRL SFT step through TRL's fused head and through lmkernels'"),
+    "posttrain": (
+        "posttrain",
+        "GRPO / DPO / JSD losses through the head: lmkernels, plain, TRL, Liger, verl",
+    ),
+    "posttrain-steps": ("posttrain_steps", "GRPO, DPO and GKD trainer steps: lmkernels, TRL, TRL with Liger"),
     "families": ("families", "bf16 training of the patched families against plain (--stepcheck)"),
     "families-scan": ("families_scan", "every transformers causal LM patched, one step compared"),
     "families-table": ("families_table", "the families table of docs/integration.md (--check)"),

@@ -22,6 +22,7 @@ both take the lm_head module (not its weight) so that the code owning the weight
 from __future__ import annotations
 
 import types
+import typing
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -31,6 +32,7 @@ from torch import nn
 
 import lmkernels
 from lmkernels.integrations.peft import head_parts
+from lmkernels.losses import logps as losses_logps
 from lmkernels.registry import LMKernelsError
 from lmkernels.types import Reduction
 
@@ -126,6 +128,19 @@ def causal_lm_loss(
     return loss
 
 
+class HeadStats(typing.NamedTuple):
+    """Per token (the targets' shape): nll = -log p_target (differentiable), entropy
+    (differentiable where the FLCE backend has its gradient), is_top1 (bool), and when asked for
+    mean_logits and log_sum_sq_probs (fp32, no gradient; None otherwise). Ignored tokens: 0 /
+    False everywhere."""
+
+    nll: torch.Tensor
+    entropy: torch.Tensor
+    is_top1: torch.Tensor
+    mean_logits: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+
+
 def token_stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -136,19 +151,26 @@ def token_stats(
     softcap: float | None = None,
     fp32: bool = False,
     ignore_index: int = -100,
+    mean_logits: bool = False,
+    log_sum_sq_probs: bool = False,
     backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> HeadStats:
     """Per token of `targets` (any shape, hidden is (*targets.shape, H)): the loss -log p_target
-    and the entropy of the next-token distribution (both differentiable) and whether the target
-    is its most likely token, of the logits
+    (differentiable), the entropy of the next-token distribution (differentiable) and whether
+    the target is its most likely token, of the logits
 
-        softcap(scale * (hidden @ weight.T + bias))      (softcap c: c * tanh(z / c))
+        z = softcap(scale * (hidden @ weight.T + bias))      (softcap c: c * tanh(y / c))
 
     from one `lmkernels.fused_linear_cross_entropy(..., reduction="none", return_stats=True)`
     call: no logits are built. `scale` multiplies hidden and bias, so a temperature T after the
     softcap is `scale=1/T, softcap=c/T`. Ignored tokens: loss 0, entropy 0, is_top1 False.
     fp32: hidden and weight in fp32 (TRL's cast_lm_head_to_fp32), else as causal_lm_loss (the
     autocast dtype under autocast, as TRL's head computes too).
+
+    mean_logits: also (1/V) sum_c z_c (TRL's DPO / KTO metric; lmkernels.losses.mean_logits, no
+    pass over the logits without a softcap). log_sum_sq_probs: also log sum_c p_c^2 =
+    logsumexp(2 z) - 2 logsumexp(z) (TRL's WPO weights): the logsumexp of 2 z is one more FLCE
+    forward (no gradient) with hidden and bias scaled by 2 and the softcap doubled.
     """
     H = weight.shape[-1]
     h = hidden.reshape(-1, H)
@@ -165,22 +187,46 @@ def token_stats(
         bias = None if bias is None else cast("DTensor", bias).full_tensor()
     device_type = h.device.type
     dtype = torch.float32 if fp32 else _flce_dtype(weight, device_type)
+    h, weight = h.to(dtype), weight.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
     with torch.autocast(device_type, enabled=False):
-        loss, _, entropy, is_top1 = lmkernels.fused_linear_cross_entropy(
-            h.to(dtype),
-            weight.to(dtype),
+        loss, lse, entropy, is_top1 = lmkernels.fused_linear_cross_entropy(
+            h,
+            weight,
             target,
-            bias=None if bias is None else bias.to(dtype),
+            bias=bias,
             ignore_index=ignore_index,
             reduction="none",
             softcap=softcap,
             return_stats=True,
             backend=backend,
         )
+        means = squares = None
+        with torch.no_grad():
+            if mean_logits:
+                means = losses_logps.mean_logits(h, weight, bias, softcap)
+            if log_sum_sq_probs:
+                _, lse2 = lmkernels.fused_linear_cross_entropy(
+                    h * 2,
+                    weight,
+                    target,
+                    bias=None if bias is None else bias * 2,
+                    ignore_index=ignore_index,
+                    reduction="none",
+                    softcap=None if softcap is None else 2 * softcap,
+                    return_lse=True,
+                    backend=backend,
+                )
+                squares = lse2 - 2 * lse
     valid = target != ignore_index
-    entropy = torch.where(valid, entropy, 0.0)
     shape = targets.shape
-    return loss.view(shape), entropy.view(shape), (is_top1 & valid).view(shape)
+
+    def zeroed(x):
+        return None if x is None else torch.where(valid, x, 0.0).view(shape)
+
+    return HeadStats(
+        loss.view(shape), zeroed(entropy), (is_top1 & valid).view(shape), zeroed(means), zeroed(squares)
+    )
 
 
 def _any_dtensor(*tensors: torch.Tensor | None) -> bool:
@@ -264,10 +310,18 @@ def lm_head_token_stats(
     softcap: float | None = None,
     fp32: bool = False,
     ignore_index: int = -100,
+    mean_logits: bool = False,
+    log_sum_sq_probs: bool = False,
     backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> HeadStats:
     """token_stats of `lm_head` (as lm_head_loss takes it) applied to `hidden`."""
     kwargs: dict[str, Any] = dict(
-        scale=scale, softcap=softcap, fp32=fp32, ignore_index=ignore_index, backend=backend
+        scale=scale,
+        softcap=softcap,
+        fp32=fp32,
+        ignore_index=ignore_index,
+        mean_logits=mean_logits,
+        log_sum_sq_probs=log_sum_sq_probs,
+        backend=backend,
     )
     return _fsdp_call(lm_head, _params_stats, hidden, targets, **kwargs)

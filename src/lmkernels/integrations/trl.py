@@ -1,36 +1,43 @@
 """TRL's fused LM head, run on lmkernels' fused loss (or kept, saying why).
 
 TRL 1.x trainers (SFT, DPO, GRPO, RLOO, KTO) never let the model compute its loss: after
-building the trainer they wrap the policy's forward with `trl.trainer.utils.add_fused_lm_head`,
-and call `model(..., fused_lm_head=True)`, which runs the backbone and TRL's own chunked
-log-prob kernel on lm_head's weight, returning per-token log-probs (and entropy, token accuracy,
-... as the trainer asks) in a `FusedCausalLMOutput`. A model patched by lmkernels would train
-through TRL's head, not lmkernels', without a word.
+building the trainer they wrap the policy's forward (and the reference model's) with
+`trl.trainer.utils.add_fused_lm_head`, and call `model(..., fused_lm_head=True)`, which runs the
+backbone and TRL's own chunked log-prob kernel on lm_head's weight, returning per-token
+log-probs (and entropy, token accuracy, mean logit, log sum p^2, ... as the trainer asks) in a
+`FusedCausalLMOutput`. A model patched by lmkernels would train through TRL's head, not
+lmkernels', without a word.
 
 `route(model)` finds TRL's head on a patched model (by its code object, also inside accelerate's
 mixed-precision wrapper, reading what TRL bound into it: the outputs asked for, temperature,
-fp32 cast, softcap, logit scale) and, where lmkernels' fused loss can give the trainer
-everything it reads, answers `fused_lm_head=True` with one `lmkernels.fused_linear_cross_entropy(
-..., reduction="none", return_stats=True)` call (log-probs and entropy with their gradients,
-top-1: TRL's metrics); every other call goes to the forward TRL wrapped. The choice is
-made once per TRL head and logged once (logger "lmkernels": INFO when lmkernels runs the loss,
-WARNING when TRL's head is kept, with the reason). TRL's head is kept where lmkernels cannot
-give what the trainer needs:
+fp32 cast, softcap, logit scale) and answers `fused_lm_head=True` with one
+`lmkernels.fused_linear_cross_entropy(..., reduction="none", return_stats=True)` call: log-probs
+and entropy with their gradients (GRPO's entropy bonus), top-1; the mean logit (DPO / KTO
+metrics) from lmkernels.flce_mean_logits (no pass over the logits), log sum p^2 (DPO's WPO
+weights) from one more FLCE forward without gradient. Every other call goes to the forward TRL
+wrapped. The choice is made once per TRL head and logged once (logger "lmkernels": INFO when
+lmkernels runs the loss, WARNING when TRL's head is kept, with the reason). TRL's head is kept
+where lmkernels cannot give what the trainer needs:
 
-- outputs other than log-probs, entropy and top-1 (DPO and KTO read mean_logits, WPO
-  log_sum_sq_probs);
-- an entropy that needs a gradient (GRPO with entropy_coef != 0 or adaptive entropy), or
-  may (a trainer whose config lmkernels was not shown: see LmkernelsCallback);
-- DeepSpeed ZeRO-3 (TRL gathers the partitioned head itself), a lm_head the fused loss cannot
-  compute (peft.py), "flce" not patched on the model, or trl_head="trl" (LmkernelsCallback).
+- an output lmkernels does not compute (none in TRL 1.16);
+- an entropy that needs a gradient (GRPO with entropy_coef != 0 or adaptive entropy) on an FLCE
+  backend without it, or that may need one (a trainer whose config lmkernels was not shown:
+  see LmkernelsCallback);
+- a lm_head the fused loss cannot compute (peft.py), "flce" not patched on the model, or
+  trl_head="trl" (LmkernelsCallback).
 
-The entropy lmkernels returns carries its gradient (every FLCE backend of ours differentiates
-it), so a loss that differentiates it on a routed head trains as on TRL's.
+Under DeepSpeed ZeRO-3 the head runs as lm_head's forward (lm_head_loss._fsdp_call ->
+distributed/zero.call_as_forward), so ZeRO-3's own hooks gather the partitioned weight for it and
+for its backward, as TRL's maybe_gather_lm_head_ctx does for TRL's head; under FSDP2 as
+lm_head's registered FSDP forward method (or the root's unshard), DTensor weights outside one
+gathered with full_tensor() as TRL does.
 
 When it runs: `LmkernelsCallback` routes at on_train_begin with the trainer's config (GRPO's
-entropy_coef); a patched model also routes itself at its first `fused_lm_head=True` call (a
-forward pre-hook patching.py installs), from what the model alone shows: the SFT head
-(log-probs, entropy, top-1) routes; heads whose entropy may need a gradient are kept.
+entropy_coef), the reference model's head too (patched like the policy; its calls run under
+no_grad), and the distillation trainers' losses (trl_distill.py); a patched model also routes
+itself at its first `fused_lm_head=True` call (a forward pre-hook patching.py installs), from
+what the model alone shows: heads whose entropy may need a gradient are kept unless the backend
+has it.
 """
 
 from __future__ import annotations
@@ -54,7 +61,9 @@ from lmkernels.registry import LMKernelsError
 
 logger = logging.getLogger("lmkernels")
 
-OURS = frozenset({"log_probs", "entropy", "is_top1"})  # what lmkernels' fused head returns
+# What lmkernels' fused head returns: every output of TRL 1.16's head (mean_logits: TRL's DPO /
+# KTO metrics; log_sum_sq_probs: DPO's WPO weights, one more forward over the head).
+OURS = frozenset({"log_probs", "entropy", "is_top1", "mean_logits", "log_sum_sq_probs"})
 PREFER = ("auto", "lmkernels", "trl")
 # "auto": lmkernels wherever it can give the trainer what it reads (docs/trainers.md has the
 # measured SFT step, `lmkernels-bench trl-head`).
@@ -168,16 +177,6 @@ def trl_head(model: nn.Module, forward: Callable[..., Any] | None = None) -> Trl
     )
 
 
-def entropy_grad(args: Any) -> bool | None:
-    """Whether a trainer with these training arguments differentiates the entropy TRL's head
-    returns: GRPO's entropy bonus (entropy_coef != 0, or adaptive). None: cannot tell."""
-    if args is None:
-        return None
-    if hasattr(args, "entropy_coef") or hasattr(args, "use_adaptive_entropy"):
-        return bool(getattr(args, "entropy_coef", 0.0)) or bool(getattr(args, "use_adaptive_entropy", False))
-    return False  # a config without an entropy term (SFT, DPO, ...): the entropy is a metric
-
-
 def _zero3() -> bool:
     if "deepspeed" not in sys.modules:
         return False
@@ -200,21 +199,7 @@ def _keep_reason(model: nn.Module, head: TrlHead, patch: Any, plain: Callable[..
         return "flce is not patched on this model" + (f" ({failed[0]})" if failed else " (ops excluded it)")
     extra = sorted(set(head.outputs) - OURS)
     if extra:
-        return (
-            f"the trainer reads {', '.join(extra)} from TRL's head (DPO / KTO metrics, WPO weights); "
-            f"lmkernels' fused loss gives log-probs, entropy and top-1 only"
-        )
-    if "entropy" in head.outputs:
-        grad = hints.get("entropy_grad")
-        if grad is None and "is_top1" not in head.outputs:  # not the SFT head: GRPO, RLOO, ...
-            return (
-                "the trainer may differentiate the entropy (GRPO's entropy_coef) and its config was "
-                "not shown to lmkernels: pass callbacks=[lk_hf.LmkernelsCallback()] to the trainer"
-            )
-        if grad:
-            return "the entropy bonus (entropy_coef / use_adaptive_entropy) needs the entropy's gradient"
-    if _zero3():
-        return "DeepSpeed ZeRO-3: TRL's head gathers the partitioned lm_head itself"
+        return f"the trainer reads {', '.join(extra)} from TRL's head, which lmkernels' fused head does not compute"
     causal_lm: Any = model  # a transformers causal LM
     problem = lk_peft.head_problem(causal_lm.get_output_embeddings())
     if problem:
@@ -225,7 +210,13 @@ def _keep_reason(model: nn.Module, head: TrlHead, patch: Any, plain: Callable[..
 
 
 def _describe(head: TrlHead) -> str:
-    names = {"log_probs": "log-probs", "entropy": "entropy", "is_top1": "token accuracy"}
+    names = {
+        "log_probs": "log-probs",
+        "entropy": "entropy",
+        "is_top1": "token accuracy",
+        "mean_logits": "mean logits",
+        "log_sum_sq_probs": "log sum p^2 (one more forward)",
+    }
     parts = [names.get(o, o) for o in head.outputs]
     if head.temperature != 1.0:
         parts.append(f"temperature {head.temperature:g}")
@@ -303,9 +294,14 @@ def _pre_hook(
 
 
 def redirected(self: nn.Module, kwargs: dict[str, Any]) -> tuple[bool, Any]:
-    """(True, TRL's output computed by lmkernels) if the pre-hook redirected this call."""
-    if not kwargs.pop(REDIRECT, False):
+    """(True, TRL's output computed by lmkernels) if the pre-hook redirected this call; (True,
+    fn(self, kwargs)) if the caller passed REDIRECT=fn (a loss computed inside the model's wrapped
+    forward: trl_distill.py)."""
+    flag = kwargs.pop(REDIRECT, False)
+    if not flag:
         return False, None
+    if callable(flag):
+        return True, flag(self, kwargs)
     patch = vars(self)[RECORD]
     labels, shift = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
     num_items = kwargs.pop("num_items_in_batch", None)
@@ -369,11 +365,25 @@ def fused_output(
     # TRL's logits: softcap(logit_scale * z) / T == softcap_{c/T}((logit_scale / T) * z)
     scale = head.logit_scale / head.temperature
     softcap = None if head.softcap is None else head.softcap / head.temperature
-    nll, entropy, is_top1 = lm_head_token_stats(
-        lm_head, hidden, targets, scale=scale, softcap=softcap, fp32=head.fp32, backend=backend
+    stats = lm_head_token_stats(
+        lm_head,
+        hidden,
+        targets,
+        scale=scale,
+        softcap=softcap,
+        fp32=head.fp32,
+        mean_logits="mean_logits" in head.outputs,
+        log_sum_sq_probs="log_sum_sq_probs" in head.outputs,
+        backend=backend,
     )
+    nll, entropy, is_top1, mean_logits, log_sum_sq = stats
     if shift_labels is None:
-        nll, entropy, is_top1, targets = (x[:, :-1] for x in (nll, entropy, is_top1, targets))
+        # copies, not views: FSDP2 warns that an in-place op on a view output would drop its
+        # pre-backward hook (TRL's own head returns new tensors too)
+        nll, entropy, is_top1, targets, mean_logits, log_sum_sq = (
+            None if x is None else x[:, :-1].clone()
+            for x in (nll, entropy, is_top1, targets, mean_logits, log_sum_sq)
+        )
     mask = targets != -100
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = nll.sum() / count
@@ -393,6 +403,8 @@ def fused_output(
         log_probs=-nll,
         entropy=entropy if "entropy" in head.outputs else None,
         is_top1=is_top1 if "is_top1" in head.outputs else None,
+        mean_logits=mean_logits,
+        log_sum_sq_probs=log_sum_sq,
         label_mask=mask,
         aux_loss=aux_loss,
     )

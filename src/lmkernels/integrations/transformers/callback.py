@@ -9,8 +9,13 @@
   Records what the trainer's config says about TRL's head (trl.py: does a loss differentiate
   the entropy).
 - on_train_begin (TRL's fused head, if any, is on the model by then): routes TRL's head
-  (trl.route) and logs, once, on the main process: what is patched and kept, and which loss
-  runs. Logger "lmkernels": INFO when lmkernels' fused loss runs, WARNING when it does not (a
+  (trl.route); patches the trainer's reference model (DPO, KTO, GRPO, RLOO) and teacher (GKD,
+  DistillationTrainer) like the policy and routes their heads; runs GKD's and
+  DistillationTrainer's divergence on lmkernels.fused_linear_distillation (trl_distill.py), the
+  log-probs of trl.experimental's CPOTrainer / ORPOTrainer on the fused head (trl_prefs.py); and
+  logs, once, on the main process: what is patched and kept, and which loss runs. (The trainer
+  is found at on_init_end as the caller whose callback handler holds this callback: the events
+  carry the model, not the trainer.) Logger "lmkernels": INFO when lmkernels' fused loss runs, WARNING when it does not (a
   kept head, TRL's head kept, the Trainer's label smoothing computing its loss from the logits).
 - A model the Trainer builds after its __init__ (model_init, hyperparameter search) cannot be
   patched by the callback (accelerate has wrapped its forward by on_train_begin): strict raises
@@ -23,6 +28,8 @@ train() starts).
 from __future__ import annotations
 
 import logging
+import sys
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -74,6 +81,7 @@ class LmkernelsCallback(TrainerCallback):
         lk_hf._backend_table(backend)  # checked now, not at the first step
         self.backend, self.strict, self.trl_head = backend, strict, trl_head
         self.summary: str | None = None
+        self._trainer = None  # weakref to the Trainer whose __init__ ran on_init_end
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -91,6 +99,8 @@ class LmkernelsCallback(TrainerCallback):
                 "use_liger_kernel: Liger patches the same modules when train() starts; with "
                 "LmkernelsCallback set use_liger_kernel=False"
             )
+        trainer = _find_trainer(self)
+        self._trainer = None if trainer is None else weakref.ref(trainer)
         self._patch(model, args)
 
     def on_train_begin(
@@ -119,8 +129,13 @@ class LmkernelsCallback(TrainerCallback):
             logger.warning(f"lmkernels: {why}")
             return
         decision = lk_trl.route(inner, log=False)
+        trainer = None if self._trainer is None else self._trainer()
+        companions = [] if trainer is None else self._companions(trainer)
         if self.summary is None:
             self.summary, level = self._summary(inner, args, decision)
+            for line, warn in companions:
+                self.summary += f"\nlmkernels: {line}"
+                level = logging.WARNING if warn and self.trl_head != "trl" else level
             if state is None or state.is_world_process_zero:
                 logger.log(level, self.summary)
 
@@ -156,8 +171,66 @@ class LmkernelsCallback(TrainerCallback):
                 )
         patch = vars(inner)[patching.RECORD]
         patch.hints["prefer"] = self.trl_head
-        patch.hints["entropy_grad"] = lk_trl.entropy_grad(args)
         return inner
+
+    def _companions(self, trainer: Any) -> list[tuple[str, bool]]:
+        """The trainer's other models and losses: its reference model (DPO, KTO, GRPO, RLOO) and
+        teacher (GKD, DistillationTrainer) patched like the policy, their TRL heads routed;
+        GKD's and DistillationTrainer's divergence on fused_linear_distillation. Returns the
+        summary lines, each with whether it is a warning."""
+        from lmkernels.integrations import trl_distill, trl_prefs
+
+        lines = []
+        for attr, role in (("ref_model", "reference model"), ("teacher_model", "teacher")):
+            other = getattr(trainer, attr, None)
+            if isinstance(other, nn.Module):
+                lines.append(self._patch_companion(trainer, other, role))
+        kind = type(trainer).__mro__
+        names = {c.__module__ + "." + c.__qualname__ for c in kind}
+        route = None
+        if "trl.experimental.gkd.gkd_trainer.GKDTrainer" in names:
+            route, what = trl_distill.route_gkd, "GKD's generalized JSD"
+        elif "trl.trainer.distillation_trainer.DistillationTrainer" in names:
+            route, what = trl_distill.route_distillation, "DistillationTrainer's chunked divergence"
+        if trl_prefs.kind(trainer) is not None:
+            what = f"{type(trainer).__name__}'s log-probs from the logits"
+            if self.trl_head == "trl":
+                lines.append((f"{what}: kept (trl_head='trl')", False))
+            else:
+                why = trl_prefs.route(trainer)
+                verdict = f"kept ({why})" if why else "run on lmkernels.fused_linear_cross_entropy"
+                lines.append((f"{what}: {verdict}", bool(why)))
+        if route is not None:
+            if self.trl_head == "trl":
+                lines.append((f"distillation: {what} kept (trl_head='trl')", False))
+            else:
+                why = route(trainer)
+                if why:
+                    lines.append((f"distillation: {what} kept ({why})", True))
+                else:
+                    lines.append((f"distillation: {what} runs on lmkernels.fused_linear_distillation", False))
+        return lines
+
+    def _patch_companion(self, trainer: Any, other: nn.Module, role: str) -> tuple[str, bool]:
+        from lmkernels.integrations.transformers import api as lk_hf
+        from lmkernels.integrations.transformers import patching
+
+        unwrap = getattr(getattr(trainer, "accelerator", None), "unwrap_model", None)
+        inner = lk_peft.inner_model(unwrap(other) if unwrap is not None else other)
+        if patching.RECORD not in vars(inner):
+            # trl_head="trl": its TRL head stays (apply() routes a head already on the model)
+            ops = [op for op in self.ops if op != "flce"] if self.trl_head == "trl" else self.ops
+            try:
+                lk_hf.apply(inner, backend=self.backend, ops=ops, strict=False)
+            except LMKernelsError as e:
+                return f"{role}: not patched ({e})", True
+        patch = vars(inner)[patching.RECORD]
+        patch.hints["prefer"] = self.trl_head
+        decision = lk_trl.route(inner, log=False) or patch.trl_decision
+        if decision is None:
+            return f"{role}: {patch.report.brief()}", False
+        head = decision.message.split(": ", 2)[-1]
+        return f"{role}: {patch.report.brief()}; {head}", not decision.ours
 
     def _summary(
         self, inner: nn.Module, args: TrainingArguments, decision: lk_trl.Decision | None
@@ -196,3 +269,19 @@ class LmkernelsCallback(TrainerCallback):
         if report.failed:
             level = logging.WARNING
         return f"lmkernels: {report.brief()}\nlmkernels: loss: {loss}", level
+
+
+def _find_trainer(callback):
+    """The Trainer whose __init__ runs `callback`'s on_init_end: the caller whose `self` holds it
+    in its callback handler (the event carries the model, not the trainer; LmkernelsCallback
+    needs the trainer's reference model, teacher and loss)."""
+    frame = sys._getframe(1)
+    for _ in range(64):
+        if frame is None:
+            return None
+        obj = frame.f_locals.get("self")
+        handler = getattr(obj, "callback_handler", None)
+        if handler is not None and any(cb is callback for cb in getattr(handler, "callbacks", ())):
+            return obj
+        frame = frame.f_back
+    return None

@@ -29,7 +29,7 @@ from lmkernels.integrations import trl as lk_trl
 from lmkernels.integrations.transformers import masks
 from lmkernels.integrations.transformers import replacements as rp
 from lmkernels.integrations.transformers.record import RECORD as RECORD  # (re-exported)
-from lmkernels.integrations.transformers.record import Saved
+from lmkernels.integrations.transformers.record import Saved, SavedCell
 from lmkernels.integrations.transformers.report import PatchReport
 from lmkernels.integrations.transformers.structure import PATCHED, Finding, unwrapped
 from lmkernels.registry import LMKernelsError
@@ -155,12 +155,13 @@ def install_instance(
     holds: list[tuple[str, str]] = []
     hooks: list[RemovableHandle] = []
     trl_forward, head = vars(model).get("forward"), lk_trl.trl_head(model)
-    if head is None:  # else TRL wrapped the model before apply(): re-wrapped below
+    nested = head is not None and not head.top and any(f.op == "flce" for f in report.patched)
+    if head is None or nested:  # else TRL wrapped the model before apply(): re-wrapped below
         trl_forward = None
-    elif not head.top and any(f.op == "flce" for f in report.patched):
+    if nested and "original_forward" not in head.fn.__code__.co_freevars:
         raise LMKernelsError(
             f"{type(model).__name__}: its forward wraps TRL's fused head in another wrapper (accelerate's "
-            f"mixed precision?), which the patched forward would replace; apply lmkernels before the "
+            f"mixed precision?), and this TRL's head binds no original_forward; apply lmkernels before the "
             f"trainer prepares the model (LmkernelsCallback does), or with ops excluding 'flce'"
         )
     for f in report.patched:
@@ -181,7 +182,15 @@ def install_instance(
             forward = rp.causal_lm_forward(
                 unwrapped(type(model).forward), _spec(f, rp.HeadSpec), table_backend("flce"), _class_forward
             )
-            saved.append(Saved.replace(model, "forward", types.MethodType(forward, model)))
+            if nested:
+                # TRL's head inside accelerate's mixed-precision wrapper (a trainer's reference
+                # model, prepared before lmkernels saw it): the wrapper stays (its autocast around
+                # the head), the forward TRL's head wraps becomes the patched one (a closure cell
+                # of TRL's function, this model's own), the pre-hook hands it the head's calls.
+                cells = dict(zip(head.fn.__code__.co_freevars, head.fn.__closure__))
+                saved.append(SavedCell.replace(cells["original_forward"], types.MethodType(forward, model)))
+            else:
+                saved.append(Saved.replace(model, "forward", types.MethodType(forward, model)))
             # TRL's fused head, added after apply(), is routed at its first call (trl.py).
             hooks.append(model.register_forward_pre_hook(lk_trl._pre_hook, with_kwargs=True))
         else:
@@ -196,6 +205,8 @@ def install_instance(
     if trl_forward is not None:
         plain = vars(model).get("forward")  # the patched forward, or TRL's if flce is not patched
         lk_trl.route(model, trl_forward=trl_forward, plain=plain)
+    elif nested:
+        lk_trl.route(model)
 
 
 def install_class(model_type: str, report: PatchReport, table_backend: TableBackend) -> None:

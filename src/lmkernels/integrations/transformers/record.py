@@ -36,3 +36,26 @@ class Saved:
             setattr(self.obj, self.attr, self.value)
         else:
             delattr(self.obj, self.attr)
+
+
+@dataclasses.dataclass
+class SavedCell:
+    """A closure cell replaced (TRL's fused head binds the forward it wraps in one): restore()
+    puts the old value back unless someone replaced it since."""
+
+    cell: Any
+    value: Any
+    new: Any
+
+    @classmethod
+    def replace(cls, cell: Any, new: Any) -> SavedCell:
+        saved = cls(cell, cell.cell_contents, new)
+        cell.cell_contents = new
+        return saved
+
+    def replaced_since(self) -> bool:
+        return self.cell.cell_contents is not self.new
+
+    def restore(self) -> None:
+        if not self.replaced_since():
+            self.cell.cell_contents = self.value
