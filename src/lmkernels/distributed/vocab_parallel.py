@@ -487,7 +487,7 @@ class _VocabParallelCE(torch.autograd.Function):
             del z
         loss = torch.where(tg.valid, loss, 0.0)
         ctx.fast = fast
-        # The FLCE's scale_ where its kernels run: torch's mul_ by a 0-dim CUDA tensor is ~4x slower.
+        # The FLCE's scale_ where its kernels run: one pass, where torch's mul_ by a 0-dim CUDA tensor is slower.
         ctx.scale_ = triton_rows.kernels.scale_ if triton_rows is not None else torch.Tensor.mul_
         if fast:
             ctx.save_for_backward(*sums.finish(hidden, weight, bias, group))

@@ -17,11 +17,8 @@ checks (OpSpec.check_values) run on every call. Under torch.compile everything i
 afresh: dynamo traces it once per graph and guards on what it read (a cache would only add
 guards).
 
-Measured on a 2-core CPU (`lmkernels-bench dispatch-overhead`, one tree after the other): the
-dispatch around a no-op impl costs 1.6 us (rms_norm) and 3.3 us (rope); functions generated
-from source per op (attribute reads inlined) cost 0.8 / 1.2 us. On a Llama-1B training step of
-1024 tokens (~146 op calls, 85 ms, host-bound) the difference is ~0.3 ms, under 0.5%: not worth
-generated code.
+Its cost per call is held to a bound by `lmkernels-bench dispatch-overhead`; docs/performance.md
+("What we tried") has the alternatives measured against it.
 """
 
 from __future__ import annotations
@@ -58,10 +55,10 @@ _CACHE_LIMIT = 4096  # distinct signatures per op; past it the cache starts over
 _VALUE_TYPES = frozenset({int, float, bool, str, type(None)})
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 
-# os.environ.get costs ~0.5 us when the variable is unset (a KeyError raised and caught inside
-# os._Environ.__getitem__; os.getenv and `in` take the same route), a sixth of the whole cached
-# dispatch. Its backing dict, which os.environ updates on every change, answers in 20 ns; it is a
-# CPython detail, so any other Python gets the public call.
+# os.environ.get raises and catches a KeyError inside os._Environ.__getitem__ when the variable
+# is unset (os.getenv and `in` take the same route): a large share of the cached dispatch. Its
+# backing dict, which os.environ updates on every change, answers directly; it is a CPython
+# detail, so any other Python gets the public call.
 _env_get: Callable[[Any], object]
 _ENV_KEY: object
 _env_data = getattr(os.environ, "_data", None)
@@ -74,8 +71,8 @@ else:
 def _key(v: Any) -> tuple[Any, ...]:
     """How an input enters the key: a tensor as its class, shape, dtype, device and
     requires_grad; anything else as its class and value. The common classes are tested by
-    identity: isinstance(v, torch.Tensor) costs ~0.3 us for a non-tensor (the tensor
-    metaclass's slow route)."""
+    identity: isinstance(v, torch.Tensor) takes the tensor metaclass's slow route for a
+    non-tensor."""
     cls = v.__class__
     if cls in _PLAIN_TENSORS or (cls not in _VALUE_TYPES and isinstance(v, torch.Tensor)):
         return (cls, v.shape, v.dtype, v.is_cpu or v.device, v.requires_grad)
