@@ -73,7 +73,7 @@ TINY: dict[str, dict[str, Any]] = {
 }
 IMPLS = ("plain", "trl", "liger", "verl", "triton", "triton_lean", "eager")
 DEFAULT_IMPLS = IMPLS[:-1]  # eager (lmkernels.losses on the eager reference: full logits) on request
-GRPO = dict(beta=0.04, entropy_coef=0.01, epsilon=0.2, loss_type="dapo")
+GRPO: dict[str, Any] = dict(beta=0.04, entropy_coef=0.01, epsilon=0.2, loss_type="dapo")
 DPO_BETA = 0.1
 JSD = dict(beta=0.5, hard=0.5, soft=0.5)
 PEERS = {

@@ -132,21 +132,21 @@ def _texts(rows: int, length: int, vocab: int, seed: int) -> list[str]:
     return [" ".join(f"w{i}" for i in row) for row in ids]
 
 
-def _timer(args, times: list, peaks: list):
+def _timer(args, times: list[float], peaks: list[float]):
     import torch
     from transformers import TrainerCallback
 
-    cuda = args.device == "cuda"
+    cuda, warmup = args.device == "cuda", args.warmup
 
     class Timer(TrainerCallback):
-        def on_step_begin(self, a, state, control, **kwargs):
+        def on_step_begin(self, args, state, control, **kwargs):
             if cuda:
                 torch.cuda.synchronize()
-                if state.global_step == args.warmup:
+                if state.global_step == warmup:
                     torch.cuda.reset_peak_memory_stats()
             self.start = time.perf_counter()
 
-        def on_step_end(self, a, state, control, **kwargs):
+        def on_step_end(self, args, state, control, **kwargs):
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.start)
@@ -193,7 +193,7 @@ def make_trainer(args, config: str, out: str, callbacks: list):
         model.save_pretrained(path)
         tok.save_pretrained(path)
         tok.padding_side = "left"
-        cfg = GRPOConfig(
+        grpo_args = GRPOConfig(
             **common,
             per_device_train_batch_size=args.batch,
             num_generations=NUM_GENERATIONS,
@@ -203,20 +203,21 @@ def make_trainer(args, config: str, out: str, callbacks: list):
             entropy_coef=0.01,
             loss_type="dapo",
         )
-        trainer = GRPOTrainer(
+        grpo = GRPOTrainer(
             model=str(path),
-            reward_funcs=lambda completions, **kw: [float(len(c) % 7) for c in completions],
-            args=cfg,
+            reward_funcs=_reward,
+            args=grpo_args,
             train_dataset=Dataset.from_dict({"prompt": _texts(rows, prompt, vocab, 1)}),
             processing_class=tok,
             callbacks=callbacks,
         )
-        trainer._generate_single_turn = _random_completions(completion, vocab)
-        return trainer, args.batch * args.seq
+        # GRPO's generation, replaced on this instance (vars(): mypy forbids assigning to a method)
+        vars(grpo)["_generate_single_turn"] = _random_completions(completion, vocab)
+        return grpo, args.batch * args.seq
     if args.trainer == "dpo":
         from trl import DPOConfig, DPOTrainer
 
-        cfg = DPOConfig(**common, per_device_train_batch_size=args.batch, max_length=args.seq, beta=0.1)
+        dpo_args = DPOConfig(**common, per_device_train_batch_size=args.batch, max_length=args.seq, beta=0.1)
         data = Dataset.from_dict(
             {
                 "prompt": _texts(rows, prompt, vocab, 1),
@@ -224,33 +225,38 @@ def make_trainer(args, config: str, out: str, callbacks: list):
                 "rejected": _texts(rows, completion - 1, vocab, 3),
             }
         )
-        trainer = DPOTrainer(
+        dpo = DPOTrainer(
             model=model,
             ref_model=build_model(args, seed=1),
-            args=cfg,
+            args=dpo_args,
             train_dataset=data,
             processing_class=tok,
             callbacks=callbacks,
         )
-        return trainer, 2 * args.batch * args.seq
+        return dpo, 2 * args.batch * args.seq
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-    cfg = GKDConfig(
+    gkd_args = GKDConfig(
         **common, per_device_train_batch_size=args.batch, max_length=args.seq, lmbda=0.0, beta=0.5
     )
     messages = [
         [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
         for p, c in zip(_texts(rows, prompt - 1, vocab, 1), _texts(rows, completion - 1, vocab, 2))
     ]
-    trainer = GKDTrainer(
+    gkd = GKDTrainer(
         model=model,
         teacher_model=build_model(args, seed=1),
-        args=cfg,
+        args=gkd_args,
         train_dataset=Dataset.from_dict({"messages": messages}),
         processing_class=tok,
         callbacks=callbacks,
     )
-    return trainer, args.batch * args.seq
+    return gkd, args.batch * args.seq
+
+
+def _reward(completions: list[Any], **kwargs: Any) -> list[float | None]:
+    """GRPO's reward: any cheap function of the completion."""
+    return [float(len(c) % 7) for c in completions]
 
 
 def _random_completions(length: int, vocab: int):
@@ -288,7 +294,8 @@ def run_config(args, config: str) -> dict[str, Any]:
             return row | {"status": "not installed", "note": "liger-kernel is not installed"}
     from lmkernels.integrations import transformers as lk_hf
 
-    times, peaks = [], []
+    times: list[float] = []
+    peaks: list[float] = []
     callbacks = [_timer(args, times, peaks)]
     lmk = None
     if config == "lmkernels":

@@ -221,11 +221,15 @@ def token_stats(
     valid = target != ignore_index
     shape = targets.shape
 
-    def zeroed(x):
-        return None if x is None else torch.where(valid, x, 0.0).view(shape)
+    def zeroed(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(valid, x, 0.0).view(shape)
 
     return HeadStats(
-        loss.view(shape), zeroed(entropy), (is_top1 & valid).view(shape), zeroed(means), zeroed(squares)
+        loss.view(shape),
+        zeroed(entropy),
+        (is_top1 & valid).view(shape),
+        None if means is None else zeroed(means),
+        None if squares is None else zeroed(squares),
     )
 
 
@@ -244,7 +248,7 @@ def _params_loss(
 
 def _params_stats(
     lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, **kwargs: Any
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> HeadStats:
     hidden, weight, bias = head_parts(lm_head, hidden)
     return token_stats(hidden, weight, targets, bias=bias, **kwargs)
 

@@ -380,9 +380,9 @@ def fused_output(
     if shift_labels is None:
         # copies, not views: FSDP2 warns that an in-place op on a view output would drop its
         # pre-backward hook (TRL's own head returns new tensors too)
-        nll, entropy, is_top1, targets, mean_logits, log_sum_sq = (
-            None if x is None else x[:, :-1].clone()
-            for x in (nll, entropy, is_top1, targets, mean_logits, log_sum_sq)
+        nll, entropy, is_top1, targets = (x[:, :-1].clone() for x in (nll, entropy, is_top1, targets))
+        mean_logits, log_sum_sq = (
+            None if x is None else x[:, :-1].clone() for x in (mean_logits, log_sum_sq)
         )
     mask = targets != -100
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch

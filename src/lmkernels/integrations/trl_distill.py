@@ -28,19 +28,25 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 import lmkernels
 from lmkernels.integrations import peft as lk_peft
-from lmkernels.integrations.lm_head_loss import _flce_dtype
+from lmkernels.integrations.lm_head_loss import _any_dtensor, _flce_dtype
 from lmkernels.integrations.transformers.record import RECORD
+from lmkernels.integrations.transformers.replacements import mark
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 _GKD_ATTR = "_lmkernels_gkd_compute_loss"
 
 
-def logit_scale(config) -> float:
+def logit_scale(config: Any) -> float:
     """The multiplier of a model's logits, read from its text config as TRL reads it."""
     config = config.get_text_config()
     scale = getattr(config, "logit_scale", None)
@@ -54,7 +60,7 @@ def logit_scale(config) -> float:
     return 1.0 if scale is None else float(scale)
 
 
-def _softcap(model) -> float | None:
+def _softcap(model: Any) -> float | None:
     return getattr(model.config.get_text_config(), "final_logit_softcapping", None)
 
 
@@ -82,26 +88,30 @@ def keep_reason(student: nn.Module, teacher: nn.Module | None) -> str:
     if _zero3():
         return "DeepSpeed ZeRO-3: TRL gathers the partitioned lm_heads itself"
     for name, model in (("student", student), ("teacher", teacher)):
-        problem = lk_peft.head_problem(model.get_output_embeddings())
+        causal_lm: Any = model  # a transformers causal LM
+        problem = lk_peft.head_problem(causal_lm.get_output_embeddings())
         if problem:
             return f"{name}: {problem}"
-        if lk_peft.head_describe(model.get_output_embeddings()):
+        if lk_peft.head_describe(causal_lm.get_output_embeddings()):
             return f"{name}: a PEFT-adapted lm_head"
     return ""
 
 
-def _unwrap(trainer, model):
+def _unwrap(trainer: Any, model: nn.Module) -> Any:
+    """The transformers causal LM inside the trainer's (accelerate's, PEFT's) wrappers."""
     return lk_peft.inner_model(trainer.accelerator.unwrap_model(model))
 
 
-def _cast(dtype, *tensors):
-    return tuple(None if t is None else t.to(dtype) for t in tensors)
+def _cast(
+    dtype: torch.dtype, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 # --- GKDTrainer --------------------------------------------------------------------------------------
 
 
-def route_gkd(trainer) -> str:
+def route_gkd(trainer: Any) -> str:
     """Run `trainer`'s (a GKDTrainer) loss on fused_linear_distillation; returns "" or why not."""
     student = _unwrap(trainer, trainer.model)
     teacher = _unwrap(trainer, trainer.teacher_model)
@@ -111,32 +121,44 @@ def route_gkd(trainer) -> str:
     backend = _distill_backend(vars(student)[RECORD].flce_backend)
     original = trainer.compute_loss
 
+    @mark
     @functools.wraps(original)
-    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+    def compute_loss(
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> Any:
         if return_outputs:  # the logits are asked for (evaluation): TRL's own path
             return original(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         from lmkernels.integrations.trl import REDIRECT
 
-        def loss(self, kwargs):
+        def loss(self: nn.Module, kwargs: dict[str, Any]) -> torch.Tensor:
             return _gkd_loss(self, teacher, inputs, trainer.beta, num_items_in_batch, backend)
 
         return model(
             input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], **{REDIRECT: loss}
         )
 
-    compute_loss._lmkernels_patch = True
     setattr(trainer, _GKD_ATTR, original)
     trainer.compute_loss = compute_loss
     return ""
 
 
-def unroute_gkd(trainer) -> None:
+def unroute_gkd(trainer: Any) -> None:
     if _GKD_ATTR in vars(trainer):
         del trainer.compute_loss
         delattr(trainer, _GKD_ATTR)
 
 
-def _gkd_loss(student, teacher, inputs, beta, num_items_in_batch, backend):
+def _gkd_loss(
+    student: Any,
+    teacher: Any,
+    inputs: dict[str, Any],
+    beta: float,
+    num_items_in_batch: torch.Tensor | int | None,
+    backend: str | None,
+) -> torch.Tensor:
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     hs = student.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, :-1]
     with torch.no_grad():
@@ -147,7 +169,17 @@ def _gkd_loss(student, teacher, inputs, beta, num_items_in_batch, backend):
     return loss
 
 
-def _distill(student, teacher, hs, ht, target, beta, temperature, num_items_in_batch, backend):
+def _distill(
+    student: Any,
+    teacher: Any,
+    hs: torch.Tensor,
+    ht: torch.Tensor,
+    target: torch.Tensor,
+    beta: float,
+    temperature: float,
+    num_items_in_batch: torch.Tensor | int | None,
+    backend: str | None,
+) -> torch.Tensor:
     """sum / num_items_in_batch, or mean over the counted tokens, of the generalized JSD of both
     models' logits (each model's logit scale applied), no logits built."""
     s_head, t_head = student.get_output_embeddings(), teacher.get_output_embeddings()
@@ -185,11 +217,12 @@ def _distill(student, teacher, hs, ht, target, beta, temperature, num_items_in_b
 
 # --- DistillationTrainer ----------------------------------------------------------------------------
 
-# id(student lm_head weight) -> (weakref to it, the student model, the teacher model, backend)
-_ROUTED: dict[int, tuple] = {}
+# id(student lm_head weight) -> (weakref to it, weakref to the student model, the distillation
+# backend, the FLCE backend)
+_ROUTED: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[nn.Module], str | None, str | None]] = {}
 
 
-def route_distillation(trainer) -> str:
+def route_distillation(trainer: Any) -> str:
     """Run `trainer`'s (a DistillationTrainer) chunked divergence on fused_linear_distillation;
     returns "" or why not."""
     student = _unwrap(trainer, trainer.model)
@@ -197,7 +230,7 @@ def route_distillation(trainer) -> str:
     why = keep_reason(student, teacher)
     if why:
         return why
-    module = sys.modules.get("trl.trainer.distillation_trainer")
+    module: Any = sys.modules.get("trl.trainer.distillation_trainer")  # TRL's module (or None)
     fn = getattr(module, "_chunked_divergence_loss", None)
     if fn is None:
         return "this TRL has no trl.trainer.distillation_trainer._chunked_divergence_loss"
@@ -211,29 +244,30 @@ def route_distillation(trainer) -> str:
     return ""
 
 
-def unroute_distillation(trainer) -> None:
+def unroute_distillation(trainer: Any) -> None:
     student = _unwrap(trainer, trainer.model)
     _ROUTED.pop(id(student.get_output_embeddings().weight), None)
 
 
-def _dispatcher(original):
+def _dispatcher(original: Callable[..., Any]) -> Callable[..., Any]:
+    @mark
     @functools.wraps(original)
     def chunked_divergence_loss(
-        student_hidden_states,
-        teacher_hidden_states,
-        student_lm_head_weight,
-        teacher_lm_head_weight,
-        completion_mask,
-        beta,
-        num_items_in_batch=None,
-        student_lm_head_bias=None,
-        teacher_lm_head_bias=None,
-        student_logit_scale=1.0,
-        teacher_logit_scale=1.0,
-        student_final_logit_softcapping=None,
-        teacher_final_logit_softcapping=None,
-        temperature=1.0,
-    ):
+        student_hidden_states: torch.Tensor,
+        teacher_hidden_states: torch.Tensor,
+        student_lm_head_weight: torch.Tensor,
+        teacher_lm_head_weight: torch.Tensor,
+        completion_mask: torch.Tensor,
+        beta: float,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        student_lm_head_bias: torch.Tensor | None = None,
+        teacher_lm_head_bias: torch.Tensor | None = None,
+        student_logit_scale: float = 1.0,
+        teacher_logit_scale: float = 1.0,
+        student_final_logit_softcapping: float | None = None,
+        teacher_final_logit_softcapping: float | None = None,
+        temperature: float = 1.0,
+    ) -> Any:
         entry = _ROUTED.get(id(student_lm_head_weight))
         ours = (
             entry is not None
@@ -258,6 +292,7 @@ def _dispatcher(original):
                 teacher_final_logit_softcapping=teacher_final_logit_softcapping,
                 temperature=temperature,
             )
+        assert entry is not None  # (ours)
         _, _, backend, flce = entry
         return _chunked(
             student_hidden_states,
@@ -276,19 +311,32 @@ def _dispatcher(original):
             flce,
         )
 
-    chunked_divergence_loss._lmkernels_patch = True
     return chunked_divergence_loss
 
 
-def _full(t):
-    return t.full_tensor() if t is not None and type(t).__name__ == "DTensor" else t
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return cast("DTensor", t).full_tensor() if _any_dtensor(t) else t
 
 
 def _chunked(
-    hs, ht, ws, wt, completion_mask, beta, num_items, bs, bt, s_scale, t_scale, temperature, backend, flce
-):
+    hs: torch.Tensor,
+    ht: torch.Tensor,
+    ws: torch.Tensor,
+    wt: torch.Tensor,
+    completion_mask: torch.Tensor,
+    beta: float,
+    num_items: torch.Tensor | int | None,
+    bs: torch.Tensor | None,
+    bt: torch.Tensor | None,
+    s_scale: float,
+    t_scale: float,
+    temperature: float,
+    backend: str | None,
+    flce: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """TRL's _chunked_divergence_loss (loss, student entropy sum, valid count) on lmkernels."""
-    ws, bs, wt, bt = _full(ws), _full(bs), _full(wt), _full(bt)
+    ws, bs = _full(ws), None if bs is None else _full(bs)
+    wt, bt = _full(wt), None if bt is None else _full(bt)
     valid = completion_mask.reshape(-1) != 0
     target = torch.where(valid, 0, -100).view(completion_mask.shape).to(hs.device)
     h = hs * s_scale

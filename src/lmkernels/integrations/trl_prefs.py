@@ -21,12 +21,15 @@ Kept, with the reason: encoder-decoder models, MoE auxiliary losses (output_rout
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
+from torch import nn
 
 from lmkernels.integrations import peft as lk_peft
 from lmkernels.integrations.lm_head_loss import _fsdp_call, lm_head_loss, lm_head_token_stats
 from lmkernels.integrations.transformers.record import RECORD
+from lmkernels.integrations.transformers.replacements import mark
 from lmkernels.integrations.trl_distill import logit_scale
 from lmkernels.losses import logps as losses_logps
 
@@ -37,12 +40,12 @@ KINDS = {
 }
 
 
-def kind(trainer) -> str | None:
+def kind(trainer: object) -> str | None:
     names = {c.__module__ + "." + c.__qualname__ for c in type(trainer).__mro__}
     return next((k for n, k in KINDS.items() if n in names), None)
 
 
-def keep_reason(trainer, model) -> str:
+def keep_reason(trainer: Any, model: nn.Module) -> str:
     patch = vars(model).get(RECORD)
     if patch is None or "flce" not in patch.report.patched_ops():
         return "flce is not patched on the model"
@@ -52,11 +55,12 @@ def keep_reason(trainer, model) -> str:
         return "an encoder-decoder model"
     if getattr(trainer, "aux_loss_enabled", False):
         return "an MoE auxiliary loss (output_router_logits)"
-    problem = lk_peft.head_problem(model.get_output_embeddings())
+    causal_lm: Any = model  # a transformers causal LM
+    problem = lk_peft.head_problem(causal_lm.get_output_embeddings())
     return problem or ""
 
 
-def route(trainer) -> str:
+def route(trainer: Any) -> str:
     """Run `trainer`'s (a CPOTrainer or ORPOTrainer) concatenated_forward on lmkernels; returns
     "" or why not."""
     which = kind(trainer)
@@ -67,8 +71,9 @@ def route(trainer) -> str:
     backend = vars(model)[RECORD].flce_backend
     original = trainer.concatenated_forward
 
+    @mark
     @functools.wraps(original)
-    def concatenated_forward(model_, batch):
+    def concatenated_forward(model_: nn.Module, batch: dict[str, Any]) -> Any:
         from lmkernels.integrations.trl import REDIRECT
 
         padding = trainer.pad_token_id if which == "cpo" else trainer.padding_value
@@ -77,7 +82,7 @@ def route(trainer) -> str:
         )
         n_chosen = batch["chosen_labels"].shape[0]
 
-        def heads(self, kwargs):
+        def heads(self: Any, kwargs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
             return _heads(self, trainer, which, cat, n_chosen, backend)
 
         return model_(
@@ -87,20 +92,19 @@ def route(trainer) -> str:
             **{REDIRECT: heads},
         )
 
-    concatenated_forward._lmkernels_patch = True
     setattr(trainer, _ATTR, original)
     trainer.concatenated_forward = concatenated_forward
     return ""
 
 
-def unroute(trainer) -> None:
+def unroute(trainer: Any) -> None:
     if _ATTR in vars(trainer):
         del trainer.concatenated_forward
         delattr(trainer, _ATTR)
 
 
-def _mean(lm_head, hidden, scale, softcap):
-    def fn(head, h):
+def _mean(lm_head: nn.Module, hidden: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    def fn(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
         h, w, b = lk_peft.head_parts(head, h)
         if scale != 1.0:
             h, b = h * scale, None if b is None else b * scale
@@ -110,7 +114,14 @@ def _mean(lm_head, hidden, scale, softcap):
         return _fsdp_call(lm_head, fn, hidden)
 
 
-def _heads(self, trainer, which, cat, n_chosen, backend):
+def _heads(
+    self: Any,
+    trainer: Any,
+    which: str | None,
+    cat: dict[str, torch.Tensor],
+    n_chosen: int,
+    backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(chosen_logps, rejected_logps, chosen "logits", rejected "logits", nll_loss), as TRL's
     concatenated_forward returns them, from the backbone's hidden states and lmkernels' head."""
     ids, mask = cat["concatenated_input_ids"], cat["concatenated_attention_mask"]

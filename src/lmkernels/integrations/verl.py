@@ -40,14 +40,19 @@ import torch
 import lmkernels
 from lmkernels.registry import LMKernelsError
 
+if typing.TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 LCE_MODULE = "verl.utils.kernel.linear_cross_entropy"
 PPO_MODULE = "verl.utils.experimental.torch_functional"
 
 _SAVED: dict[str, tuple[typing.Any, str, typing.Any]] = {}
-_STATE = {"backend": None}
+_STATE: dict[str, str | None] = {"backend": None}
 
 
-def _stats(hidden, weight, labels, temperature, backend):
+def _stats(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float, backend: str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p(label), entropy) per row of hidden (..., H), fp32, both differentiable."""
     labels = labels.to(torch.int64)
     loss, _, entropy, _ = lmkernels.fused_linear_cross_entropy(
@@ -69,7 +74,7 @@ def linear_cross_entropy(
     labels: torch.Tensor,
     temperature: float = 1.0,
     reduction: str = "none",
-    dist_process_group=None,
+    dist_process_group: ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """verl.utils.kernel.linear_cross_entropy.linear_cross_entropy on lmkernels' fused loss."""
     if dist_process_group is not None:

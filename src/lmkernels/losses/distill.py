@@ -92,5 +92,6 @@ def distillation_loss(
                 stats=True,
                 backend=backend,
             )
+            assert t.entropy is not None  # (stats=True)
             metrics["entropy"] = masked_mean(t.entropy, t.mask)
     return loss, metrics

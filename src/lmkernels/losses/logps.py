@@ -80,7 +80,7 @@ def token_logps(
         backend=backend,
     )
     counted = target != ignore_index
-    if not stats:
+    if isinstance(out, torch.Tensor):  # stats=False: the per-token loss alone
         return TokenStats(-out, None, None, counted)
     nll, _, entropy, is_top1 = out
     return TokenStats(-nll, torch.where(counted, entropy, 0.0), is_top1 & counted, counted)

@@ -18,6 +18,8 @@ Metrics are 0-dim fp32 tensors of the local batch (no host sync, no cross-proces
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lmkernels.losses.logps import masked_mean, token_logps
@@ -41,7 +43,7 @@ def _global_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return masked_mean(x, mask)
 
 
-def _nan_extreme(x: torch.Tensor, fn) -> torch.Tensor:
+def _nan_extreme(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     ok = ~torch.isnan(x)
     if x.numel() == 0:
         return x.new_full((), float("nan"))
@@ -138,6 +140,7 @@ def grpo_loss(
         stats=True,
         backend=backend,
     )
+    assert t.entropy is not None  # (stats=True)
     m, lp = t.mask, t.logps
     mf = m.float()
     B = lp.shape[0]
@@ -264,6 +267,7 @@ def rloo_loss(
         stats=True,
         backend=backend,
     )
+    assert t.entropy is not None  # (stats=True)
     mf = t.mask.float()
     lp = (t.logps * mf).sum(-1)
     if advantages.shape != lp.shape:

@@ -53,10 +53,20 @@ KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
 def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.shape[0] % 2:
         fail(f"hidden: expected 2B rows (B chosen, then B rejected), got {x.shape[0]}")
-    return x.chunk(2, dim=0)
+    chosen, rejected = x.chunk(2, dim=0)
+    return chosen, rejected
 
 
-def _policy(hidden, weight, target, mask, bias, softcap, ignore_index, backend) -> TokenStats:
+def _policy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    softcap: float | None,
+    ignore_index: int,
+    backend: str | None,
+) -> TokenStats:
     return token_logps(
         hidden,
         weight,
@@ -71,7 +81,16 @@ def _policy(hidden, weight, target, mask, bias, softcap, ignore_index, backend) 
 
 
 @torch.no_grad()
-def _reference_tokens(ref_hidden, ref_weight, target, mask, ref_bias, softcap, ignore_index, backend):
+def _reference_tokens(
+    ref_hidden: torch.Tensor,
+    ref_weight: torch.Tensor,
+    target: torch.Tensor,
+    mask: torch.Tensor,
+    ref_bias: torch.Tensor | None,
+    softcap: float | None,
+    ignore_index: int,
+    backend: str | None,
+) -> torch.Tensor:
     return token_logps(
         ref_hidden,
         ref_weight,
@@ -84,14 +103,25 @@ def _reference_tokens(ref_hidden, ref_weight, target, mask, ref_bias, softcap, i
     ).logps
 
 
-def _need_reference(ref_logps, ref_hidden, ref_weight) -> None:
+def _need_reference(
+    ref_logps: torch.Tensor | None, ref_hidden: torch.Tensor | None, ref_weight: torch.Tensor | None
+) -> None:
     if ref_logps is None and (ref_hidden is None or ref_weight is None):
         fail("ref_logps: expected the reference's sequence log-probs, or ref_hidden and ref_weight")
     if ref_logps is not None and ref_hidden is not None:
         fail("ref_logps: give either ref_logps or ref_hidden / ref_weight, not both")
 
 
-def _logit_metrics(metrics, hidden, weight, bias, softcap, mask, chosen_rows, prefix="logits"):
+def _logit_metrics(
+    metrics: dict[str, torch.Tensor],
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    softcap: float | None,
+    mask: torch.Tensor,
+    chosen_rows: torch.Tensor,
+    prefix: str = "logits",
+) -> None:
     """logits/chosen and logits/rejected: the mean logit over the counted tokens of each side
     (TRL's DPO and KTO metrics)."""
     with torch.no_grad():
@@ -109,7 +139,7 @@ def _detached_mean(x: torch.Tensor) -> torch.Tensor:
 # --- DPO ------------------------------------------------------------------------------------------
 
 
-def _f_scores(logratios, f_divergence_type, alpha):
+def _f_scores(logratios: torch.Tensor, f_divergence_type: str, alpha: float) -> torch.Tensor:
     if f_divergence_type == "reverse_kl":
         return logratios
     if f_divergence_type == "forward_kl":  # f'(t) = 1 - 1/t
@@ -183,7 +213,7 @@ def dpo_loss_from_logps(
     delta = chosen_scores - rejected_scores
     e = label_smoothing
 
-    def lengths(name, x):
+    def lengths(name: str, x: torch.Tensor | None) -> torch.Tensor:
         if x is None:
             fail(f"{name}: loss_type {types} needs the completion lengths")
         return x.to(chosen_scores.dtype).clamp(min=1.0)
@@ -312,6 +342,7 @@ def dpo_loss(
     t = _policy(hidden, weight, target, mask, bias, softcap, ignore_index, backend)
     logps = _ld_logps(t.logps, t.mask, ld_alpha)
     if ref_logps is None:
+        assert ref_hidden is not None and ref_weight is not None  # (_need_reference)
         ref_tokens = _reference_tokens(
             ref_hidden, ref_weight, target, t.mask, ref_bias, softcap, ignore_index, backend
         )
@@ -334,6 +365,7 @@ def dpo_loss(
         rejected_lengths=_halves(lengths)[1],
         chosen_nll=chosen_nll,
     )
+    assert t.entropy is not None and t.is_top1 is not None  # (stats=True)
     metrics["entropy"] = masked_mean(t.entropy.detach(), t.mask)
     metrics["mean_token_accuracy"] = masked_mean(_halves(t.is_top1)[0], chosen_mask)
     rows = torch.arange(t.mask.shape[0], device=t.mask.device) < t.mask.shape[0] // 2
@@ -349,7 +381,18 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
-def _chosen_nll(hidden, weight, target, mask, nll_target, bias, softcap, ignore_index, backend, t):
+def _chosen_nll(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    mask: torch.Tensor | None,
+    nll_target: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    softcap: float | None,
+    ignore_index: int,
+    backend: str | None,
+    t: TokenStats,
+) -> torch.Tensor:
     """The chosen rows' mean cross entropy over their counted tokens: from the policy's token
     log-probs `t`, or over nll_target (another labelling: ORPO's prompt + completion) by one more
     fused call."""
@@ -584,6 +627,7 @@ def kto_loss(
     t = _policy(hidden, weight, target, mask, bias, softcap, ignore_index, backend)
     logps = reduce_sequences(t.logps, t.mask)
     if ref_logps is None:
+        assert ref_hidden is not None and ref_weight is not None  # (_need_reference)
         ref_tokens = _reference_tokens(
             ref_hidden, ref_weight, target, t.mask, ref_bias, softcap, ignore_index, backend
         )
@@ -609,6 +653,7 @@ def kto_loss(
         metrics["logps/rejected"] = logps.detach()[~desirable].sum() / n_rejected
     if n_chosen and n_rejected:
         metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+    assert t.entropy is not None  # (stats=True)
     metrics["entropy"] = masked_mean(t.entropy.detach(), t.mask)
     with torch.no_grad():
         z = mean_logits(hidden.detach(), weight.detach(), None if bias is None else bias.detach(), softcap)

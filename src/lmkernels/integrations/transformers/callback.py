@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import types
 import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal
@@ -81,7 +82,7 @@ class LmkernelsCallback(TrainerCallback):
         lk_hf._backend_table(backend)  # checked now, not at the first step
         self.backend, self.strict, self.trl_head = backend, strict, trl_head
         self.summary: str | None = None
-        self._trainer = None  # weakref to the Trainer whose __init__ ran on_init_end
+        self._trainer: weakref.ref[Any] | None = None  # the Trainer whose __init__ ran on_init_end
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -130,7 +131,7 @@ class LmkernelsCallback(TrainerCallback):
             return
         decision = lk_trl.route(inner, log=False)
         trainer = None if self._trainer is None else self._trainer()
-        companions = [] if trainer is None else self._companions(trainer)
+        companions: list[tuple[str, bool]] = [] if trainer is None else self._companions(trainer)
         if self.summary is None:
             self.summary, level = self._summary(inner, args, decision)
             for line, warn in companions:
@@ -271,11 +272,11 @@ class LmkernelsCallback(TrainerCallback):
         return f"lmkernels: {report.brief()}\nlmkernels: loss: {loss}", level
 
 
-def _find_trainer(callback):
+def _find_trainer(callback: TrainerCallback) -> Any:
     """The Trainer whose __init__ runs `callback`'s on_init_end: the caller whose `self` holds it
     in its callback handler (the event carries the model, not the trainer; LmkernelsCallback
     needs the trainer's reference model, teacher and loss)."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     for _ in range(64):
         if frame is None:
             return None

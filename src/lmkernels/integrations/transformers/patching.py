@@ -42,7 +42,7 @@ TableBackend = Callable[[str], str | None]
 @dataclasses.dataclass
 class Patch:
     model_type: str
-    saved: list[Saved]
+    saved: list[Saved | SavedCell]
     holds: tuple[tuple[str, str], ...]  # (kind, modeling module) of the module-level functions held
     report: PatchReport
     finalizer: weakref.finalize | None = None
@@ -151,14 +151,16 @@ def install_instance(
     model: nn.Module, model_type: str, report: PatchReport, table_backend: TableBackend
 ) -> None:
     """Install the verified replacements of `report` on `model`'s own modules (apply() on a model)."""
-    saved: list[Saved] = []
+    saved: list[Saved | SavedCell] = []
     holds: list[tuple[str, str]] = []
     hooks: list[RemovableHandle] = []
     trl_forward, head = vars(model).get("forward"), lk_trl.trl_head(model)
-    nested = head is not None and not head.top and any(f.op == "flce" for f in report.patched)
-    if head is None or nested:  # else TRL wrapped the model before apply(): re-wrapped below
+    nested: lk_trl.TrlHead | None = None  # TRL's head inside another wrapper, over the loss we patch
+    if head is not None and not head.top and any(f.op == "flce" for f in report.patched):
+        nested = head
+    if head is None or nested is not None:  # else TRL wrapped the model before apply(): re-wrapped below
         trl_forward = None
-    if nested and "original_forward" not in head.fn.__code__.co_freevars:
+    if nested is not None and "original_forward" not in nested.fn.__code__.co_freevars:
         raise LMKernelsError(
             f"{type(model).__name__}: its forward wraps TRL's fused head in another wrapper (accelerate's "
             f"mixed precision?), and this TRL's head binds no original_forward; apply lmkernels before the "
@@ -182,12 +184,12 @@ def install_instance(
             forward = rp.causal_lm_forward(
                 unwrapped(type(model).forward), _spec(f, rp.HeadSpec), table_backend("flce"), _class_forward
             )
-            if nested:
+            if nested is not None:
                 # TRL's head inside accelerate's mixed-precision wrapper (a trainer's reference
                 # model, prepared before lmkernels saw it): the wrapper stays (its autocast around
                 # the head), the forward TRL's head wraps becomes the patched one (a closure cell
                 # of TRL's function, this model's own), the pre-hook hands it the head's calls.
-                cells = dict(zip(head.fn.__code__.co_freevars, head.fn.__closure__))
+                cells = dict(zip(nested.fn.__code__.co_freevars, nested.fn.__closure__ or ()))
                 saved.append(SavedCell.replace(cells["original_forward"], types.MethodType(forward, model)))
             else:
                 saved.append(Saved.replace(model, "forward", types.MethodType(forward, model)))
@@ -205,14 +207,14 @@ def install_instance(
     if trl_forward is not None:
         plain = vars(model).get("forward")  # the patched forward, or TRL's if flce is not patched
         lk_trl.route(model, trl_forward=trl_forward, plain=plain)
-    elif nested:
+    elif nested is not None:
         lk_trl.route(model)
 
 
 def install_class(model_type: str, report: PatchReport, table_backend: TableBackend) -> None:
     """Install the verified replacements of `report` on the classes of `model_type` (apply() on a
     class or a model type)."""
-    saved: list[Saved] = []
+    saved: list[Saved | SavedCell] = []
     holds: list[tuple[str, str]] = []
     holder = f"class:{model_type}"
     for f in report.patched:
