@@ -4,7 +4,6 @@ parameter, the Literal choices equal to what the ops' checks accept, and the pac
 typed (py.typed). Static checking itself is mypy's (`mypy`, configured in pyproject.toml)."""
 
 import dataclasses
-import importlib
 import inspect
 import pydoc
 import re
@@ -22,14 +21,10 @@ from lmkernels.ops.glu import GELU_APPROXIMATIONS
 from lmkernels.ops.rms_norm import CASTING_MODES
 from lmkernels.ops.rope import LAYOUTS
 from lmkernels.registry.core import Impl, ImplCapabilities, get_op
+from lmkernels.registry.core import ops as registered_ops
 
-# Every op's public function (the package lmkernels.ops exports each with its eager reference;
-# lmkernels.ops itself is the registry's ops()).
-OPS = {
-    name: getattr(lmkernels, name)
-    for name in importlib.import_module("lmkernels.ops").__all__
-    if not name.endswith("_reference")
-}
+# Every registered op's public function.
+OPS = {spec.name: getattr(lmkernels, spec.name) for spec in registered_ops()}
 
 
 def _documented(doc: str, name: str) -> bool:

@@ -709,8 +709,18 @@ def flce_mean_logits(
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """Per token, the mean over the vocabulary of the logits fused_linear_cross_entropy sees,
-    z = softcap(hidden @ weight.T + bias) / temperature: fp32, shape hidden.shape[:-1], no
-    gradient (a metric: TRL's DPO and KTO log it as mean_logits), without the (tokens x V) logits.
+    z = softcap(hidden @ weight.T + bias) / temperature, without the (tokens x V) logits: a metric
+    (TRL's DPO and KTO log it as mean_logits).
+
+    Args:
+        hidden: Final hidden states, shape (..., H).
+        weight: The lm_head weight, shape (V, H), hidden's dtype and device.
+        bias: Optional (V,) added before the softcap, weight's dtype.
+        softcap: c > 0: the logits become ``c * tanh(z / c)``; None for none.
+        temperature: T > 0, the logits divided by it after the softcap.
+
+    Returns:
+        fp32, shape hidden.shape[:-1], no gradient.
 
     Without a softcap the mean is linear in the logits: (h . mean_c(W_c) + mean(b)) / T, with
     mean_c(W_c) summed in fp32 from the weight's own dtype (no copy of it) and one fp32
