@@ -160,6 +160,9 @@ class Impl:
     available: Callable[[], str | None] = _always_available
     # Op-specific reasons for given inputs (unsupported option, shape limit, ...).
     supports: Callable[..., list[str]] = _no_extra_reasons
+    # Why `auto` passes over this impl for inputs it can run (e.g. measured slower than another
+    # backend on this GPU); a backend asked for by name still runs. Empty list: auto may pick it.
+    auto_declines: Callable[..., list[str]] = _no_extra_reasons
     description: str = ""
     # Another project's kernels registered for comparison (liger, cce, torch_native): validated
     # and benchmarked like ours, but their failures are reported, not treated as our test failures.
@@ -246,7 +249,8 @@ def register(op: str, backend: str, fn: Callable[..., Any], **capabilities: Any)
     This is all a new backend needs: the dispatcher, the harness, `lmkernels validate`, the
     test suite and the benchmarks enumerate the registry and pick it up. `capabilities` are the
     fields of Impl (priority, dtypes, devices, min_capability, has_backward, double_backward,
-    forward_ad, compile_safe, compiled_transforms, available, supports, description).
+    forward_ad, compile_safe, compiled_transforms, available, supports, auto_declines,
+    description).
     """
     if op not in _OPS:
         raise UnknownOpError(f"register: unknown op {op!r}; known ops: {sorted(_OPS)}")
