@@ -371,7 +371,7 @@ class Result:
     threads: int
     shared: int | None = None
     registers: int | None = None
-    spills: int | None = None  # bytes of spill stores (NVIDIA), spilled registers (AMD)
+    spills: int | None = None  # bytes of spill stores (NVIDIA), VGPRs spilled to scratch (AMD)
     pdl: bool | None = None  # launched with PDL: whether the kernel waits (griddepcontrol.wait)
     seconds: float = 0.0
     error: str | None = None
@@ -462,8 +462,10 @@ def _amd_usage(asm: str) -> dict[str, int]:
         m = re.search(pattern, asm)
         return int(m.group(1)) if m else None
 
+    # Spills to scratch memory are VGPR spills; SGPRs spill into VGPR lanes (v_writelane), not to
+    # memory, and are left out.
     vgprs = value(r"; TotalNumVgprs: (\d+)") or value(r"\.vgpr_count:\s+(\d+)")
-    spills = (value(r"\.vgpr_spill_count:\s+(\d+)") or 0) + (value(r"\.sgpr_spill_count:\s+(\d+)") or 0)
+    spills = value(r"\.vgpr_spill_count:\s+(\d+)") or 0
     return {"registers": vgprs, "spills": spills} if vgprs is not None else {}
 
 
