@@ -18,7 +18,7 @@ target itself (or to leave to compile there).
 
 Rows (part "generic", one per impl and point: gpu_ms, wall_ms, peak_mib, `target`, `tables`, and
 `vs_compile`: compile's GPU time over the impl's) are appended to OUT/<gpu>.jsonl as the suite's
-other parts' rows are (data.py), and OUT/generic-summary.md lists, per target and op, the points
+other parts' rows are (data.py), and OUT/<gpu>-generic.md lists, per target and op, the points
 where the generic tables were slower than compile: the entries for configs.generic.PREFER_COMPILE
 (`auto` then picks compile for that op on an untuned GPU of that target). The suite runs it as
 `lmkernels-bench suite readme --part generic`.
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
 
     rows = run(emit, print, targets, ops, args.tiny, args.device, args.budget)
     text = summary(rows)
-    (Path(args.out) / "generic-summary.md").write_text(text)
+    (Path(args.out) / f"{prov['gpu']}-generic.md").write_text(text)
     print(text)
     print(f"{len(rows)} rows appended to {path}")
     return 0

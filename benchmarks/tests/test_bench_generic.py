@@ -36,7 +36,7 @@ def test_generic_tiny_on_cpu(tmp_path):
         for r in rows
         if r["status"] == "ok"
     )
-    text = (tmp_path / "generic-summary.md").read_text()
+    text = (tmp_path / "cpu-generic.md").read_text()
     assert "| sm_80 | rms_norm | 1 |" in text and "PREFER_COMPILE = {" in text
 
 
