@@ -19,32 +19,34 @@ def _all_entries(tables):
 
 
 @pytest.fixture
-def gpu(monkeypatch):
-    """tables_for's view of CUDA devices of a given capability (no GPU needed)."""
+def gpu(monkeypatch, tmp_path):
+    """tables_for's view of CUDA devices of given targets (no GPU needed; no tuned files)."""
     import lmkernels.backends.triton as triton_pkg
+    from lmkernels.backends.triton.configs import files, targets
 
     monkeypatch.setattr(configs, "_BY_DEVICE", {})
     monkeypatch.setattr(triton_pkg, "interpreting", lambda: False)
-    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setenv(files.ENV, str(tmp_path))
     asked = []
+    names = {0: "sm_90", 1: "sm_80", 2: "sm_100", 3: "sm_120", 4: "gfx942"}
 
-    def capability(index):
+    def device_target(index):
         asked.append(index)
-        return {0: (9, 0), 1: (8, 0), 2: (10, 0), 3: (12, 0)}[index]
+        return targets.TARGETS[names[index]]
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(targets, "device_target", device_target)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: f"GPU {index}")
+    monkeypatch.setattr(files, "identity_of", lambda i: files.DeviceIdentity(f"GPU {i}", names[i], "3.9.0"))
     return asked
 
 
 def test_hopper_tables_on_sm90_only(gpu, monkeypatch):
-    names = [configs.tables_for(torch.device("cuda", i)).name for i in range(4)]
-    assert names == ["hopper", "default", "default", "default"]  # H100/H200, A100, B200, consumer
+    names = [configs.tables_for(torch.device("cuda", i)).name for i in range(5)]
+    # H100/H200; A100, B200, consumer Blackwell and MI300 get Hopper's entries within their limits
+    assert names == ["hopper", "generic sm_80", "generic sm_100", "generic sm_120", "generic gfx942"]
     assert configs.tables_for(torch.device("cpu")) is default.TABLES
     configs.tables_for(torch.device("cuda", 0))
-    assert gpu == [0, 1, 2, 3]  # once per device
-    monkeypatch.setattr(configs, "_BY_DEVICE", {})
-    monkeypatch.setattr(torch.version, "hip", "6.4")  # ROCm reports MI300 as 9.4
-    assert configs.tables_for(torch.device("cuda", 0)) is default.TABLES
+    assert gpu == [0, 1, 2, 3, 4]  # once per device
 
 
 def test_interpreter_and_cpu_get_the_default_tables():
@@ -52,12 +54,11 @@ def test_interpreter_and_cpu_get_the_default_tables():
 
 
 def test_default_entries_are_hoppers():
-    """Unmeasured elsewhere: the default tables are Hopper's, entry for entry."""
+    """The interpreter runs Hopper's entries (FLCE's rows: one launch for every width)."""
     assert default.TABLES.norms is hopper.TABLES.norms and default.TABLES.rope is hopper.TABLES.rope
-    # FLCE's rows: one launch everywhere (Hopper's 32 warps exceed a block on 64-wide wavefronts)
     assert [e.min_cols for e in default.TABLES.flce.rows] == [1]
     assert default.TABLES.flce.rows_launch(128256) == hopper.FLCE.rows_launch(4096) == (4096, 8)
-    assert "unmeasured" in default.__doc__
+    assert "interpreter" in default.__doc__
 
 
 def test_every_entry_says_why_with_a_number_and_no_history():

@@ -98,3 +98,36 @@ def test_tuner_runs_candidates_through_the_launchers(monkeypatch):
             name = next(n for n in named if n.startswith(kind))
             assert case.check(case.launch(named[name])) is None, (op, name)
     assert case.check(lambda q, k: (q * 1.01, k)) is not None  # the check can fail
+
+
+def test_tuned_tables_hold_the_winners_and_load_back(monkeypatch, tmp_path):
+    """The winners of a run in the place of the entries they beat: the tables `--install` writes,
+    a file that loads back for the GPU (configs.files)."""
+    tune, cand = _tuner(monkeypatch)
+    from lmkernels.backends.triton.configs import files
+
+    meta = {"device": "GPU", "command": "lmkernels tune --out x --install"}
+    base = cand.base_entry(cand.tables().norms, "rms_norm", 4096)
+    bwd = next(b for b in cand.norm_bwd_candidates(4096, "rms_norm") if b.stages == base.stages + 1)
+    shape = [1, 32, 8, 4096, 64, None]  # D = 64: the table's tile entry for half 32
+    pos = cand.rope_pos_entry(cand.tables().rope, shape)
+    rows = []
+    for variant, record, ms in (("table", base, 1.0), (cand.bwd_name(bwd), bwd, 0.9)):
+        rows.append({"op": "rms_norm", "shape": [16384, 4096], "variant": variant, "kind": "triton",
+                     "status": "ok", "ms": ms, "config": cand.as_json(record)})  # fmt: skip
+    for variant, record, ms in (("table", None, 1.0), ("pos table", pos, 0.8)):
+        rows.append({"op": "rope", "shape": shape, "variant": variant, "kind": "triton", "status": "ok",
+                     "ms": ms, "config": cand.as_json(record)})  # fmt: skip
+    found = [w for w in tune.winners(rows) if w.record is not None]
+    assert len(found) == 2
+    before = cand.tables()
+    tables = tune.tuned_tables(before, found, "tuned GPU")
+    entry = tables.norms.entry("rms_norm", 4096)
+    assert entry.stages == bwd.stages and entry.why == "fwd+bwd 1.11x the entry it replaces (1 shape)"
+    assert before.rope.tile_config(32, False) is not None and tables.rope.tile_config(32, False) is None
+    assert tables.rope.position_config(32, False).why == "fwd+bwd 1.25x the entry it replaces (1 shape)"
+    identity = files.DeviceIdentity("NVIDIA GeForce RTX 4090", "sm_89", "3.9.0")
+    path = files.write_tuned(tables, identity, tmp_path, meta["command"])
+    back = files.load_tuned(identity, tmp_path)
+    assert back.norms.entry("rms_norm", 4096) == entry and back.name == "tuned GPU"
+    assert path.name == identity.filename

@@ -19,6 +19,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "e2e": ("e2e", "end-to-end training: tokens/s and peak memory per configuration"),
     "dist-scale": ("scale", "distributed training on 1-4 GPUs: FSDP2, TP, 2-D, ZeRO, pipeline"),
     "compare-trees": ("compare_trees", "two source trees in turns on one GPU: before / after a change"),
+    "generic": (
+        "generic",
+        "other GPUs' generic launch tables forced on this GPU against its own and compile",
+    ),
     "trl-head": ("trl_head", "one TRL SFT step through TRL's fused head and through lmkernels'"),
     "posttrain": (
         "posttrain",

@@ -52,7 +52,7 @@ GROUPS = {
         "tests/test_triton_flce_memory.py",
         "tests/test_triton_rope_glu.py",
         "tests/test_triton_glu_inplace.py",
-        "tests/test_compile_sm90.py",
+        "tests/test_compile_targets.py",
         "tests/test_pdl.py",
         "tests/test_cuda_graph_step.py",
         "tests/test_launch.py",

@@ -349,6 +349,17 @@ def dist_part(ctx: Context):
         ctx.emit(dist_rows(runs, *DEFAULT_SIZE), (mode,))
 
 
+# --- other GPUs' generic launch tables, on this one ---------------------------------------------------
+
+
+def generic_part(ctx: Context):
+    """`lmkernels-bench generic`'s points, resumable, into the data file (lmkernels_bench.generic)."""
+    from lmkernels_bench import generic
+
+    budget = ctx.time_left()
+    generic.run(ctx.emit, ctx.log, generic.TARGETS, generic.OPS, False, "cuda", budget, ctx.dry_run, ctx.done)
+
+
 # --- before / after a change -------------------------------------------------------------------------
 
 COMPARE_OLD_ENV = "LMKERNELS_COMPARE_OLD"  # src/ of the checkout before the change

@@ -25,7 +25,7 @@ from typing import Any
 from lmkernels_bench import data
 from lmkernels_bench.grids import DESIGN_EXTRAS, FLCE, ROPE_GRIDS
 from lmkernels_bench.parts import Context, Part
-from lmkernels_bench.parts_perf import compare_part, dist_part, e2e_part, flce_part, ops_part
+from lmkernels_bench.parts_perf import compare_part, dist_part, e2e_part, flce_part, generic_part, ops_part
 from lmkernels_bench.parts_validation import (
     converge_part,
     dist_checks_part,
@@ -129,6 +129,11 @@ README = {
     "dist": Part("2 GPUs: FSDP2, FSDP2 + lm_head alone, TP=2; plain, lmkernels, Liger", dist_part, gpus=2),
     "compare": Part(
         "the tree before a change ($LMKERNELS_COMPARE_OLD) against this one, in turns", compare_part
+    ),
+    "generic": Part(
+        "the generic launch tables of sm_80, sm_86, sm_120 forced on this GPU against its own, "
+        "torch.compile and Liger (norms, RoPE: the tuning grid; GLUs, FLCE)",
+        generic_part,
     ),
 }
 VALIDATION = {

@@ -35,7 +35,7 @@ def test_every_part_writes_rows_with_their_provenance(dry):
     out, written = dry
     assert all(n > 0 for n in written.values()), written
     rows = data.read_rows(out / "dry-run.jsonl")
-    assert {r["part"] for r in rows} == {"ops", "flce", "e2e", "dist", "compare"}
+    assert {r["part"] for r in rows} == {"ops", "flce", "e2e", "dist", "compare", "generic"}
     assert all(r["dry_run"] and all(k in r for k in PROVENANCE) for r in rows)
     assert all(r["peer"] for r in rows if r["part"] in ("ops", "flce"))
     ops = [r for r in rows if r["part"] == "ops" and r["impl"] == "triton"]

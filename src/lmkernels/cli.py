@@ -1,4 +1,4 @@
-"""The `lmkernels` command: list, explain, validate, converge, bench, tune, patch-report."""
+"""The `lmkernels` command: list, explain, validate, converge, bench, tune, compile-check, patch-report."""
 
 from __future__ import annotations
 
@@ -223,7 +223,7 @@ def _version_line() -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = cliargs.Parser(prog="lmkernels", description=__doc__)
     p.add_argument("--version", action="version", version=_version_line())
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     lst = sub.add_parser("list", help="which backend can run each op here")
     lst.add_argument("--reasons", action="store_true", help="say why each 'no' is a no")
@@ -292,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
         "lmkernels.convergence.cli",
         "lmkernels.harness.bench.cli",
         "lmkernels.harness.tune.cli",
+        "lmkernels.harness.targets",
         "lmkernels.integrations.transformers.cli",
     ):
         try:

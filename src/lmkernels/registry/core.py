@@ -172,6 +172,9 @@ class Impl:
     available: Callable[[], str | None] = _always_available
     # Op-specific reasons for given inputs (unsupported option, shape limit, ...).
     supports: Callable[..., list[str]] = _no_extra_reasons
+    # Why `auto` passes over this impl for inputs it can run (e.g. measured slower than another
+    # backend on this GPU); a backend asked for by name still runs. Empty list: auto may pick it.
+    auto_declines: Callable[..., list[str]] = _no_extra_reasons
     description: str = ""
     # Another project's kernels registered for comparison (liger, cce, torch_native): validated
     # and benchmarked like ours, but their failures are reported, not treated as our test failures.
@@ -241,6 +244,7 @@ class ImplCapabilities(TypedDict, total=False):
     compiled_transforms: bool
     available: Callable[[], str | None]
     supports: Callable[..., list[str]]
+    auto_declines: Callable[..., list[str]]
     description: str
     external: bool
 
@@ -280,7 +284,7 @@ def register(op: str, backend: str, fn: Callable[..., Any], **capabilities: Unpa
     inputs as keyword arguments (those of the op's public function, without `backend`).
     `capabilities` are the fields of Impl (ImplCapabilities: priority, dtypes, devices,
     auto_devices, min_capability, has_backward, double_backward, forward_ad, compile_safe,
-    compiled_transforms, available, supports, description, external). Registering a backend
+    compiled_transforms, available, supports, auto_declines, description, external). Registering a backend
     again replaces it.
     """
     if op not in _OPS:

@@ -266,10 +266,11 @@ def _log_auto_choice(op: str, backend: str, inputs: dict[str, Any]) -> None:
 
 
 def _not_auto(impl: Impl, inputs: dict[str, Any]) -> list[str]:
-    """Why `auto` passes over an impl that could run these inputs (its auto_devices), or []."""
+    """Why `auto` passes over an impl that could run these inputs (its auto_devices, its
+    auto_declines), or []."""
     devices = {v.device.type for v in inputs.values() if isinstance(v, torch.Tensor)}
     if impl.auto_devices is None or devices <= set(impl.auto_devices):
-        return []
+        return impl.auto_declines(**inputs)
     return [f"not chosen automatically on {', '.join(sorted(devices))} (request it explicitly)"]
 
 

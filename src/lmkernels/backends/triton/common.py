@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from lmkernels.backends.triton import _version, interpreting
+from lmkernels.backends.triton.configs import targets as _targets
 from lmkernels.registry.core import LMKernelsError, forward_ad_error, higher_order_error
 
 try:
@@ -329,8 +330,9 @@ def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 
 def soft_bf16(t: torch.Tensor) -> bool:
-    """Whether kernels on t's device round fp32 -> bf16 in software (to_dtype's SOFT_BF16)."""
-    return not t.is_cuda
+    """Whether kernels on t's device round fp32 -> bf16 in software (to_dtype's SOFT_BF16): on
+    the CPU interpreter, unless the kernels are being compiled for a GPU (targets.simulate)."""
+    return not t.is_cuda and not (_targets.ACTIVE is not None and _targets.ACTIVE.compiled)
 
 
 @triton.jit
@@ -347,6 +349,51 @@ def to_dtype(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         v = tl.where(v != v, v, ((bits >> 16) << 16).to(tl.float32, bitcast=True))
     return v.to(dtype)
+
+
+# --- the GPU's rules for every impl --------------------------------------------------------------
+
+
+def gpu_reasons(**inputs: Any) -> list[str]:
+    """Why the Triton kernels cannot take these inputs on their GPU: bf16 tensors on a GPU without
+    bf16 arithmetic (sm_75: T4, RTX 20xx), where `auto` then picks compile or eager."""
+    for name, t in inputs.items():
+        if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.is_cuda:
+            target = _targets.device_target(t.get_device())
+            if not target.bf16:
+                return [
+                    f"{name}: bf16 on {target.name} ({target.gpus}), which has no bf16 arithmetic "
+                    "(NVIDIA compute capability 8.0 or later needed): use fp16 or fp32, or compile / eager"
+                ]
+    return []
+
+
+def gpu_capabilities(op: str, supports: Callable[..., list[str]]) -> dict[str, Any]:
+    """register() keywords every Triton impl of `op` takes: `supports` with the GPU's dtype rule
+    (gpu_reasons) ahead of the op's own reasons, and `auto_declines`: `auto` passes over Triton
+    where the device runs untuned (generic) tables that were measured slower than compile for
+    `op` there (configs.generic.PREFER_COMPILE)."""
+
+    def supported(**inputs: Any) -> list[str]:
+        return gpu_reasons(**inputs) + supports(**inputs)
+
+    def auto_declines(**inputs: Any) -> list[str]:
+        from lmkernels.backends.triton.configs import generic, is_tuned, tables_for
+
+        device = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor) and t.is_cuda), None)
+        if device is None or is_tuned(tables_for(device)):
+            return []
+        target = _targets.device_target(
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
+        if not generic.prefers_compile(target, op):
+            return []
+        return [
+            f"{target.name} runs the generic launch tables, measured slower than compile for {op} "
+            "(configs.generic.PREFER_COMPILE; `lmkernels tune --install` measures this GPU's own)"
+        ]
+
+    return {"supports": supported, "auto_declines": auto_declines}
 
 
 # --- programmatic dependent launch ---------------------------------------------------------------
@@ -382,11 +429,26 @@ _PDL_OFF = {"PDL": False}  # no launch_pdl keyword: a Triton without PDL rejects
 
 
 def pdl(t: torch.Tensor) -> dict[str, bool]:
-    """Launch keywords for a kernel working on t: PDL where sm90_ptx holds and Triton has it.
-    The kernel must start with `pdl_enter(PDL)`."""
+    """Launch keywords for a kernel working on t: PDL where sm90_ptx holds and Triton has it
+    (under targets.simulate: where the simulated target has sm_90 PTX and the kernels are
+    compiled). The kernel must start with `pdl_enter(PDL)`."""
+    if _targets.ACTIVE is not None:
+        return _PDL_ON if USE_PDL and _TRITON_PDL and target_ptx(t) else _PDL_OFF
     if USE_PDL and _TRITON_PDL and t.is_cuda and sm90_ptx(t.get_device()):
         return _PDL_ON
     return _PDL_OFF
+
+
+def target_ptx(t: torch.Tensor) -> bool:
+    """Whether kernels on t run sm_90 instructions (PDL, the bulk L2 prefetch): sm90_ptx of t's
+    CUDA device, or under targets.simulate, of the simulated target where the kernels are
+    compiled (offline, or on a CUDA device)."""
+    simulation = _targets.ACTIVE
+    if simulation is not None:
+        return simulation.target.sm90_ptx and (
+            simulation.compiled or (t.is_cuda and sm90_ptx(t.get_device()))
+        )
+    return t.is_cuda and sm90_ptx(t.get_device())
 
 
 @functools.cache

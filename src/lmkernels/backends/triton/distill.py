@@ -54,6 +54,7 @@ from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton.common import (
     call,
     eager_function,
+    gpu_capabilities,
     launch,
     next_power_of_2,
     op_or_raw,
@@ -750,7 +751,7 @@ register(
     devices=triton_devices(),
     auto_devices=("cuda",),
     available=triton_unavailable_reason,
-    supports=_supports,
+    **gpu_capabilities(OP, _supports),
     compiled_transforms=False,
     description="chunks of both logits (<= 1 GiB), one row kernel; student gradients in the forward",
 )

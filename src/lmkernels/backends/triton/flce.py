@@ -85,6 +85,7 @@ from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton.common import (
     call,
     eager_function,
+    gpu_capabilities,
     op_or_raw,
     traced,
     transforming,
@@ -547,7 +548,7 @@ _CAPABILITIES = dict(
     devices=triton_devices(),
     auto_devices=("cuda",),
     available=triton_unavailable_reason,
-    supports=_supports,
+    **gpu_capabilities("fused_linear_cross_entropy", _supports),
     compiled_transforms=False,
 )
 register(

@@ -35,6 +35,7 @@ from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton.common import (
     cdiv,
     device_guard,
+    gpu_capabilities,
     launch,
     op_or_raw,
     pdl,
@@ -391,7 +392,7 @@ register(
     devices=triton_devices(),
     auto_devices=("cuda",),
     available=triton_unavailable_reason,
-    supports=_supports,
+    **gpu_capabilities("swiglu", _supports),
     forward_ad=True,
     compiled_transforms=False,
 )
@@ -403,7 +404,7 @@ register(
     devices=triton_devices(),
     auto_devices=("cuda",),
     available=triton_unavailable_reason,
-    supports=_supports,
+    **gpu_capabilities("geglu", _supports),
     forward_ad=True,
     compiled_transforms=False,
 )

@@ -21,16 +21,20 @@ from lmkernels.backends.triton.common import (
     cdiv,
     device_guard,
     eager_function,
+    gpu_capabilities,
     launch,
     op_or_raw,
     pdl,
     refuse_nested_jvp,
-    sm90_ptx,
     soft_bf16,
+    target_ptx,
     transforms_function,
     vmap_over_rows,
 )
 from lmkernels.backends.triton.configs import tables_for
+from lmkernels.backends.triton.configs import targets as _targets
+from lmkernels.backends.triton.configs.generic import SHARED_MARGIN as SHARED_MARGIN
+from lmkernels.backends.triton.configs.generic import fit_stages, norm_stage_bytes
 from lmkernels.backends.triton.configs.records import PATH_REGS as PATH_REGS
 from lmkernels.backends.triton.configs.records import PATH_WIDE as PATH_WIDE
 from lmkernels.backends.triton.configs.records import BwdConfig as BwdConfig
@@ -113,40 +117,37 @@ def _max_shared_bytes(device_index: int) -> int:
     return triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
 
 
-# Shared memory a kernel needs besides its pipeline buffers (cross-warp reductions): measured
-# 40-90 bytes for the norm backwards (their sm_90 cubins); this leaves room to spare.
-SHARED_MARGIN = 4096
-
-
 def pipeline_stages(cfg: BwdConfig, x: torch.Tensor, weight: torch.Tensor | None, iterations: int = 2) -> int:
-    """cfg.stages, lowered until the pipeline buffers fit the device's shared memory; 1 where
-    each program's loop over row tiles runs once (`iterations`): nothing to overlap there, and
-    the pipeline's copies through shared memory only add to the one pass.
+    """cfg.stages, lowered until the pipeline buffers fit the device's shared memory (under
+    targets.simulate: the simulated target's); 1 where each program's loop over row tiles runs
+    once (`iterations`): nothing to overlap there, and the pipeline's copies through shared
+    memory only add to the one pass.
 
     Triton keeps stages - 1 copies of a loop iteration's pipelined loads in shared memory: x and
-    dy, and the weight where it is reloaded per tile. The table's stages were chosen on an H200
-    (227 KiB per block) for bf16; fp32 inputs need twice the bytes, and other GPUs have less
-    (A100 163 KiB, consumer parts ~100 KiB), where the table's stages would fail to launch."""
-    if cfg.stages <= 1 or x.device.type != "cuda":
+    dy, and the weight where it is reloaded per tile (generic.norm_stage_bytes). The table's
+    stages fit bf16 rows on its GPU (Hopper's: 227 KiB per block); fp32 inputs need twice the
+    bytes, and other GPUs have less (A100 163 KiB, consumer parts 99 KiB), where the table's
+    stages would fail to launch."""
+    simulation = _targets.ACTIVE
+    if cfg.stages <= 1 or (x.device.type != "cuda" and simulation is None):
         return cfg.stages
     if iterations <= 1:
         return 1
-    index = _device_index(x.device)
+    if simulation is not None:
+        limit = simulation.target.shared_per_block
+    else:
+        limit = _max_shared_bytes(_device_index(x.device))
     reload_w = weight is not None and (cfg.reload_w or cfg.path != PATH_REGS)
     w_bytes = weight.element_size() if reload_w else 0
-    return _fit_stages(cfg, x.element_size(), w_bytes, reloads_x(cfg, x), index)
+    return _fit_stages(cfg, x.element_size(), w_bytes, reloads_x(cfg, x), limit)
 
 
 @functools.cache
-def _fit_stages(cfg: BwdConfig, x_bytes: int, w_bytes: int, reload_x: bool, device_index: int) -> int:
+def _fit_stages(cfg: BwdConfig, x_bytes: int, w_bytes: int, reload_x: bool, shared_per_block: int) -> int:
     # reload_x (reloads_x: cfg.reload_x unless the row is held as loaded): the second reads of x
     # and dy are pipelined as well, with buffers of their own.
-    per_stage = cfg.rows * (cfg.block + cfg.tail) * ((4 if reload_x else 2) * x_bytes + w_bytes)
-    limit = _max_shared_bytes(device_index) - SHARED_MARGIN
-    stages = cfg.stages
-    while stages > 1 and (stages - 1) * per_stage > limit:
-        stages -= 1
-    return stages
+    stage = norm_stage_bytes(cfg.rows, cfg.block + cfg.tail, x_bytes, w_bytes, reload_x)
+    return fit_stages(cfg.stages, stage, shared_per_block)
 
 
 def holds_x(cfg: BwdConfig, x: torch.Tensor) -> bool:
@@ -161,9 +162,9 @@ def reloads_x(cfg: BwdConfig, x: torch.Tensor) -> bool:
 
 
 def can_prefetch(cfg: BwdConfig, x: torch.Tensor) -> bool:
-    """The backward kernel's PREFETCH: cfg.prefetch on NVIDIA devices of sm_90 and later; never
-    in the interpreter or on ROCm, which run no PTX."""
-    return cfg.prefetch and x.device.type == "cuda" and sm90_ptx(_device_index(x.device))
+    """The backward kernel's PREFETCH: cfg.prefetch on NVIDIA devices of sm_90 and later (and
+    targets, under targets.simulate); never in the interpreter or on ROCm, which run no PTX."""
+    return cfg.prefetch and target_ptx(x)
 
 
 def persistent_programs(tiles: int, programs_per_sm: int, device: torch.device) -> int:
@@ -563,7 +564,7 @@ register(
     devices=triton_devices(),
     auto_devices=("cuda",),
     available=triton_unavailable_reason,
-    supports=row_limit_reasons,
+    **gpu_capabilities("rms_norm", row_limit_reasons),
     forward_ad=True,
     compiled_transforms=False,
     description="Triton: row tiles forward, persistent backward with fp32 dw partials",
@@ -736,7 +737,7 @@ register(
     devices=triton_devices(),
     auto_devices=("cuda",),
     available=triton_unavailable_reason,
-    supports=row_limit_reasons,
+    **gpu_capabilities("layer_norm", row_limit_reasons),
     forward_ad=True,
     compiled_transforms=False,
     description="Triton: row tiles forward, persistent backward with fp32 dw/db partials",

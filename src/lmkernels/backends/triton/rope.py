@@ -40,6 +40,7 @@ from lmkernels.backends.triton.common import (
     cdiv,
     device_guard,
     eager_function,
+    gpu_capabilities,
     launch,
     next_power_of_2,
     pdl,
@@ -604,7 +605,7 @@ def _supports(q=None, k=None, cos=None, sin=None, **options) -> list[str]:
 
 register(
     "rope", "triton", rope_triton, priority=100, devices=triton_devices(), auto_devices=("cuda",),
-    available=triton_unavailable_reason, supports=_supports,
+    available=triton_unavailable_reason, **gpu_capabilities("rope", _supports),
     double_backward=True,  # the backward is the inverse rotation, itself differentiable
     forward_ad=True,  # and the tangent the rotation of the tangents (of q and k: cos/sin refused)
     compiled_transforms=False,

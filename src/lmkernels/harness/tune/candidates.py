@@ -245,11 +245,15 @@ def variants(op: str, case: Any, table_only: bool) -> list[tuple[str, Any]]:
         out += [(fwd_name(r), r) for r in norm_fwd_candidates(case.N, op, t.norms)]
         out += [(bwd_name(r), r) for r in norm_bwd_candidates(case.N, op, t.norms)]
     seen: set[Any] = set()
-    unique = []
-    for name, r in out:
-        if r is not None:
-            if r in seen:
-                continue
-            seen.add(r)
-        unique.append((name, r))
-    return unique
+    out = [(name, r) for name, r in out if r is None or fits_device(r)]
+    return [(name, r) for name, r in out if not (r is not None and (r in seen or seen.add(r)))]
+
+
+def fits_device(record: Any) -> bool:
+    """Whether a candidate's warps fit a block of this GPU (16 on AMD's 64-wide wavefronts)."""
+    if DEVICE != "cuda":
+        return True
+    from lmkernels.backends.triton.configs.targets import device_target
+
+    limit = device_target(torch.cuda.current_device()).max_warps
+    return all(getattr(record, f, 0) <= limit for f in ("fwd_warps", "bwd_warps", "num_warps"))

@@ -14,11 +14,12 @@ reference first, beside the committed table's entry, torch.compile and Liger.
 
 Writes DIR/tune.json (every candidate's row, device, versions, command) and
 DIR/tune.md: a table per point, then per table key the entry the timings
-suggest, with its measured reason, in the form of the GPU generation's config
-module (lmkernels/backends/triton/configs/). Entries go in by hand, after
-`lmkernels bench --op ...` at the tuned shapes confirms them.
+suggest, with its measured reason. Where entries beat the tables, also
+DIR/tuned-tables.json: this GPU's tables with them in place; --install writes it
+where lmkernels loads it on this GPU model from then on
+(~/.cache/lmkernels/configs/, or $LMKERNELS_CONFIG_DIR).
 
-  lmkernels tune --out DIR                        norms and RoPE, the tune grid
+  lmkernels tune --out DIR --install              norms and RoPE, ~8 minutes
   lmkernels tune --out DIR --ops rope --grid final --table-only
 """
 

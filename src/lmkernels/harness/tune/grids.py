@@ -102,6 +102,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--budget", type=cliargs.positive_float, default=330.0, help="seconds; later points are skipped"
     )
     p.add_argument("--table-only", action="store_true", help="the committed tables and the peers only")
+    p.add_argument(
+        "--install",
+        action="store_true",
+        help="write the tuned tables where lmkernels loads them on this GPU model (~/.cache/lmkernels/configs)",
+    )
     p.add_argument("--no-peers", dest="peers", action="store_false", help="no torch.compile, no Liger")
     p.add_argument(
         "--rope-layout", default="bhtd", choices=["bhtd", "bthd"], help="bthd: as transformers passes q, k"

@@ -21,9 +21,12 @@ whose on-disk caches then serve the timing process (--warm-budget seconds at mos
 
 Writes DIR/tune.json (device, versions, command; every variant's row with its record's fields)
 and DIR/tune.md (a table per point, then per table key the entry the timings suggest, as
-configs.entry_text writes it, with its measured `why`). The entries go into the generation's
-module (backends/triton/configs/hopper.py) by hand; the maintainers' suite then measures the
-result.
+configs.entry_text writes it, with its measured `why`). Where entries beat the tables it also
+writes DIR/tuned-tables.json: the device's tables with those entries in place, in the file
+format of configs.files; --install writes it where the package loads it on this GPU model
+(~/.cache/lmkernels/configs/<gpu>-<arch>-triton<version>-v<schema>.json, LMKERNELS_CONFIG_DIR
+moves it). Tuning results are data: the committed tables of a generation (hopper.py) change only
+by hand, from tune.md's entries, after the maintainers' suite measures them.
 """
 
 from __future__ import annotations
@@ -341,11 +344,27 @@ def entry_for(record: Any, key: tuple[Any, ...], why: str) -> str:
     return entry_text(kind, key[1], fields, why)
 
 
-def suggestions(rows: list[dict[str, Any]]) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Winner:
+    """The record the timings suggest for one table key: the least geometric mean of its time over
+    the table's entry at every point of the key (score: the mean speedup)."""
+
+    key: tuple  # ("rms_norm", (first, last)), ("wide",), ("rope", half, partial)
+    points: int
+    score: float
+    record: Any
+    speedups: tuple[float, ...]
+
+    @property
+    def why(self) -> str:
+        return _why(self.speedups)
+
+
+def winners(rows) -> list[Winner]:
     """Per table key (a norm entry's columns, the wide path, RoPE's rotary half width) and kind
     of record: of the records timed at every point of the key, the one with the least geometric
-    mean of its time over the table's, as the entry it suggests, `why` its measured speedups.
-    RoPE's tile and position records compete (a tile entry, or none and the position kernel)."""
+    mean of its time over the table's, where that beats the table. RoPE's tile and position
+    records compete (a tile entry, or none and the position kernel)."""
     points: dict = {}
     for r in rows:
         if r["kind"] == "triton" and r["status"] == "ok":
@@ -358,7 +377,7 @@ def suggestions(rows: list[dict[str, Any]]) -> list[str]:
         cols = (table["config"] or {}).get("cols")  # a norm entry's; the wide path has none
         key = ("rope", *rope_key(shape)) if op == "rope" else (op, tuple(cols)) if cols else ("wide",)
         by_key.setdefault(key, []).append(named)
-    lines = ["", "## The entries the timings suggest", ""]
+    out = []
     for key, pts in by_key.items():
         timed: dict = {}  # (kind, record) -> the speedup over the table at each point
         for named in pts:
@@ -371,18 +390,81 @@ def suggestions(rows: list[dict[str, Any]]) -> list[str]:
         for (kind, rec), speedups in timed.items():
             score = math.exp(sum(map(math.log, speedups.values())) / len(pts))
             if len(speedups) == len(pts) and score > best.get(kind, (1.0,))[0]:
-                best[kind] = (score, rec, list(speedups.values()))
-        label = " ".join(map(str, key))
+                best[kind] = (score, rec, tuple(speedups.values()))
+        out += [Winner(key, len(pts), score, rec, speedups) for score, rec, speedups in best.values()]
         if not best:
-            lines.append(f"- {label}: the table's entry is the fastest ({len(pts)} points)")
-        for score, rec, speedups in best.values():
-            kernel = ", the position kernel: no tile entry" if isinstance(rec, RopePosConfig) else ""
-            lines += [f"- {label} ({len(pts)} points, geometric mean {score:.3f}x{kernel}):", "", "```python"]
-            lines += [entry_for(rec, key, _why(speedups)).rstrip("\n"), "```", ""]
+            out.append(Winner(key, len(pts), 1.0, None, ()))
+    return out
+
+
+def suggestions(rows) -> list[str]:
+    """The winners as the entries of a generation's module (configs.entry_text), with their
+    measured `why`."""
+    lines = ["", "## The entries the timings suggest", ""]
+    for w in winners(rows):
+        label = " ".join(map(str, w.key))
+        if w.record is None:
+            lines.append(f"- {label}: the table's entry is the fastest ({w.points} points)")
+            continue
+        kernel = ", the position kernel: no tile entry" if isinstance(w.record, RopePosConfig) else ""
+        lines += [f"- {label} ({w.points} points, geometric mean {w.score:.3f}x{kernel}):", "", "```python"]
+        lines += [entry_for(w.record, w.key, w.why).rstrip("\n"), "```", ""]
     return lines
 
 
-def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+def tuned_tables(base, found: list[Winner], name: str):
+    """`base` (the tables the run measured against) with every winner in the place of the entry
+    it beat: the tables `--install` writes (configs.files)."""
+    norms, rope = base.norms, base.rope
+    entries = {(e.op, e.cols): e for e in norms.entries}
+    position = {(e.block_half, e.partial): e for e in rope.position}
+    tile = {(e.half, e.partial): e for e in rope.tile}
+    for w in found:
+        rec = w.record
+        if rec is None:
+            continue
+        rec = replace(rec, why=w.why)
+        if isinstance(rec, NormEntry):
+            entries[(rec.op, rec.cols)] = rec
+        elif isinstance(rec, WidePath):
+            norms = replace(norms, wide=rec)
+        elif isinstance(rec, ColumnConfig):
+            norms = replace(norms, column=rec)
+        elif isinstance(rec, RopeTileConfig):
+            tile[(rec.half, rec.partial)] = rec
+        elif isinstance(rec, RopePosConfig):
+            position[(rec.block_half, rec.partial)] = rec
+            tile.pop(w.key[1:], None)  # the position kernel beat the tile entry: none for the width
+    norms = replace(norms, entries=tuple(entries.values()))
+    rope = replace(rope, position=tuple(position.values()), tile=tuple(tile.values()))
+    return replace(base, name=name, norms=norms, rope=rope)
+
+
+def install(rows, meta, out: str, install_file: bool, log) -> None:
+    """Write the tuned tables: DIR/tuned-tables.json always (where winners beat the table), and
+    with `install_file` the file the package loads on this GPU (configs.files)."""
+    from lmkernels.backends.triton.configs import files
+
+    found = [w for w in winners(rows) if w.record is not None]
+    if not found:
+        log("no candidate beat the tables at every point of a key: no tuned tables written")
+        return
+    identity = files.identity_of(torch.cuda.current_device())
+    tuned = tuned_tables(tables(), found, f"tuned {identity.name}")
+    content = files.file_content(tuned, identity, meta["command"])
+    files.check_content(content, identity)
+    with open(os.path.join(out, "tuned-tables.json"), "w") as f:
+        json.dump(content, f, indent=1)
+    log(f"{len(found)} entries beat the tables: {os.path.join(out, 'tuned-tables.json')}")
+    if install_file:
+        path = files.write_tuned(tuned, identity, command=meta["command"])
+        log(f"installed: {path} (loaded on {identity.name} from now on; {files.ENV} moves it)")
+    else:
+        where = files.config_path(identity)
+        log(f"to use them on this GPU: --install, or copy the file to {where}")
+
+
+def markdown(rows, meta) -> str:
     lines = [f"# Tuning, fwd+bwd bf16 GPU time, {meta['device']}", "", f"`{meta['command']}`", ""]
     lines += [
         f"torch {meta['torch']}, triton {meta['triton']}; copy bandwidth {meta['copy_gbps']:.0f} GB/s.",
@@ -490,4 +572,6 @@ def run(args: argparse.Namespace, command: str) -> int:
     with open(os.path.join(args.out, "tune.md"), "w") as f:
         f.write(md)
     print(md)
+    if not args.table_only:
+        install(rows, meta, args.out, args.install, log)
     return 0

@@ -1,27 +1,42 @@
-"""The Triton kernels' tuned launch configurations, as data: one module per GPU generation
-(hopper.py, measured on an H200; default.py, every other device), records with named fields
-(records.py), and the text of a new entry for a measured winner (entry_text.py).
+"""The Triton kernels' launch configurations, as data: records with named fields (records.py);
+Hopper's tables, measured on an H200 (hopper.py); the rule that fits Hopper's entries to any
+other GPU's limits (generic.py, from the GPU's Target record: targets.py); tables measured on
+one GPU by `lmkernels tune --install`, loaded from a file (files.py); the CPU interpreter's
+(default.py); and the text of a new entry for a measured winner (entry_text.py).
 
-`tables_for(device)` picks a generation's tables by the device's compute capability; the op
-bodies resolve an entry for their inputs and pass the launch configuration to the launchers as
-an argument. Nothing here is changed at run time: a tuner or a test that wants another
-configuration passes it to a launcher, or builds a table of its own.
+`tables_for(device)` picks a device's tables; the op bodies resolve an entry for their inputs
+and pass the launch configuration to the launchers as an argument. Nothing here is changed at
+run time: a tuner or a test that wants another configuration passes it to a launcher, builds a
+table of its own, or launches as another GPU would (targets.simulate).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from lmkernels.backends.triton.configs import default, hopper
+from lmkernels.backends.triton.configs import default, files, generic, hopper, targets
 from lmkernels.backends.triton.configs.records import Tables
+from lmkernels.backends.triton.configs.targets import Target
 
 _BY_DEVICE: dict[torch.device, Tables] = {}
+logger = logging.getLogger("lmkernels")
 
 
 def tables_for(device: torch.device) -> Tables:
-    """The tables for `device`: Hopper's on NVIDIA GPUs of compute capability 9.x with compiled
-    kernels, the default ones elsewhere (other GPUs, ROCm, the CPU interpreter, the CPU).
-    Decided once per device."""
+    """The tables for `device`, decided once per device:
+
+    1. the tables `lmkernels tune --install` measured on this GPU model, where its file is there
+       and valid for this Triton version (configs.files);
+    2. Hopper's (hopper.py) on NVIDIA GPUs of compute capability 9.x;
+    3. the generic rule's for any other GPU (generic.py: Hopper's entries within its limits);
+    4. the CPU interpreter and the CPU: default.py's.
+
+    Inside targets.simulate(target): that simulation's tables (the target's built-in ones)."""
+    simulation = targets.ACTIVE
+    if simulation is not None:
+        return simulation.tables or target_tables(simulation.target)
     try:
         return _BY_DEVICE[device]
     except KeyError:
@@ -32,10 +47,28 @@ def tables_for(device: torch.device) -> Tables:
     return tables
 
 
+def target_tables(target: Target) -> Tables:
+    """The built-in tables of `target` (no tuned file): Hopper's measured ones on NVIDIA 9.x, the
+    generic rule's on every other GPU."""
+    if target.backend == "cuda" and target.capability[0] == 9:
+        return hopper.TABLES
+    return generic.tables_for_target(target)
+
+
+def is_tuned(tables: Tables) -> bool:
+    """Whether `tables` were measured on the GPU they run on: Hopper's on Hopper, or a tuned file."""
+    return not tables.name.startswith("generic ")
+
+
 def _select(device: torch.device) -> Tables:
     from lmkernels.backends.triton import interpreting
 
-    if device.type != "cuda" or interpreting() or torch.version.hip is not None:
-        return default.TABLES  # ROCm reports gfx9xx as capability 9.x: not a Hopper
-    major, _ = torch.cuda.get_device_capability(device.index)
-    return hopper.TABLES if major == 9 else default.TABLES
+    if device.type != "cuda" or interpreting():
+        return default.TABLES
+    target = targets.device_target(device.index)
+    tables = files.load_tuned(files.identity_of(device.index))
+    if tables is None:
+        tables = target_tables(target)
+    logger.info("lmkernels: %s (%s) launches from the %s tables", torch.cuda.get_device_name(device.index),
+                target.name, tables.name)  # fmt: skip
+    return tables

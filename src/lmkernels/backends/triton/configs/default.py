@@ -1,12 +1,9 @@
-"""Every GPU that is not a Hopper (Ampere, Ada, Blackwell, ROCm), the CPU interpreter and the
-CPU: the Hopper entries, unmeasured on these devices. Nothing here was tuned for them. The one
-exception, FLCE's row kernel, keeps one launch for every width: Hopper's 32 warps for wide rows
-are 2048 threads on ROCm's 64-wide wavefronts, past a block's limit of 1024.
+"""The CPU interpreter and the CPU: Hopper's entries, so that the interpreter's tests run the
+launches the measured GPUs run. The one exception, FLCE's row kernel, keeps one launch for every
+width (Hopper's 32-warp launch for rows of 64k columns and more is never reached by those tests).
 
-They run anywhere: what in them is specific to Hopper is adjusted at launch, not by the table
-(the backward's pipeline stages are lowered to fit the device's shared memory; the L2 prefetch
-and programmatic dependent launch run on sm_90+ NVIDIA GPUs only). A generation measured with
-`lmkernels tune` gets a module of its own, selected in configs.tables_for."""
+GPUs never get these: Hopper's own tables run on sm_90, the generic rule's (generic.py) or a
+tuned file's (files.py) everywhere else (configs.tables_for)."""
 
 import dataclasses
 
@@ -19,7 +16,7 @@ FLCE = FlceTable(
             min_cols=1,
             block=4096,
             num_warps=8,
-            why="Hopper's narrow entry for every width: 8 warps are 256 or 512 threads on any GPU",
+            why="Hopper's narrow entry (8k-32k columns) for every width: the interpreter's tests run narrow rows",
         ),
     ),
 )
