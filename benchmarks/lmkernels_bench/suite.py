@@ -51,6 +51,7 @@ TEST_PARTS = {  # part -> `lmkernels-bench gpu-tests` arguments
     "tests-large": ["suite", "large"],
     "tests-triton-files": ["suite", "triton-files"],
     "tests-integration": ["suite", "integration"],
+    "tests-posttrain": ["suite", "posttrain"],
     "memcheck-kernels": ["memcheck", "kernels"],
     "racecheck": ["memcheck", "racecheck", "--racecheck"],
 }
