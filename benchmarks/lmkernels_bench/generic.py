@@ -125,7 +125,7 @@ def measure_point(op: str, shape: tuple, targets, device: str) -> list[dict[str,
 def fake_point(targets, rng: random.Random) -> list[dict[str, Any]]:
     """Made-up timings of one point (--dry-run)."""
     ms = 0.1 + rng.random()
-    rows = [{"impl": "triton", "target": None, "tables": "hopper", "gpu_ms": ms}]
+    rows: list[dict[str, Any]] = [{"impl": "triton", "target": None, "tables": "hopper", "gpu_ms": ms}]
     rows += [{"impl": f"triton@{t}", "target": t, "tables": f"generic {t}", "gpu_ms": ms * (1 + rng.random() / 4)}
              for t in targets]  # fmt: skip
     rows += [{"impl": "compile", "target": None, "tables": None, "gpu_ms": ms * (1 + rng.random() / 2)}]

@@ -43,11 +43,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from lmkernels.ops.flce import FlceOptions
 from lmkernels.registry.core import register
+from lmkernels.types import CastingMode, GeluApproximation, RopeLayout
 
 PRIORITY = -10  # below eager (0): `auto` never picks an adapter
 LIGER_MAX_COLS = 65536  # Liger's row kernels hold a whole row in one block (calculate_settings)
@@ -102,7 +105,9 @@ def _grad_needed(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def _mean_denominator(target, ignore_index, class_weight):
+def _mean_denominator(
+    target: torch.Tensor, ignore_index: int, class_weight: torch.Tensor | None
+) -> torch.Tensor:
     """Our "mean" denominator: sum of the class weights of the non-ignored targets (their count
     without class weights), 1 when every token is ignored (so the loss is 0, not nan)."""
     valid = target != ignore_index
@@ -116,31 +121,55 @@ def _mean_denominator(target, ignore_index, class_weight):
 # --- Liger Kernel --------------------------------------------------------------------------------
 
 
-def liger_rms_norm(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+def liger_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: CastingMode = "llama",
+) -> torch.Tensor:
     from liger_kernel.transformers.functional import liger_rms_norm as rms_norm
 
     # Liger's casting modes are ours ("llama", "gemma", "none"). in_place=False: see the docstring.
     return rms_norm(x, weight, eps, offset=offset, casting_mode=casting_mode, in_place=False)
 
 
-def _liger_rms_norm_supports(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+def _liger_rms_norm_supports(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: CastingMode = "llama",
+) -> list[str]:
     return _wide_rows(x)
 
 
-def liger_layer_norm(x, weight=None, bias=None, eps=1e-5):
+def liger_layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5
+) -> torch.Tensor:
     from liger_kernel.transformers.functional import liger_layer_norm as layer_norm
 
     return layer_norm(x, weight, bias, eps)
 
 
-def _liger_layer_norm_supports(x, weight=None, bias=None, eps=1e-5):
+def _liger_layer_norm_supports(
+    x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5
+) -> list[str]:
     reasons = _wide_rows(x)
     if weight is None or bias is None:
         reasons.append("weight=None or bias=None: Liger's LayerNorm always takes both")
     return reasons
 
 
-def liger_rope(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None):
+def liger_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    layout: RopeLayout = "neox",
+    rotary_dim: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     from liger_kernel.transformers.functional import liger_rope as rope
 
     if position_ids is not None:
@@ -158,7 +187,15 @@ def liger_rope(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None
     return rope(q, k, cos, sin, None, 1, cos.shape[-1])
 
 
-def _liger_rope_supports(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None):
+def _liger_rope_supports(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    layout: RopeLayout = "neox",
+    rotary_dim: int | None = None,
+) -> list[str]:
     if layout != "neox":
         return [f"layout={layout!r}: Liger's RoPE implements only the neox (rotate_half) layout"]
     return []
@@ -166,30 +203,42 @@ def _liger_rope_supports(q, k, cos, sin, position_ids=None, layout="neox", rotar
 
 # consume_inputs is accepted and ignored: Liger's GLU backward always writes its gradients over
 # gate and up (its own behaviour, which validation reports on the cases that keep the inputs).
-def liger_swiglu(gate, up, consume_inputs=False):
+def liger_swiglu(gate: torch.Tensor, up: torch.Tensor, consume_inputs: bool = False) -> torch.Tensor:
     from liger_kernel.transformers.functional import liger_swiglu as swiglu
 
     return swiglu(gate, up)
 
 
-def _liger_swiglu_supports(gate, up, consume_inputs=False):
+def _liger_swiglu_supports(gate: torch.Tensor, up: torch.Tensor, consume_inputs: bool = False) -> list[str]:
     return _wide_rows(gate)
 
 
-def liger_geglu(gate, up, approximate="tanh", consume_inputs=False):
+def liger_geglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    approximate: GeluApproximation = "tanh",
+    consume_inputs: bool = False,
+) -> torch.Tensor:
     from liger_kernel.transformers.functional import liger_geglu as geglu
 
     return geglu(gate, up)
 
 
-def _liger_geglu_supports(gate, up, approximate="tanh", consume_inputs=False):
+def _liger_geglu_supports(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    approximate: GeluApproximation = "tanh",
+    consume_inputs: bool = False,
+) -> list[str]:
     reasons = _wide_rows(gate)
     if approximate != "tanh":
         reasons.append(f"approximate={approximate!r}: Liger's GeGLU implements only the tanh approximation")
     return reasons
 
 
-def liger_flce(hidden, weight, target, **options):
+def liger_flce(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, **options: Any
+) -> torch.Tensor:
     o = FlceOptions(**options)
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as flce
 
@@ -215,7 +264,9 @@ def liger_flce(hidden, weight, target, **options):
     return loss.view(target.shape) if o.reduction == "none" else loss
 
 
-def _liger_flce_supports(hidden, weight, target, **options):
+def _liger_flce_supports(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, **options: Any
+) -> list[str]:
     o = FlceOptions(**options)
     # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
@@ -238,8 +289,10 @@ def _liger_flce_supports(hidden, weight, target, **options):
 # --- Cut Cross-Entropy ---------------------------------------------------------------------------
 
 
-def _make_cce(exact: bool):
-    def cce_flce(hidden, weight, target, **options):
+def _make_cce(exact: bool) -> Callable[..., torch.Tensor]:
+    def cce_flce(
+        hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, **options: Any
+    ) -> torch.Tensor:
         o = FlceOptions(**options)
         from cut_cross_entropy import linear_cross_entropy
 
@@ -265,7 +318,9 @@ def _make_cce(exact: bool):
     return cce_flce
 
 
-def _cce_supports(hidden, weight, target, **options):
+def _cce_supports(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, **options: Any
+) -> list[str]:
     o = FlceOptions(**options)
     # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
@@ -294,7 +349,9 @@ def _cce_supports(hidden, weight, target, **options):
 # --- torch.nn.functional.linear_cross_entropy ----------------------------------------------------
 
 
-def torch_native_flce(hidden, weight, target, **options):
+def torch_native_flce(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, **options: Any
+) -> torch.Tensor:
     o = FlceOptions(**options)
     import torch.nn.functional as F
 
@@ -326,7 +383,9 @@ def torch_native_flce(hidden, weight, target, **options):
     return loss
 
 
-def _torch_native_supports(hidden, weight, target, **options):
+def _torch_native_supports(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, **options: Any
+) -> list[str]:
     o = FlceOptions(**options)
     # Only the options this library lacks are named; supports() is called with every input.
     reasons = []
@@ -349,7 +408,7 @@ def _torch_native_supports(hidden, weight, target, **options):
 
 # --- registration --------------------------------------------------------------------------------
 
-_LIGER = {
+_LIGER: dict[str, tuple[Callable[..., Any], Callable[..., list[str]]]] = {
     "rms_norm": (liger_rms_norm, _liger_rms_norm_supports),
     "layer_norm": (liger_layer_norm, _liger_layer_norm_supports),
     "rope": (liger_rope, _liger_rope_supports),

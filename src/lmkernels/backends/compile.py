@@ -28,17 +28,20 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from lmkernels.ops.flce import FlceOptions, fused_linear_cross_entropy_reference
 from lmkernels.ops.rope import rope_apply, rope_reference, rope_tables_at
 from lmkernels.registry.core import _OPS, higher_order_error, register
+from lmkernels.types import RopeLayout
 from lmkernels.utils import transforms_active
 
 # Compiled functions are built on first use: torch.compile imports dynamo and inductor (seconds),
 # which `import lmkernels` and the other backends must not pay for.
-_COMPILED: dict[object, object] = {}
+_COMPILED: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 # Each op's compiled reference is one code object for dynamo, recompiled per dtype, rank and
 # option set (casting mode, layout, ...): a validation grid needs a few dozen variants, more
@@ -48,7 +51,7 @@ _COMPILED: dict[object, object] = {}
 _RECOMPILE_LIMIT = 64
 
 
-def _compiled(fn):
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     if torch.compiler.is_compiling():
         return fn  # already inside a graph being compiled: traced inline, as a compiled fn would be
     compiled = _COMPILED.get(fn)
@@ -61,19 +64,21 @@ def _compiled(fn):
     return compiled
 
 
-def _refusing_double_backward(op: str):
+def _refusing_double_backward(op: str) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
     """A pre-hook for the backward node of a compiled function: AOTAutograd's compiled backward
     is not differentiable, so a backward with create_graph=True (grad mode on inside it) gets
     lmkernels' error, naming the backends that can, before any gradient is computed."""
 
-    def prehook(grad_outputs):
+    def prehook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         if torch.is_grad_enabled():
             raise higher_order_error(op, "compile")
 
     return prehook
 
 
-def _guard_outputs(out, prehook):
+def _guard_outputs(
+    out: torch.Tensor | tuple[torch.Tensor, ...], prehook: Callable[[tuple[torch.Tensor | None, ...]], None]
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Register prehook on the backward node of each output that has one (eager calls only)."""
     for o in out if isinstance(out, tuple) else (out,):
         if o.grad_fn is not None:
@@ -81,11 +86,11 @@ def _guard_outputs(out, prehook):
     return out
 
 
-def _make_generic(name: str):
+def _make_generic(name: str) -> Callable[..., Any]:
     reference = _OPS[name].reference
     prehook = _refusing_double_backward(name)
 
-    def run(*args, **kwargs):
+    def run(*args: Any, **kwargs: Any) -> Any:
         if transforms_active():
             return reference(*args, **kwargs)
         out = _compiled(reference)(*args, **kwargs)
@@ -95,7 +100,7 @@ def _make_generic(name: str):
 
     # The reference's signature, so that the dispatcher passes the inputs positionally: a
     # compiled function called by keyword costs ~1.5 us more per call (guards read kwargs).
-    run.__signature__ = inspect.signature(reference)
+    run.__signature__ = inspect.signature(reference)  # type: ignore[attr-defined]  # (inspect reads it)
     run.__name__ = f"{name}_compile"
     return run
 
@@ -103,7 +108,14 @@ def _make_generic(name: str):
 # --- RoPE: q and k as two compiled calls ------------------------------------------------------------
 
 
-def _rope_one(x, cos, sin, position_ids, layout, rotary_dim):
+def _rope_one(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    layout: RopeLayout,
+    rotary_dim: int,
+) -> torch.Tensor:
     cos, sin = rope_tables_at(cos, sin, position_ids)
     return rope_apply(x, cos, sin, layout, rotary_dim)
 
@@ -111,7 +123,15 @@ def _rope_one(x, cos, sin, position_ids, layout, rotary_dim):
 _ROPE_PREHOOK = _refusing_double_backward("rope")
 
 
-def rope_compile(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None):
+def rope_compile(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    layout: RopeLayout = "neox",
+    rotary_dim: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k each through its own compiled graph: one backward node per output, so q_out and
     k_out can be backpropagated separately (two backward calls), as with eager."""
     if transforms_active():
@@ -131,7 +151,7 @@ def flce_chunk_size(BT: int, H: int, V: int) -> int:
     return max(64, math.ceil(BT * H / V / 64) * 64)
 
 
-def _mm_f32(a, b):
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with an fp32 result. On CUDA, a 16-bit b makes this a tensor-core matmul with fp32
     accumulation and output (a is rounded to b's dtype first): the logits are never rounded to
     16 bits (that would put ~2% errors into the probabilities). Elsewhere: an fp32 matmul."""
@@ -140,7 +160,13 @@ def _mm_f32(a, b):
     return a.float() @ b.float()
 
 
-def _chunk_logits(h, weight, bias, softcap, temperature):
+def _chunk_logits(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    softcap: float | None,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(fp32 logits, tanh(logits / softcap) or None): the softcap's, then the temperature's."""
     logits = _mm_f32(h, weight.T)
     if bias is not None:
@@ -154,7 +180,9 @@ def _chunk_logits(h, weight, bias, softcap, temperature):
     return logits, capped
 
 
-def _target_weights(target, class_weight, valid, V):
+def _target_weights(
+    target: torch.Tensor, class_weight: torch.Tensor | None, valid: torch.Tensor, V: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(target with ignored and out-of-range entries replaced by 0, weight of each token's target
     class): 1 or its class weight, nan for a target outside [0, V) (never read: a nan loss)."""
     in_range = (target >= 0) & (target < V)
@@ -167,7 +195,14 @@ def _target_weights(target, class_weight, valid, V):
     return safe_t, torch.where(in_range | ~valid, w_t, float("nan"))
 
 
-def _loss_from_logits(logits, target, class_weight, ignore_index, label_smoothing, z_loss_scale):
+def _loss_from_logits(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss (0 on ignored tokens) and logsumexp of one chunk."""
     V = logits.shape[1]
     lse = torch.logsumexp(logits, dim=-1)
@@ -187,23 +222,23 @@ def _loss_from_logits(logits, target, class_weight, ignore_index, label_smoothin
 
 
 def _grads_from_logits(
-    h,
-    weight,
-    bias,
-    logits,
-    capped,
-    lse,
-    target,
-    class_weight,
-    grad_tok,
-    ignore_index,
-    label_smoothing,
-    softcap,
-    z_loss_scale,
-    temperature,
-    grad_ent=None,
-    entropy=None,
-):
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    logits: torch.Tensor,
+    capped: torch.Tensor | None,
+    lse: torch.Tensor,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    grad_tok: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    z_loss_scale: float,
+    temperature: float,
+    grad_ent: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of sum_i grad_tok[i] * loss_i (+ grad_ent[i] * entropy_i) for one chunk.
 
     d loss_i / d z_c = p_c * ((1-e) w_t + (e/V) sum(w) + 2 s lse) - (1-e) w_t [c == t] - (e/V) w_c,
@@ -223,9 +258,11 @@ def _grads_from_logits(
         smooth_w = class_weight.float() if class_weight is not None else torch.ones_like(logits[0])
         dlogits = dlogits - (label_smoothing / V) * g[:, None] * smooth_w[None, :]
     if grad_ent is not None:
+        assert entropy is not None  # (given with its gradient)
         term = probs * (logits - (lse - entropy)[:, None])
         dlogits = dlogits - torch.where(probs > 0, term, 0.0) * grad_ent.float()[:, None]
     if softcap is not None:
+        assert capped is not None  # (_chunk_logits' tanh, with a softcap)
         dlogits = dlogits * (1.0 - capped.square())
     if temperature != 1.0:
         dlogits = dlogits / temperature
@@ -235,7 +272,9 @@ def _grads_from_logits(
     return grad_h, grad_w, grad_b
 
 
-def _stats_from_logits(logits, lse, target, ignore_index, stats):
+def _stats_from_logits(
+    logits: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, ignore_index: int, stats: bool
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
     """(entropy, is_top1) per token of one chunk (see the op's docstring), or (None, None)."""
     if not stats:
         return None, None
@@ -251,37 +290,37 @@ def _stats_from_logits(logits, lse, target, ignore_index, stats):
 
 
 def _chunk_loss(
-    h,
-    weight,
-    bias,
-    target,
-    class_weight,
-    ignore_index,
-    label_smoothing,
-    softcap,
-    z_loss_scale,
-    temperature,
-    stats,
-):
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    z_loss_scale: float,
+    temperature: float,
+    stats: bool,
+) -> tuple[torch.Tensor | None, ...]:
     logits, _ = _chunk_logits(h, weight, bias, softcap, temperature)
     loss, lse = _loss_from_logits(logits, target, class_weight, ignore_index, label_smoothing, z_loss_scale)
     return loss, lse, *_stats_from_logits(logits, lse, target, ignore_index, stats)
 
 
 def _chunk_loss_and_grads(
-    h,
-    weight,
-    bias,
-    target,
-    class_weight,
-    grad_tok,
-    ignore_index,
-    label_smoothing,
-    softcap,
-    z_loss_scale,
-    temperature,
-    stats,
-):
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    grad_tok: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    z_loss_scale: float,
+    temperature: float,
+    stats: bool,
+) -> tuple[torch.Tensor | None, ...]:
     """Loss, logsumexp (and stats) and gradients of one chunk from a single logits matmul."""
     logits, capped = _chunk_logits(h, weight, bias, softcap, temperature)
     loss, lse = _loss_from_logits(logits, target, class_weight, ignore_index, label_smoothing, z_loss_scale)
@@ -306,21 +345,21 @@ def _chunk_loss_and_grads(
 
 
 def _chunk_grads(
-    h,
-    weight,
-    bias,
-    target,
-    class_weight,
-    grad_tok,
-    lse,
-    ignore_index,
-    label_smoothing,
-    softcap,
-    z_loss_scale,
-    temperature,
-    grad_ent,
-    entropy,
-):
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    grad_tok: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    softcap: float | None,
+    z_loss_scale: float,
+    temperature: float,
+    grad_ent: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Recompute one chunk's logits and return its gradients, given the stored logsumexp (and
     the entropy, whose upstream gradient grad_ent is None when nothing differentiates it)."""
     logits, capped = _chunk_logits(h, weight, bias, softcap, temperature)
@@ -346,7 +385,17 @@ def _chunk_grads(
 
 class _ChunkedFLCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, class_weight, opts, grad_accum_dtype, stats):
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        target: torch.Tensor,
+        class_weight: torch.Tensor | None,
+        opts: tuple[int, str, float, float | None, float, float],
+        grad_accum_dtype: torch.dtype | None,
+        stats: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         ignore_index, reduction, label_smoothing, softcap, z_loss_scale, temperature = opts
         H = weight.shape[1]
         h2 = hidden.reshape(-1, H)
@@ -415,7 +464,13 @@ class _ChunkedFLCE(torch.autograd.Function):
         return out, lse.view(target.shape), entropy, top1
 
     @staticmethod
-    def backward(ctx, grad_out, _grad_lse, grad_entropy, _grad_top1):
+    def backward(
+        ctx: Any,
+        grad_out: torch.Tensor | None,
+        _grad_lse: torch.Tensor | None,
+        grad_entropy: torch.Tensor | None,
+        _grad_top1: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, ...]:
         if torch.is_grad_enabled():  # create_graph=True: these gradients are not differentiable
             raise higher_order_error("fused_linear_cross_entropy", "compile")
         ignore_index, reduction, label_smoothing, softcap, z_loss_scale, temperature = ctx.opts
@@ -458,7 +513,9 @@ class _ChunkedFLCE(torch.autograd.Function):
         return grad_h.view(hidden.shape), grad_w, grad_b, None, None, None, None, None
 
 
-def flce_compile(hidden, weight, target, **options):
+def flce_compile(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     if transforms_active():
         return fused_linear_cross_entropy_reference(hidden, weight, target, **options)
     o = FlceOptions(**options)  # memory_budget unread: the chunks follow flce_chunk_size

@@ -40,11 +40,12 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from lmkernels.backends.triton.configs.records import Tables
 from lmkernels.backends.triton.configs.targets import CHECKED, TARGETS, Target, target
 
 OPS = (
@@ -89,7 +90,7 @@ def dtypes_of(t: Target) -> tuple[torch.dtype, ...]:
     return (torch.bfloat16, torch.float32, torch.float16) if t.bf16 else (torch.float32, torch.float16)
 
 
-def _norm_widths(tables, op: str, full: bool) -> list[int]:
+def _norm_widths(tables: Tables, op: str, full: bool) -> list[int]:
     """Every entry's widest row (its largest register block), rows below the table (the default
     launch, per power-of-two block: every one in the full scope) and one row of the wide path."""
     n = tables.norms
@@ -102,24 +103,25 @@ def _norm_widths(tables, op: str, full: bool) -> list[int]:
 ROPE_DIMS = [(64, 64), (80, 80), (96, 96), (128, 128), (256, 256), (128, 64), (128, 32), (80, 32)]
 
 
-def _rope_shapes(tables, full: bool) -> list[tuple[int, int, str]]:
+def _rope_shapes(tables: Tables, full: bool) -> list[tuple[int, int, str]]:
     """(head dim, rotary dim, layout): the tile kernel for each tile entry of the table (q, k of
     (B, H, T, D) memory), the position kernel for each position entry (the (B, T, H, D) memory
     transformers passes); the full scope adds ROPE_DIMS in both layouts."""
     out = []
-    for e in tables.rope.tile:
-        R = 2 * e.half
-        out.append((2 * R if e.partial else R, R, "bhtd"))
-    for e in tables.rope.position:
-        R = 128 if e.block_half is None else 2 * e.block_half
-        R = R // 2 if e.partial and e.block_half is None else R
-        out.append((2 * R if e.partial else R, R, "bthd"))
+    for tile in tables.rope.tile:
+        assert tile.half is not None  # (a table's tile entries name the width they serve)
+        R = 2 * tile.half
+        out.append((2 * R if tile.partial else R, R, "bhtd"))
+    for pos in tables.rope.position:
+        R = 128 if pos.block_half is None else 2 * pos.block_half
+        R = R // 2 if pos.partial and pos.block_half is None else R
+        out.append((2 * R if pos.partial else R, R, "bthd"))
     if full:
         out += [(d, r, layout) for d, r in ROPE_DIMS for layout in ("bhtd", "bthd")]
     return list(dict.fromkeys(out))
 
 
-def cases(t: Target, tables, scope: str = "full", ops: Sequence[str] = OPS) -> list[Case]:
+def cases(t: Target, tables: Tables, scope: str = "full", ops: Sequence[str] = OPS) -> list[Case]:
     """The calls whose launches reach every configuration `tables` hold for `t` (see the module
     docstring; CI_SCOPE for "ci")."""
     from lmkernels.registry import get_op
@@ -187,7 +189,7 @@ def _rope_inputs(case: Case) -> dict[str, Any]:
     R = o["rotary_dim"]
     layout = "interleaved" if o["interleaved"] else "neox"
 
-    def heads(H):
+    def heads(H: int) -> torch.Tensor:
         if case.layout == "bthd":
             return torch.randn(B, T, H, D, dtype=case.dtype).transpose(1, 2)
         return torch.randn(B, H, T, D, dtype=case.dtype)
@@ -272,7 +274,7 @@ class _Recorder:
     """Replaces JITFunction.run: binds and specializes a launch as Triton's run would for the
     target's backend (its binder and _pack_args), records it, and launches nothing."""
 
-    def __init__(self, t: Target):
+    def __init__(self, t: Target) -> None:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import make_backend
 
@@ -280,7 +282,7 @@ class _Recorder:
         self.binders: dict[int, Any] = {}
         self.launches: list[Launch] = []
 
-    def __call__(self, kernel, *args, grid, warmup, **kwargs):
+    def __call__(self, kernel: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         from triton import knobs
         from triton.runtime.jit import create_function_from_signature
 
@@ -310,7 +312,7 @@ class _Recorder:
 
 
 @contextlib.contextmanager
-def recording(t: Target, tables=None) -> Iterator[_Recorder]:
+def recording(t: Target, tables: Tables | None = None) -> Iterator[_Recorder]:
     """Launches of the Triton impls recorded for `t`, inside the block (see the module docstring)."""
     from triton.runtime.jit import JITFunction
 
@@ -324,7 +326,7 @@ def recording(t: Target, tables=None) -> Iterator[_Recorder]:
     recorder = _Recorder(t)
     saved_run, saved_enabled = JITFunction.run, common._ENABLED
 
-    def run(self, *args, grid, warmup, **kwargs):
+    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         recorder(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     JITFunction.run = run
@@ -337,7 +339,7 @@ def recording(t: Target, tables=None) -> Iterator[_Recorder]:
 
 
 def record(
-    t: Target, case_list: Sequence[Case], tables=None
+    t: Target, case_list: Sequence[Case], tables: Tables | None = None
 ) -> tuple[dict[str, tuple[Launch, str]], list[str]]:
     """{key: (launch, the first case that made it)} of every launch of the cases, and the cases
     that failed to run (their errors)."""
@@ -392,7 +394,7 @@ def _worker_init() -> None:
     knobs.nvidia.dump_ptxas_log = True
 
 
-def _kernel(ref: str):
+def _kernel(ref: str) -> Any:
     module, name = ref.split(":")
     obj = importlib.import_module(module)
     for part in name.split("."):
@@ -458,7 +460,7 @@ def _cubin_usage(cubin: bytes) -> dict[str, int]:
 
 
 def _amd_usage(asm: str) -> dict[str, int]:
-    def value(pattern):
+    def value(pattern: str) -> int | None:
         m = re.search(pattern, asm)
         return int(m.group(1)) if m else None
 
@@ -558,7 +560,7 @@ def compiler_missing(t: Target) -> str | None:
     return None
 
 
-def record_target(name: str, scope: str, ops: Sequence[str], tables=None) -> dict[str, Any]:
+def record_target(name: str, scope: str, ops: Sequence[str], tables: Tables | None = None) -> dict[str, Any]:
     """Record the launches of `ops` for target `name` (a worker's job): {"tables": name,
     "cases": count, "launches": {key: (Launch, origin)}, "errors": [...]}."""
     from lmkernels.backends import load_builtin
@@ -577,8 +579,8 @@ def check(
     scope: str = "ci",
     ops: Sequence[str] = OPS,
     jobs: int | None = None,
-    tables_by_target: dict[str, Any] | None = None,
-    log=print,
+    tables_by_target: dict[str, Tables] | None = None,
+    log: Callable[[str], None] = print,
 ) -> list[Report]:
     """Record, compile and check every launch of `ops` for each target (see the module
     docstring), in `jobs` worker processes (1: in this one). tables_by_target: tables to check
@@ -597,7 +599,7 @@ def check(
     compiled: dict[tuple[str, str], dict[str, Any]] = {}
     tables_by_target = tables_by_target or {}
 
-    def recorded_one(name, result):
+    def recorded_one(name: str, result: dict[str, Any]) -> list[tuple[str, str, Launch]]:
         recorded[name] = result
         log(f"{name}: {result['cases']} calls, {len(result['launches'])} launch specializations "
             f"({time.time() - start:.0f}s)")  # fmt: skip
@@ -606,7 +608,7 @@ def check(
     if jobs > 1:
         context = mp.get_context("spawn")
         with cf.ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_init) as pool:
-            pending = {
+            pending: dict[cf.Future[Any], tuple[str, Any]] = {
                 pool.submit(record_target, n, scope, tuple(ops), tables_by_target.get(n)): ("record", n)
                 for n in names
             }
@@ -732,7 +734,7 @@ def _ops_arg(text: str) -> list[str]:
     return names
 
 
-def add_parser(sub) -> None:
+def add_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser(
         "compile-check",
         help="compile every Triton launch for GPU targets offline; check shared memory, registers, spills",

@@ -19,7 +19,7 @@ import functools
 import inspect
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.autograd.forward_ad
@@ -121,7 +121,7 @@ def eager_function(
     those calls go to `transforms`.)
     """
 
-    def forward_with_ctx(ctx, *args):
+    def forward_with_ctx(ctx: Any, *args: Any) -> Any:
         output = forward(*args)
         setup_context(ctx, args, output)
         return output
@@ -159,10 +159,11 @@ def transforms_function(
     (vmap_over_rows(...), or vmap_by_loop by default).
     """
 
-    def run(*args):
+    def run(*args: Any) -> Any:
         return op(*args) if traced(args) else forward(*args)
 
-    function = type(
+    # Any: its vmap staticmethod, made of the class itself, is set once the class exists
+    function: Any = type(
         name,
         (torch.autograd.Function,),
         {
@@ -189,7 +190,7 @@ def vmap_by_loop(function: type[torch.autograd.Function]) -> Callable[..., Any]:
     """A vmap rule calling `function` once per batch element and stacking the results (batch
     dim 0): right for any op, one launch per element."""
 
-    def vmap(info, in_dims, *args):
+    def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
         n = info.batch_size
         results = [function.apply(*_element(args, in_dims, i)) for i in range(max(n, 1))]
         outs = tuple(torch.stack(o) for o in zip(*map(_as_tuple, results)))
@@ -226,15 +227,15 @@ def vmap_over_rows(rows: tuple[int, ...], stats: int = 0) -> VmapRule:
     def make(function: type[torch.autograd.Function]) -> Callable[..., Any]:
         by_loop = vmap_by_loop(function)
 
-        def vmap(info, in_dims, *args):
+        def vmap(info: Any, in_dims: tuple[int | None, ...], *args: Any) -> tuple[Any, Any]:
             n = info.batch_size
             if n == 0 or any(d is not None for i, d in enumerate(in_dims) if i not in rows):
                 return by_loop(info, in_dims, *args)
-            args = list(args)
+            merged = list(args)
             for i in rows:
-                a, d = args[i], in_dims[i]
-                args[i] = a.expand(n, *a.shape) if d is None else a.movedim(d, 0)
-            out = function.apply(*args)
+                a, d = merged[i], in_dims[i]
+                merged[i] = a.expand(n, *a.shape) if d is None else a.movedim(d, 0)
+            out = function.apply(*merged)
             outs = _as_tuple(out)
             first_stat = len(outs) - stats
             outs = tuple(o.view(n, o.shape[0] // n) if j >= first_stat else o for j, o in enumerate(outs))
@@ -284,10 +285,10 @@ def op_or_raw(
     and only a transform taken of the result (grad of grad, jvp of grad) differentiates it.
     """
 
-    def refuse(ctx, *grads):
+    def refuse(ctx: Any, *grads: Any) -> NoReturn:
         raise higher_order_error(name, backend)
 
-    def no_context(ctx, inputs, output):
+    def no_context(ctx: Any, inputs: tuple, output: Any) -> None:
         pass
 
     function = transforms_function(f"{name}_backward", op, raw, no_context, refuse, refuse)
@@ -561,7 +562,8 @@ def launch_key(args: tuple, kwargs: dict, constexprs: tuple = ()) -> tuple:
     2 + (divisible by 16) + 2 * width, width 0 for i32, 1 for i64, 2 for u64 (or beyond). It is
     computed inline: this loop runs for every argument of every launch, and a function call per
     int was a quarter of RoPE's key (31 arguments: 5.3 against 4.0-4.2 us on the CPU)."""
-    spec: list | None = []
+    spec: list | None
+    spec = []
     append = spec.append
     for a in args:
         kind = type(a)
@@ -629,7 +631,7 @@ def _stream_getter() -> Any:
 
 
 _ENABLED: bool | None = None
-_JIT_FUNCTION: type | None = None  # the kernels the cache takes: plain jit functions (not wrappers)
+_JIT_FUNCTION: type[Any] | None = None  # the kernels the cache takes: plain jit functions (not wrappers)
 
 
 def _enabled() -> bool:

@@ -45,6 +45,7 @@ eager and compile differentiate it. No host syncs: the mean's denominator stays 
 from __future__ import annotations
 
 import math
+from typing import Any, NoReturn
 
 import torch
 import triton
@@ -308,20 +309,20 @@ def _fp32_weight(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _run_chunks(
-    student_hidden,
-    student_weight,
-    teacher_hidden,
-    teacher_weight,
-    target,
-    student_bias,
-    teacher_bias,
-    o,
-    grad,
-    need_hidden,
-    need_weight,
-    need_bias,
-    tokens,
-):
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    target: torch.Tensor | None,
+    student_bias: torch.Tensor | None,
+    teacher_bias: torch.Tensor | None,
+    o: DistillOptions,
+    grad: torch.Tensor | None,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+    tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Per-token loss (BT,) and, given the upstream gradient `grad` (0-dim, or (BT,)), the
     gradients of sum_i grad[i] * loss_i with respect to the student's hidden, weight and bias
     (None where not asked). o: DistillOptions; tokens: per chunk."""
@@ -348,6 +349,12 @@ def _run_chunks(
     jsd = divergence == "jsd"
     has_target = target is not None
     block = min(BLOCK_V, next_power_of_2(V))
+    # (the chunks' buffers and their views are let go before grad_W's conversion)
+    xs_buffer: torch.Tensor | None
+    xt_buffer: torch.Tensor | None
+    xs: torch.Tensor | None
+    xt: torch.Tensor | None
+    dxs: torch.Tensor | None
     xs_buffer = torch.empty((tokens, V), dtype=torch.float32, device=device)
     xt_buffer = torch.empty((tokens, V), dtype=torch.float32, device=device)
     ws = _fp32_weight(student_weight, student_hidden)
@@ -369,7 +376,7 @@ def _run_chunks(
                 xs,
                 dxs,
                 xt,
-                target[start:stop] if has_target else dummy,
+                target[start:stop] if target is not None else dummy,
                 student_bias if student_bias is not None else dummy,
                 teacher_bias if teacher_bias is not None else dummy,
                 g if g is not None else dummy,
@@ -421,7 +428,9 @@ def _run_chunks(
     return loss, *_finish(grad_h, grad_w, grad_b, unscale, student_weight.dtype)
 
 
-def _mean_scale(target, ignore_index, BT, V, device):
+def _mean_scale(
+    target: torch.Tensor | None, ignore_index: int, BT: int, V: int, device: torch.device
+) -> torch.Tensor:
     """1 / (the number of tokens that count, or 1 if none) as a 0-dim fp32 device tensor."""
     if target is None:
         return torch.full((), 1.0 / max(BT, 1), dtype=torch.float32, device=device)
@@ -431,16 +440,22 @@ def _mean_scale(target, ignore_index, BT, V, device):
 # --- torch.library registration ------------------------------------------------------------------
 
 
-def _grads_in_forward(reduction, grad_hidden, grad_weight, grad_bias):
+def _grads_in_forward(reduction: str, grad_hidden: bool, grad_weight: bool, grad_bias: bool) -> bool:
     return reduction != "none" and (grad_hidden or grad_weight or grad_bias)
 
 
-def _or_empty(like, bias, gh, gw, gb):
+def _or_empty(
+    like: torch.Tensor,
+    bias: torch.Tensor | None,
+    gh: torch.Tensor | None,
+    gw: torch.Tensor | None,
+    gb: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients not computed become empty (0,) tensors (custom ops return no None)."""
     nothing = like.new_empty(0)
     gh = gh if gh is not None else nothing
     gw = gw if gw is not None else nothing.clone()
-    gb = gb.to(bias.dtype) if gb is not None else nothing.clone()
+    gb = gb.to(bias.dtype) if gb is not None and bias is not None else nothing.clone()
     return gh, gw, gb
 
 
@@ -496,6 +511,7 @@ def _forward_raw(
     if reduction == "sum":
         loss = loss.sum()
     elif reduction == "mean":
+        assert scale is not None  # (_mean_scale's)
         loss = loss.sum() * scale
     return (loss, *_or_empty(student_hidden, student_bias, gh, gw, gb))
 
@@ -505,33 +521,32 @@ _forward_op = torch.library.custom_op("lmkernels::distill_triton_forward", _forw
 
 @_forward_op.register_fake
 def _forward_fake(
-    student_hidden,
-    student_weight,
-    teacher_hidden,
-    teacher_weight,
-    target,
-    student_bias,
-    teacher_bias,
-    divergence,
-    beta,
-    temperature,
-    ignore_index,
-    hard_weight,
-    soft_weight,
-    reduction,
-    grad_hidden,
-    grad_weight,
-    grad_bias,
-    tokens,
-):
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    target: torch.Tensor | None,
+    student_bias: torch.Tensor | None,
+    teacher_bias: torch.Tensor | None,
+    divergence: str,
+    beta: float,
+    temperature: float,
+    ignore_index: int,
+    hard_weight: float,
+    soft_weight: float,
+    reduction: str,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+    tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     BT = student_hidden.shape[0]
     now = _grads_in_forward(reduction, grad_hidden, grad_weight, grad_bias)
     nothing = student_hidden.new_empty(0)
     loss = student_hidden.new_empty((BT,) if reduction == "none" else (), dtype=torch.float32)
     gh = torch.empty_like(student_hidden) if now and grad_hidden else nothing
     gw = torch.empty_like(student_weight) if now and grad_weight else nothing.clone()
-    has_gb = now and grad_bias and student_bias is not None
-    gb = torch.empty_like(student_bias) if has_gb else nothing.clone()
+    gb = torch.empty_like(student_bias) if now and grad_bias and student_bias is not None else nothing.clone()
     return loss, gh, gw, gb
 
 
@@ -586,26 +601,26 @@ _backward_op = torch.library.custom_op("lmkernels::distill_triton_backward", _ba
 
 @_backward_op.register_fake
 def _backward_fake(
-    grad_loss,
-    student_hidden,
-    student_weight,
-    teacher_hidden,
-    teacher_weight,
-    target,
-    student_bias,
-    teacher_bias,
-    divergence,
-    beta,
-    temperature,
-    ignore_index,
-    hard_weight,
-    soft_weight,
-    reduction,
-    grad_hidden,
-    grad_weight,
-    grad_bias,
-    tokens,
-):
+    grad_loss: torch.Tensor,
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    target: torch.Tensor | None,
+    student_bias: torch.Tensor | None,
+    teacher_bias: torch.Tensor | None,
+    divergence: str,
+    beta: float,
+    temperature: float,
+    ignore_index: int,
+    hard_weight: float,
+    soft_weight: float,
+    reduction: str,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+    tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     nothing = student_hidden.new_empty(0)
     gh = torch.empty_like(student_hidden) if grad_hidden else nothing
     gw = torch.empty_like(student_weight) if grad_weight else nothing.clone()
@@ -617,7 +632,7 @@ def _backward_fake(
 _recompute = op_or_raw(_backward_op, _backward_raw, OP)
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, ...]) -> None:
     student_bias = inputs[5]
     reduction = inputs[13]
     grad_h, grad_w, grad_b = inputs[14:17]
@@ -645,7 +660,13 @@ _SECOND_BACKWARD = (
 )
 
 
-def _backward(ctx, grad_loss, _gh, _gw, _gb):
+def _backward(
+    ctx: Any,
+    grad_loss: torch.Tensor,
+    _gh: torch.Tensor | None,
+    _gw: torch.Tensor | None,
+    _gb: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, ...]:
     if torch.is_grad_enabled() and not (traced((grad_loss,)) or transforming()):  # create_graph=True
         raise higher_order_error(OP, "triton")
     if ctx.precomputed:
@@ -670,7 +691,7 @@ def _backward(ctx, grad_loss, _gh, _gw, _gb):
     return gh, gw, None, None, None, gb, *[None] * 12
 
 
-def _jvp(ctx, *tangents):
+def _jvp(ctx: Any, *tangents: Any) -> NoReturn:
     raise forward_ad_error(OP, "triton")
 
 
@@ -692,8 +713,13 @@ _DistillFunction = eager_function(
 
 
 def fused_linear_distillation_triton(
-    student_hidden, student_weight, teacher_hidden, teacher_weight, target=None, **options
-):
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    target: torch.Tensor | None = None,
+    **options: Any,
+) -> torch.Tensor:
     o = DistillOptions(**options)
     Hs, Ht = student_weight.shape[1], teacher_weight.shape[1]
     # Under torch.func transforms no gradient is computed in the forward (as FLCE's).
@@ -730,7 +756,12 @@ def fused_linear_distillation_triton(
     return loss
 
 
-def _supports(teacher_hidden=None, teacher_weight=None, teacher_bias=None, **_) -> list[str]:
+def _supports(
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    **_: Any,
+) -> list[str]:
     if not torch.is_grad_enabled():
         return []
     named = {"teacher_hidden": teacher_hidden, "teacher_weight": teacher_weight, "teacher_bias": teacher_bias}

@@ -78,6 +78,8 @@ Out-of-range targets (possible only when LMKERNELS_CHECK_VALUES=0 skipped the in
 never read: their loss, and the gradients, are nan.
 """
 
+from typing import Any, NoReturn
+
 import torch
 
 from lmkernels.backends.triton import flce_kernels as kernels
@@ -98,7 +100,9 @@ from lmkernels.registry.core import ConsumedInputsError, forward_ad_error, highe
 # --- torch.library registration ------------------------------------------------------------------
 
 
-def _grads_in_forward(reduction, grad_hidden, grad_weight, grad_bias, lean, stats):
+def _grads_in_forward(
+    reduction: str, grad_hidden: bool, grad_weight: bool, grad_bias: bool, lean: bool, stats: bool
+) -> bool:
     """Whether the forward computes the gradients (fast mode): a reduced loss without the
     return_stats entropy, whose upstream gradient (per token) the forward cannot know."""
     return not lean and reduction != "none" and not stats and (grad_hidden or grad_weight or grad_bias)
@@ -172,18 +176,26 @@ def _forward_raw(
     if reduction == "sum":
         loss = loss.sum()
     elif reduction == "mean":
+        assert scale is not None  # (mean_scale's)
         loss = loss.sum() * scale
     if not stats:
         entropy, top1 = hidden.new_empty(0, dtype=torch.float32), hidden.new_empty(0, dtype=torch.int8)
+    assert entropy is not None and top1 is not None  # (run_chunks' with stats)
     return (loss, lse, *_or_empty(hidden, bias, gh, gw, gb), entropy, top1)
 
 
-def _or_empty(hidden, bias, gh, gw, gb):
+def _or_empty(
+    hidden: torch.Tensor,
+    bias: torch.Tensor | None,
+    gh: torch.Tensor | None,
+    gw: torch.Tensor | None,
+    gb: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients not computed become empty (0,) tensors (custom ops return no None)."""
     nothing = hidden.new_empty(0)
     gh = gh if gh is not None else nothing
     gw = gw if gw is not None else nothing.clone()
-    gb = gb.to(bias.dtype) if gb is not None else nothing.clone()
+    gb = gb.to(bias.dtype) if gb is not None and bias is not None else nothing.clone()
     return gh, gw, gb
 
 
@@ -192,35 +204,34 @@ _forward_op = torch.library.custom_op("lmkernels::flce_triton_forward", _forward
 
 @_forward_op.register_fake
 def _forward_fake(
-    hidden,
-    weight,
-    target,
-    bias,
-    class_weight,
-    ignore_index,
-    reduction,
-    label_smoothing,
-    softcap,
-    z_loss_scale,
-    grad_hidden,
-    grad_weight,
-    grad_bias,
-    accum_fp32,
-    lean,
-    chunk_bytes,
-    fp32_logits,
-    block_bytes,
-    stats,
-    temperature,
-):
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: float | None,
+    z_loss_scale: float,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+    accum_fp32: bool,
+    lean: bool,
+    chunk_bytes: int,
+    fp32_logits: bool,
+    block_bytes: int,
+    stats: bool,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     BT = hidden.shape[0]
     grads_now = _grads_in_forward(reduction, grad_hidden, grad_weight, grad_bias, lean, stats)
     loss = hidden.new_empty((BT,) if reduction == "none" else (), dtype=torch.float32)
     lse = hidden.new_empty((BT,), dtype=torch.float32)
     gh = torch.empty_like(hidden) if grads_now and grad_hidden else hidden.new_empty(0)
     gw = torch.empty_like(weight) if grads_now and grad_weight else hidden.new_empty(0)
-    has_gb = grads_now and grad_bias and bias is not None
-    gb = torch.empty_like(bias) if has_gb else hidden.new_empty(0)
+    gb = torch.empty_like(bias) if grads_now and grad_bias and bias is not None else hidden.new_empty(0)
     entropy = hidden.new_empty((BT,) if stats else (0,), dtype=torch.float32)
     top1 = hidden.new_empty((BT,) if stats else (0,), dtype=torch.int8)
     return loss, lse, gh, gw, gb, entropy, top1
@@ -272,6 +283,7 @@ def _backward_raw(
     )
     entropy_grad = None
     if grad_entropy is not None:
+        assert entropy is not None  # (the forward's, saved with return_stats)
         entropy_grad = (grad_entropy.reshape(-1).float().contiguous(), entropy)
     gh, gw, gb = kernels.run_blocks(
         hidden,
@@ -294,27 +306,27 @@ _backward_op = torch.library.custom_op("lmkernels::flce_triton_backward", _backw
 
 @_backward_op.register_fake
 def _backward_fake(
-    grad_loss,
-    hidden,
-    weight,
-    target,
-    bias,
-    class_weight,
-    lse,
-    ignore_index,
-    reduction,
-    label_smoothing,
-    softcap,
-    z_loss_scale,
-    grad_hidden,
-    grad_weight,
-    grad_bias,
-    accum_fp32,
-    block_bytes,
-    temperature,
-    grad_entropy,
-    entropy,
-):
+    grad_loss: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    lse: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: float | None,
+    z_loss_scale: float,
+    grad_hidden: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+    accum_fp32: bool,
+    block_bytes: int,
+    temperature: float,
+    grad_entropy: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gh = torch.empty_like(hidden) if grad_hidden else hidden.new_empty(0)
     gw = torch.empty_like(weight) if grad_weight else hidden.new_empty(0)
     gb = torch.empty_like(bias) if grad_bias and bias is not None else hidden.new_empty(0)
@@ -329,7 +341,7 @@ _RECOMPUTE = {
 }
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, ...]) -> None:
     hidden, weight, target, bias, class_weight, ignore_index, reduction = inputs[:7]
     (
         label_smoothing,
@@ -384,7 +396,16 @@ _SECOND_BACKWARD = (
 )
 
 
-def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb, grad_entropy, _top1):
+def _backward(
+    ctx: Any,
+    grad_loss: torch.Tensor | None,
+    _lse: torch.Tensor | None,
+    _gh: torch.Tensor | None,
+    _gw: torch.Tensor | None,
+    _gb: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    _top1: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, ...]:
     present = tuple(g for g in (grad_loss, grad_entropy) if g is not None)
     if torch.is_grad_enabled() and not (traced(present) or transforming()):  # create_graph=True
         raise higher_order_error("fused_linear_cross_entropy", ctx.backend)
@@ -393,6 +414,7 @@ def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb, grad_entropy, _top1):
         # (no return_stats: the entropy output is an empty placeholder nothing differentiates)
         if ctx.scaled:
             raise ConsumedInputsError(_SECOND_BACKWARD)
+        assert grad_loss is not None  # (the loss is the one output differentiated here)
         # The forward computed the gradients of the reduced loss; only the upstream scalar is
         # missing. Eagerly they are scaled in place: the buffers are ours (the impl drops the
         # forward's outputs) and the unpacked saved tensors are their only references, so
@@ -446,7 +468,7 @@ def _backward(ctx, grad_loss, _lse, _gh, _gw, _gb, grad_entropy, _top1):
     return gh, gw, None, gb, *[None] * 16
 
 
-def _jvp(ctx, *tangents):
+def _jvp(ctx: Any, *tangents: Any) -> NoReturn:
     raise forward_ad_error("fused_linear_cross_entropy", ctx.backend)
 
 
@@ -455,7 +477,7 @@ def _functions(backend: str) -> type[torch.autograd.Function]:
     cost (and their Function under torch.func transforms). One per backend, whose context names
     it for the errors, whatever mode its plan chose."""
 
-    def setup_context(ctx, inputs, output):
+    def setup_context(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, ...]) -> None:
         _setup_context(ctx, inputs, output)
         ctx.backend = backend
 
@@ -477,7 +499,9 @@ _FUNCTIONS = {False: _functions("triton"), True: _functions("triton_lean")}  # b
 # --- the impls -----------------------------------------------------------------------------------
 
 
-def _flce(lean_default, hidden, weight, target, **options):
+def _flce(
+    lean_default: bool, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     o = FlceOptions(**options)
     H = weight.shape[1]
     # Under torch.func transforms no gradient is computed in the forward (module docstring).
@@ -527,17 +551,21 @@ def _flce(lean_default, hidden, weight, target, **options):
     return loss
 
 
-def fused_linear_cross_entropy_triton(hidden, weight, target, **options):
+def fused_linear_cross_entropy_triton(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The fast mode (module docstring): gradients in the forward, a chunk of logits held."""
     return _flce(False, hidden, weight, target, **options)
 
 
-def fused_linear_cross_entropy_triton_lean(hidden, weight, target, **options):
+def fused_linear_cross_entropy_triton_lean(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, **options: Any
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The lean mode (module docstring): memory about the gradients alone."""
     return _flce(True, hidden, weight, target, **options)
 
 
-def _supports(class_weight=None, **inputs) -> list[str]:
+def _supports(class_weight: torch.Tensor | None = None, **inputs: Any) -> list[str]:
     reasons = []
     if class_weight is not None and class_weight.requires_grad and torch.is_grad_enabled():
         reasons.append("no gradient for class_weight (it requires grad)")

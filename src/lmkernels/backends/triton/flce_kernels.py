@@ -24,6 +24,8 @@ tokens and vocabulary block.
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
+from typing import Any, overload
 
 import torch
 import triton
@@ -31,6 +33,7 @@ import triton.language as tl
 from torch.autograd.graph import increment_version
 
 from lmkernels.backends.triton.common import cdiv, launch, pdl, pdl_enter, soft_bf16, to_dtype
+from lmkernels.backends.triton.configs.records import FlceTable
 from lmkernels.utils import empty, env_sizes
 
 # --- the plan ------------------------------------------------------------------------------------
@@ -580,7 +583,7 @@ def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def _precise_matmuls(dtype: torch.dtype, device: torch.device):
+def _precise_matmuls(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
     """cuBLAS as precise as the correctness policy needs, whatever the global settings.
 
     fp32 inputs get IEEE fp32 GEMMs (no TF32). bf16/fp16 GEMMs reduce split-K partial sums in
@@ -591,6 +594,8 @@ def _precise_matmuls(dtype: torch.dtype, device: torch.device):
         yield
         return
     m = torch.backends.cuda.matmul
+    value: Any  # a flag, or a (reduced precision, split-K) pair of flags
+    previous: Any
     if dtype == torch.float32:
         # torch >= 2.9 raises on reading the legacy flag once the new one was set: prefer the new.
         name, value = ("fp32_precision", "ieee") if hasattr(m, "fp32_precision") else ("allow_tf32", False)
@@ -608,7 +613,9 @@ def _precise_matmuls(dtype: torch.dtype, device: torch.device):
         setattr(m, name, previous)
 
 
-def mean_scale(target, class_weight, ignore_index, V):
+def mean_scale(
+    target: torch.Tensor, class_weight: torch.Tensor | None, ignore_index: int, V: int
+) -> torch.Tensor:
     """1 / (sum of the non-ignored target weights) as a 0-dim fp32 device tensor (1 if zero)."""
     valid = target != ignore_index
     if class_weight is None:
@@ -621,7 +628,15 @@ def mean_scale(target, class_weight, ignore_index, V):
     return 1.0 / torch.where(denom == 0, 1.0, denom)
 
 
-def _fp16_grad_factor(grad, headroom, other=None):
+@overload
+def _fp16_grad_factor(grad: torch.Tensor, headroom: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def _fp16_grad_factor(
+    grad: torch.Tensor, headroom: float, other: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+def _fp16_grad_factor(
+    grad: torch.Tensor, headroom: float, other: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
     """(grad * K, 1 / K) with K = headroom / 2^e, max |grad| = m * 2^e (m in [0.5, 1)): powers of
     two, so the unscaling is exact. A zero or non-finite max gives e = 0. other: a second
     upstream gradient (the entropy's) that shares K (the max is over both); then returns
@@ -646,29 +661,39 @@ class Rows:
 
     def __init__(
         self,
-        target,
-        bias,
-        class_weight,
-        ignore_index,
-        label_smoothing,
-        softcap,
-        z_loss_scale,
-        V,
-        table,
-        temperature=1.0,
-    ):
+        target: torch.Tensor,
+        bias: torch.Tensor | None,
+        class_weight: torch.Tensor | None,
+        ignore_index: int,
+        label_smoothing: float,
+        softcap: float | None,
+        z_loss_scale: float,
+        V: int,
+        table: FlceTable,
+        temperature: float = 1.0,
+    ) -> None:
         self.target = target.contiguous()
         self.bias = bias.contiguous() if bias is not None else None
         self.class_weight = class_weight.contiguous() if class_weight is not None else None
-        self.cw_sum = self.class_weight.float().sum() if class_weight is not None else None
+        self.cw_sum = self.class_weight.float().sum() if self.class_weight is not None else None
         self.options = (int(ignore_index), float(label_smoothing), softcap, float(z_loss_scale))
         self.temperature = float(temperature)
         self.V = V
         self.table = table  # FlceTable: the launch per row width (configs.tables_for)
 
     def launch(
-        self, logits, dlogits, rows, lse, loss, grad, col_start, lse_given, stats=None, entropy_grad=None
-    ):
+        self,
+        logits: torch.Tensor,
+        dlogits: torch.Tensor | None,
+        rows: slice,
+        lse: torch.Tensor,
+        loss: torch.Tensor | None,
+        grad: torch.Tensor | None,
+        col_start: int,
+        lse_given: bool,
+        stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+        entropy_grad: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """One program per row of `logits` (rows = slice of the tokens, columns from col_start).
         stats: (entropy, top1) buffers of all tokens to write, or None. entropy_grad (with
         lse_given and grad): (upstream gradient of the entropy, the entropy), fp32 per token of
@@ -744,7 +769,17 @@ def _gemm_ready(dlogits: torch.Tensor) -> torch.Tensor:
     return dlogits if dlogits.is_cuda or dlogits.is_contiguous() else dlogits.contiguous()
 
 
-def _fp16_scaling(grad, dtype, need_weight, accum_fp32):
+@overload
+def _fp16_scaling(
+    grad: torch.Tensor, dtype: torch.dtype, need_weight: bool, accum_fp32: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+@overload
+def _fp16_scaling(
+    grad: torch.Tensor | None, dtype: torch.dtype, need_weight: bool, accum_fp32: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]: ...
+def _fp16_scaling(
+    grad: torch.Tensor | None, dtype: torch.dtype, need_weight: bool, accum_fp32: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """fp16 only: the upstream gradient scaled into fp16's normal range and the factor to undo."""
     if grad is None or dtype != torch.float16:
         return grad, None
@@ -752,7 +787,13 @@ def _fp16_scaling(grad, dtype, need_weight, accum_fp32):
     return _fp16_grad_factor(grad, headroom)
 
 
-def _finish(grad_h, grad_w, grad_b, unscale, weight_dtype):
+def _finish(
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    grad_b: torch.Tensor | None,
+    unscale: torch.Tensor | None,
+    weight_dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     if unscale is not None:
         for x in (grad_h, grad_w, grad_b):
             if x is not None:
@@ -763,18 +804,26 @@ def _finish(grad_h, grad_w, grad_b, unscale, weight_dtype):
 
 
 def run_chunks(
-    hidden,
-    weight,
-    rows,
-    grad,
-    need_hidden,
-    need_weight,
-    need_bias,
-    accum_fp32,
-    max_bytes=None,
-    stats=False,
-    fp32_logits=True,
-):
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    rows: Rows,
+    grad: torch.Tensor | None,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+    accum_fp32: bool,
+    max_bytes: int | None = None,
+    stats: bool = False,
+    fp32_logits: bool = True,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+]:
     """Token chunks over the whole vocabulary (the forward; "fast" mode computes gradients).
 
     rows: a Rows. grad: upstream gradient per token ((BT,) or 0-dim), or None for loss and
@@ -801,6 +850,9 @@ def run_chunks(
 
     logits_dtype = torch.float32 if fp32_logits else dtype
     chunk = flce_chunk_tokens(BT, V, max_bytes, logits_dtype.itemsize)
+    buffer: torch.Tensor | None  # (these three are let go before grad_W's conversion)
+    logits: torch.Tensor | None
+    dlogits: torch.Tensor | None
     buffer = torch.empty((chunk, V), dtype=logits_dtype, device=device)
     # Without fp32-output GEMMs for low-precision inputs (CPU) upcast the weight once, not per chunk.
     w_fp32 = weight if not fp32_logits or dtype == torch.float32 or _cuda_fp32_out(hidden) else weight.float()
@@ -835,23 +887,23 @@ def run_chunks(
     buffer = logits = dlogits = None  # free the chunk before grad_W's conversion
     if grad_w is not None and BT == 0:
         grad_w.zero_()
-    entropy, top1 = stat_buffers if stats else (None, None)
+    entropy, top1 = stat_buffers if stat_buffers is not None else (None, None)
     return (loss, lse, *_finish(grad_h, grad_w, grad_b, unscale, weight.dtype), entropy, top1)
 
 
 def run_blocks(
-    hidden,
-    weight,
-    rows,
-    lse,
-    grad,
-    need_hidden,
-    need_weight,
-    need_bias,
-    accum_fp32,
-    budget,
-    entropy_grad=None,
-):
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    rows: Rows,
+    lse: torch.Tensor,
+    grad: torch.Tensor,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+    accum_fp32: bool,
+    budget: int,
+    entropy_grad: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The recomputing backward: gradients of sum_i grad[i] * loss_i from the saved logsumexp,
     plus sum_i g_H[i] * H_i with entropy_grad = (g_H, H) (fp32 per token: the entropy's upstream
     gradient and the saved entropy; the kernel adds its term to the same dlogits, so the GEMMs
@@ -872,12 +924,15 @@ def run_blocks(
     grad_b = torch.zeros(V, dtype=torch.float32, device=device) if need_bias else None
     # fp16: grad_W blocks go through an fp32 block and are unscaled there, so the dlogits can
     # keep the full headroom even though grad_W itself is stored in fp16.
+    unscale: torch.Tensor | None  # (None: no scaling to undo)
     if entropy_grad is not None and dtype == torch.float16:
         g_h, entropy = entropy_grad
         grad, g_h, unscale = _fp16_grad_factor(grad, FP16_DLOGITS_SCALE, g_h)
         entropy_grad = (g_h, entropy)
     else:
         grad, unscale = _fp16_scaling(grad, dtype, False, True)
+    block: torch.Tensor | None  # (these two and acc are let go before the unscaling)
+    w_block: torch.Tensor | None
     w_block = torch.empty((0,), dtype=torch.float32, device=device)
     # fp32 inputs accumulate straight into grad_hidden; 16-bit ones in an fp32 accumulator.
     separate_acc = need_hidden and dtype != torch.float32
@@ -890,7 +945,7 @@ def run_blocks(
         for s0 in range(0, BT, tokens):
             s1 = min(s0 + tokens, BT)
             h = hidden[s0:s1]
-            h_acc = acc[: s1 - s0] if separate_acc else (grad_h[s0:s1] if need_hidden else None)
+            h_acc = acc[: s1 - s0] if acc is not None else (grad_h[s0:s1] if grad_h is not None else None)
             for v0 in range(0, V, cols):
                 v1 = min(v0 + cols, V)
                 logits = block[: (s1 - s0) * (v1 - v0)].view(s1 - s0, v1 - v0)
@@ -921,6 +976,7 @@ def run_blocks(
                 if grad_b is not None:
                     grad_b[v0:v1] += dlogits.sum(0, dtype=torch.float32)
             if separate_acc:
+                assert grad_h is not None and h_acc is not None  # (need_hidden; acc's rows)
                 grad_h[s0:s1].copy_(h_acc)
     block = acc = w_block = None
     if BT == 0:

@@ -27,6 +27,8 @@ The incoming gradient itself is never written: nothing here knows who else holds
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -49,6 +51,7 @@ from lmkernels.backends.triton.common import (
     vmap_over_rows,
 )
 from lmkernels.registry.core import ConsumedInputsError, register
+from lmkernels.types import GeluApproximation
 from lmkernels.utils import empty
 
 # Activation names in the custom op schemas -> the constexpr the kernels branch on.
@@ -127,7 +130,7 @@ def _glu_bwd_kernel(
     tl.store(d_up_ptr + offs, to_dtype(g * act, d_up_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
 
 
-def _grid(n: int):
+def _grid(n: int) -> tuple[int]:
     return (cdiv(n, BLOCK),)
 
 
@@ -150,7 +153,14 @@ def _glu_forward(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch
     return out
 
 
-def _glu_backward_into(grad, gate, up, activation, d_gate, d_up) -> None:
+def _glu_backward_into(
+    grad: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    d_gate: torch.Tensor,
+    d_up: torch.Tensor,
+) -> None:
     """Writes d_gate and d_up (contiguous; each may be grad, gate or up itself)."""
     act = _ACTIVATIONS[activation]
     n = gate.numel()
@@ -162,7 +172,14 @@ def _glu_backward_into(grad, gate, up, activation, d_gate, d_up) -> None:
             )  # fmt: skip
 
 
-def _glu_backward_to(grad, gate, up, activation, d_gate=None, d_up=None):
+def _glu_backward_to(
+    grad: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    activation: str,
+    d_gate: torch.Tensor | None = None,
+    d_up: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_gate, d_up) of act(gate) * up for the upstream gradient grad.
 
     d_gate / d_up, when given, are written over: contiguous, gate's shape and dtype, each gate,
@@ -202,23 +219,25 @@ glu_backward = torch.library.custom_op("lmkernels::glu_backward", _glu_backward,
 
 
 @glu_forward.register_fake
-def _(gate, up, activation):
+def _(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     return gate.new_empty(gate.shape)
 
 
 @glu_backward.register_fake
-def _(grad, gate, up, activation):
+def _(
+    grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     return gate.new_empty(gate.shape), up.new_empty(up.shape)
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     gate, up, activation = inputs
     # Only the inputs are saved; the backward recomputes the activation from gate.
     ctx.save_for_backward(gate, up)
     ctx.activation = activation
 
 
-def _backward(ctx, grad):
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
     """The custom op's backward (compiled code): functional, gate and up are never written."""
     gate, up = ctx.saved_tensors
     d_gate, d_up = _RUN_BWD[ctx.activation](grad, gate, up, ctx.activation)
@@ -236,7 +255,7 @@ glu_forward.register_autograd(_backward, setup_context=_setup_context)
 # --- torch.func transforms and forward-mode AD ---------------------------------------------------
 
 
-def _setup_context_transforms(ctx, inputs, output):
+def _setup_context_transforms(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     _setup_context(ctx, inputs, output)
     ctx.save_for_forward(inputs[0], inputs[1])  # gate, up
 
@@ -254,7 +273,7 @@ def _activation_torch(a: torch.Tensor, activation: str) -> tuple[torch.Tensor, t
     return a * cdf, cdf + a * _INV_SQRT_2PI.value * torch.exp(-0.5 * a * a)
 
 
-def _jvp(ctx, d_gate, d_up, _):
+def _jvp(ctx: Any, d_gate: torch.Tensor | None, d_up: torch.Tensor | None, _: None) -> torch.Tensor:
     """The tangent of act(gate) * up, in fp32."""
     refuse_nested_jvp("swiglu" if ctx.activation == "silu" else "geglu")
     gate, up = ctx.saved_tensors
@@ -300,7 +319,9 @@ def _handed_over(t: torch.Tensor) -> bool:
     return t.requires_grad and not t.is_leaf and t._base is None
 
 
-def _consumed_targets(grad, gate, up, handed_over):
+def _consumed_targets(
+    grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, handed_over: tuple[bool, bool]
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Which of gate and up the consuming backward may write its results over (None: not that
     one): handed over (_handed_over, judged in the forward on the caller's tensors), contiguous
     (the kernel's flat indexing is their own elements, nothing else of the storage), up not
@@ -319,7 +340,9 @@ class _GLUFunction(torch.autograd.Function):
     the caller handed them over (consume_inputs)."""
 
     @staticmethod
-    def forward(ctx, gate, up, activation, consume_inputs):
+    def forward(
+        ctx: Any, gate: torch.Tensor, up: torch.Tensor, activation: str, consume_inputs: bool
+    ) -> torch.Tensor:
         out = _glu_forward(gate, up, activation)
         _setup_context(ctx, (gate, up, activation), out)
         ctx.consume_inputs = consume_inputs
@@ -328,7 +351,7 @@ class _GLUFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         # Unpacked first: after a consuming backward, a retained graph fails here with autograd's
         # version-counter error. Saved-tensor hooks skip that check: a hook handing back the
         # memory written over (same address, version counter at least the bumped one) is caught
@@ -357,7 +380,7 @@ class _GLUFunction(torch.autograd.Function):
 # --- lmkernels impls -------------------------------------------------------------------------------
 
 
-def _glu(gate, up, activation, consume_inputs):
+def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str, consume_inputs: bool) -> torch.Tensor:
     """As _common.call, with the eager Function's extra consume_inputs argument (not part of the
     custom op: compiled graphs are functional and plan their own buffers; nor of the transforms'
     Function: functorch's tensors are not the caller's to hand over)."""
@@ -371,15 +394,20 @@ def _glu(gate, up, activation, consume_inputs):
     return _glu_forward(*args)
 
 
-def swiglu_triton(gate, up, consume_inputs=False):
+def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, consume_inputs: bool = False) -> torch.Tensor:
     return _glu(gate, up, "silu", consume_inputs)
 
 
-def geglu_triton(gate, up, approximate="tanh", consume_inputs=False):
+def geglu_triton(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    approximate: GeluApproximation = "tanh",
+    consume_inputs: bool = False,
+) -> torch.Tensor:
     return _glu(gate, up, _GELU_BY_APPROXIMATE[approximate], consume_inputs)
 
 
-def _supports(**inputs) -> list[str]:
+def _supports(**inputs: Any) -> list[str]:
     # Every shape, dtype (fp32/bf16/fp16) and both gelu approximations are implemented.
     return []
 

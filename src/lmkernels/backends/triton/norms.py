@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 import triton
@@ -49,6 +50,7 @@ from lmkernels.backends.triton.norm_kernels import (
     _sum_partials_kernel,
 )
 from lmkernels.registry.core import register
+from lmkernels.types import CastingMode
 from lmkernels.utils import empty
 
 # Programs of the backward under the CPU interpreter: few, so each one loops over several tiles.
@@ -82,7 +84,7 @@ def fwd_config(table: NormTable, op: str, N: int) -> FwdConfig:
 @functools.cache
 def bwd_config(table: NormTable, op: str, N: int) -> BwdConfig:
     """The backward's launch for rows of N columns, from `table` (configs.tables_for)."""
-    shared = dict(column=table.column, sums=table.sums)
+    shared: dict[str, Any] = dict(column=table.column, sums=table.sums)
     if N > table.max_fused_n:
         wide = table.wide
         return BwdConfig(
@@ -137,8 +139,8 @@ def pipeline_stages(cfg: BwdConfig, x: torch.Tensor, weight: torch.Tensor | None
         limit = simulation.target.shared_per_block
     else:
         limit = _max_shared_bytes(_device_index(x.device))
-    reload_w = weight is not None and (cfg.reload_w or cfg.path != PATH_REGS)
-    w_bytes = weight.element_size() if reload_w else 0
+    reload_w = cfg.reload_w or cfg.path != PATH_REGS
+    w_bytes = weight.element_size() if weight is not None and reload_w else 0
     return _fit_stages(cfg, x.element_size(), w_bytes, reloads_x(cfg, x), limit)
 
 
@@ -193,7 +195,13 @@ def column_splits(M: int, N: int, column: ColumnConfig, device: torch.device) ->
     return max(1, min(cdiv(M, column.block_m), cdiv(target, cdiv(N, column.block_n))))
 
 
-def sum_partials(partial: torch.Tensor, out: torch.Tensor, sums: SumConfig, partial2=None, out2=None) -> None:
+def sum_partials(
+    partial: torch.Tensor,
+    out: torch.Tensor,
+    sums: SumConfig,
+    partial2: torch.Tensor | None = None,
+    out2: torch.Tensor | None = None,
+) -> None:
     """out (1-D, any float dtype) = partial.sum(0), with one fp32 accumulation per column; and
     the same for (partial2, out2) in the same launch when given (its own number of rows)."""
     P, N = partial.shape
@@ -206,7 +214,7 @@ def sum_partials(partial: torch.Tensor, out: torch.Tensor, sums: SumConfig, part
         partial2 if second else partial,
         out2 if second else out,
         P,
-        partial2.shape[0] if second else P,
+        partial2.shape[0] if partial2 is not None else P,
         N,
         SOFT_BF16=soft_bf16(out),
         BLOCK_P=sums.block_p,
@@ -229,7 +237,7 @@ def num_tiles(M: int, rows: int) -> int:
     return cdiv(M, rows)
 
 
-def row_limit_reasons(x: torch.Tensor, **_) -> list[str]:
+def row_limit_reasons(x: torch.Tensor, **_: Any) -> list[str]:
     """The norms' supports(): the only inputs they refuse are beyond their index ranges."""
     reasons = []
     if x.shape[-1] >= 2**31:
@@ -420,7 +428,16 @@ def rms_norm_forward(
     return y, rstd
 
 
-def rms_norm_backward_into(dy, x, weight, rstd, offset, casting_mode, dx, cfg: BwdConfig) -> torch.Tensor:
+def rms_norm_backward_into(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    offset: float,
+    casting_mode: str,
+    dx: torch.Tensor,
+    cfg: BwdConfig,
+) -> torch.Tensor:
     """Writes dx and returns dw (empty when weight is None), launched as cfg says. dy and dx are
     contiguous; dx may be dy itself (in-place backward)."""
     dw, _ = norm_backward_into(dy, x, weight, None, rstd, offset, MODES[casting_mode], None, dx, cfg)
@@ -428,7 +445,13 @@ def rms_norm_backward_into(dy, x, weight, rstd, offset, casting_mode, dx, cfg: B
 
 
 def rms_norm_backward(
-    dy, x, weight, rstd, offset, casting_mode, cfg: BwdConfig
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    offset: float,
+    casting_mode: str,
+    cfg: BwdConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns dx (x's shape and dtype) and dw (empty when weight is None), launched as cfg says."""
     dx = empty(x.shape, x.dtype, x.device)
@@ -465,12 +488,21 @@ rms_norm_bwd = torch.library.custom_op("lmkernels::rms_norm_bwd", _rms_norm_bwd,
 
 
 @rms_norm_fwd.register_fake
-def _(x, weight, eps, offset, casting_mode):
+def _(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape), x.new_empty((num_rows(x),), dtype=torch.float32)
 
 
 @rms_norm_bwd.register_fake
-def _(dy, x, weight, rstd, offset, casting_mode):
+def _(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    offset: float,
+    casting_mode: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     dw_shape = (0,) if weight is None else weight.shape
     dw_dtype = x.dtype if weight is None else weight.dtype
     return x.new_empty(x.shape), x.new_empty(dw_shape, dtype=dw_dtype)
@@ -479,7 +511,7 @@ def _(dy, x, weight, rstd, offset, casting_mode):
 # --- autograd ----------------------------------------------------------------------------------
 
 
-def _rms_setup_context(ctx, inputs, output):
+def _rms_setup_context(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
     x, weight, eps, offset, casting_mode = inputs
     _, rstd = output
     ctx.mark_non_differentiable(rstd)
@@ -491,7 +523,9 @@ def _rms_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _rms_backward(ctx, dy, drstd):
+def _rms_backward(
+    ctx: Any, dy: torch.Tensor | None, drstd: torch.Tensor | None
+) -> tuple[torch.Tensor | None, None, None, None, None]:
     if dy is None:  # y got no gradient (grads are not materialized)
         return None, None, None, None, None
     x, weight, rstd = ctx.saved_tensors
@@ -502,13 +536,15 @@ def _rms_backward(ctx, dy, drstd):
     return dx, dw, None, None, None
 
 
-def _rms_setup_context_transforms(ctx, inputs, output):
+def _rms_setup_context_transforms(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
     _rms_setup_context(ctx, inputs, output)
     ctx.save_for_forward(inputs[0], inputs[1])  # x, weight
     ctx.eps = inputs[2]
 
 
-def _rms_jvp(ctx, dx, dweight, *_):
+def _rms_jvp(
+    ctx: Any, dx: torch.Tensor | None, dweight: torch.Tensor | None, *_: torch.Tensor | None
+) -> tuple[torch.Tensor, None]:
     """The tangent of y = x * rstd * (weight + offset), in fp32 (the casting modes differ only
     in where they round, and a rounding's tangent is the identity); rstd has none. rstd is
     recomputed from x, not read from the forward's output: an outer grad transform
@@ -526,6 +562,7 @@ def _rms_jvp(ctx, dx, dweight, *_):
             dy = dy * (weight.float() + ctx.offset)
     if dweight is not None:
         dy = xhat * dweight.float() if dy is None else dy + xhat * dweight.float()
+    assert dy is not None  # (jvp runs for a tangent of x or of the weight)
     return dy.to(dtype), None
 
 
@@ -551,7 +588,13 @@ _RMSNormFunction = eager_function(
 # --- the impl ----------------------------------------------------------------------------------
 
 
-def rms_norm_triton(x, weight=None, eps=1e-6, offset=0.0, casting_mode="llama"):
+def rms_norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: CastingMode = "llama",
+) -> torch.Tensor:
     y, _ = call(rms_norm_fwd, _RMSNormFunction, x, weight, float(eps), float(offset), casting_mode)
     return y
 
@@ -582,7 +625,9 @@ def layer_norm_forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns y (x's shape and dtype, contiguous), mean and rstd (fp32, one per row), launched
     as cfg says."""
-    return norm_forward(x, weight, bias, eps, None, LAYER_NORM_MODE, True, cfg)
+    y, mean, rstd = norm_forward(x, weight, bias, eps, None, LAYER_NORM_MODE, True, cfg)
+    assert mean is not None  # (has_mean)
+    return y, mean, rstd
 
 
 def layer_norm_backward(
@@ -630,7 +675,9 @@ layer_norm_bwd = torch.library.custom_op("lmkernels::layer_norm_bwd", _layer_nor
 
 
 @layer_norm_fwd.register_fake
-def _(x, weight, bias, eps):
+def _(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     stats = (num_rows(x),)
     return (
         x.new_empty(x.shape),
@@ -640,7 +687,14 @@ def _(x, weight, bias, eps):
 
 
 @layer_norm_bwd.register_fake
-def _(dy, x, weight, mean, rstd, bias_dtype):
+def _(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    bias_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     N = x.shape[-1]
     dw = x.new_empty((0,)) if weight is None else x.new_empty((N,), dtype=weight.dtype)
     db = x.new_empty((0,)) if bias_dtype is None else x.new_empty((N,), dtype=bias_dtype)
@@ -650,7 +704,9 @@ def _(dy, x, weight, mean, rstd, bias_dtype):
 # --- autograd ----------------------------------------------------------------------------------
 
 
-def _ln_setup_context(ctx, inputs, output):
+def _ln_setup_context(
+    ctx: Any, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> None:
     x, weight, bias, eps = inputs
     _, mean, rstd = output
     ctx.mark_non_differentiable(mean, rstd)
@@ -661,7 +717,9 @@ def _ln_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _ln_backward(ctx, dy, dmean, drstd):
+def _ln_backward(
+    ctx: Any, dy: torch.Tensor | None, dmean: torch.Tensor | None, drstd: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
     if dy is None:  # y got no gradient
         return None, None, None, None
     x, weight, mean, rstd = ctx.saved_tensors
@@ -674,13 +732,21 @@ def _ln_backward(ctx, dy, dmean, drstd):
     )
 
 
-def _ln_setup_context_transforms(ctx, inputs, output):
+def _ln_setup_context_transforms(
+    ctx: Any, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> None:
     _ln_setup_context(ctx, inputs, output)
     ctx.save_for_forward(inputs[0], inputs[1])  # x, weight
     ctx.eps = inputs[3]
 
 
-def _ln_jvp(ctx, dx, dweight, dbias, _):
+def _ln_jvp(
+    ctx: Any,
+    dx: torch.Tensor | None,
+    dweight: torch.Tensor | None,
+    dbias: torch.Tensor | None,
+    _: torch.Tensor | None,
+) -> tuple[torch.Tensor, None, None]:
     """The tangent of y = (x - mean) * rstd * weight + bias, in fp32; mean and rstd have none.
     They are recomputed from x, not read from the forward's outputs: an outer grad transform
     differentiates this tangent, through x."""
@@ -724,7 +790,9 @@ _LayerNormFunction = eager_function(
 # --- the impl ----------------------------------------------------------------------------------
 
 
-def layer_norm_triton(x, weight=None, bias=None, eps=1e-5):
+def layer_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5
+) -> torch.Tensor:
     y, _, _ = call(layer_norm_fwd, _LayerNormFunction, x, weight, bias, float(eps))
     return y
 

@@ -29,6 +29,7 @@ inputs (see _rope_rotate).
 from __future__ import annotations
 
 import functools
+from typing import Any, Literal
 
 import torch
 import triton
@@ -53,6 +54,7 @@ from lmkernels.backends.triton.common import (
 from lmkernels.backends.triton.configs import tables_for
 from lmkernels.backends.triton.configs.records import RopePosConfig, RopeTable, RopeTileConfig
 from lmkernels.registry.core import BackendNotSupportedError, forward_ad_error, register
+from lmkernels.types import RopeLayout
 from lmkernels.utils import empty, empty_strided
 
 
@@ -349,7 +351,7 @@ def is_bthd(t: torch.Tensor) -> bool:
     return t.dim() == 4 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
 
 
-def _empty_in_layout(shape, bthd: bool, like: torch.Tensor) -> torch.Tensor:
+def _empty_in_layout(shape: tuple[int, ...], bthd: bool, like: torch.Tensor) -> torch.Tensor:
     """(B, H, T, D) output, stored as (B, T, H, D) when bthd (see _rope_rotate)."""
     B, H, T, D = shape
     if bthd:  # one call: empty() + transpose(1, 2) cost twice the host time
@@ -357,7 +359,9 @@ def _empty_in_layout(shape, bthd: bool, like: torch.Tensor) -> torch.Tensor:
     return empty((B, H, T, D), like.dtype, like.device)
 
 
-def rope_config(table: RopeTable, T: int, rotary_dim: int, head_dim: int, rows: bool):
+def rope_config(
+    table: RopeTable, T: int, rotary_dim: int, head_dim: int, rows: bool
+) -> RopePosConfig | RopeTileConfig:
     """The entry of `table` that RoPE runs for these inputs: the tile kernel's where the table
     has one for the rotary width, each head's positions are contiguous rows (`rows`) and the
     sequence fills a tile; else the position kernel's. Decoding and short sequences (most of a
@@ -374,16 +378,37 @@ def _block_t(cfg: RopeTileConfig, head_dim: int) -> int:
     return max(1, cfg.tile_elements // next_power_of_2(head_dim))
 
 
+# A launch plan (_plan): the tile kernel's, or the position kernel's.
+Plan = tuple[Literal[True], int, int, int, int, int] | tuple[Literal[False], int, int, int]
+
+
 # The launch plan of an entry for a shape, cached: the helpers' host cost on every launch. Per
 # table (hashed by identity) where the table chooses, per configuration where one is given.
 @functools.lru_cache(maxsize=1024)
-def _table_plan(table: RopeTable, B, T, n_q_heads, n_k_heads, rotary_dim, head_dim, rows):
+def _table_plan(
+    table: RopeTable,
+    B: int,
+    T: int,
+    n_q_heads: int,
+    n_k_heads: int,
+    rotary_dim: int,
+    head_dim: int,
+    rows: bool,
+) -> Plan:
     cfg = rope_config(table, T, rotary_dim, head_dim, rows)
     return _plan(cfg, B, T, n_q_heads, n_k_heads, rotary_dim, head_dim)
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(cfg, B, T, n_q_heads, n_k_heads, rotary_dim, head_dim):
+def _plan(
+    cfg: RopePosConfig | RopeTileConfig,
+    B: int,
+    T: int,
+    n_q_heads: int,
+    n_k_heads: int,
+    rotary_dim: int,
+    head_dim: int,
+) -> Plan:
     """(True, BLOCK_T, n_t_blocks, splits, warps, head_stages) for the tile kernel, (False,
     BLOCK_H, splits, warps) for the position kernel."""
     if isinstance(cfg, RopeTileConfig):
@@ -443,7 +468,7 @@ def rope_rotate_with(
     else:  # (T, R) or a (P, R) table: no batch stride
         stride_cb, stride_ct, stride_sb, stride_st = 0, cos.stride(0), 0, sin.stride(0)
     has_pos = position_ids is not None
-    stride_pb, stride_pt = position_ids.stride() if has_pos else (0, 0)
+    stride_pb, stride_pt = position_ids.stride() if position_ids is not None else (0, 0)
     n_table = cos.shape[0] if has_pos else 0
     block_half = next_power_of_2(rotary_dim // 2)
     block_rest = next_power_of_2(D - rotary_dim) if rotary_dim < D else 1
@@ -506,17 +531,28 @@ rope_rotate = torch.library.custom_op("lmkernels::rope_rotate", _rope_rotate, mu
 
 
 @rope_rotate.register_fake
-def _(q, k, cos, sin, position_ids, interleaved, rotary_dim, inverse, q_bthd, k_bthd):
+def _(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    interleaved: bool,
+    rotary_dim: int,
+    inverse: bool,
+    q_bthd: bool,
+    k_bthd: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _empty_in_layout(q.shape, q_bthd, q), _empty_in_layout(k.shape, k_bthd, k)
 
 
-def _setup_context(ctx, inputs, output):
+def _setup_context(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
     q, k, cos, sin, position_ids, interleaved, rotary_dim, inverse, q_bthd, k_bthd = inputs
     ctx.save_for_backward(cos, sin, position_ids)
     ctx.options = (interleaved, rotary_dim, inverse, q_bthd, k_bthd)
 
 
-def _setup_context_eager(ctx, inputs, output):
+def _setup_context_eager(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
     """The eager Function's: the tables are kept as plain attributes, not saved tensors, which
     autograd frees after the node's first backward. q_out and k_out share this node, so a
     backward through q_out alone must leave k_out's for later (two backward calls work, as
@@ -526,13 +562,18 @@ def _setup_context_eager(ctx, inputs, output):
     ctx.options = (interleaved, rotary_dim, inverse, q_bthd, k_bthd)
 
 
-def _backward(ctx, grad_q, grad_k):
+def _backward(
+    ctx: Any, grad_q: torch.Tensor | None, grad_k: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
     if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
         raise BackendNotSupportedError("rope: backend 'triton' has no gradients for cos and sin")
     if grad_q is None or grad_k is None:  # not materialized (_setup_context_transforms)
         q_shape, k_shape = ctx.shapes
-        grad_q = grad_k.new_zeros(q_shape) if grad_q is None else grad_q
-        grad_k = grad_q.new_zeros(k_shape) if grad_k is None else grad_k
+        if grad_q is None:
+            assert grad_k is not None  # (the backward runs for a gradient of q_out or of k_out)
+            grad_q = grad_k.new_zeros(q_shape)
+        else:
+            grad_k = grad_q.new_zeros(k_shape)
     cos, sin, position_ids = ctx.tables if hasattr(ctx, "tables") else ctx.saved_tensors
     interleaved, rotary_dim, inverse, q_bthd, k_bthd = ctx.options
     # dq, dk in the layouts of q and k (see _rope_rotate).
@@ -542,7 +583,7 @@ def _backward(ctx, grad_q, grad_k):
     return dq, dk, None, None, None, None, None, None, None, None
 
 
-def _setup_context_transforms(ctx, inputs, output):
+def _setup_context_transforms(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
     _setup_context(ctx, inputs, output)
     ctx.save_for_forward(*inputs[:5])  # q, k, cos, sin, position_ids
     # The jvp must see which inputs have no tangent (None, not zeros: cos and sin are refused).
@@ -550,7 +591,14 @@ def _setup_context_transforms(ctx, inputs, output):
     ctx.shapes = (inputs[0].shape, inputs[1].shape)
 
 
-def _jvp(ctx, dq, dk, dcos, dsin, *_):
+def _jvp(
+    ctx: Any,
+    dq: torch.Tensor | None,
+    dk: torch.Tensor | None,
+    dcos: torch.Tensor | None,
+    dsin: torch.Tensor | None,
+    *_: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotation is linear in q and k: their tangents, rotated like them (the same launcher).
     Both outputs get one (zeros for an input without): a None among them fails an internal
     assert of torch's forward AD under an outer grad transform."""
@@ -578,7 +626,15 @@ _RopeFunction = eager_function(
 # --- lmkernels impl --------------------------------------------------------------------------------
 
 
-def rope_triton(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=None):
+def rope_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    layout: RopeLayout = "neox",
+    rotary_dim: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     rdim = q.shape[-1] if rotary_dim is None else rotary_dim
     return call(
         rope_rotate,
@@ -596,7 +652,13 @@ def rope_triton(q, k, cos, sin, position_ids=None, layout="neox", rotary_dim=Non
     )
 
 
-def _supports(q=None, k=None, cos=None, sin=None, **options) -> list[str]:
+def _supports(
+    q: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    **options: Any,
+) -> list[str]:
     reasons = []
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (cos, sin)):
         reasons.append("gradients for cos/sin are not implemented (they require grad)")

@@ -244,9 +244,16 @@ def variants(op: str, case: Any, table_only: bool) -> list[tuple[str, Any]]:
     else:
         out += [(fwd_name(r), r) for r in norm_fwd_candidates(case.N, op, t.norms)]
         out += [(bwd_name(r), r) for r in norm_bwd_candidates(case.N, op, t.norms)]
-    seen: set[Any] = set()
     out = [(name, r) for name, r in out if r is None or fits_device(r)]
-    return [(name, r) for name, r in out if not (r is not None and (r in seen or seen.add(r)))]
+    seen: set[Any] = set()
+    unique = []
+    for name, r in out:  # each record once
+        if r is not None:
+            if r in seen:
+                continue
+            seen.add(r)
+        unique.append((name, r))
+    return unique
 
 
 def fits_device(record: Any) -> bool:

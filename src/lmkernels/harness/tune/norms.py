@@ -41,7 +41,7 @@ import math
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -53,6 +53,7 @@ from lmkernels.backends.triton.configs.records import (
     NormEntry,
     RopePosConfig,
     RopeTileConfig,
+    Tables,
     WidePath,
 )
 from lmkernels.harness.tune.candidates import (
@@ -235,7 +236,7 @@ class Case:
         return run
 
     def peers(self) -> dict:
-        out = {"compile": torch.compile(self.ref, dynamic=False)}
+        out: dict[str, Callable[..., Any]] = {"compile": torch.compile(self.ref, dynamic=False)}
         try:
             from lmkernels.backends import adapters
 
@@ -326,7 +327,7 @@ def summary_line(op: str, shape: tuple[int | None, ...], rows: list[dict[str, An
     return f"{op} {'x'.join(str(s) for s in shape if s)}: {times}; best {best['variant']} {f(best['ms'])}"
 
 
-def _why(speedups: list[float]) -> str:
+def _why(speedups: Sequence[float]) -> str:
     lo, hi = f"{min(speedups):.2f}", f"{max(speedups):.2f}"
     n = len(speedups)
     return f"fwd+bwd {lo if lo == hi else f'{lo}-{hi}'}x the entry it replaces ({n} shape{'s' * (n > 1)})"
@@ -360,7 +361,7 @@ class Winner:
         return _why(self.speedups)
 
 
-def winners(rows) -> list[Winner]:
+def winners(rows: list[dict[str, Any]]) -> list[Winner]:
     """Per table key (a norm entry's columns, the wide path, RoPE's rotary half width) and kind
     of record: of the records timed at every point of the key, the one with the least geometric
     mean of its time over the table's, where that beats the table. RoPE's tile and position
@@ -397,7 +398,7 @@ def winners(rows) -> list[Winner]:
     return out
 
 
-def suggestions(rows) -> list[str]:
+def suggestions(rows: list[dict[str, Any]]) -> list[str]:
     """The winners as the entries of a generation's module (configs.entry_text), with their
     measured `why`."""
     lines = ["", "## The entries the timings suggest", ""]
@@ -412,7 +413,7 @@ def suggestions(rows) -> list[str]:
     return lines
 
 
-def tuned_tables(base, found: list[Winner], name: str):
+def tuned_tables(base: Tables, found: list[Winner], name: str) -> Tables:
     """`base` (the tables the run measured against) with every winner in the place of the entry
     it beat: the tables `--install` writes (configs.files)."""
     norms, rope = base.norms, base.rope
@@ -440,7 +441,9 @@ def tuned_tables(base, found: list[Winner], name: str):
     return replace(base, name=name, norms=norms, rope=rope)
 
 
-def install(rows, meta, out: str, install_file: bool, log) -> None:
+def install(
+    rows: list[dict[str, Any]], meta: dict[str, Any], out: str, install_file: bool, log: Callable[[str], None]
+) -> None:
     """Write the tuned tables: DIR/tuned-tables.json always (where winners beat the table), and
     with `install_file` the file the package loads on this GPU (configs.files)."""
     from lmkernels.backends.triton.configs import files
@@ -464,7 +467,7 @@ def install(rows, meta, out: str, install_file: bool, log) -> None:
         log(f"to use them on this GPU: --install, or copy the file to {where}")
 
 
-def markdown(rows, meta) -> str:
+def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [f"# Tuning, fwd+bwd bf16 GPU time, {meta['device']}", "", f"`{meta['command']}`", ""]
     lines += [
         f"torch {meta['torch']}, triton {meta['triton']}; copy bandwidth {meta['copy_gbps']:.0f} GB/s.",

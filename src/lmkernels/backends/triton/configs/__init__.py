@@ -50,7 +50,7 @@ def tables_for(device: torch.device) -> Tables:
 def target_tables(target: Target) -> Tables:
     """The built-in tables of `target` (no tuned file): Hopper's measured ones on NVIDIA 9.x, the
     generic rule's on every other GPU."""
-    if target.backend == "cuda" and target.capability[0] == 9:
+    if target.capability is not None and target.capability[0] == 9:  # (None: not NVIDIA)
         return hopper.TABLES
     return generic.tables_for_target(target)
 

@@ -4,6 +4,7 @@ generation's module (hopper.py) instead of numbers copied into it by hand."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from lmkernels.backends.triton.configs import hopper
 from lmkernels.backends.triton.configs.records import NORM_OPS, NormEntry, RopePosConfig, RopeTileConfig
@@ -51,7 +52,7 @@ def entry_text(
             cols = served.cols if served is not None else (block // 2 + 1, block)
         if not cols[0] <= width <= cols[1]:
             raise ValueError(f"cols {cols} do not hold the width measured, {width}")
-        key = {"op": op, "cols": tuple(cols)}
+        key: dict[str, Any] = {"op": op, "cols": tuple(cols)}
     elif op == "rope_position":
         key = {"block_half": 1 << max(width - 1, 0).bit_length()}
     else:
@@ -72,7 +73,7 @@ def entry_text(
     return text + "\n"
 
 
-def _is_default(f: dataclasses.Field, value) -> bool:
+def _is_default(f: dataclasses.Field, value: object) -> bool:
     return f.default is not dataclasses.MISSING and value == f.default
 
 

@@ -174,7 +174,7 @@ def _value(tp: Any, v: Any, where: str) -> Any:
         if len(v) != len(args):
             raise ConfigFileError(f"{where}: {len(args)} values expected, got {len(v)}")
         return tuple(_value(a, x, f"{where}[{i}]") for i, (a, x) in enumerate(zip(args, v)))
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a record
         return _record(tp, v, where)
     if tp is bool:
         ok = type(v) is bool

@@ -29,14 +29,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TypeVar
 
 from lmkernels.backends.triton.configs import hopper
 from lmkernels.backends.triton.configs.records import (
     ColumnConfig,
+    FlceRowsEntry,
     FlceTable,
     NormEntry,
     NormTable,
+    Record,
+    RopePosConfig,
     RopeTable,
+    RopeTileConfig,
     SumConfig,
     Tables,
     WidePath,
@@ -97,7 +102,7 @@ def resident_programs(programs: int, warps: int, shared_bytes: int, target: Targ
     return max(1, min(programs, fit))
 
 
-def _changed(before, after, names) -> str:
+def _changed(before: Record, after: Record, names: tuple[str, ...]) -> str:
     parts = [
         f"{n} {getattr(before, n)} -> {getattr(after, n)}"
         for n in names
@@ -106,7 +111,7 @@ def _changed(before, after, names) -> str:
     return ", ".join(parts) if parts else "unchanged"
 
 
-def _why(target: Target, before, after, names) -> str:
+def _why(target: Target, before: Record, after: Record, names: tuple[str, ...]) -> str:
     return (
         f"generic {target.name}: Hopper's entry ({_changed(before, after, names)}); on Hopper: {before.why}"
     )
@@ -170,7 +175,10 @@ def sum_config(s: SumConfig, target: Target) -> SumConfig:
     return dataclasses.replace(out, why=_why(target, s, out, ("num_warps",)))
 
 
-def _warps_only(record, target: Target):
+_Launch = TypeVar("_Launch", RopePosConfig, RopeTileConfig, FlceRowsEntry)
+
+
+def _warps_only(record: _Launch, target: Target) -> _Launch:
     out = dataclasses.replace(record, num_warps=warps_for(record.num_warps, target))
     return dataclasses.replace(out, why=_why(target, record, out, ("num_warps",)))
 

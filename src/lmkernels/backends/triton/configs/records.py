@@ -11,6 +11,7 @@ RopePosConfig, RopeTileConfig) and pass that to the launcher as an argument.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 # Backward paths of the norm kernels (their PATH constexpr; 2 is the value WIDE always had, so
 # that its compiled kernels keep their cache keys).
@@ -80,7 +81,7 @@ class NormEntry:
     hold_x: bool = False
     fma: bool = False
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         first, last = self.cols
         if self.op not in NORM_OPS:
             raise ValueError(f"NormEntry.op: {self.op!r}, not one of {NORM_OPS}")
@@ -145,7 +146,10 @@ class NormTable:
     column: ColumnConfig
     sums: SumConfig
 
-    def __post_init__(self):
+    if TYPE_CHECKING:  # built by __post_init__, not a field (a tuned file holds the fields)
+        _index: dict[str, tuple[NormEntry, ...]] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
         index: dict[str, list[NormEntry]] = {op: [] for op in NORM_OPS}
         for e in self.entries:
             index[e.op].append(e)
@@ -257,7 +261,11 @@ class RopeTable:
     position: tuple[RopePosConfig, ...]
     tile: tuple[RopeTileConfig, ...]
 
-    def __post_init__(self):
+    if TYPE_CHECKING:  # built by __post_init__, not fields (a tuned file holds the fields)
+        _position: dict[tuple[int | None, bool], RopePosConfig] = dataclasses.field(init=False)
+        _tile: dict[tuple[int | None, bool], RopeTileConfig] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
         pos = {(e.block_half, e.partial): e for e in self.position}
         tile = {(e.half, e.partial): e for e in self.tile}
         if len(pos) != len(self.position) or len(tile) != len(self.tile):
@@ -292,7 +300,7 @@ class FlceRowsEntry:
     num_warps: int
     why: str = ""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.min_cols < 1 or self.block < 1 or self.block & (self.block - 1):
             raise ValueError(f"FlceRowsEntry: min_cols >= 1 and a power-of-2 block, got {self}")
 
@@ -303,7 +311,10 @@ class FlceTable:
 
     rows: tuple[FlceRowsEntry, ...]
 
-    def __post_init__(self):
+    if TYPE_CHECKING:  # built by __post_init__, not a field (a tuned file holds the fields)
+        _by_width: tuple[FlceRowsEntry, ...] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
         widths = [e.min_cols for e in self.rows]
         if len(set(widths)) != len(widths) or 1 not in widths:
             raise ValueError("FlceTable: one entry per min_cols, and one with min_cols 1")
@@ -318,6 +329,9 @@ class FlceTable:
 
 # --- a generation's tables ---------------------------------------------------------------------
 
+# A record of a table, each with its `why`.
+Record = NormEntry | WidePath | ColumnConfig | SumConfig | RopePosConfig | RopeTileConfig | FlceRowsEntry
+
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class Tables:
@@ -328,17 +342,14 @@ class Tables:
     rope: RopeTable
     flce: FlceTable
 
-    def __post_init__(self):
-        missing = [
-            e
-            for e in (
-                *self.norms.entries,
-                self.norms.wide,
-                *self.rope.position,
-                *self.rope.tile,
-                *self.flce.rows,
-            )
-            if not e.why.strip()
-        ]
+    def __post_init__(self) -> None:
+        entries: tuple[Record, ...] = (
+            *self.norms.entries,
+            self.norms.wide,
+            *self.rope.position,
+            *self.rope.tile,
+            *self.flce.rows,
+        )
+        missing = [e for e in entries if not e.why.strip()]
         if missing:
             raise ValueError(f"{self.name}: entries without a `why`: {missing}")

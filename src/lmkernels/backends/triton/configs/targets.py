@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lmkernels.backends.triton.configs.records import Tables
@@ -56,7 +56,7 @@ class Target:
     bf16: bool
     gpus: str = ""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.backend not in ("cuda", "hip"):
             raise ValueError(f"Target.backend: {self.backend!r}, not 'cuda' or 'hip'")
         if self.backend == "cuda" and not isinstance(self.arch, int):
@@ -92,7 +92,9 @@ class Target:
         return self.max_threads_per_block // self.warp_size
 
 
-_NVIDIA = dict(backend="cuda", warp_size=32, registers_per_sm=65536, max_registers_per_thread=255)
+_NVIDIA: dict[str, Any] = dict(
+    backend="cuda", warp_size=32, registers_per_sm=65536, max_registers_per_thread=255
+)
 
 # The documented limits (CUDA C Programming Guide, "Technical Specifications per Compute
 # Capability"; AMD CDNA3 ISA and the MI300 data sheet). shared_per_block is the opt-in maximum,
