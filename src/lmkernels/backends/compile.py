@@ -99,7 +99,8 @@ def _make_generic(name: str) -> Callable[..., Any]:
         return out
 
     # The reference's signature, so that the dispatcher passes the inputs positionally: a
-    # compiled function called by keyword costs ~1.5 us more per call (guards read kwargs).
+    # compiled function called by keyword costs more host time per call (its guards read the
+    # kwargs; docs/performance.md, "Design decisions and their measurements").
     run.__signature__ = inspect.signature(reference)  # type: ignore[attr-defined]  # (inspect reads it)
     run.__name__ = f"{name}_compile"
     return run

@@ -65,8 +65,8 @@ logger = logging.getLogger("lmkernels")
 # KTO metrics; log_sum_sq_probs: DPO's WPO weights, one more forward over the head).
 OURS = frozenset({"log_probs", "entropy", "is_top1", "mean_logits", "log_sum_sq_probs"})
 PREFER = ("auto", "lmkernels", "trl")
-# "auto": lmkernels wherever it can give the trainer what it reads (docs/trainers.md has the
-# measured SFT step, `lmkernels-bench trl-head`).
+# "auto": lmkernels wherever it can give the trainer what it reads, the faster head of the two
+# (docs/trainers.md times an SFT step with each, `lmkernels-bench trl-head`).
 AUTO = "lmkernels"
 # Set by a call the pre-hook redirected (see _pre_hook): the patched forward TRL wraps receives
 # it and computes TRL's output with lmkernels (redirected()).

@@ -172,7 +172,7 @@ class Impl:
     available: Callable[[], str | None] = _always_available
     # Op-specific reasons for given inputs (unsupported option, shape limit, ...).
     supports: Callable[..., list[str]] = _no_extra_reasons
-    # Why `auto` passes over this impl for inputs it can run (e.g. measured slower than another
+    # Why `auto` passes over this impl for inputs it can run (e.g. slower than another
     # backend on this GPU); a backend asked for by name still runs. Empty list: auto may pick it.
     auto_declines: Callable[..., list[str]] = _no_extra_reasons
     description: str = ""

@@ -18,7 +18,7 @@ afresh: dynamo traces it once per graph and guards on what it read (a cache woul
 guards).
 
 Its cost per call is held to a bound by `lmkernels-bench dispatch-overhead`; docs/performance.md
-("What we tried") has the alternatives measured against it.
+("What we tried") has the alternatives tried against it.
 """
 
 from __future__ import annotations

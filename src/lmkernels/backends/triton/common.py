@@ -87,9 +87,9 @@ def transforming() -> bool:
     return _functorch_active() or _forward_ad._current_level >= 0
 
 
-# Argument types that are neither a tensor subclass nor need an isinstance() to tell: that
-# costs ~0.3 us for a non-tensor (torch.Tensor's metaclass takes the slow isinstance route),
-# more than the rest of `call` for the 3 options of an RMSNorm.
+# Argument types that are neither a tensor subclass nor need an isinstance() to tell: for a
+# non-tensor that test takes torch.Tensor's metaclass's slow isinstance route, which would cost
+# more host time than the rest of `call` for an RMSNorm's options.
 _PLAIN_TYPES = frozenset({*_PLAIN_TENSOR_TYPES, float, int, bool, str, type(None), torch.dtype})
 
 
@@ -316,7 +316,7 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1), for host code: triton.next_power_of_2 is
-    a constexpr-function wrapper too, 1.5 us per call against 0.02."""
+    a constexpr-function wrapper too, far slower per call than this integer arithmetic."""
     return 1 << max(n - 1, 0).bit_length()
 
 
@@ -372,8 +372,8 @@ def gpu_reasons(**inputs: Any) -> list[str]:
 def gpu_capabilities(op: str, supports: Callable[..., list[str]]) -> dict[str, Any]:
     """register() keywords every Triton impl of `op` takes: `supports` with the GPU's dtype rule
     (gpu_reasons) ahead of the op's own reasons, and `auto_declines`: `auto` passes over Triton
-    where the device runs untuned (generic) tables that were measured slower than compile for
-    `op` there (configs.generic.PREFER_COMPILE)."""
+    where the device runs untuned (generic) tables that are slower than compile for `op` there
+    (configs.generic.PREFER_COMPILE)."""
 
     def supported(**inputs: Any) -> list[str]:
         return gpu_reasons(**inputs) + supports(**inputs)
@@ -403,8 +403,8 @@ def gpu_capabilities(op: str, supports: Callable[..., list[str]]) -> dict[str, A
 # in the stream has finished: its launch, its programs' placement on the SMs and their first
 # instructions overlap the previous kernel's last programs, and `gdc_wait` then holds it until
 # that kernel has completed and its writes are visible. That shortens the gap between two
-# dependent kernels: 1-3 us per norm forward + backward (three kernels) on an H200, a few
-# percent at common sizes (docs/performance.md, "What we tried").
+# dependent kernels, which counts where the kernels are short (docs/performance.md, "What we
+# tried" and "Design decisions and their measurements").
 #
 # The rule that keeps it correct: a kernel launched with PDL calls `pdl_enter(PDL)` before it
 # touches global memory at all (reads and writes: a buffer it writes may have been freed by a
@@ -469,8 +469,8 @@ def sm90_ptx(index: int) -> bool:
 # `kernel[grid](*args, **kw)` binds the arguments to the signature, specializes each one (its
 # type, a pointer's 16-byte alignment, an integer's divisibility by 16, ...), builds a cache key
 # from those and every constexpr and option value, and looks the compiled kernel up, on every
-# call: 8-14 us of host time per launch on the H200 machine, on top of the 5-8 us that the
-# compiled kernel's launcher takes (measured; docs/performance.md). So `launch`
+# call: more host time per launch than the compiled kernel's launcher itself takes
+# (docs/performance.md, "Design decisions and their measurements"). So `launch`
 # keeps its own key, per kernel, of exactly what Triton specializes on, and calls the launcher
 # directly once Triton has compiled the kernel for that key.
 #
@@ -561,7 +561,7 @@ def launch_key(args: tuple, kwargs: dict, constexprs: tuple = ()) -> tuple:
     An int's specialization is one small int: 1 for the value 1 (a constant to Triton), else
     2 + (divisible by 16) + 2 * width, width 0 for i32, 1 for i64, 2 for u64 (or beyond). It is
     computed inline: this loop runs for every argument of every launch, and a function call per
-    int was a quarter of RoPE's key (31 arguments: 5.3 against 4.0-4.2 us on the CPU)."""
+    int would be a large share of the key's host time at RoPE's 31 arguments."""
     spec: list | None
     spec = []
     append = spec.append

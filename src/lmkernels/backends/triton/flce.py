@@ -21,25 +21,25 @@ logits). Two impls trade memory for time:
 grad_accum_dtype: fp32 means grad_W rounded once (lean: one super-chunk of all tokens, so the
 fp32 grad_hidden accumulator holds BT x H floats; fast: a V x H fp32 accumulator). weight.dtype
 lets the lean mode split the tokens into at most MAX_SUPER_CHUNKS (8) super-chunks whose grad_W
-rows are summed in the weight's dtype (one rounding each: measured 2.2x eager's error at 8, the
-policy allows 3x) and the fast mode accumulate in it (one rounding per chunk). None, the
+rows are summed in the weight's dtype (one rounding each: 8 of them stay within the policy's 3x
+eager's error) and the fast mode accumulate in it (one rounding per chunk). None, the
 default: both modes sum at most 8 chunks in the weight's dtype; the fast mode takes 8 token
 chunks when each holds at most CHUNK_BYTES of logits: bf16 logits for bf16 inputs
-(kernels.bf16_logits_chunk: 0.85-1.02x the time at 0.51-0.82x the peak of fp32 chunks on the
-grid heads; on long batches, where 8 chunks would pass 2048 tokens each, up to 16 chunks of at
-least 2048 tokens: at 32k tokens x 128k the same time at 0.69x the peak), fp32 ones for fp16
+(kernels.bf16_logits_chunk: about the time of fp32 chunks or less, at a lower peak; on long
+batches, where 8 chunks would pass 2048 tokens each, up to 16 chunks of at least 2048 tokens:
+the same time at a lower peak), fp32 ones for fp16
 (BT * V <= 2^31); otherwise (or for fp16 weights) CHUNK_BYTES chunks into an fp32 V x H
 accumulator (chunks never pass CHUNK_BYTES, so more of them would sum grad_W in 16 bits more
 often than the policy allows).
 The fast mode is the default because in a training step the FLCE's own peak sits below the step's
-peak (measured end to end: the same peak memory in both modes, and the fast mode 1.08-1.22x the
-lean mode's tokens/s from 1 x 1024 tokens per step up). Choose the lean mode like any backend,
+peak: end to end both modes reach the same peak memory, and the fast mode trains faster
+(docs/performance.md, "Design decisions and their measurements"). Choose the lean mode like any backend,
 where the loss's own peak matters: backend="triton_lean", or
 LMKERNELS_BACKEND="triton,flce=triton_lean".
 
 memory_budget (the op's option, a fraction f of the gradients' bytes) makes either backend one
 point of the range between the two (kernels.plan): the triton default wherever it fits f x
-the gradients beside them (no plan measured faster), else its bf16 chunks made smaller (16
+the gradients beside them (no other plan is faster), else its bf16 chunks made smaller (16
 chunks of at least 1024 tokens), else the fast mode with the largest chunks of fp32
 logits that fit (grad_W summed in its own dtype over at most 8 of them, or else in an fp32
 accumulator that the budget pays for too), and where none fits, the lean mode with blocks
@@ -362,7 +362,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple[torch.Tensor, ...]) ->
     ctx.mark_non_differentiable(lse, gh, gw, gb, top1)
     # Autograd would otherwise hand the backward zero-filled gradients for the four outputs
     # nothing differentiates: zeros the size of grad_W and grad_hidden, allocated while the real
-    # ones are alive (on the H200 that doubled grad_W + grad_hidden: the lean mode's peak).
+    # ones are alive (doubling grad_W + grad_hidden: the lean mode's peak).
     ctx.set_materialize_grads(False)
     ctx.flags = (grad_h, grad_w, grad_b and bias is not None)
     ctx.backend = "triton_lean" if lean else "triton"

@@ -46,16 +46,14 @@ BLOCKS_ENV = "LMKERNELS_FLCE_BLOCKS"
 # Memory the lean mode may use beyond the gradients it returns, as a fraction of their bytes
 # (grad_W + grad_hidden): the recomputed logits block plus the fp32 grad_hidden accumulator.
 LEAN_EXTRA_FRACTION = 0.08
-# Smallest blocks the budget may shrink to: below these the GEMMs lose their efficiency. Blocks
-# of 512 vocabulary columns (memory_budget=0) measured 1.4-13.5x the lean default's time for
-# 1.5-7% less peak (H100, H200, 8 lm_head shapes), while the lean default's blocks (3200 columns
-# at 4096 x 2048 x 128256, 6784 at 8192 x 4096 x 128256) ran at 1.21-1.57x torch.compile's time.
-# The floor of 2048 columns is not yet measured on the GPU.
+# Smallest blocks the budget may shrink to: below these the GEMMs lose their efficiency, and
+# narrower blocks cost far more time than the little memory they save (docs/performance.md,
+# "Design decisions and their measurements").
 MIN_SUPER_CHUNK = 256
 MIN_VOCAB_BLOCK = 2048
 # grad_W rows summed over super-chunks in the weight's dtype round once per super-chunk: at most
-# this many (measured on the CPU, bf16, 2048 tokens: grad_W error 1.2x eager's with one
-# super-chunk, 1.7x with 4, 2.2x with 8, 2.9x with 16; the policy allows 3x).
+# this many, which keeps grad_W's error within the accuracy policy's 3x eager's with a margin
+# (docs/performance.md, "Design decisions and their measurements").
 MAX_SUPER_CHUNKS = 8
 MIN_FAST_CHUNK_TOKENS = 1024  # see fast_weight_dtype_chunk
 # The default's bf16 chunks on long batches (see bf16_logits_chunk): where 8 chunks would pass
@@ -102,9 +100,9 @@ def fast_weight_dtype_chunk(BT: int, V: int, logit_bytes: int = 4) -> int | None
     """The fast mode's default (grad_accum_dtype=None) grad_W accumulation: in the weight's own
     dtype over at most MAX_SUPER_CHUNKS token chunks (the rounding count the policy allows, as
     in the lean mode), when chunks of cdiv(BT, MAX_SUPER_CHUNKS) tokens, but at least
-    MIN_FAST_CHUNK_TOKENS (smaller chunks re-read and re-write grad_W too often: 1.8x slower
-    at 1024 tokens x 4096 x 128k with 128-token chunks), fit CHUNK_BYTES of logits (of
-    logit_bytes each). Returns those chunks' tokens (a multiple of 128), or None.
+    MIN_FAST_CHUNK_TOKENS (smaller chunks re-read and re-write grad_W too often for their
+    GEMMs to pay), fit CHUNK_BYTES of logits (of logit_bytes each). Returns those chunks'
+    tokens (a multiple of 128), or None.
 
     Against an fp32 V x H accumulator this saves 4*V*H bytes (plus the conversion's copy) and
     holds a smaller logits chunk: about the memory of Liger's chunked loss, at the same speed
@@ -140,23 +138,18 @@ class Plan:
 
 
 def bf16_logits_chunk(BT: int, V: int, weight_dtype: torch.dtype, itemsize: int) -> int | None:
-    """The default fast mode's chunks for bf16 inputs: bf16 logits (as the model's lm_head and
-    the eager reference round them: loss error equal to eager's, gradient errors 1.03-1.06x
-    eager's, measured at 2048 tokens of six grid heads) in fast_weight_dtype_chunk's chunks of
-    at most CHUNK_BYTES of bf16, grad_W summed in bf16. Against fp32 logits chunks the GEMM
-    writes and the kernel reads half the bytes, and twice the tokens fit a chunk. Measured on
-    the 8 grid heads against the largest fp32 chunks within 2x the gradients' bytes, in the same
-    runs (H100, H200): 0.85-1.02x the time at 0.51-0.82x the peak; at 32k tokens, where no such
-    chunks fit and the lean mode ran, 0.70-0.73x the time at the same peak (benchmarks/data,
-    part flce).
+    """The default fast mode's chunks for bf16 inputs: bf16 logits (rounded as the model's
+    lm_head and the eager reference round them, so the loss's error is eager's) in
+    fast_weight_dtype_chunk's chunks of at most CHUNK_BYTES of bf16, grad_W summed in bf16.
+    Against fp32 logits chunks the GEMM writes and the kernel reads half the bytes, and twice
+    the tokens fit a chunk: about the time of fp32 chunks or less, at a lower peak.
 
     Long batches get more chunks: where 8 would pass LONG_CHUNK_TOKENS tokens each, up to
     LONG_MAX_CHUNKS of at least LONG_CHUNK_TOKENS. The grad_W update's GEMM (inner dimension:
-    the chunk's tokens) keeps its rate down to 2048 tokens. Measured at 32768 x 2048 x 128256
-    (H100, one run; GPU ms / peak MiB / grad_W error against an fp32 reference, x eager bf16's):
-    8 chunks 79.7 / 1632 / 1.62x, 16 chunks 80.0 / 1131 / 1.88x, 32 chunks 85.3 / 881 / 2.14x
-    (Liger's default chunking, 32 chunks: 80.4 / 881 / 2.14x). Returns the chunk's tokens, or
-    None."""
+    the chunk's tokens) keeps its rate down to 2048 tokens, so 16 chunks cost about 8's time at
+    a lower peak, where smaller chunks would cost time and grad_W accuracy. The measurements
+    behind both choices: docs/performance.md, "Design decisions and their measurements".
+    Returns the chunk's tokens, or None."""
     if weight_dtype != torch.bfloat16 or itemsize != 2:
         return None
     if _chunk_override() > 0 or cdiv(BT, MAX_SUPER_CHUNKS) <= LONG_CHUNK_TOKENS:
@@ -209,8 +202,8 @@ def plan(
         return _fast_default(BT, V, itemsize, weight_dtype, grad_accum_dtype, grads_now, need_weight)
     extra = int((LEAN_EXTRA_FRACTION if memory_budget is None else memory_budget) * grad_bytes)
     if memory_budget is not None and grads_now:
-        # The default wherever it fits: no plan measured faster (fp32 chunks within 2x the
-        # gradients 1.00-1.11x its time on the grid heads, H100 and H200).
+        # The default wherever it fits: no other plan is faster, so a budget that holds it
+        # runs it (docs/performance.md, "Design decisions and their measurements").
         fast = _fast_default(BT, V, itemsize, weight_dtype, grad_accum_dtype, grads_now, need_weight)
         if fast_extra_bytes(fast, BT, H, V, need_weight, weight_dtype) <= extra:
             return fast
@@ -394,7 +387,7 @@ def _flce_rows_kernel(
     else:
         # Pass 1: online max and sum of exp over blocks of the row, last block first: pass 2
         # starts at the first block, the most recently read, so its reads find more of the row
-        # in L2 (the kernel alone 6-15% faster on the H200).
+        # in L2.
         m = tl.full((), float("-inf"), tl.float32)
         s = tl.zeros((), tl.float32)
         zw = tl.zeros((), tl.float32)  # sum_c w_c z_c for label smoothing
@@ -530,10 +523,11 @@ def scale_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     sync): the product taken in fp32 and rounded to x's dtype once.
 
     torch's x.mul_(scale) on CUDA treats the 0-dim device tensor as a stride-0 operand, rounds
-    it to x's dtype (bf16: up to 2^-8 relative) and runs its non-vectorized elementwise kernel:
-    0.96 ms for a 128256 x 2048 bf16 grad_W on the H200, against 0.26 ms here (one read and
-    one write of its bytes take 0.22 ms at 4.8 TB/s). With scale == 1 (checked on the device:
-    no host sync) the kernel touches nothing, and the version counter is still bumped."""
+    it to x's dtype (bf16: up to 2^-8 relative) and runs its non-vectorized elementwise kernel,
+    several times slower than this one, which runs close to the time of one read and one write
+    of x's bytes (docs/performance.md, "Design decisions and their measurements"). With
+    scale == 1 (checked on the device: no host sync) the kernel touches nothing, and the version
+    counter is still bumped."""
     n = x.numel()
     if n:
         launch(

@@ -111,10 +111,10 @@ def load_block(ptr, mask, HINTS: tl.constexpr, AGAIN: tl.constexpr):
 
 
 # A tile of ROWS rows is a [ROWS, columns] block, except a single row (ROWS == 1): a scalar row
-# index and 1-D blocks. The computation is the same, the code Triton makes of it is not: with
-# the row width a constant (const_n), the RMSNorm backward kernel at 65536 x 16384 took 1705 us
-# in the 1-D form against 2066 us as a [1, 16384] tile (2048 us without const_n), on an H200.
-# The helpers give the kernels one text for both.
+# index and 1-D blocks. The computation is the same, the code Triton makes of it is not: the
+# 1-D form runs the wide rows' backward markedly faster than a [1, N] tile
+# (docs/performance.md, "Design decisions and their measurements"). The helpers give the
+# kernels one text for both.
 
 
 @triton.jit
@@ -456,8 +456,8 @@ def _bwd_terms(x, dy, w_ptr, cols, col_mask, w_factor, mean, rstd, offset, RELOA
 @triton.jit
 def _row_dots(g, x, HAS_MEAN: tl.constexpr, PAIRED: tl.constexpr, ROWS: tl.constexpr):
     """The row sums the backward's dx needs: of g (LayerNorm only) and of g * x. PAIRED: both in
-    one reduction (row_sums2); at one 16384-column block, the register limit, the paired sum
-    measured 1.5% slower."""
+    one reduction (row_sums2); not at one 16384-column block, the register limit, where the
+    paired sum is the slower one."""
     if not HAS_MEAN:
         sum_gx = row_sums(g * x, ROWS)
         sum_g = sum_gx  # never read
@@ -491,9 +491,10 @@ def _bwd_store(dx_ptr, offs, mask, x, dy, g, rstd, mean_g, scale, dw_acc, db_acc
 
     FMA (LayerNorm): x_hat = x * rstd + (-mean * rstd) (_bwd_terms) and dx = g * rstd +
     (x_hat * c_x + c_0) with the row's products c_x = -mean(g * x_hat) * rstd and
-    c_0 = -mean(g) * rstd: fused multiply-adds. The backward of rows over 8192 columns issues
-    instructions at ~60% of the SM's rate (ncu, H200); the table's fma field says where these
-    forms measured faster (at 1024-2048 columns they were 0.80-0.93x)."""
+    c_0 = -mean(g) * rstd: fused multiply-adds, fewer instructions for the backward of wide
+    rows, which issues instructions at a large share of the SM's rate; the table's fma field
+    says where these forms are the faster ones (not at narrow rows; docs/performance.md,
+    "Design decisions and their measurements")."""
     dtype = dx_ptr.dtype.element_ty
     if not HAS_MEAN:
         dx = (g - x * per_row(scale, ROWS)) * per_row(rstd, ROWS)
@@ -709,7 +710,7 @@ def _norm_col_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
         # LayerNorm reads dy first (alone where only db is summed), RMSNorm x first: each the
-        # order its tuned kernel was measured with (the order changes the compiled code).
+        # order its table entries are tuned for (the order changes the compiled code).
         if HAS_MEAN:
             dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             if DW:

@@ -201,8 +201,8 @@ def _rope_kernel(
     # _rope_rotate); their strides come from the host (64-bit if need be). The position's
     # Hq + Hkv head rows, q's then k's, in groups of BLOCK_H: a group may hold rows of both, so
     # that no group is left mostly masked where Hkv (or Hq) is not a multiple of BLOCK_H
-    # (Hkv = 4 in a group of its own fills a quarter of a group of 16; mixing the rows measured
-    # 1.05-1.11x fwd+bwd with 2-4 kv heads on an H200).
+    # (Hkv = 4 in a group of its own fills a quarter of a group of 16; mixing the rows pays most
+    # with few kv heads: docs/performance.md, "Design decisions and their measurements").
     q_in = q_ptr + b * stride_qb + t * stride_qt
     k_in = k_ptr + b * stride_kb + t * stride_kt
     q_out = q_out_ptr + b * stride_oqb + t * stride_oqt

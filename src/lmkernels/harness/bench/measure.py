@@ -26,9 +26,10 @@ QUANTILES = [0.5, 0.2, 0.8]
 # A slow case (FLCE, ~50 ms) gets at least this many timed runs, whatever `rep` says.
 MIN_TIMED_RUNS = 10
 MAX_GPU_RUNS = 50
-# The alternating calls' common sleep covers launches up to this long (interleaved_gpu_ms): the
-# FLCE grid's launches take 5-35 ms, one peer's softcap call 140 ms, which would idle the GPU
-# for 211 ms before every call of its shape.
+# The alternating calls' common sleep covers launches up to this long (interleaved_gpu_ms): above
+# the FLCE grid's own launches, below a peer's slow softcap call, whose launch a sleep could
+# cover only by idling the GPU far longer before every call of its shape (docs/performance.md,
+# "Method").
 MAX_COVERED_LAUNCH_MS = 50.0
 
 

@@ -1,8 +1,8 @@
 """The Triton kernels' launch configurations, as data: records with named fields (records.py);
-Hopper's tables, measured on an H200 (hopper.py); the rule that fits Hopper's entries to any
-other GPU's limits (generic.py, from the GPU's Target record: targets.py); tables measured on
-one GPU by `lmkernels tune --install`, loaded from a file (files.py); the CPU interpreter's
-(default.py); and the text of a new entry for a measured winner (entry_text.py).
+Hopper's tuned tables (hopper.py); the rule that fits Hopper's entries to any other GPU's
+limits (generic.py, from the GPU's Target record: targets.py); tables `lmkernels tune
+--install` tunes on one GPU, loaded from a file (files.py); the CPU interpreter's (default.py);
+and the text of a new entry for a tuning run's winner (entry_text.py).
 
 `tables_for(device)` picks a device's tables; the op bodies resolve an entry for their inputs
 and pass the launch configuration to the launchers as an argument. Nothing here is changed at
@@ -27,7 +27,7 @@ logger = logging.getLogger("lmkernels")
 def tables_for(device: torch.device) -> Tables:
     """The tables for `device`, decided once per device:
 
-    1. the tables `lmkernels tune --install` measured on this GPU model, where its file is there
+    1. the tables `lmkernels tune --install` tuned on this GPU model, where its file is there
        and valid for this Triton version (configs.files);
     2. Hopper's (hopper.py) on NVIDIA GPUs of compute capability 9.x;
     3. the generic rule's for any other GPU (generic.py: Hopper's entries within its limits);
@@ -48,7 +48,7 @@ def tables_for(device: torch.device) -> Tables:
 
 
 def target_tables(target: Target) -> Tables:
-    """The built-in tables of `target` (no tuned file): Hopper's measured ones on NVIDIA 9.x, the
+    """The built-in tables of `target` (no tuned file): Hopper's tuned ones on NVIDIA 9.x, the
     generic rule's on every other GPU."""
     if target.capability is not None and target.capability[0] == 9:  # (None: not NVIDIA)
         return hopper.TABLES
@@ -56,7 +56,7 @@ def target_tables(target: Target) -> Tables:
 
 
 def is_tuned(tables: Tables) -> bool:
-    """Whether `tables` were measured on the GPU they run on: Hopper's on Hopper, or a tuned file."""
+    """Whether `tables` are tuned for the GPU they run on: Hopper's on Hopper, or a tuned file."""
     return not tables.name.startswith("generic ")
 
 

@@ -1,5 +1,5 @@
 """The CPU interpreter and the CPU: Hopper's entries, so that the interpreter's tests run the
-launches the measured GPUs run. The one exception, FLCE's row kernel, keeps one launch for every
+launches the tuned GPUs run. The one exception, FLCE's row kernel, keeps one launch for every
 width (Hopper's 32-warp launch for rows of 64k columns and more is never reached by those tests).
 
 GPUs never get these: Hopper's own tables run on sm_90, the generic rule's (generic.py) or a

@@ -1,4 +1,4 @@
-"""The text of a table entry for a measured winner: what `lmkernels tune` writes into a GPU
+"""The text of a table entry for a tuning run's winner: what `lmkernels tune` writes into a GPU
 generation's module (hopper.py) instead of numbers copied into it by hand."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def entry_text(
     the record's), one field per line as ruff formats it, ending in a comma, for a table at
     `indent` spaces in a generation's module.
 
-    op and width: "rms_norm" / "layer_norm" and the row width measured; "rope_position" and the
+    op and width: "rms_norm" / "layer_norm" and the row width tuned; "rope_position" and the
     rotary half width (the entry serves its power of two); "rope_tile" and the exact rotary half
     width. RoPE's fields may name `partial` (dims past the rotary part copied).
     why: one line, what the entry buys, with the number measured (against the entry it replaces).

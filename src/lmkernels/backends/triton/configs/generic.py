@@ -1,6 +1,6 @@
-"""Every GPU without measured tables of its own (Ampere, Ada, Blackwell, ROCm, and any GPU not
-known by name): Hopper's measured entries, fitted by one rule to the target's limits. Nothing
-here was measured on those GPUs; `lmkernels tune --install` measures a GPU's own (a file the
+"""Every GPU without tuned tables of its own (Ampere, Ada, Blackwell, ROCm, and any GPU not
+known by name): Hopper's tuned entries, fitted by one rule to the target's limits. Nothing
+here is tuned on those GPUs; `lmkernels tune --install` tunes a GPU's own (a file the
 package then loads on it, configs.files), and `lmkernels compile-check --target NAME` compiles
 every launch of these tables for a target offline and checks it against the target's limits.
 
@@ -9,7 +9,7 @@ The rule (`tables_for_target`), a pure function of the Target record (configs.ta
 - threads: each launch keeps the threads of Hopper's (warps x 32): on 64-wide wavefronts that
   is half the warps, and never past the block's limit (max_threads_per_block / warp_size: 16 on
   AMD, where Hopper's 32-warp launches would be 2048 threads). Each thread then holds as many
-  elements as on Hopper: the register use the kernels were measured with.
+  elements as on Hopper: the register use Hopper's entries are tuned for.
 - shared memory: the norm backward's software-pipeline stages (its loads in flight through
   shared memory) are lowered until the buffers of bf16 rows fit the target's shared memory per
   block (`fit_stages`, the launchers' own rule, which lowers them again for fp32 at launch).
@@ -49,19 +49,21 @@ from lmkernels.backends.triton.configs.records import (
 )
 from lmkernels.backends.triton.configs.targets import Target
 
-# Shared memory a norm backward needs besides its pipeline buffers (cross-warp reductions):
-# measured 40-90 bytes in the norm backwards' sm_90 cubins; this leaves room to spare.
+# Shared memory a norm backward needs besides its pipeline buffers (cross-warp reductions): a
+# small fraction of this in the norm backwards' sm_90 cubins, so it leaves room to spare
+# (docs/performance.md, "Design decisions and their measurements").
 SHARED_MARGIN = 4096
 # The same, per resident program, where programs share an SM's shared memory (the reductions'
 # scratch of the cubins, a few hundred bytes at most).
 RESIDENT_MARGIN = 1024
-HOPPER_WARP = 32  # the warp size Hopper's entries were measured with
+HOPPER_WARP = 32  # the warp size Hopper's entries are tuned for
 
 # `auto` on a GPU running the generic tables (no tuned file loaded): per target name, the ops
-# whose generic launches were measured slower than torch.compile there (the maintainers' suite,
+# whose generic launches are slower than torch.compile there (the maintainers' suite,
 # `lmkernels-bench generic`, which times a target's generic tables on a Hopper GPU against the
 # Hopper tables and torch.compile). For those ops `auto` passes over the Triton backend and picks
-# the next one (compile); an explicit backend="triton" still runs it. Empty until measured.
+# the next one (compile); an explicit backend="triton" still runs it. An op enters only where
+# the suite shows it slower; none does.
 PREFER_COMPILE: dict[str, frozenset[str]] = {}
 
 
@@ -185,7 +187,7 @@ def _warps_only(record: _Launch, target: Target) -> _Launch:
 
 @functools.cache
 def tables_for_target(target: Target, base: Tables = hopper.TABLES) -> Tables:
-    """`base`'s entries (Hopper's measured ones) fitted to `target` by the rule above."""
+    """`base`'s entries (Hopper's tuned ones) fitted to `target` by the rule above."""
     n, r, f = base.norms, base.rope, base.flce
     norms = NormTable(
         entries=tuple(norm_entry(e, target) for e in n.entries),

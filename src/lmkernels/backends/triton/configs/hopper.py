@@ -308,7 +308,8 @@ ROPE = RopeTable(
             why="partial rotary: 1024-element tiles, 4 warps (2048 measured the same)",
         ),
     ),
-    # No tile entry for half 64 (D = 128): the tile kernel ranged 0.90-1.08x of the position one.
+    # No tile entry for half 64 (D = 128): there the tile kernel is not reliably faster than the
+    # position one (docs/performance.md, "What we tried", RoPE).
     tile=(
         RopeTileConfig(
             half=32,
