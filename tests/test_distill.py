@@ -344,7 +344,7 @@ class TestTriton:
         torch.library.opcheck(
             torch.ops.lmkernels.distill_triton_forward.default, (*args, True, True, True, 5)
         )
-        grad = torch.randn((12,) if reduction == "none" else ())
+        grad = torch.randn((12,) if reduction == "none" else (), device=DEVICE)
         detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         torch.library.opcheck(
             torch.ops.lmkernels.distill_triton_backward.default, (grad, *detached, True, True, True, 5)

@@ -160,7 +160,7 @@ def test_vocab_parallel_empty_shard_stats(smoothing):
         pytest.skip(triton_unavailable_reason())
     target = torch.tensor([3, 7, -100])
     tg = vp._Targets(target, -100, 8, 0, smoothing)  # this shard: columns 8 to 8, none
-    rows = vp._TritonRows(target, tg, (-100, None, smoothing, None, 0.0), 8, 0, 3, torch.device("cpu"))
+    rows = vp._TritonRows(target, tg, (-100, None, smoothing, None, 0.0), 8, 0, 3, torch.device("cpu"), 1.0)
     z = torch.empty(3, 0)
     lse, _, target_z, sum_z = rows.local_stats(z, 0, 3)
     want_lse, _, want_t, want_sum = vp._local_stats_torch_(z.clone(), tg, 0, 3, smoothing)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import lmkernels
+from conftest import DEVICE
 from lmkernels import losses as L
 
 B, T, H, V = 3, 7, 16, 29  # B pairs (2B rows for the preference losses)
@@ -163,7 +164,8 @@ def test_sequence_logps_long_sequences_bf16(backend):
     exact = ref_tokens(hidden.double(), weight.double(), target).logps.sum(-1)
     logits = hidden @ weight.T  # bf16, as a model's lm_head returns them
     plain = torch.log_softmax(logits, -1).gather(-1, target[..., None])[..., 0].float().sum(-1)
-    fused = L.sequence_logps(hidden, weight, target, backend=backend)
+    # On a GPU the Triton backend runs compiled there (the interpreter only on the CPU).
+    fused = L.sequence_logps(hidden.to(DEVICE), weight.to(DEVICE), target.to(DEVICE), backend=backend).cpu()
     err_plain = (plain.double() - exact).abs().max().item()
     err_fused = (fused.double() - exact).abs().max().item()
     print(f"{backend}: |fused - fp64| {err_fused:.3e}, |plain bf16 - fp64| {err_plain:.3e}")
@@ -861,7 +863,10 @@ def test_triton_backend_matches_eager(family):
     hidden, weight, _, target, mask = _inputs(rows)
     ref_hidden, ref_weight, *_ = _inputs(rows, seed=1)
     t_hidden, t_weight, *_ = _inputs(rows, seed=4, hidden_width=24)
-    advantages = torch.tensor([1.0, -0.5, 0.3, -1.2])
+    advantages = torch.tensor([1.0, -0.5, 0.3, -1.2], device=DEVICE)
+    # Both backends on DEVICE: Triton compiled on a GPU, interpreted on the CPU.
+    hidden, weight, target, mask = (x.to(DEVICE) for x in (hidden, weight, target, mask))
+    ref_hidden, ref_weight, t_hidden, t_weight = (x.to(DEVICE) for x in (ref_hidden, ref_weight, t_hidden, t_weight))
 
     def run(backend):
         h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
@@ -870,7 +875,7 @@ def test_triton_backend_matches_eager(family):
             out = L.dpo_loss(h, w, target, mask, backend=backend, **ref)
         elif family == "kto":
             out = L.kto_loss(
-                h, w, target, torch.tensor([True, False, True, False]), mask, backend=backend, kl=0.1, **ref
+                h, w, target, torch.tensor([True, False, True, False], device=DEVICE), mask, backend=backend, kl=0.1, **ref
             )
         elif family == "simpo":
             out = L.simpo_loss(h, w, target, mask, backend=backend)
@@ -903,11 +908,11 @@ def test_triton_backend_matches_eager(family):
 
 
 def test_triton_backend_temperature_and_entropy_gradient():
-    """GRPO at temperature 0.7 and with an entropy bonus on the Triton backend: refused by name
-    today (the loss never runs without the term); equal to eager once the backend has them."""
+    """GRPO at temperature 0.7 and with an entropy bonus on the Triton backend (the temperature
+    inside the kernel, the entropy's gradient through its recompute path) equals eager."""
     pytest.importorskip("triton")
-    hidden, weight, _, target, mask = _inputs(4)
-    advantages = torch.tensor([1.0, -0.5, 0.3, -1.2])
+    hidden, weight, _, target, mask = (x.to(DEVICE) if x is not None else x for x in _inputs(4))
+    advantages = torch.tensor([1.0, -0.5, 0.3, -1.2], device=DEVICE)
 
     def run(backend, **kw):
         h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()

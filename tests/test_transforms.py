@@ -9,16 +9,18 @@ import torch
 import torch.autograd.forward_ad as forward_ad
 
 import lmkernels as lk
+from conftest import DEVICE
 from lmkernels.ops.flce import fused_linear_cross_entropy_reference
 from lmkernels.ops.rms_norm import rms_norm_reference
 
 TRITON = ("triton", "triton_lean")
+# Inputs on DEVICE: on a GPU the Triton kernels run compiled (the interpreter only on the CPU).
 
 
 def _rms_inputs():
     gen = torch.Generator().manual_seed(0)
     x, v = torch.randn(3, 5, generator=gen), torch.randn(3, 5, generator=gen)
-    return x, torch.randn(5, generator=gen), v
+    return x.to(DEVICE), torch.randn(5, generator=gen).to(DEVICE), v.to(DEVICE)
 
 
 def _rms_tangent_fp64(x, w, v):
@@ -49,7 +51,7 @@ def test_rms_norm_triton_forward_ad_tangent(requires_grad):
 def _flce_inputs():
     gen = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(4, 3, generator=gen), torch.randn(5, 3, generator=gen)
-    return hidden, weight, torch.randint(0, 5, (4,), generator=gen)
+    return hidden.to(DEVICE), weight.to(DEVICE), torch.randint(0, 5, (4,), generator=gen).to(DEVICE)
 
 
 @pytest.mark.parametrize("backend", TRITON)
@@ -133,7 +135,7 @@ def test_jvp_of_jvp_through_triton_is_refused_by_name(op):
     """torch runs an autograd.Function's jvp with forward AD off: an outer jvp would see a zero."""
     x, w, v = _rms_inputs()
     gen = torch.Generator().manual_seed(0)
-    q, k, cos, sin = (torch.randn(s, generator=gen) for s in ((1, 2, 3, 4), (1, 1, 3, 4), (3, 4), (3, 4)))
+    q, k, cos, sin = (torch.randn(s, generator=gen).to(DEVICE) for s in ((1, 2, 3, 4), (1, 1, 3, 4), (3, 4), (3, 4)))
     f, arg = {
         "rms_norm": (lambda a: lk.rms_norm(a, w, backend="triton"), x),
         "rope": (lambda a: lk.rope(a, k, cos, sin, backend="triton")[0], q),
@@ -147,8 +149,8 @@ def test_jvp_of_jvp_through_triton_is_refused_by_name(op):
 def test_second_order_through_triton_rope(transform):
     """Triton's RoPE has a double backward (its backward is the inverse rotation)."""
     gen = torch.Generator().manual_seed(0)
-    q, k = torch.randn(1, 2, 3, 4, generator=gen), torch.randn(1, 1, 3, 4, generator=gen)
-    cos, sin = torch.randn(3, 4, generator=gen), torch.randn(3, 4, generator=gen)
+    q, k = torch.randn(1, 2, 3, 4, generator=gen).to(DEVICE), torch.randn(1, 1, 3, 4, generator=gen).to(DEVICE)
+    cos, sin = torch.randn(3, 4, generator=gen).to(DEVICE), torch.randn(3, 4, generator=gen).to(DEVICE)
 
     def f(backend):
         return lambda a: sum(o.pow(3).sum() for o in lk.rope(a, k, cos, sin, backend=backend))
