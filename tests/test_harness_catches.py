@@ -199,3 +199,54 @@ def test_missing_entropy_gradient_is_caught(name, reduction):
         assert check_sample(FLCE, impl, sample).status == "pass"
     finally:
         unregister("fused_linear_cross_entropy", f"toy_{name}")
+
+
+# --- few-element gradients: eager's error level is resampled, a small real error still fails ------
+
+DISTILL = get_op("fused_linear_distillation")
+
+
+class _SlightlyScaledGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * (1.0 + 1e-4)
+
+
+def distill_grad_off_by_1e4(student_hidden, student_weight, teacher_hidden, teacher_weight, **options):
+    from lmkernels.ops.distill import fused_linear_distillation_reference
+
+    h = _SlightlyScaledGrad.apply(student_hidden)
+    return fused_linear_distillation_reference(h, student_weight, teacher_hidden, teacher_weight, **options)
+
+
+def test_few_element_gradient_off_by_1e4_is_caught():
+    """One token's hidden gradient through 65537 classes (2 elements): check_sample takes eager's
+    error as the largest over resampled backwards (one fp32 draw can be far below its level),
+    and a gradient 1e-4 off, 20x that level, still fails; the reference itself passes."""
+    from lmkernels.harness.properties import Case, check_sample
+
+    options = {
+        "divergence": "jsd",
+        "beta": 0.5,
+        "temperature": 2.0,
+        "reduction": "mean",
+        "with_target": False,
+        "with_bias": False,
+    }
+    shape = {"BT": 1, "Hs": 2, "Ht": 2, "V": 65537}
+    for name, fn, status in (
+        ("toy_grad_off", distill_grad_off_by_1e4, "fail"),
+        ("toy_distill_correct", DISTILL.reference, "pass"),
+    ):
+        impl = register(DISTILL.name, name, fn, priority=-100)
+        try:
+            result = check_sample(DISTILL, impl, Case(DISTILL.name, name, shape, options, "fp32", {}, seed=1))
+        finally:
+            unregister(DISTILL.name, name)
+        assert result.status == status, result.reason
+        if status == "fail":
+            assert "grad_student_hidden: rel err" in result.reason, result.reason

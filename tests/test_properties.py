@@ -85,6 +85,23 @@ def _skip_unavailable(impl):
         pytest.skip(f"{impl.backend} does not run on {DEVICE}")
 
 
+# Examples of the compile backend between two resets of dynamo: each compiles at most a few graphs
+# per code object, so that stays under the recompile limit (64, backends/compile.py).
+EXAMPLES_PER_RESET = 16
+
+
+def _room_to_compile(impl, examples: list[int]) -> None:
+    """For the compile backend, forget dynamo's graphs every EXAMPLES_PER_RESET examples of one
+    test: the long profile draws more graph variants of one op (dtype x layout x rank x option
+    set) than dynamo's recompile limit keeps for a code object, past which the tests make it an
+    error (conftest.py). examples: the test's count so far (one element, updated)."""
+    if impl.backend != "compile":
+        return
+    examples[0] += 1
+    if examples[0] % EXAMPLES_PER_RESET == 0:
+        torch._dynamo.reset()
+
+
 def _draw_case(data, spec, impl) -> Case:
     draw = Draw(data)
     shape, options = spec.sample(draw)
@@ -104,10 +121,13 @@ def _draw_case(data, spec, impl) -> Case:
 def test_matches_fp64_and_leaves_inputs_alone(spec, impl):
     _skip_unavailable(impl)
 
+    examples = [0]
+
     @settings(settings.get_profile(PROFILE), max_examples=_examples(impl.backend))
     @given(data=st.data())
     def prop(data):
         case = _draw_case(data, spec, impl)
+        _room_to_compile(impl, examples)
         result = check_sample(spec, impl, case, DEVICE)
         assert result.status != "fail", f"{case}\n{result.reason}"
 
@@ -118,10 +138,13 @@ def test_matches_fp64_and_leaves_inputs_alone(spec, impl):
 def test_bad_inputs_raise_lmkernels_errors_naming_them(spec, impl):
     _skip_unavailable(impl)
 
+    examples = [0]
+
     @settings(settings.get_profile(PROFILE), max_examples=_examples(impl.backend))
     @given(data=st.data())
     def prop(data):
         case = _draw_case(data, spec, impl)
+        _room_to_compile(impl, examples)
         inputs = spec.make_inputs(case.shape, torch.float32, "cpu", 0, **case.options)
         names = sorted(k for k, v in inputs.items() if isinstance(v, torch.Tensor))
         name = data.draw(st.sampled_from(names))
