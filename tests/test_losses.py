@@ -866,7 +866,9 @@ def test_triton_backend_matches_eager(family):
     advantages = torch.tensor([1.0, -0.5, 0.3, -1.2], device=DEVICE)
     # Both backends on DEVICE: Triton compiled on a GPU, interpreted on the CPU.
     hidden, weight, target, mask = (x.to(DEVICE) for x in (hidden, weight, target, mask))
-    ref_hidden, ref_weight, t_hidden, t_weight = (x.to(DEVICE) for x in (ref_hidden, ref_weight, t_hidden, t_weight))
+    ref_hidden, ref_weight, t_hidden, t_weight = (
+        x.to(DEVICE) for x in (ref_hidden, ref_weight, t_hidden, t_weight)
+    )
 
     def run(backend):
         h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
@@ -875,7 +877,14 @@ def test_triton_backend_matches_eager(family):
             out = L.dpo_loss(h, w, target, mask, backend=backend, **ref)
         elif family == "kto":
             out = L.kto_loss(
-                h, w, target, torch.tensor([True, False, True, False], device=DEVICE), mask, backend=backend, kl=0.1, **ref
+                h,
+                w,
+                target,
+                torch.tensor([True, False, True, False], device=DEVICE),
+                mask,
+                backend=backend,
+                kl=0.1,
+                **ref,
             )
         elif family == "simpo":
             out = L.simpo_loss(h, w, target, mask, backend=backend)

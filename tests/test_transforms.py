@@ -135,7 +135,9 @@ def test_jvp_of_jvp_through_triton_is_refused_by_name(op):
     """torch runs an autograd.Function's jvp with forward AD off: an outer jvp would see a zero."""
     x, w, v = _rms_inputs()
     gen = torch.Generator().manual_seed(0)
-    q, k, cos, sin = (torch.randn(s, generator=gen).to(DEVICE) for s in ((1, 2, 3, 4), (1, 1, 3, 4), (3, 4), (3, 4)))
+    q, k, cos, sin = (
+        torch.randn(s, generator=gen).to(DEVICE) for s in ((1, 2, 3, 4), (1, 1, 3, 4), (3, 4), (3, 4))
+    )
     f, arg = {
         "rms_norm": (lambda a: lk.rms_norm(a, w, backend="triton"), x),
         "rope": (lambda a: lk.rope(a, k, cos, sin, backend="triton")[0], q),
@@ -149,7 +151,10 @@ def test_jvp_of_jvp_through_triton_is_refused_by_name(op):
 def test_second_order_through_triton_rope(transform):
     """Triton's RoPE has a double backward (its backward is the inverse rotation)."""
     gen = torch.Generator().manual_seed(0)
-    q, k = torch.randn(1, 2, 3, 4, generator=gen).to(DEVICE), torch.randn(1, 1, 3, 4, generator=gen).to(DEVICE)
+    q, k = (
+        torch.randn(1, 2, 3, 4, generator=gen).to(DEVICE),
+        torch.randn(1, 1, 3, 4, generator=gen).to(DEVICE),
+    )
     cos, sin = torch.randn(3, 4, generator=gen).to(DEVICE), torch.randn(3, 4, generator=gen).to(DEVICE)
 
     def f(backend):
