@@ -50,6 +50,7 @@ TEST_PARTS = {  # part -> `lmkernels-bench gpu-tests` arguments
     "tests-kernels": ["suite", "kernels"],
     "tests-large": ["suite", "large"],
     "tests-triton-files": ["suite", "triton-files"],
+    "tests-triton-features": ["suite", "triton-features"],
     "tests-integration": ["suite", "integration"],
     "tests-posttrain": ["suite", "posttrain"],
     "memcheck-kernels": ["memcheck", "kernels"],
