@@ -6,6 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lmkernels.backends.triton import interpreting
 from lmkernels.backends.triton.common import pdl_enter, to_dtype
 from lmkernels.backends.triton.configs.records import PATH_WIDE
 
@@ -175,12 +176,21 @@ def _add_pairs(a0, b0, a1, b1):
     return a0 + a1, b0 + b1
 
 
+# Triton's CPU interpreter runs a tl.reduce with a combine function element by element in
+# Python (most of the norms' test time); interpreted, row_sums2 takes two tl.sum calls instead:
+# the same sums. Compiled, the constant is False and the branch is not in the kernel.
+INTERPRETED: tl.constexpr = tl.constexpr(interpreting())
+
+
 @triton.jit
 def row_sums2(a, b, ROWS: tl.constexpr):
     """row_sums of two tiles in one reduction. Two tl.sum calls are two reductions, each with
     its own exchange through shared memory and barriers, and the second waits for the first;
     one reduction of both exchanges both values at once (sm_90 PTX: one barrier fewer)."""
-    if ROWS == 1:
+    if INTERPRETED:
+        sa = row_sums(a, ROWS)
+        sb = row_sums(b, ROWS)
+    elif ROWS == 1:
         sa, sb = tl.reduce((a, b), 0, _add_pairs)
     else:
         sa, sb = tl.reduce((a, b), 1, _add_pairs)
