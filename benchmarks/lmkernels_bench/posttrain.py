@@ -417,7 +417,7 @@ def measure(impl: str, case: dict[str, Any], x: dict[str, Any], args) -> dict[st
     value = fn()
     value.backward()
     row: dict[str, Any] = {"loss": float(value.detach().float())}
-    wall = time_ms(run, grads, args.device, args.warmup, args.rep, min_runs=3 if args.tiny else 10)
+    wall = time_ms(run, grads, args.device, args.warmup, args.rep, min_runs=1 if args.tiny else 10)
     row["wall_ms"], row["wall_p20_ms"], row["wall_p80_ms"] = (round(w, 4) for w in wall)
     if args.device == "cuda":
         row["gpu_ms"] = round(gpu_time_ms(run, grads), 4)
