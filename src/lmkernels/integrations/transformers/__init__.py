@@ -71,57 +71,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lmkernels.integrations.transformers import families  # noqa: F401  (tests patch its tables)
-from lmkernels.integrations.transformers.api import (
-    FAMILIES,
-    SUPPORTED_OPS,
-    TESTED,
-    Family,
-    PatchReport,
-    apply,
-    causal_lm_class,
-    causal_lm_loss,
-    check_transformers_version,
-    family_patches,
-    from_config,
-    from_pretrained,
-    glu_kind,
-    is_patched,
-    keep_hidden,
-    lm_head_loss,
-    model_type_of,
-    patch_report,
-    patched_models,
-    report,
-    revert,
-    tiny_config,
-    tiny_model,
-)
 
-__all__ = [
-    "FAMILIES",
-    "Family",
-    "PatchReport",
-    "SUPPORTED_OPS",
-    "TESTED",
-    "apply",
-    "causal_lm_class",
-    "causal_lm_loss",
-    "check_transformers_version",
-    "family_patches",
-    "from_config",
-    "from_pretrained",
-    "glu_kind",
-    "is_patched",
-    "keep_hidden",
-    "lm_head_loss",
-    "model_type_of",
-    "patch_report",
-    "patched_models",
-    "report",
-    "revert",
-    "tiny_config",
-    "tiny_model",
-]
+# The public API is api.py's: its names and its __all__.
+from lmkernels.integrations.transformers.api import *  # noqa: F403
+from lmkernels.integrations.transformers.api import __all__ as __all__
 
 if TYPE_CHECKING:  # imported on first use (__getattr__ below); named here for type checkers
     from lmkernels.integrations.transformers.callback import LmkernelsCallback as LmkernelsCallback
