@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lmkernels_bench.trl_head import MODELS
+from lmkernels_bench.trl_head import MODELS, step_timer
 
 TRAINERS = ("grpo", "dpo", "gkd")
 CONFIGS = ("lmkernels", "trl", "trl_liger")
@@ -130,30 +130,6 @@ def _texts(rows: int, length: int, vocab: int, seed: int) -> list[str]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(2, vocab, (rows, length), generator=g).tolist()
     return [" ".join(f"w{i}" for i in row) for row in ids]
-
-
-def _timer(args, times: list[float], peaks: list[float]):
-    import torch
-    from transformers import TrainerCallback
-
-    cuda, warmup = args.device == "cuda", args.warmup
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            if cuda:
-                torch.cuda.synchronize()
-                if state.global_step == warmup:
-                    torch.cuda.reset_peak_memory_stats()
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - self.start)
-            if cuda:
-                peaks.append(torch.cuda.max_memory_allocated() / 2**30)
-
-    return Timer()
 
 
 def _common(args, out: str) -> dict[str, Any]:
@@ -296,7 +272,7 @@ def run_config(args, config: str) -> dict[str, Any]:
 
     times: list[float] = []
     peaks: list[float] = []
-    callbacks = [_timer(args, times, peaks)]
+    callbacks = [step_timer(args, times, peaks)]
     lmk = None
     if config == "lmkernels":
         lmk = lk_hf.LmkernelsCallback(backend=args.backend)

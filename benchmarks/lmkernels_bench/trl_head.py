@@ -137,7 +137,9 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>")
 
 
-def _timer(args, times: list, peaks: list):
+def step_timer(args, times: list[float], peaks: list[float]):
+    """A Trainer callback appending each step's wall time (s) to `times` and, on CUDA, the peak
+    memory (GiB) since the warm-up's end to `peaks`."""
     import torch
     from transformers import TrainerCallback
 
@@ -196,7 +198,7 @@ def run_head(args, head: str) -> dict[str, Any]:
         )
         times: list[float] = []
         peaks: list[float] = []
-        callbacks = [_timer(args, times, peaks)]
+        callbacks = [step_timer(args, times, peaks)]
         lmk = None
         if head != "plain":
             lmk = lk_hf.LmkernelsCallback(backend=args.backend, trl_head="trl" if head == "trl" else "auto")
