@@ -165,6 +165,9 @@ def tests_part(ctx: Context, args: list[str]):
                 cwd=root,
             )
             lines = (Path(tmp) / "gpu_tests.jsonl").read_text().splitlines()
-        got = json.loads(lines[-1])
+            got = json.loads(lines[-1])
+            if got.get("exit") != 0:  # the rows keep the summary; the failures go to the log
+                for log in Path(tmp).glob("*.log"):
+                    ctx.log("\n".join(log.read_text().splitlines()[-80:]))
         record = {k: got.get(k) for k in ("group", "tool", "pytest", "exit", "seconds", "sanitizer_errors")}
     ctx.emit([record], ("tests",))
