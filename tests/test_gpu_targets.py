@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import socket
 
 import pytest
 import torch
@@ -253,6 +254,7 @@ def test_simulate_switches_the_launch_time_choices():
 @pytest.fixture
 def fake_cuda(monkeypatch, fake_gpus):
     """Fake CUDA tensors (FakeTensorMode) and a Triton backend that reports itself available."""
+    from torch._subclasses import fake_tensor
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import lmkernels  # noqa: F401
@@ -261,6 +263,9 @@ def fake_cuda(monkeypatch, fake_gpus):
     for impl in impls("rms_norm"):
         monkeypatch.setitem(impl.__dict__, "_availability", None)
         monkeypatch.setattr(impl, "devices", ("cuda", "cpu"))
+    # FakeTensorMode makes a real tensor on each fake CUDA device it sees first; on a GPU machine
+    # the fake devices 1-3 may not exist.
+    monkeypatch.setattr(fake_tensor, "init_gpu_context", lambda device: None)
     mode = FakeTensorMode()
 
     def make(index, dtype):
@@ -299,3 +304,34 @@ def test_auto_prefers_compile_where_generic_tables_measured_slower(fake_cuda, mo
     configs._BY_DEVICE[torch.device("cuda", 1)] = _tuned(configs.target_tables(TARGETS["sm_80"]))
     assert resolve("rms_norm", on_a100).backend == "triton"  # a tuned file: measured here
     assert records.NORM_OPS  # (records imported for the tables' types)
+
+
+def test_gpu_checks_are_constants_to_torch_compile(fake_gpus, monkeypatch):
+    """The dispatch checks the GPU (bf16, generic tables slower than compile) while torch.compile
+    traces a Triton op; the device's properties and Triton's driver cannot be traced, and a
+    fullgraph compile of any Triton op on a GPU failed at that check."""
+    from lmkernels.backends.triton import common
+
+    def untraceable(index):
+        socket.gethostname()  # a C function dynamo cannot trace, as the driver's calls
+        return TARGETS[{0: "sm_90", 3: "sm_75"}[index]]
+
+    monkeypatch.setattr(targets, "device_target", untraceable)
+    monkeypatch.setattr(generic, "PREFER_COMPILE", {"sm_75": frozenset({"rms_norm"})})
+    with pytest.raises(Exception, match="gethostname"):  # the check can fail
+        torch.compile(lambda x: x + len(targets.device_target(0).name), fullgraph=True, backend="eager")(
+            torch.zeros(1)
+        )
+    torch._dynamo.reset()
+
+    def checks(x):
+        return (
+            x
+            + len(common.no_bf16(0))
+            + 10 * len(common.no_bf16(3))
+            + 1000 * len(common.generic_slower("rms_norm", 3))
+        )
+
+    expected = checks(torch.zeros(1))
+    assert expected.item() == 10 * len("sm_75 (T4, RTX 20xx)") + 1000 * len("sm_75")
+    assert torch.equal(torch.compile(checks, fullgraph=True, backend="eager")(torch.zeros(1)), expected)

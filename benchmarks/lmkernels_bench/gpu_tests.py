@@ -121,7 +121,7 @@ def environment() -> dict[str, str]:
 def run(group: str, out: Path, tool: str | None, timeout: float, select: str | None = None) -> dict:
     tests = [a for a in GROUPS[group] if a.startswith("tests/")]
     pytest_args = [*tests, "-k", select] if select else GROUPS[group]
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *pytest_args]
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", *pytest_args]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1")
     root = checkout()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), env.get("PYTHONPATH")]))

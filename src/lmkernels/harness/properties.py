@@ -55,7 +55,7 @@ from typing import Any, TypeGuard
 import torch
 import torch.autograd.forward_ad as forward_ad
 
-from lmkernels.harness.checks import DTYPE_NAMES, _compare, case_id, rel_rms_error
+from lmkernels.harness.checks import DTYPE_NAMES, FEW_ELEMENTS, _compare, case_id, rel_rms_error
 from lmkernels.ops._common import dispatch
 from lmkernels.registry.core import (
     BackendNotSupportedError,
@@ -214,9 +214,8 @@ def _random_like(seed: int, skip: tuple[int, ...] = ()) -> Callable[[list[torch.
 
 # Upstream gradients scaled by these factors (no powers of two) give eager's backward further
 # runs: the same math, every rounding moved. Only where a gradient has at most FEW_ELEMENTS
-# elements: over more, one run's relative RMS error already sits at its typical level.
+# elements (checks.py): over more, one run's relative RMS error already sits at its typical level.
 RESAMPLE_SCALES = (0.75, 0.875, 1.125)
-FEW_ELEMENTS = 64
 
 
 def _eager_gradient_levels(

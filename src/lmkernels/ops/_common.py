@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from lmkernels.registry.core import Tolerance
 from lmkernels.registry.fastpath import dispatch, op_function
 from lmkernels.utils import checked_values, data_checks_enabled, fail
 
@@ -59,3 +60,24 @@ def check_class_indices(target: torch.Tensor, V: int, ignore_index: int) -> None
                 f"target: expected class indices in [0, {V}) or ignore_index={ignore_index}, "
                 f"found {first} ({int(bad.sum())} out of range)"
             )
+
+
+# The policy's tolerances of the ops that project onto a vocabulary and reduce over it (fused
+# linear cross entropy, fused linear distillation): the same sums in both.
+# fp32: the logits matmul sums H products, so a different blocking of that sum moves
+# the result by more ulps than an elementwise op; 4x eager's error still catches any
+# real bug (those are O(1) relative).
+# bf16/fp16: eager (what a model gets) rounds the logits and d loss / d logits to the
+# input dtype; a fused kernel may keep the logits in fp32 but must round d loss / d logits
+# too before the tensor-core GEMMs (Liger and CCE do the same): the same roundings in
+# other places, whose errors differ by a factor that class weights and label smoothing
+# (terms of uneven size, sums that nearly cancel) can push past 2x. A wrong gradient
+# formula is O(1) off.
+# fp16 bound: a mean loss over 8192 tokens has gradients ~1e-4, at the edge of fp16's
+# normal range, so eager fp16 itself lands at 5e-3 there (fp16 training needs a loss
+# scale); the bound only has to exclude garbage.
+VOCAB_TOLERANCES = {
+    torch.float32: Tolerance(factor=4.0, floor=1e-5, bound=1e-4),
+    torch.bfloat16: Tolerance(factor=3.0, floor=1e-3, bound=2e-2),
+    torch.float16: Tolerance(factor=3.0, floor=2e-4, bound=2e-2),
+}

@@ -51,7 +51,15 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from lmkernels.ops._common import ROW_COUNTS, check_class_indices, generator, op_function, randn, upcast
+from lmkernels.ops._common import (
+    ROW_COUNTS,
+    VOCAB_TOLERANCES,
+    check_class_indices,
+    generator,
+    op_function,
+    randn,
+    upcast,
+)
 from lmkernels.registry.core import ErrorInput, OpSpec, register_op
 from lmkernels.utils import (
     check_choice,
@@ -393,6 +401,7 @@ SPEC = register_op(
         check_inputs=check_inputs,
         check_values=check_values,
         grad_inputs=("student_hidden", "student_weight", "student_bias"),
+        tolerances=VOCAB_TOLERANCES,
         shapes={
             "tiny": [{"BT": 4, "Hs": 3, "Ht": 5, "V": 7}],
             "quick": [{"BT": 37, "Hs": 64, "Ht": 96, "V": 131}, {"BT": 10, "Hs": 40, "Ht": 24, "V": 500}],

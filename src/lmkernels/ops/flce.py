@@ -64,8 +64,16 @@ from typing import Literal, overload
 
 import torch
 
-from lmkernels.ops._common import ROW_COUNTS, check_class_indices, generator, op_function, randn, upcast
-from lmkernels.registry.core import ErrorInput, OpSpec, Tolerance, register_op
+from lmkernels.ops._common import (
+    ROW_COUNTS,
+    VOCAB_TOLERANCES,
+    check_class_indices,
+    generator,
+    op_function,
+    randn,
+    upcast,
+)
+from lmkernels.registry.core import ErrorInput, OpSpec, register_op
 from lmkernels.types import Reduction
 from lmkernels.utils import (
     check_bool,
@@ -467,23 +475,7 @@ SPEC = register_op(
             {"memory_budget": 2.0, "softcap": 30.0, "with_bias": True},
             {"lean": True},
         ],
-        # fp32: the logits matmul sums H products, so a different blocking of that sum moves
-        # the result by more ulps than an elementwise op; 4x eager's error still catches any
-        # real bug (those are O(1) relative).
-        # bf16/fp16: eager (what a model gets) rounds the logits and d loss / d logits to the
-        # input dtype; a fused kernel may keep the logits in fp32 but must round d loss / d logits
-        # too before the tensor-core GEMMs (Liger and CCE do the same): the same roundings in
-        # other places, whose errors differ by a factor that class weights and label smoothing
-        # (terms of uneven size, sums that nearly cancel) can push past 2x. A wrong gradient
-        # formula is O(1) off.
-        # fp16 bound: a mean loss over 8192 tokens has gradients ~1e-4, at the edge of fp16's
-        # normal range, so eager fp16 itself lands at 5e-3 there (fp16 training needs a loss
-        # scale); the bound only has to exclude garbage.
-        tolerances={
-            torch.float32: Tolerance(factor=4.0, floor=1e-5, bound=1e-4),
-            torch.bfloat16: Tolerance(factor=3.0, floor=1e-3, bound=2e-2),
-            torch.float16: Tolerance(factor=3.0, floor=2e-4, bound=2e-2),
-        },
+        tolerances=VOCAB_TOLERANCES,
         flops=lambda s: 6 * s["BT"] * s["H"] * s["V"],
         error_inputs=error_inputs,
         sample=sample,

@@ -360,13 +360,22 @@ def gpu_reasons(**inputs: Any) -> list[str]:
     bf16 arithmetic (sm_75: T4, RTX 20xx), where `auto` then picks compile or eager."""
     for name, t in inputs.items():
         if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.is_cuda:
-            target = _targets.device_target(t.get_device())
-            if not target.bf16:
+            gpu = no_bf16(t.get_device())
+            if gpu:
                 return [
-                    f"{name}: bf16 on {target.name} ({target.gpus}), which has no bf16 arithmetic "
+                    f"{name}: bf16 on {gpu}, which has no bf16 arithmetic "
                     "(NVIDIA compute capability 8.0 or later needed): use fp16 or fp32, or compile / eager"
                 ]
     return []
+
+
+@torch.compiler.assume_constant_result
+def no_bf16(index: int) -> str:
+    """ "" where CUDA device `index` has bf16 arithmetic, else the GPU as the refusal names it. A
+    constant to torch.compile, which cannot trace the device's properties or Triton's driver
+    (a fullgraph compile of a Triton op would fail at this check)."""
+    target = _targets.device_target(index)
+    return "" if target.bf16 else f"{target.name} ({target.gpus})"
 
 
 def gpu_capabilities(op: str, supports: Callable[..., list[str]]) -> dict[str, Any]:
@@ -379,22 +388,30 @@ def gpu_capabilities(op: str, supports: Callable[..., list[str]]) -> dict[str, A
         return gpu_reasons(**inputs) + supports(**inputs)
 
     def auto_declines(**inputs: Any) -> list[str]:
-        from lmkernels.backends.triton.configs import generic, is_tuned, tables_for
-
         device = next((t.device for t in inputs.values() if isinstance(t, torch.Tensor) and t.is_cuda), None)
-        if device is None or is_tuned(tables_for(device)):
-            return []
-        target = _targets.device_target(
-            device.index if device.index is not None else torch.cuda.current_device()
-        )
-        if not generic.prefers_compile(target, op):
+        gpu = "" if device is None else generic_slower(op, -1 if device.index is None else device.index)
+        if not gpu:
             return []
         return [
-            f"{target.name} runs the generic launch tables, measured slower than compile for {op} "
+            f"{gpu} runs the generic launch tables, measured slower than compile for {op} "
             "(configs.generic.PREFER_COMPILE; `lmkernels tune --install` measures this GPU's own)"
         ]
 
     return {"supports": supported, "auto_declines": auto_declines}
+
+
+@torch.compiler.assume_constant_result
+def generic_slower(op: str, index: int) -> str:
+    """The name of CUDA device `index` (-1: the current one) where it runs the generic launch
+    tables (no tuned ones) and those were measured slower than compile for `op`, else "". A
+    constant to torch.compile, as no_bf16."""
+    from lmkernels.backends.triton.configs import generic, is_tuned, tables_for
+
+    index = torch.cuda.current_device() if index < 0 else index
+    if is_tuned(tables_for(torch.device("cuda", index))):
+        return ""
+    target = _targets.device_target(index)
+    return target.name if generic.prefers_compile(target, op) else ""
 
 
 # --- programmatic dependent launch ---------------------------------------------------------------

@@ -231,16 +231,16 @@ def is_patched(model_or_class: Any) -> bool:
 
 def family_patches(model_or_class: Any) -> list[str]:
     """What is patched for the whole family of `model_or_class` (not per instance): its classes,
-    and rope, which is module-level. Empty: a new model of the family runs plain transformers."""
+    and the mask functions, which are module-level. Empty: a new model of the family runs plain
+    transformers."""
     model_type = model_type_of(model_or_class)
     found = []
     if model_type in patching.CLASS_PATCHES:
         found.append(f"the {model_type} classes (apply on a class or model type)")
     module_name = FAMILIES[model_type].module_name
-    for kind, name in patching.MODULE_SAVED:
+    for _kind, name in patching.MODULE_SAVED:
         if name == module_name:
-            what = "apply_rotary_pos_emb" if kind == "rope" else "mask functions"
-            found.append(f"{name} {what} (held by a patched model)")
+            found.append(f"{name} mask functions (held by a patched model)")
     return found
 
 

@@ -2,13 +2,14 @@
 
 Patching a model instance sets `forward` on its own submodules only; patching a class (or a
 model type) replaces `forward` on the classes a tiny model of that family is built from, for
-every model of the family. Rotary embedding and the mask functions are module-level functions
-in transformers, called from the attention and the base model: "rope" and "causal_mask" also
-replace them in the modeling module, held until the last apply() that asked for them is
-reverted (or its model garbage collected), with functions that behave exactly as the originals
-for every model but the patched ones. The rope function routes to lmkernels only inside the
-forward of a patched model's attention (replacements.rope_scope, with that model's backend);
-the mask functions only for the plain-causal marker a patched base model passes (masks.py).
+every model of the family. Rotary embedding is a module-level function in transformers that
+the attention's forward calls: "rope" gives the patched attentions a copy of their forward that
+finds lmkernels' rope under that name (replacements.with_global); the modeling module is not
+touched. The mask functions, called by the base model, are replaced in the modeling module
+("causal_mask"), held until the last apply() that asked for them is reverted (or its model
+garbage collected), with functions that behave exactly as the originals for every model but
+the patched ones: they route to lmkernels only for the plain-causal marker a patched base model
+passes (masks.py).
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ class Patch:
     trl_decision: lk_trl.Decision | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Patch:
-        # copy.deepcopy(patched_model): the copy's bound forwards follow the copy, but the rope
-        # hold and its finalizer stay with the original (the copy's hooks are in its own dicts).
+        # copy.deepcopy(patched_model): the copy's bound forwards follow the copy, but the mask
+        # functions' hold and its finalizer stay with the original (the copy's hooks are in its
+        # own dicts).
         return Patch(
             self.model_type,
             copy.deepcopy(self.saved, memo),
@@ -68,18 +70,10 @@ class Patch:
 
 CLASS_PATCHES: dict[str, Patch] = {}
 PATCHED_MODELS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-# Module-level replacements, per (kind, modeling module): kind "rope" (apply_rotary_pos_emb) or
-# "causal_mask" (the mask functions). Who holds them ("class:<type>" strings and/or models) and
-# what was saved.
+# Module-level replacements, per (kind, modeling module): kind "causal_mask" (the mask
+# functions). Who holds them ("class:<type>" strings and/or models) and what was saved.
 _HOLDERS: dict[tuple[str, str], tuple[set[str], weakref.WeakSet[nn.Module]]] = {}
 MODULE_SAVED: dict[tuple[str, str], list[Saved]] = {}
-
-
-def _rope_install(finding: Finding) -> list[Saved]:
-    name = finding.module_name
-    module = importlib.import_module(name)
-    router = rp.rope_router(unwrapped(module.apply_rotary_pos_emb), name)
-    return [Saved.replace(module, "apply_rotary_pos_emb", router)]
 
 
 def _spec(finding: Finding, kind: type[_S]) -> _S:
@@ -96,13 +90,15 @@ def _forward(finding: Finding) -> Callable[..., Any]:
     return finding.forward
 
 
-def _rope_scope(
-    finding: Finding, backend: str | None, call_forward: Callable[..., Any]
-) -> Callable[..., Any]:
-    """The forward of an attention of `finding` that runs lmkernels' rope with `backend`."""
+def _rope_forward(finding: Finding, backend: str | None, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """`forward` (an attention's of `finding`) calling lmkernels' rope with `backend` where it
+    calls its modeling module's apply_rotary_pos_emb."""
     original = unwrapped(sys.modules[finding.module_name].apply_rotary_pos_emb)
     rope = rp.rope_function(original, _spec(finding, rp.RopeStyle), lambda: backend)
-    return rp.rope_scope(call_forward, finding.module_name, rope)
+    copied = rp.with_global(forward, "apply_rotary_pos_emb", rope)
+    if copied is None:  # structure.py verified that it can be made
+        raise TypeError(f"{finding.what}: the attention's forward cannot be copied")
+    return rp.mark(copied)
 
 
 def _masks_install(finding: Finding) -> list[Saved]:
@@ -116,7 +112,7 @@ def _hold(finding: Finding, holder: Any) -> tuple[str, str]:
     key = (finding.op, finding.module_name)
     classes, models = _HOLDERS.setdefault(key, (set(), weakref.WeakSet()))
     if key not in MODULE_SAVED:
-        MODULE_SAVED[key] = (_rope_install if finding.op == "rope" else _masks_install)(finding)
+        MODULE_SAVED[key] = _masks_install(finding)
     if isinstance(holder, str):
         classes.add(holder)
     else:
@@ -143,10 +139,6 @@ def _class_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(self).forward(self, *args, **kwargs)
 
 
-def _plain_class_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return unwrapped(type(self).forward)(self, *args, **kwargs)
-
-
 def install_instance(
     model: nn.Module, model_type: str, report: PatchReport, table_backend: TableBackend
 ) -> None:
@@ -168,11 +160,14 @@ def install_instance(
         )
     for f in report.patched:
         if f.op == "rope":
-            holds.append(_hold(f, model))
-            # The class's forward at call time, without a class-level rope scope over this one.
-            scoped = _rope_scope(f, table_backend("rope"), _plain_class_forward)
+            # The class's own forward (not a class-level patch's copy) with this model's rope.
+            copies = {
+                cls: _rope_forward(f, table_backend("rope"), unwrapped(cls.forward))
+                for cls in dict.fromkeys(type(m) for m in f.modules)
+            }
             for module in f.modules:
-                saved.append(Saved.replace(module, "forward", types.MethodType(scoped, module)))
+                forward = copies[type(module)]
+                saved.append(Saved.replace(module, "forward", types.MethodType(forward, module)))
         elif f.op == "causal_mask":
             holds.append(_hold(f, model))
             base = f.modules[0]
@@ -219,10 +214,9 @@ def install_class(model_type: str, report: PatchReport, table_backend: TableBack
     holder = f"class:{model_type}"
     for f in report.patched:
         if f.op == "rope":
-            holds.append(_hold(f, holder))
             for cls in dict.fromkeys(type(m) for m in f.modules):
                 original = unwrapped(cls.forward)
-                saved.append(Saved.replace(cls, "forward", _rope_scope(f, table_backend("rope"), original)))
+                saved.append(Saved.replace(cls, "forward", _rope_forward(f, table_backend("rope"), original)))
         elif f.op == "causal_mask":
             holds.append(_hold(f, holder))
             original = unwrapped(f.cls.forward)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import threading
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -267,45 +267,47 @@ def rope_function(
     return mark(apply_rotary_pos_emb)
 
 
-# The rope function of the attention running now in this thread, as (modeling module name,
-# function): set by the attention modules of a patched model around their forward (rope_scope)
-# and read by the module-level apply_rotary_pos_emb (rope_router). Per thread, as the calls it
-# scopes: autograd's threads (a recomputed checkpoint) run the attention's forward, which sets
-# it there. dynamo traces and guards on a threading.local.
-_ACTIVE_ROPE = threading.local()
+def with_global(fn: Callable[..., Any], name: str, value: Any) -> Callable[..., Any] | None:
+    """A copy of `fn` that finds `value` under the global `name`; None where it cannot be made.
+
+    `fn` is an attention's forward that calls its modeling module's apply_rotary_pos_emb: the copy
+    runs with a copy of the module's globals in which that name is the patched model's rope, so
+    the module itself, and every model that was not patched, keeps the original. No state
+    changes at call time: torch.compile traces the copy as it traces the original, inside an
+    activation checkpoint too (where dynamo refuses stores to outside state). Wrappers made with
+    functools.wraps that hold the wrapped function in a closure cell (transformers'
+    deprecate_kwarg) are copied around the copy; any other wrapper gives None.
+    """
+    inner = getattr(fn, "__wrapped__", None)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    if inner is None:
+        if name not in code.co_names:
+            return None
+        namespace = dict(fn.__globals__)
+        namespace[name] = value
+        # Not the module's own namespace: without the module's name in it, dynamo reads its
+        # globals from this dict instead of importing the module by name.
+        del namespace["__name__"]
+        copied = types.FunctionType(code, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    else:
+        inner_copy = with_global(inner, name, value)
+        cells = fn.__closure__ or ()
+        held = [i for i, cell in enumerate(cells) if _cell_holds(cell, inner)]
+        if inner_copy is None or len(held) != 1:
+            return None
+        closure = tuple(types.CellType(inner_copy) if i == held[0] else c for i, c in enumerate(cells))
+        copied = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+    copied.__kwdefaults__ = fn.__kwdefaults__
+    return functools.update_wrapper(copied, fn)  # __wrapped__: the original, as unwrapped() expects
 
 
-def rope_router(original: RopeFunction, module_name: str) -> RopeFunction:
-    """What a modeling module's apply_rotary_pos_emb becomes while a patched model holds it: the
-    rope function of the patched attention calling it, else `original`, called exactly as
-    transformers calls it (a model nobody patched computes what it always computes)."""
-
-    @functools.wraps(original)
-    def apply_rotary_pos_emb(
-        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        active = getattr(_ACTIVE_ROPE, "fn", None)
-        if active is None or active[0] != module_name:
-            return original(q, k, cos, sin, unsqueeze_dim)
-        return active[1](q, k, cos, sin, unsqueeze_dim)
-
-    return mark(apply_rotary_pos_emb)
-
-
-def rope_scope(forward: Callable[..., Any], module_name: str, rope: RopeFunction) -> Callable[..., Any]:
-    """An attention's `forward(self, ...)` that runs `forward` with `rope` (a rope_function) as the
-    modeling module's apply_rotary_pos_emb for this call."""
-
-    @functools.wraps(forward)
-    def scoped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        previous = getattr(_ACTIVE_ROPE, "fn", None)
-        _ACTIVE_ROPE.fn = (module_name, rope)
-        try:
-            return forward(self, *args, **kwargs)
-        finally:
-            _ACTIVE_ROPE.fn = previous
-
-    return mark(scoped)
+def _cell_holds(cell: types.CellType, value: Any) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
 
 
 def rope_signature_ok(fn: Callable[..., Any] | nn.Module) -> bool:

@@ -296,6 +296,11 @@ def _rope_findings(
             why = "not the (q, k, cos, sin, unsqueeze_dim) convention"
         elif not isinstance(head_dim, int):  # e.g. DeepSeek's MLA: rope on a slice of each head
             why = f"{type(module).__name__} has no integer head_dim or head_size"
+        elif any(
+            rp.with_global(unwrapped(cls.forward), "apply_rotary_pos_emb", original) is None
+            for cls in dict.fromkeys(type(m) for m in modules)
+        ):
+            why = "the attention's forward is wrapped in a way its copy cannot follow"
         if why or not isinstance(head_dim, int):
             findings.append(Finding("rope", status=FAILED, detail=why or "", **base))
             continue
