@@ -154,9 +154,10 @@ REGRESSIONS: list[Case] = [
         seed=466,
     ),
     # One token of bf16 FLCE through one hidden feature and 7 classes: grad_hidden is a single
-    # element, its error one bf16 rounding or two. triton_lean was one unit in the last place
-    # off (0.0068 relative) where eager's draws stayed under half of one (0.0019): tensors of at
-    # most checks.FEW_ELEMENTS elements are allowed the dtype's eps.
+    # element, a sum of 7 terms that cancels to a few of its ulps. triton_lean was off by 0.0068
+    # relative where eager's draws stayed under 0.0019; with a softcap, 0.0078 against 0.0022.
+    # Few-element gradients are judged by levels over resampled runs (the impl's median, eager's
+    # largest), and at least the dtype's eps is allowed.
     Case(
         op="fused_linear_cross_entropy",
         backend="triton_lean",
@@ -165,6 +166,31 @@ REGRESSIONS: list[Case] = [
             "reduction": "mean",
             "label_smoothing": 0.0,
             "softcap": None,
+            "z_loss_scale": 0.0,
+            "ignore_index": -100,
+            "ignore_fraction": 0.0,
+            "with_bias": False,
+            "with_class_weight": False,
+            "return_lse": False,
+            "return_stats": False,
+            "entropy_grad": False,
+            "temperature": 0.7,
+            "memory_budget": None,
+            "lean": False,
+            "regime": "uniform",
+        },
+        dtype="bf16",
+        layouts={"hidden": "contiguous", "target": "contiguous", "weight": "contiguous"},
+        seed=65535,
+    ),
+    Case(
+        op="fused_linear_cross_entropy",
+        backend="triton_lean",
+        shape={"BT": 1, "H": 1, "V": 7},
+        options={
+            "reduction": "mean",
+            "label_smoothing": 0.0,
+            "softcap": 30.0,
             "z_loss_scale": 0.0,
             "ignore_index": -100,
             "ignore_fraction": 0.0,

@@ -359,7 +359,7 @@ class TestTriton:
             return lmkernels.fused_linear_distillation(**i, backend="triton")
 
         compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-        up = torch.randn(SHAPE["BT"]) if reduction == "none" else None
+        up = torch.randn(SHAPE["BT"], device=DEVICE) if reduction == "none" else None
         loss, grads = run_fn(fn, inputs, up)
         c_loss, c_grads = run_fn(compiled, inputs, up)
         torch.testing.assert_close(c_loss, loss, rtol=0, atol=0)

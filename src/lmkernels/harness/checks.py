@@ -195,7 +195,8 @@ def _snapshot(inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
 # At most this many elements, a tensor's error is a handful of roundings: one draw of eager's
 # can land far below its typical level, and a result one unit in the last place of its dtype
 # from the correctly rounded one is as good as eager's. Such a tensor is allowed at least that
-# unit (the dtype's eps, relative), and properties.check_sample resamples eager's gradients.
+# unit (the dtype's eps, relative), and properties.check_sample compares gradients' levels
+# over resampled runs.
 FEW_ELEMENTS = 64
 
 
@@ -217,10 +218,12 @@ def _compare(
     ref_out: dict[str, torch.Tensor],
     tol: Tolerance,
     eager_levels: dict[str, float] | None = None,
+    impl_levels: dict[str, float] | None = None,
 ) -> tuple[list[TensorError], list[str]]:
-    """Errors and problems of impl_out against ref_out, by the policy. eager_levels: for some
-    names, eager's error in other runs as valid as eager_out's (properties.check_sample's
-    resampled backward); eager's error is then the largest of them, where all are finite."""
+    """Errors and problems of impl_out against ref_out, by the policy. eager_levels and
+    impl_levels: for some names, eager's and the impl's error levels over several runs as valid
+    as these (properties.check_sample's resampled backward): eager's error is then the larger of
+    its level and this run's, the impl's its level, where finite."""
     problems = []
     errors = []
     for name, ref in ref_out.items():
@@ -234,6 +237,9 @@ def _compare(
         if got.dtype != eag.dtype:
             problems.append(f"{name}: dtype {got.dtype}, eager gives {eag.dtype}")
         e_impl, e_eager = rel_rms_error(got, ref), rel_rms_error(eag, ref)
+        impl_level = (impl_levels or {}).get(name, float("nan"))
+        if e_impl == e_impl and impl_level == impl_level:
+            e_impl = impl_level
         level = (eager_levels or {}).get(name, float("nan"))
         if e_eager == e_eager and level == level:
             e_eager = max(e_eager, level)
