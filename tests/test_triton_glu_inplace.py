@@ -173,13 +173,19 @@ def test_gradient_sharing_memory_with_gate_is_not_written_over(writes):
     assert torch.equal(d_gate, expected)
 
 
-def test_create_graph_is_refused_before_anything_is_written(writes):
+def test_create_graph_writes_nothing_and_refuses_the_second_order(writes):
+    """create_graph=True (torch.func.vjp asks for it by default): the functional backward, exact
+    first-order gradients, nothing written over; differentiating them is refused by name."""
     gate, up = _gate_up()
     before = gate.detach().clone()
     out = lmkernels.swiglu(gate, up, consume_inputs=True, backend="triton")
+    (d_gate,) = torch.autograd.grad(out.sum(), gate, create_graph=True)
+    assert not any(any(w) for w in writes) and torch.equal(gate.detach(), before)
+    gate2, up2 = _gate_up()
+    (expected,) = torch.autograd.grad(lmkernels.swiglu(gate2, up2, backend="triton").sum(), gate2)
+    assert torch.equal(d_gate.detach(), expected)
     with pytest.raises(lmkernels.HigherOrderGradientError, match="swiglu: backend 'triton'"):
-        torch.autograd.grad(out.sum(), gate, create_graph=True)
-    assert writes == [] and torch.equal(gate.detach(), before)
+        torch.autograd.grad(d_gate.sum(), gate)
 
 
 @pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd:UserWarning")

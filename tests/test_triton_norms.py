@@ -680,13 +680,17 @@ def test_eager_calls_skip_the_custom_ops_compiled_calls_use_them(monkeypatch, op
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
 def test_double_backward_fails_clearly(op):
-    """The backward kernels have no derivative: create_graph=True is refused with an error that
-    names the backends that have one, not gradients silently cut from the graph."""
+    """The backward kernels have no derivative: create_graph=True gives the exact first-order
+    gradients, and differentiating them is refused with an error that names the backends that
+    have a second order, not answered with terms silently cut from the graph."""
     x = _randn((3, 8), torch.float32, 0).requires_grad_()
     w = _randn((8,), torch.float32, 1).requires_grad_()
     y = getattr(lmkernels, op)(x, w, backend="triton")
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    (expected,) = torch.autograd.grad(getattr(lmkernels, op)(x, w, backend="triton").square().sum(), x)
+    assert torch.equal(gx.detach(), expected)
     with pytest.raises(lmkernels.HigherOrderGradientError, match=rf"{op}: backend 'triton' .*\['eager'\]"):
-        torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        torch.autograd.grad(gx.sum(), (x, w))
 
 
 def test_supports_reports_shape_limits():

@@ -559,12 +559,15 @@ def test_rope_double_backward():
 
 
 def test_glu_double_backward_fails_clearly():
-    """The backward kernel has no derivative: create_graph=True is refused clearly, not answered
-    with gradients silently cut from the graph."""
+    """The backward kernel has no derivative: differentiating the gradients a create_graph=True
+    backward gives is refused clearly, not answered with terms silently cut from the graph."""
     gate = torch.randn(5, 33, device=DEVICE, requires_grad=True)
     up = torch.randn(5, 33, device=DEVICE, requires_grad=True)
+    (d_gate,) = torch.autograd.grad(
+        lmkernels.swiglu(gate, up, backend="triton").sum(), gate, create_graph=True
+    )
     with pytest.raises(lmkernels.HigherOrderGradientError, match="swiglu: backend 'triton'"):
-        torch.autograd.grad(lmkernels.swiglu(gate, up, backend="triton").sum(), gate, create_graph=True)
+        torch.autograd.grad(d_gate.sum(), (gate, up))
 
 
 # --- > 2^31 elements (GPU) ------------------------------------------------------------------------

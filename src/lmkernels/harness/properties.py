@@ -29,8 +29,9 @@ The torch.func checks run every option set (OpSpec.cases) of the op's "tiny" sha
 the same policy against the reference run through the same transform in fp64:
 `check_forward_ad` (torch.func.jvp and torch.autograd.forward_ad, fp32 and bf16: an impl that
 declares forward_ad must match, any other must raise ForwardADError naming the op and itself;
-a jvp of a jvp may be refused so by any), `check_func_grad` (torch.func.grad against the
-reference's plain gradient, wherever the impl has a backward; a grad of a grad must match or,
+a jvp of a jvp may be refused so by any), `check_func_grad` (torch.func.grad and torch.func.vjp, its
+function called after the transform, against the reference's plain gradient, wherever the impl
+has a backward; a grad of a grad must match or,
 without double_backward, raise HigherOrderGradientError naming the op and the impl) and
 `check_vmap` (torch.vmap of the op and of its torch.func.vjp, with every
 tensor input batched and with the first one alone, against a loop; or an LMKernelsError naming
@@ -568,10 +569,20 @@ def _func_grads(
     return {f"grad[{i}]": g for i, g in enumerate(grads(*primals))}
 
 
+def _func_vjp(f: Callable[..., _Tensors], primals: _Tensors, cotangents: _Tensors) -> dict[str, torch.Tensor]:
+    """torch.func.vjp of f with `cotangents`, its function called after the transform (grad mode
+    on: it then builds the backward's graph, as a backward with create_graph=True)."""
+    _, vjp_fn = torch.func.vjp(f, *primals)  # type: ignore[misc]  # (a triple only with has_aux)
+    grads = vjp_fn(tuple(cotangents))
+    return {
+        f"grad[{i}]": torch.zeros_like(x) if g is None else g for i, (g, x) in enumerate(zip(grads, primals))
+    }
+
+
 def check_func_grad(spec: OpSpec, impl: Impl, device: str = "cpu", seed: int = 0) -> Result:
-    """torch.func.grad through impl against the plain gradient (module docstring); on the first
-    case also a grad of a grad, which an impl without double_backward may refuse
-    (HigherOrderGradientError)."""
+    """torch.func.grad and torch.func.vjp through impl against the plain gradient (module
+    docstring); on the first case also a grad of a grad, which an impl without double_backward
+    may refuse (HigherOrderGradientError)."""
     if not impl.has_backward:
         return Result("pass", "no backward")
     for n, (label, dtype, inputs, names) in enumerate(_tiny_cases(spec, (torch.float32,), device, seed)):
@@ -599,6 +610,13 @@ def check_func_grad(spec: OpSpec, impl: Impl, device: str = "cpu", seed: int = 0
             if order == 1:
                 eager = _plain_grads(eager_fn, primals, cotangents)
                 ref = _plain_grads(ref_fn, primals64, cotangents)
+                try:
+                    by_vjp = _func_vjp(run, primals, cotangents)
+                except Exception as e:
+                    return Result("fail", f"{label}, vjp: raised {type(e).__name__}: {e}\n{_tail(e)}")
+                _, problems = _compare(by_vjp, eager, ref, spec.tolerances[dtype])
+                if problems:
+                    return Result("fail", f"{label}, vjp: " + "; ".join(problems))
             else:
                 eager = _func_grads(eager_fn, primals, cotangents, second)
                 ref = _func_grads(ref_fn, primals64, cotangents, tuple(t.double() for t in second))

@@ -175,6 +175,9 @@ def check_inputs(student_hidden, student_weight, teacher_hidden, teacher_weight,
     Ht = teacher_weight.shape[1]
     if V == 0:
         fail("student_weight: expected at least one row (a vocabulary of V >= 1), got shape (0, ...)")
+    for name, width in (("student_weight", Hs), ("teacher_weight", Ht)):
+        if width == 0:
+            fail(f"{name}: expected at least one hidden feature, got shape (..., 0)")
     if teacher_weight.shape[0] != V:
         fail(
             f"teacher_weight: expected {V} rows (the vocabulary of student_weight), got shape {tuple(teacher_weight.shape)}"
@@ -334,6 +337,13 @@ def error_inputs(device):
         return {**base, **over}
 
     return [
+        ErrorInput(
+            args(
+                teacher_hidden=torch.randn(5, 0, device=device),
+                teacher_weight=torch.randn(11, 0, device=device),
+            ),
+            "teacher_weight: expected at least one hidden feature",
+        ),
         ErrorInput(
             args(student_hidden=torch.randn(5, 9, device=device)),
             r"student_hidden: expected shape \(..., 8\)",

@@ -182,6 +182,8 @@ def check_inputs(hidden, weight, target, **options):
     check_tensor("weight", weight, ndim=2)
     check_tensor("target", target, dtypes=(torch.int64, torch.int32))
     V, H = weight.shape
+    if V == 0 or H == 0:
+        fail(f"weight: expected at least one class and one hidden feature, got shape {(V, H)}")
     if hidden.dim() < 1 or hidden.shape[-1] != H:
         fail(f"hidden: expected shape (..., {H}) to match weight (V={V}, H={H}), got {tuple(hidden.shape)}")
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
@@ -403,6 +405,14 @@ def error_inputs(device):
     return [
         ErrorInput(args(hidden=torch.randn(5, 9, device=device)), r"hidden: expected shape \(..., 8\)"),
         ErrorInput(args(weight=torch.randn(11, 8, 1, device=device)), "weight: expected 2 dims"),
+        ErrorInput(
+            args(hidden=torch.randn(5, 0, device=device), weight=torch.randn(11, 0, device=device)),
+            "weight: expected at least one class and one hidden feature",
+        ),
+        ErrorInput(
+            args(weight=torch.randn(0, 8, device=device), target=torch.full((5,), -100, device=device)),
+            "weight: expected at least one class and one hidden feature",
+        ),
         ErrorInput(args(target=torch.randint(0, 11, (6,), device=device)), r"target: expected shape \(5,\)"),
         ErrorInput(args(target=torch.randn(5, device=device)), "target: expected dtype in"),
         ErrorInput(

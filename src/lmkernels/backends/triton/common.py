@@ -160,7 +160,7 @@ def transforms_function(
     """
 
     def run(*args: Any) -> Any:
-        return op(*args) if traced(args) else forward(*args)
+        return op(*args) if traced(args) or _functorch_wrapped(args) else forward(*args)
 
     # Any: its vmap staticmethod, made of the class itself, is set once the class exists
     function: Any = type(
@@ -175,6 +175,16 @@ def transforms_function(
     )
     function.vmap = staticmethod((vmap or vmap_by_loop)(function))
     return function
+
+
+def _functorch_wrapped(args: tuple) -> bool:
+    """Whether an argument is functorch's wrapper of a tensor (no memory of its own). A backward
+    that torch.func.vjp's function runs after its transform has ended gets such tensors from the
+    forward's context; the custom op takes them (the dispatcher unwraps them), a raw launcher
+    cannot."""
+    return any(
+        isinstance(a, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(a) for a in args
+    )
 
 
 def refuse_nested_jvp(op: str, backend: str = "triton") -> None:
@@ -278,11 +288,11 @@ def op_or_raw(
     `name`): a function that runs the custom op when traced (AOTAutograd traces the registered
     backward, so the compiled graph calls the op), and the raw launcher otherwise.
 
-    With grad mode on (a backward with create_graph=True) it raises HigherOrderGradientError:
-    the raw launcher's gradients would be silently cut from the graph. Under torch.func
-    transforms and forward-mode AD it runs as a Function whose own derivatives (backward, jvp)
-    raise it instead: functorch builds the graph of every backward, as create_graph=True does,
-    and only a transform taken of the result (grad of grad, jvp of grad) differentiates it.
+    Under torch.func transforms and forward-mode AD, and with grad mode on (a backward with
+    create_graph=True: torch.func.vjp's function asks for one by default), it runs as a Function
+    whose own derivatives (backward, jvp) raise HigherOrderGradientError: the first-order
+    gradients are exact, and differentiating them (grad of grad, jvp of grad) is refused by name
+    instead of silently missing the second-order term.
     """
 
     def refuse(ctx: Any, *grads: Any) -> NoReturn:
@@ -299,7 +309,7 @@ def op_or_raw(
         if traced(args):
             return op(*args)
         if _grad_enabled():
-            raise higher_order_error(name, backend)
+            return function.apply(*args)
         return raw(*args)
 
     return run

@@ -667,7 +667,8 @@ def _backward(
     _gw: torch.Tensor | None,
     _gb: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, ...]:
-    if torch.is_grad_enabled() and not (traced((grad_loss,)) or transforming()):  # create_graph=True
+    # create_graph=True: as FLCE's backward, the forward's gradients are refused.
+    if ctx.precomputed and torch.is_grad_enabled() and not (traced((grad_loss,)) or transforming()):
         raise higher_order_error(OP, "triton")
     if ctx.precomputed:
         if ctx.scaled:

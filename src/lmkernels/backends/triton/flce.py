@@ -407,7 +407,9 @@ def _backward(
     _top1: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, ...]:
     present = tuple(g for g in (grad_loss, grad_entropy) if g is not None)
-    if torch.is_grad_enabled() and not (traced(present) or transforming()):  # create_graph=True
+    # create_graph=True: the gradients the forward computed carry no second-order term, so they
+    # are refused; the recomputing path's launchers refuse only a derivative of their results.
+    if ctx.precomputed and torch.is_grad_enabled() and not (traced(present) or transforming()):
         raise higher_order_error("fused_linear_cross_entropy", ctx.backend)
     flags = ctx.flags
     if ctx.precomputed:

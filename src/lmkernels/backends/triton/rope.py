@@ -49,6 +49,8 @@ from lmkernels.backends.triton.common import (
     refuse_nested_jvp,
     soft_bf16,
     to_dtype,
+    traced,
+    transforming,
     transforms_function,
 )
 from lmkernels.backends.triton.configs import tables_for
@@ -578,8 +580,13 @@ def _backward(
     interleaved, rotary_dim, inverse, q_bthd, k_bthd = ctx.options
     # dq, dk in the layouts of q and k (see _rope_rotate).
     args = (grad_q, grad_k, cos, sin, position_ids, interleaved, rotary_dim, not inverse, q_bthd, k_bthd)
-    # The inverse rotation, itself differentiable (create_graph=True): run like the forward.
-    dq, dk = call(rope_rotate, _RopeFunction, *args)
+    # The inverse rotation, itself differentiable (create_graph=True): run like the forward, or
+    # with grad mode on outside a transform (torch.func.vjp's function, after its transform has
+    # ended: the tables may be functorch's tensors) by the transforms' Function.
+    if torch.is_grad_enabled() and not (transforming() or traced(args)):
+        dq, dk = _RopeFunction.transforms.apply(*args)  # type: ignore[attr-defined]
+    else:
+        dq, dk = call(rope_rotate, _RopeFunction, *args)
     return dq, dk, None, None, None, None, None, None, None, None
 
 
