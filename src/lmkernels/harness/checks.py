@@ -10,7 +10,8 @@ For a case (op, impl, shape, dtype, option set) the harness
 4. runs the impl with freshly allocated outputs poisoned with NaN;
 5. for every output and every input gradient, computes the relative RMS error
    ||x - ref|| / ||ref|| of the impl and of eager, and passes when the impl's error is finite,
-   <= factor * eager's + floor, and <= the dtype's bound (OpSpec.tolerances).
+   <= factor * eager's + floor, and <= the dtype's bound (OpSpec.tolerances); a tensor of at most
+   FEW_ELEMENTS elements is allowed at least one unit in the last place of its dtype.
 It also checks the impl left its inputs untouched (unless the case hands them over with
 consume_inputs=True: their memory may then hold gradients) and matched eager's output shapes
 and dtypes.
