@@ -427,9 +427,18 @@ def _forward_args(inputs, reduction, grads, lean, stats=True, temperature=0.7):
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("lean", [False, True], ids=["fast", "lean"])
-@pytest.mark.parametrize("reduction", ["mean", "none"])
+# Every pair of (reduction, mode, dtype) values in four cases (an orthogonal array): each case
+# runs opcheck's four checks through the interpreted kernels.
+@pytest.mark.parametrize(
+    ("reduction", "lean", "dtype"),
+    [
+        ("mean", False, torch.bfloat16),
+        ("none", False, torch.float32),
+        ("mean", True, torch.float32),
+        ("none", True, torch.bfloat16),
+    ],
+    ids=["mean-fast-bf16", "none-fast-fp32", "mean-lean-fp32", "none-lean-bf16"],
+)
 def test_opcheck_forward(reduction, lean, dtype):
     """The forward op's schema, fake and autograd registration; bf16 fast: bf16 logits chunks."""
     inputs = make({"BT": 12, "H": 16, "V": 40}, dtype, {"with_bias": True, "with_class_weight": True})
