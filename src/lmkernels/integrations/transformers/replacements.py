@@ -271,8 +271,9 @@ def with_global(fn: Callable[..., Any], name: str, value: Any) -> Callable[..., 
     """A copy of `fn` that finds `value` under the global `name`; None where it cannot be made.
 
     `fn` is an attention's forward that calls its modeling module's apply_rotary_pos_emb: the copy
-    runs with a copy of the module's globals in which that name is the patched model's rope, so
-    the module itself, and every model that was not patched, keeps the original. No state
+    runs with a copy of the module's globals (as they are at patch time) in which that name is
+    the patched model's rope, so the module itself, and every model that was not patched, keeps
+    the original. No state
     changes at call time: torch.compile traces the copy as it traces the original, inside an
     activation checkpoint too (where dynamo refuses stores to outside state). Wrappers made with
     functools.wraps that hold the wrapped function in a closure cell (transformers'
@@ -289,7 +290,7 @@ def with_global(fn: Callable[..., Any], name: str, value: Any) -> Callable[..., 
         namespace[name] = value
         # Not the module's own namespace: without the module's name in it, dynamo reads its
         # globals from this dict instead of importing the module by name.
-        del namespace["__name__"]
+        namespace.pop("__name__", None)
         copied = types.FunctionType(code, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
     else:
         inner_copy = with_global(inner, name, value)
