@@ -507,8 +507,28 @@ def test_compile_fullgraph_matches_eager(reduction, mode):
         torch.testing.assert_close(c_grads[name], grads[name], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("accum", [None, torch.float16], ids=["fp32-accum", "fp16-lean"])
-@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+# Every pair of (reduction, accumulator, mode) values in six cases: each reduction with both
+# accumulators and both modes, each accumulator with both modes.
+@pytest.mark.parametrize(
+    ("reduction", "accum", "mode"),
+    [
+        ("mean", None, "fast"),
+        ("mean", torch.float16, "lean"),
+        ("sum", None, "lean"),
+        ("sum", torch.float16, "fast"),
+        ("none", None, "fast"),
+        ("none", torch.float16, "lean"),
+    ],
+    ids=[
+        "mean-fp32-fast",
+        "mean-fp16-lean",
+        "sum-fp32-lean",
+        "sum-fp16-fast",
+        "none-fp32-fast",
+        "none-fp16-lean",
+    ],
+    indirect=["mode"],
+)
 def test_fp16_tiny_dlogits(monkeypatch, reduction, accum, mode):
     """fp16 dlogits must not underflow. Probabilities ~1/V = 4.9e-4 times a per-token scale of
     1/256 (mean's 1 / tokens; for "sum"/"none" the loss is multiplied by 1/256 so that the
