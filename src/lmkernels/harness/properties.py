@@ -259,7 +259,7 @@ def check_sample(spec: OpSpec, impl: Impl, case: Case, device: str = "cpu") -> R
     try:
         with poison_outputs():
             got, upstream, impl_diff = _run(
-                lambda **kw: dispatch(spec.name, impl.backend, **kw),
+                _impl_fn(spec, impl),
                 kwargs,
                 leaves,
                 _random_like(case.seed, skip),
@@ -299,9 +299,8 @@ def check_sample(spec: OpSpec, impl: Impl, case: Case, device: str = "cpu") -> R
             ).items()
         }
         impl_levels = {}
-        impl_fn = lambda **kw: dispatch(spec.name, impl.backend, **kw)  # noqa: E731
         for name, errs in _resampled_gradient_errors(
-            impl_fn, spec, inputs, plan, grad_names, upstream
+            _impl_fn(spec, impl), spec, inputs, plan, grad_names, upstream
         ).items():
             first = rel_rms_error(got[name], ref[name]) if name in got else float("nan")
             if first == first and len(errs) == len(RESAMPLE_SCALES):
