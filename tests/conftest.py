@@ -42,9 +42,9 @@ def triton_device() -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """A test whose name, or whose `backend` parameter, names the Triton backend skips, with
-    the reason, where the Triton kernels cannot run here (no triton, or an interpreter too old
-    for them): the other backends' cases still run."""
+    """A test marked `triton`, or whose name or `backend` parameter names the Triton backend,
+    skips, with the reason, where the Triton kernels cannot run here (no triton, or an
+    interpreter too old for them): the other backends' cases still run."""
     try:
         from lmkernels.backends.triton import triton_unavailable_reason
     except ImportError:  # lmkernels itself not importable: collection reports that
@@ -56,5 +56,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         backend = params.get("backend")
-        if "triton" in item.originalname or (isinstance(backend, str) and backend.startswith("triton")):
+        named = "triton" in item.originalname or (isinstance(backend, str) and backend.startswith("triton"))
+        if named or item.get_closest_marker("triton"):
             item.add_marker(skip)

@@ -965,6 +965,7 @@ def test_losses_build_no_logits():
 # --- docs/losses.md: every example runs ----------------------------------------------------------------
 
 
+@pytest.mark.triton  # an example asks for it by name
 def test_docs_examples_run():
     """Each Python block of docs/losses.md, on tiny Llama models (a wider teacher), with the
     tensors the examples name."""

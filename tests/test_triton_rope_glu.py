@@ -596,3 +596,22 @@ def test_swiglu_64bit_offsets():
         check_close(f"out[{r}]", out[r].detach(), eager.detach(), ref.detach())
         check_close(f"d_gate[{r}]", gate.grad[r], a.grad, a64.grad)
         check_close(f"d_up[{r}]", up.grad[r], b.grad, b64.grad)
+
+
+def test_rope_refuses_an_amd_gpu_whose_compiler_fails_on_its_kernel(monkeypatch):
+    """On a ROCm build of torch with a Triton before 3.8 (whose AMD backend cannot compile the RoPE
+    kernel: tests/test_compile_targets.py), the Triton RoPE is unavailable, with the reason."""
+    import triton
+
+    from lmkernels.backends.triton import rope as rope_mod
+
+    monkeypatch.setattr(rope_mod, "triton_unavailable_reason", lambda: None)
+    monkeypatch.setattr(torch.version, "hip", "7.1.0")
+    monkeypatch.setattr(triton, "__version__", "3.7.1")
+    assert rope_mod._available() == rope_mod.amd_compile_failure("3.7.1") is not None
+    assert "needs >= 3.8" in rope_mod._available()
+    monkeypatch.setattr(triton, "__version__", "3.8.0")
+    assert rope_mod._available() is None
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(triton, "__version__", "3.7.1")
+    assert rope_mod._available() is None  # NVIDIA: 3.6 and 3.7 compile it

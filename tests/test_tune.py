@@ -86,6 +86,7 @@ def test_tune_cli_errors_name_the_argument(capsys):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU interpreter")
+@pytest.mark.triton
 def test_tuner_runs_candidates_through_the_launchers(monkeypatch):
     """Each kind of candidate, passed to the launchers, matches the fp32 reference (the
     interpreter on the CPU)."""

@@ -16,6 +16,17 @@ import pytest  # noqa: E402
 torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test marked `triton` skips, with the reason, where the Triton kernels cannot run here
+    (as in tests/conftest.py)."""
+    from lmkernels.backends.triton import triton_unavailable_reason
+
+    reason = triton_unavailable_reason()
+    for item in items:
+        if reason is not None and item.get_closest_marker("triton"):
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 @pytest.fixture(autouse=True)
 def _reset_backend_choice():
     import lmkernels

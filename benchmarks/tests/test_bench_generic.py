@@ -5,9 +5,12 @@ configs.generic.PREFER_COMPILE."""
 
 from __future__ import annotations
 
+import pytest
+
 from lmkernels_bench import data, generic
 
 
+@pytest.mark.triton
 def test_generic_tiny_on_cpu(tmp_path):
     argv = [
         "--device",

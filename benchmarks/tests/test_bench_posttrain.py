@@ -14,6 +14,7 @@ pytest.importorskip("trl", reason="TRL is in the hf extra")
 from lmkernels_bench import posttrain  # noqa: E402
 
 
+@pytest.mark.triton
 def test_posttrain_tiny(tmp_path):
     rows = posttrain.run(
         ["--tiny", "--device", "cpu", "--out", str(tmp_path), "--rep", "1", "--warmup", "0",

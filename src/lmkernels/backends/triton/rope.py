@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lmkernels.backends.triton import triton_devices, triton_unavailable_reason
+from lmkernels.backends.triton import _version, triton_devices, triton_unavailable_reason
 from lmkernels.backends.triton.common import (
     call,
     cdiv,
@@ -672,9 +672,30 @@ def _supports(
     return reasons
 
 
+# Triton before 3.8 cannot compile _rope_kernel for AMD GPUs: its AMD backend's pointer
+# canonicalization pass (TritonAMDGPUCanonicalizePointers) fails on the select between q's and
+# k's row pointers (`lmkernels compile-check --target gfx942` shows it). There the op refuses
+# the Triton backend by name, and `auto` picks another.
+AMD_MIN_TRITON = (3, 8)
+
+
+def amd_compile_failure(triton_version: str) -> str | None:
+    """Why Triton `triton_version` cannot compile the RoPE kernels for an AMD GPU, or None."""
+    if _version(triton_version) < AMD_MIN_TRITON:
+        return f"the AMD backend of triton {triton_version} cannot compile the RoPE kernel (needs >= 3.8)"
+    return None
+
+
+def _available() -> str | None:
+    reason = triton_unavailable_reason()
+    if reason is None and torch.version.hip is not None:
+        reason = amd_compile_failure(triton.__version__)
+    return reason
+
+
 register(
     "rope", "triton", rope_triton, priority=100, devices=triton_devices(), auto_devices=("cuda",),
-    available=triton_unavailable_reason, **gpu_capabilities("rope", _supports),
+    available=_available, **gpu_capabilities("rope", _supports),
     double_backward=True,  # the backward is the inverse rotation, itself differentiable
     forward_ad=True,  # and the tangent the rotation of the tangents (of q and k: cos/sin refused)
     compiled_transforms=False,
