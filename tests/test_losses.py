@@ -966,9 +966,9 @@ def test_losses_build_no_logits():
 
 
 @pytest.mark.triton  # an example asks for it by name
-def test_docs_examples_run():
+def test_docs_examples_run(triton_device):
     """Each Python block of docs/losses.md, on tiny Llama models (a wider teacher), with the
-    tensors the examples name."""
+    tensors the examples name, where the Triton kernels run (an example asks for them)."""
     import re
     from pathlib import Path
 
@@ -1006,6 +1006,11 @@ def test_docs_examples_run():
         completion_ids=completion_ids,
         old_logps=torch.zeros(rows, n) - 4.0,
     )
+    scope = {
+        k: v.to(triton_device) if isinstance(v, torch.Tensor | torch.nn.Module) else v
+        for k, v in scope.items()
+    }
+    model = scope["model"]
     for block in blocks:
         model.zero_grad()
         with lmkernels.use_backend("eager"):  # (auto on the CPU would compile each new shape)

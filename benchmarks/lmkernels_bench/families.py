@@ -191,7 +191,9 @@ def _hook_patched_modules(model, worst: dict):
 
 def _loss_and_grads(model, ids):
     model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
+    # No cache: a module hook re-runs attention on the same arguments, which would append to a
+    # cache twice (sliding-window layers then see more keys than the mask has).
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
     return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 

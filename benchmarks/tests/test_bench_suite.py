@@ -314,3 +314,14 @@ def test_commit_of_an_exported_tree_is_not_the_enclosing_repository(tmp_path, mo
     assert data.commit(outer) is not None  # the repository's own root: its commit
     monkeypatch.setenv("LMKERNELS_COMMIT", "abc1234")
     assert data.commit(outer / "export") == "abc1234"
+
+
+def test_stepcheck_runs_a_family_with_sliding_window_layers():
+    """The step check's module hook re-runs each patched module on its own arguments; with a
+    cache in them, gemma3's sliding-window attention saw more keys than its mask (a GPU run
+    failed so). One step of the tiny model on the CPU."""
+    from lmkernels_bench import families
+
+    batches = families.make_batches(1, 2, 32)
+    (run,) = families.stepcheck_runs("gemma3_text", "eager", batches, 32, 1, "cpu")
+    assert len(run) == 1 and run[0]["module"] and 0 <= run[0]["module_err"] < 0.05
