@@ -31,6 +31,9 @@ def _profile_step(inputs):
     point is the eager path. Each allocation is attributed to the innermost op (an empty /
     empty_strided), so an event's self memory is one allocation; frees land on enclosing events.
     """
+    # Earlier tests' garbage collected now, not by the collection inside the profile (its frees
+    # would count against this step's remaining bytes).
+    gc.collect()
     activities = [torch.profiler.ProfilerActivity.CPU]
     if DEVICE == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
