@@ -518,7 +518,11 @@ _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _NOT_CACHED = object()  # a cache entry: this key's launches take Triton's path
 _UNALLOCATED = object()  # ends a key whose tensor argument has elements but no memory
 _LOW_ADDRESSES = 1 << 32
-_current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else None
+# The launch key's device: None where no CUDA device is (a CUDA build of torch on a machine
+# without one raises on the call, and its launches run on the interpreter anyway).
+_current_device = (
+    torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") and torch.cuda.is_available() else None
+)
 
 
 def launch(kernel: Any, grid: tuple, *args: Any, **kwargs: Any) -> None:
