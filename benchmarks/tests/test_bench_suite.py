@@ -325,3 +325,34 @@ def test_stepcheck_runs_a_family_with_sliding_window_layers():
     batches = families.make_batches(1, 2, 32)
     (run,) = families.stepcheck_runs("gemma3_text", "eager", batches, 32, 1, "cpu")
     assert len(run) == 1 and run[0]["module"] and 0 <= run[0]["module_err"] < 0.05
+
+
+def test_validation_summary_sums_sanitizer_runs_and_leaves_out_retired_scripts():
+    """The README's summary: one line per sanitizer over its runs (counts summed), no runs of
+    scripts no longer in the tree; the full report shows a trajectory's distances and a step
+    check that crashed (no numbers) with its note."""
+
+    def row(part, run, command="lmkernels-bench suite validation", **fields):
+        base = dict(part=part, run=run, command=command, commit="abc1234", device="GPU")
+        return base | dict(date="2026-01-01T10:00:00") | fields
+
+    def test_row(run, group, tool, pytest_line, errors=None, command="lmkernels-bench suite validation"):
+        fields = dict(group=group, tool=tool, select=run, pytest=pytest_line, sanitizer_errors=errors)
+        return row("tests", run, command, **fields)
+
+    records = [
+        test_row("a", "kernels", "memcheck", "10 passed, 5 deselected in 1.0s", 0),
+        test_row("b", "large", "memcheck", "1 failed, 3 passed in 2.0s", 2),
+        test_row("c", "kernels", "none", "7 passed in 1.0s"),
+        test_row("d", "correctness", "none", "9 passed in 1.0s", command="bash scripts/gpu_tests.sh x"),
+        row("families", "e", family="llama", passed=True, ops=["rope"],
+            distance={"patched": 0.02, "plain_bf16": [0.01, 0.03], "limit": 0.045}),
+        row("stepcheck", "f", family="gemma3_text", passed=False, loss=None, note="crashed in the harness"),
+    ]  # fmt: skip
+    summary = tables_validation.validation_summary(records, "DATA/x.jsonl")
+    assert "memcheck, 2 runs (groups kernels, large) | 13 passed, 1 failed, 2 sanitizer errors" in summary
+    assert "group kernels (-k c) | 7 passed" in summary and "correctness" not in summary
+    assert "per step on shared weights | 0 of 1 pass" in summary
+    report = tables_validation.validation_report(records, "x", "DATA/x.jsonl")
+    assert "patched 0.02 / limit 0.045 (plain 0.01-0.03)" in report
+    assert "| gemma3_text | FAIL | crashed in the harness |" in report
