@@ -601,6 +601,7 @@ def check(
     jobs = jobs or max(1, min(os.cpu_count() or 1, 16))
     start = time.time()
     names = []
+    ops_of: dict[str, tuple[str, ...]] = {}  # per target: the ops its compiler can take
     for name in target_names:
         t = target(name)
         missing = compiler_missing(t)
@@ -608,10 +609,11 @@ def check(
             log(f"{t.name}: not checked: {missing}")
             continue
         names.append(t.name)
-        for op, reason in compile_failures(t).items():
-            if op in ops:
-                log(f"{t.name}: {op} not checked: {reason}")
-    ops_of = {n: tuple(op for op in ops if op not in compile_failures(TARGETS[n])) for n in names}
+        failures = compile_failures(t)
+        for op in ops:
+            if op in failures:
+                log(f"{t.name}: {op} not checked: {failures[op]}")
+        ops_of[t.name] = tuple(op for op in ops if op not in failures)
     recorded: dict[str, dict[str, Any]] = {}
     compiled: dict[tuple[str, str], dict[str, Any]] = {}
     tables_by_target = tables_by_target or {}
