@@ -25,6 +25,7 @@ from lmkernels_bench.tables_common import (
     _x,
     caption,
     latest,
+    retired,
     suite_command,
 )
 
@@ -356,7 +357,10 @@ def _dist_rerun(points: dict[tuple, list[dict[str, Any]]]) -> str:
 def dist_table(rows: list[dict[str, Any]], path: str) -> str:
     """Per GPU count and wrapping (the latest run of each): tokens/s/GPU, peak, ratios, loss
     differences."""
-    points = latest([r for r in rows if r["part"] == "dist"], lambda r: (r["gpus"], r["mode"], _dist_size(r)))
+    # Rows of a script no longer in the tree stay in the data file, out of the table: a table's
+    # rows come from commands in the tree.
+    dist = [r for r in rows if r["part"] == "dist" and not retired(r.get("command"))]
+    points = latest(dist, lambda r: (r["gpus"], r["mode"], _dist_size(r)))
     # A wrapping whose plain run fails there is the environment's problem, with nothing to
     # compare: its rows stay in the data file (docs/scaling.md cites them), out of the table.
     points = {

@@ -266,7 +266,7 @@ else:
 def test_dist_table_rows_per_size():
     """The distributed table: one row per GPU count, wrapping and run size (the latest run of
     each), a size other than the default named in the row; a wrapping whose plain run failed
-    stays out."""
+    stays out, and so do rows of a script no longer in the tree."""
 
     def row(mode, config, seq, tps, run, status="ok"):
         return (
@@ -287,7 +287,10 @@ def test_dist_table_rows_per_size():
     rows += [row("pp", c, 4096, t, "r2") for c, t in (("plain", 100.0), ("lmk", 125.0))]
     rows += [row("pp", "lmk", 1024, 90.0, "r0")]  # an older run of the same size: replaced
     rows += [row("fsdp", "plain", 1024, 0.0, "r3", status="failed"), row("fsdp", "lmk", 1024, 1.0, "r3")]
+    retired = [row("tp", c, 1024, 50.0, "r4") for c in ("plain", "lmk")]
+    rows += [r | {"command": "python benchmarks/dist_train.py --tp 2"} for r in retired]
     text = tables_perf.dist_table(rows, "data.jsonl")
+    assert "| TP" not in text and "no longer in the tree" not in text, text
     body = [line for line in text.splitlines() if line.startswith("| pipeline") or line.startswith("| FSDP2")]
     assert len(body) == 2, text
     assert body[0].startswith("| pipeline parallel (1F1B) | 2 |") and "| 1.10x |" in body[0]
