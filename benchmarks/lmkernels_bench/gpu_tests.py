@@ -77,7 +77,11 @@ GROUPS = {
         "tests/test_integration_compile.py",
         "tests/test_integration_ecosystem.py",
     ],
+    # The property tests' long profile (500 random examples per op x Triton backend): longer
+    # than one call, so the suite runs it in shards (-k), which the report sums.
+    "properties-long": ["tests/test_properties.py", "-k", "triton"],
 }
+GROUP_ENV = {"properties-long": {"LMKERNELS_HYPOTHESIS_PROFILE": "long"}}
 
 SANITIZER_SUMMARY = re.compile(r"(ERROR SUMMARY|RACECHECK SUMMARY): .*?(\d+) (?:errors?|hazards? displayed)")
 
@@ -122,7 +126,7 @@ def run(group: str, out: Path, tool: str | None, timeout: float, select: str | N
     tests = [a for a in GROUPS[group] if a.startswith("tests/")]
     pytest_args = [*tests, "-k", select] if select else GROUPS[group]
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", *pytest_args]
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONUNBUFFERED="1", **GROUP_ENV.get(group, {}))
     root = checkout()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), env.get("PYTHONPATH")]))
     if tool is not None:

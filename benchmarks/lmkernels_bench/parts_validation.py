@@ -153,7 +153,9 @@ def tests_part(ctx: Context, args: list[str]):
     if ctx.done(("tests",)):
         return
     if ctx.dry_run:
-        record = {"group": args[1], "tool": "none", "pytest": "1 passed", "exit": 0, "seconds": 1.0}
+        select = args[args.index("-k") + 1] if "-k" in args else None
+        record = {"group": args[1], "select": select, "tool": "none", "pytest": "1 passed", "exit": 0}
+        record["seconds"] = 1.0
     else:
         root = checkout()
         with tempfile.TemporaryDirectory() as tmp:
@@ -169,5 +171,6 @@ def tests_part(ctx: Context, args: list[str]):
             if got.get("exit") != 0:  # the rows keep the summary; the failures go to the log
                 for log in Path(tmp).glob("*.log"):
                     ctx.log("\n".join(log.read_text().splitlines()[-80:]))
-        record = {k: got.get(k) for k in ("group", "tool", "pytest", "exit", "seconds", "sanitizer_errors")}
+        keys = ("group", "select", "tool", "pytest", "exit", "seconds", "sanitizer_errors")
+        record = {k: got.get(k) for k in keys}
     ctx.emit([record], ("tests",))

@@ -53,6 +53,16 @@ TEST_PARTS = {  # part -> `lmkernels-bench gpu-tests` arguments
     "tests-triton-features": ["suite", "triton-features"],
     "tests-integration": ["suite", "integration"],
     "tests-posttrain": ["suite", "posttrain"],
+    "props-long-norms": ["suite", "properties-long", "-k", "rms_norm-triton or layer_norm-triton"],
+    "props-long-rope-glu": ["suite", "properties-long", "-k", "rope-triton or swiglu-triton or geglu-triton"],
+    "props-long-flce": [
+        "suite",
+        "properties-long",
+        "-k",
+        "fused_linear_cross_entropy-triton and not triton_lean",
+    ],
+    "props-long-flce-lean": ["suite", "properties-long", "-k", "fused_linear_cross_entropy-triton_lean"],
+    "props-long-distill": ["suite", "properties-long", "-k", "fused_linear_distillation-triton"],
     "memcheck-kernels": ["memcheck", "kernels"],
     "racecheck": ["memcheck", "racecheck", "--racecheck"],
 }

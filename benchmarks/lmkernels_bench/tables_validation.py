@@ -30,6 +30,15 @@ def pytest_counts(summary: str) -> str:
     return ", ".join(p for p in parts if not p.endswith(("warning", "warnings"))) or summary
 
 
+def _summed_counts(runs: list[dict[str, Any]]) -> str:
+    """pytest's counts over one or more runs, summed ("deselected" left out)."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        for n, word in re.findall(r"(\d+) (\w+)", pytest_counts(r["pytest"])):
+            counts[word] = counts.get(word, 0) + int(n)
+    return ", ".join(f"{n} {word}" for word, n in counts.items() if word != "deselected")
+
+
 def validation_summary(records: list[dict[str, Any]], path: str) -> str:
     """One line per kind of evidence: what passed, on which commit. Runs of scripts no longer in
     the tree are left out (the suite's parts measure the same; the full report keeps them)."""
@@ -76,24 +85,24 @@ def validation_summary(records: list[dict[str, Any]], path: str) -> str:
             f"{sum(r['ok'] for r in mine)} of {len(mine)} pass",
         )
     tests = _latest_part(records, "tests", lambda r: (r["group"], r["tool"], r.get("select")))
-    for r in tests:
-        if r["tool"] == "none":
-            select = f" (-k {r['select']})" if r.get("select") else ""
-            add(f"GPU tests, group {r['group']}{select}", [r], pytest_counts(r["pytest"]))
+    plain = [r for r in tests if r["tool"] == "none"]
+    for group in dict.fromkeys(r["group"] for r in plain):
+        # A group run in shards (-k selections) in one line: their counts summed.
+        runs = [r for r in plain if r["group"] == group]
+        if len(runs) > 1:
+            what = f", {len(runs)} shards"
+        else:
+            what = f" (-k {runs[0]['select']})" if runs[0].get("select") else ""
+        add(f"GPU tests, group {group}{what}", runs, _summed_counts(runs))
     for tool in dict.fromkeys(r["tool"] for r in tests if r["tool"] != "none"):
         # A sanitizer's runs (selections of groups) in one line: their counts summed.
         runs = [r for r in tests if r["tool"] == tool]
-        counts: dict[str, int] = {}
-        for r in runs:
-            for n, word in re.findall(r"(\d+) (\w+)", pytest_counts(r["pytest"])):
-                counts[word] = counts.get(word, 0) + int(n)
         errors = sum(r.get("sanitizer_errors") or 0 for r in runs)
         groups = ", ".join(dict.fromkeys(r["group"] for r in runs))
-        result = ", ".join(f"{n} {word}" for word, n in counts.items() if word != "deselected")
         add(
             f"GPU tests under compute-sanitizer {tool}, {len(runs)} runs (groups {groups})",
             runs,
-            f"{result}, {errors} sanitizer errors",
+            f"{_summed_counts(runs)}, {errors} sanitizer errors",
         )
     header = ["evidence", "result", "commit (date)"]
     return "\n".join(

@@ -331,8 +331,8 @@ def test_stepcheck_runs_a_family_with_sliding_window_layers():
 
 
 def test_validation_summary_sums_sanitizer_runs_and_leaves_out_retired_scripts():
-    """The README's summary: one line per sanitizer over its runs (counts summed), no runs of
-    scripts no longer in the tree; the full report shows a trajectory's distances and a step
+    """The README's summary: one line per sanitizer and per group run in shards (counts summed),
+    no runs of scripts no longer in the tree; the full report shows a trajectory's distances and a step
     check that crashed (no numbers) with its note."""
 
     def row(part, run, command="lmkernels-bench suite validation", **fields):
@@ -347,6 +347,8 @@ def test_validation_summary_sums_sanitizer_runs_and_leaves_out_retired_scripts()
         test_row("a", "kernels", "memcheck", "10 passed, 5 deselected in 1.0s", 0),
         test_row("b", "large", "memcheck", "1 failed, 3 passed in 2.0s", 2),
         test_row("c", "kernels", "none", "7 passed in 1.0s"),
+        test_row("g", "properties-long", "none", "12 passed, 90 deselected in 500.0s"),
+        test_row("h", "properties-long", "none", "1 failed, 5 passed, 96 deselected in 400.0s"),
         test_row("d", "correctness", "none", "9 passed in 1.0s", command="bash scripts/gpu_tests.sh x"),
         row("families", "e", family="llama", passed=True, ops=["rope"],
             distance={"patched": 0.02, "plain_bf16": [0.01, 0.03], "limit": 0.045}),
@@ -355,6 +357,7 @@ def test_validation_summary_sums_sanitizer_runs_and_leaves_out_retired_scripts()
     summary = tables_validation.validation_summary(records, "DATA/x.jsonl")
     assert "memcheck, 2 runs (groups kernels, large) | 13 passed, 1 failed, 2 sanitizer errors" in summary
     assert "group kernels (-k c) | 7 passed" in summary and "correctness" not in summary
+    assert "group properties-long, 2 shards | 17 passed, 1 failed |" in summary
     assert "per step on shared weights | 0 of 1 pass" in summary
     report = tables_validation.validation_report(records, "x", "DATA/x.jsonl")
     assert "patched 0.02 / limit 0.045 (plain 0.01-0.03)" in report
