@@ -154,8 +154,8 @@ def tests_part(ctx: Context, args: list[str]):
         return
     if ctx.dry_run:
         select = args[args.index("-k") + 1] if "-k" in args else None
-        record = {"group": args[1], "select": select, "tool": "none", "pytest": "1 passed", "exit": 0}
-        record["seconds"] = 1.0
+        record: dict[str, Any] = {"group": args[1], "select": select, "tool": "none", "exit": 0}
+        record |= {"pytest": "1 passed", "seconds": 1.0}
     else:
         root = checkout()
         with tempfile.TemporaryDirectory() as tmp:
