@@ -394,6 +394,31 @@ class TestTriton:
         assert triton_distill.chunk_tokens(5, V) == 5
         assert triton_distill.chunk_tokens(10_000, 2**24) == 128  # the floor, past the byte cap
 
+    def test_chunk_tokens_take_bf16_sums_when_they_cost_no_memory(self, monkeypatch):
+        """With a bf16 weight gradient, chunks few enough for grad_W to sum in bf16 (at most
+        MAX_SUPER_CHUNKS) replace the byte cap's where the peak (both fp32 chunk buffers plus
+        grad_W's buffer: fp32 past MAX_SUPER_CHUNKS chunks) does not rise; a plan that would
+        need more memory keeps the cap's chunks."""
+        monkeypatch.delenv(CHUNK_ENV)
+        most = triton_distill.MAX_SUPER_CHUNKS
+
+        def peak(BT, V, H, tokens):
+            chunks = -(-BT // tokens)
+            return 8 * V * min(tokens, BT) + (4 if chunks > most else 2) * V * H
+
+        # 8192 tokens, student 1536 x 151936: 11 chunks of 768 with an fp32 accumulator, or 8 of
+        # 1024 summed in bf16 at 148 MiB less.
+        assert triton_distill.chunk_tokens(8192, 151936, 1536, False) == 768
+        assert triton_distill.chunk_tokens(8192, 151936, 1536, True) == 1024
+        for BT in (100, 4096, 8192, 9000, 16384, 65536):
+            for V in (32000, 128256, 151936, 262144):
+                for H in (64, 1536, 4096, 8192):
+                    cap = triton_distill.chunk_tokens(BT, V, H, False)
+                    tokens = triton_distill.chunk_tokens(BT, V, H, True)
+                    assert peak(BT, V, H, tokens) <= peak(BT, V, H, cap), (BT, V, H)
+                    if tokens != cap:
+                        assert -(-BT // tokens) <= most and tokens % 128 == 0, (BT, V, H, tokens)
+
 
 def run_fn(fn, inputs, upstream):
     inputs = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}

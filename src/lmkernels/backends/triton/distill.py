@@ -9,7 +9,8 @@ student's logits), and cuBLAS takes grad_student_hidden (dlogits @ W_s), grad_st
 (+= dlogits.T @ h_s) and grad_student_bias (column sums) from those. Peak beyond the inputs and
 the gradients: the two chunk buffers, together at most CHUNK_BYTES (1 GiB), whatever the number
 of tokens (LMKERNELS_DISTILL_CHUNK_TOKENS fixes the tokens per chunk: tests, tuning), plus an
-fp32 grad_W accumulator where one is needed (below).
+fp32 grad_W accumulator where one is needed (below; chunk_tokens takes larger chunks where
+that avoids the accumulator for no more memory).
 
 The row kernel, per token, reads both rows in blocks of BLOCK_V columns:
 - pass 1, online: max and sum of exp of both scaled rows (their logsumexps), and for the two
@@ -294,11 +295,23 @@ def _distill_rows_kernel(
 # --- the chunk loop ------------------------------------------------------------------------------
 
 
-def chunk_tokens(BT: int, V: int) -> int:
+def chunk_tokens(BT: int, V: int, H: int = 0, bf16_weight_grad: bool = False) -> int:
     """Tokens per chunk: both fp32 logits buffers within CHUNK_BYTES, a multiple of 128 (cuBLAS
-    tile height), at least 128, at most BT (LMKERNELS_DISTILL_CHUNK_TOKENS fixes it)."""
+    tile height), at least 128, at most BT (LMKERNELS_DISTILL_CHUNK_TOKENS fixes it).
+
+    With a bf16 weight gradient to sum (bf16_weight_grad; H: the student's hidden size), more
+    than MAX_SUPER_CHUNKS chunks would need grad_W's fp32 accumulator, 2 V H bytes more than
+    summing in bf16: chunks few enough to sum in bf16 are taken instead where their buffers
+    grow by no more than those bytes, so the peak never rises and fewer matmuls run."""
     fixed = env_sizes(CHUNK_ENV, 1)
-    rows = fixed[0] if fixed else max(128, CHUNK_BYTES // (8 * V) // 128 * 128)
+    if fixed:
+        return max(1, min(fixed[0], BT))
+    rows = max(128, CHUNK_BYTES // (8 * V) // 128 * 128)
+    if bf16_weight_grad and -(-BT // rows) > MAX_SUPER_CHUNKS:
+        per_chunk = -(-BT // MAX_SUPER_CHUNKS)
+        fewer = -(-per_chunk // 128) * 128
+        if 8 * V * fewer <= 8 * V * rows + 2 * V * H:
+            rows = fewer
     return max(1, min(rows, BT))
 
 
@@ -750,7 +763,7 @@ def fused_linear_distillation_triton(
         float(o.soft_weight),
         o.reduction,
         *needs,
-        chunk_tokens(sh.shape[0], student_weight.shape[0]),
+        chunk_tokens(sh.shape[0], student_weight.shape[0], Hs, needs[1] and sh.dtype == torch.bfloat16),
     )
     if o.reduction == "none":
         loss = loss.view(student_hidden.shape[:-1])
