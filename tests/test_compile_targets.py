@@ -172,3 +172,50 @@ def test_interpreter_checked_backward_paths_compile_for_sm90(tmp_path):
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert not out["failed"], out["failed"]
     assert out["compiled"] >= 2 * len(configs)
+
+
+_SOFTCAP_SCRIPT = r"""
+import json
+import torch
+from lmkernels.backends import load_builtin
+from lmkernels.backends.triton.configs import targets
+from lmkernels.harness.targets import Case, _worker_init, _kernel, recording, run_case
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+load_builtin()
+_worker_init()
+t = targets.TARGETS["sm_90"]
+out = {}
+for softcap in (None, 30.0):
+    case = Case("fused_linear_cross_entropy", "triton", torch.float32, (1, 1, 1),
+                (("softcap", softcap), ("z_loss_scale", 1e-4)))
+    with recording(t) as recorder:
+        run_case(case)
+    rows = [l for l in recorder.launches if l.name == "_flce_rows_kernel"]
+    src = ASTSource(_kernel(rows[0].kernel), rows[0].signature, rows[0].constexprs, rows[0].attrs)
+    compiled = triton.compile(src, target=GPUTarget(t.backend, t.arch, t.warp_size), options=rows[0].options)
+    out[str(softcap)] = {"launches": len(rows), "fused": compiled.asm["ptx"].count("fma.rn.f32")}
+print(json.dumps(out))
+"""
+
+
+def test_softcapped_logits_are_rounded_once_for_every_use(tmp_path):
+    """With a softcap, FLCE's row kernel compiles without fused multiply-adds: fused, the capped
+    logit's product went unrounded into z - max and lse - z_t, and with one class (a loss that
+    is the z-loss alone) the cross-entropy missed 0 by half an ulp of the logit (an H100 run of
+    the long property profile; tests/property_regressions.py). Without a softcap the launch is
+    unchanged (fused)."""
+    pytest.importorskip("triton.backends.nvidia", reason="Triton's NVIDIA backend (ptxas) is not installed")
+    result = subprocess.run(
+        [sys.executable, "-c", _SOFTCAP_SCRIPT],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["30.0"]["launches"] >= 1 and out["30.0"]["fused"] == 0, out
+    assert out["None"]["fused"] > 0, out

@@ -704,6 +704,11 @@ class Rows:
         else:
             entropy_ptr, egrad_ptr = dummy, dummy
         block_v, num_warps = self.table.rows_launch(n_cols)
+        # With a softcap, the compiler's fused multiply-adds fold the capped logit's product
+        # (softcap * tanh) into z - max and lse - z_t, so each use sees it rounded differently:
+        # with one class the cross-entropy missed 0 by half an ulp of the logit, the whole of a
+        # z-loss-only loss's error budget. Unfused, every use sees the same rounded logit.
+        fusion = {"enable_fp_fusion": False} if softcap is not None else {}
         launch(
             _flce_rows_kernel,
             (n_rows,),
@@ -743,6 +748,7 @@ class Rows:
             BLOCK_V=block_v,
             SOFT_BF16=soft_bf16(logits),
             num_warps=num_warps,
+            **fusion,
             **pdl(logits),
         )
 
