@@ -237,11 +237,11 @@ REGRESSIONS: list[Case] = [
         },
         seed=1,
     ),
-    # One class, a softcap and a z-loss, fp32 (the long profile on an H100): the cross-entropy is
-    # 0 and the loss the z-loss alone; the row kernel's fused multiply-adds took the capped
-    # logit's product unrounded into lse - z_t, which missed 0 by half an ulp of the logit
-    # (loss error 3.3e-4 against eager's 1.5e-7). The softcap launches now compile unfused
-    # (test_compile_targets.test_softcapped_logits_are_rounded_once_for_every_use).
+    # One class, a softcap and a z-loss, fp32, on a GPU: the cross-entropy is 0 and the loss the
+    # z-loss alone; the row kernel's fused multiply-adds took the capped logit's product
+    # unrounded into lse - z_t, which missed 0 by half an ulp of the logit (loss error 3.3e-4
+    # against eager's 1.5e-7). Scaled logits compile unfused
+    # (test_compile_targets.test_scaled_logits_are_rounded_once_for_every_use).
     Case(
         op="fused_linear_cross_entropy",
         backend="triton",

@@ -394,6 +394,34 @@ class TestTriton:
         assert triton_distill.chunk_tokens(5, V) == 5
         assert triton_distill.chunk_tokens(10_000, 2**24) == 128  # the floor, past the byte cap
 
+    @pytest.mark.skipif(DEVICE != "cuda", reason="peak GPU memory: a GPU test")
+    def test_bf16_sum_chunks_peak_below_the_accumulators(self, monkeypatch):
+        """Measured, not modelled: at 4608 tokens x V 262144 x H 1024 (bf16) the byte cap's
+        chunks (512 tokens) are 9 and need grad_W's fp32 accumulator; chunk_tokens takes 8 of
+        640 summed in bf16, whose training step peaks lower above its inputs."""
+        shape = {"BT": 4608, "Hs": 1024, "Ht": 1024, "V": 262144}
+        monkeypatch.delenv(CHUNK_ENV)
+        assert triton_distill.chunk_tokens(4608, 262144, 1024, False) == 512
+        assert triton_distill.chunk_tokens(4608, 262144, 1024, True) == 640
+        inputs = make({"reduction": "mean"}, torch.bfloat16, shape)
+        for name in ("student_hidden", "student_weight"):
+            inputs[name].requires_grad_(True)
+        peaks = {}
+        for chunk in ("512", None):
+            if chunk:
+                monkeypatch.setenv(CHUNK_ENV, chunk)
+            else:
+                monkeypatch.delenv(CHUNK_ENV)
+            for name in ("student_hidden", "student_weight"):
+                inputs[name].grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            lmkernels.fused_linear_distillation(**inputs, backend="triton").backward()
+            torch.cuda.synchronize()
+            peaks[chunk] = torch.cuda.max_memory_allocated() - base
+        assert peaks[None] < peaks["512"], peaks
+
     def test_chunk_tokens_take_bf16_sums_when_they_cost_no_memory(self, monkeypatch):
         """With a bf16 weight gradient, chunks few enough for grad_W to sum in bf16 (at most
         MAX_SUPER_CHUNKS) replace the byte cap's where the peak (both fp32 chunk buffers plus

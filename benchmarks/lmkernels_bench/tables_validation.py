@@ -87,13 +87,19 @@ def validation_summary(records: list[dict[str, Any]], path: str) -> str:
     tests = _latest_part(records, "tests", lambda r: (r["group"], r["tool"], r.get("select")))
     plain = [r for r in tests if r["tool"] == "none"]
     for group in dict.fromkeys(r["group"] for r in plain):
-        # A group run in shards (-k selections) in one line: their counts summed.
+        # A group the suite runs in shards (-k selections, TEST_PARTS) in one line: the counts of
+        # its current shards summed (a shard since renamed or split is not counted again).
         runs = [r for r in plain if r["group"] == group]
-        if len(runs) > 1:
-            what = f", {len(runs)} shards"
-        else:
-            what = f" (-k {runs[0]['select']})" if runs[0].get("select") else ""
-        add(f"GPU tests, group {group}{what}", runs, _summed_counts(runs))
+        shards = [a[3] for a in TEST_PARTS.values() if a[:2] == ["suite", group] and len(a) > 3]
+        if shards:
+            runs = [r for r in runs if r.get("select") in shards]
+            if runs:
+                what = f"GPU tests, group {group}, {len(runs)} of {len(shards)} shards"
+                add(what, runs, _summed_counts(runs))
+            continue
+        for r in runs:
+            select = f" (-k {r['select']})" if r.get("select") else ""
+            add(f"GPU tests, group {group}{select}", [r], _summed_counts([r]))
     for tool in dict.fromkeys(r["tool"] for r in tests if r["tool"] != "none"):
         # A sanitizer's runs (selections of groups) in one line: their counts summed.
         runs = [r for r in tests if r["tool"] == tool]

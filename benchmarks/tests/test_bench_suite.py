@@ -343,12 +343,15 @@ def test_validation_summary_sums_sanitizer_runs_and_leaves_out_retired_scripts()
         fields = dict(group=group, tool=tool, select=run, pytest=pytest_line, sanitizer_errors=errors)
         return row("tests", run, command, **fields)
 
+    norms, flce = (suite.TEST_PARTS[p][3] for p in ("props-long-norms", "props-long-flce"))
+    shards = sum(1 for a in suite.TEST_PARTS.values() if a[1] == "properties-long")
     records = [
         test_row("a", "kernels", "memcheck", "10 passed, 5 deselected in 1.0s", 0),
         test_row("b", "large", "memcheck", "1 failed, 3 passed in 2.0s", 2),
         test_row("c", "kernels", "none", "7 passed in 1.0s"),
-        test_row("g", "properties-long", "none", "12 passed, 90 deselected in 500.0s"),
-        test_row("h", "properties-long", "none", "1 failed, 5 passed, 96 deselected in 400.0s"),
+        test_row("g", "properties-long", "none", "12 passed, 90 deselected in 500.0s") | {"select": norms},
+        test_row("h", "properties-long", "none", "1 failed, 5 passed in 400.0s") | {"select": flce},
+        test_row("i", "properties-long", "none", "40 passed in 400.0s") | {"select": "a retired shard"},
         test_row("d", "correctness", "none", "9 passed in 1.0s", command="bash scripts/gpu_tests.sh x"),
         row("families", "e", family="llama", passed=True, ops=["rope"],
             distance={"patched": 0.02, "plain_bf16": [0.01, 0.03], "limit": 0.045}),
@@ -357,7 +360,7 @@ def test_validation_summary_sums_sanitizer_runs_and_leaves_out_retired_scripts()
     summary = tables_validation.validation_summary(records, "DATA/x.jsonl")
     assert "memcheck, 2 runs (groups kernels, large) | 13 passed, 1 failed, 2 sanitizer errors" in summary
     assert "group kernels (-k c) | 7 passed" in summary and "correctness" not in summary
-    assert "group properties-long, 2 shards | 17 passed, 1 failed |" in summary
+    assert f"group properties-long, 2 of {shards} shards | 17 passed, 1 failed |" in summary
     assert "per step on shared weights | 0 of 1 pass" in summary
     report = tables_validation.validation_report(records, "x", "DATA/x.jsonl")
     assert "patched 0.02 / limit 0.045 (plain 0.01-0.03)" in report

@@ -7,10 +7,11 @@ two fp32 buffers, one Triton program per row turns them into the token's loss an
 gradients are wanted, d loss / d student logits (in the student's dtype, written over the
 student's logits), and cuBLAS takes grad_student_hidden (dlogits @ W_s), grad_student_weight
 (+= dlogits.T @ h_s) and grad_student_bias (column sums) from those. Peak beyond the inputs and
-the gradients: the two chunk buffers, together at most CHUNK_BYTES (1 GiB), whatever the number
-of tokens (LMKERNELS_DISTILL_CHUNK_TOKENS fixes the tokens per chunk: tests, tuning), plus an
-fp32 grad_W accumulator where one is needed (below; chunk_tokens takes larger chunks where
-that avoids the accumulator for no more memory).
+the gradients: the two chunk buffers, together at most CHUNK_BYTES (1 GiB) whatever the number
+of tokens, plus an fp32 grad_W accumulator where one is needed (below); or, where chunks larger
+than that let grad_W sum in bf16, those chunks, whose buffers then take at most the accumulator's
+2 V H bytes more (chunk_tokens). LMKERNELS_DISTILL_CHUNK_TOKENS fixes the tokens per chunk
+(tests, tuning).
 
 The row kernel, per token, reads both rows in blocks of BLOCK_V columns:
 - pass 1, online: max and sum of exp of both scaled rows (their logsumexps), and for the two
@@ -296,8 +297,9 @@ def _distill_rows_kernel(
 
 
 def chunk_tokens(BT: int, V: int, H: int = 0, bf16_weight_grad: bool = False) -> int:
-    """Tokens per chunk: both fp32 logits buffers within CHUNK_BYTES, a multiple of 128 (cuBLAS
-    tile height), at least 128, at most BT (LMKERNELS_DISTILL_CHUNK_TOKENS fixes it).
+    """Tokens per chunk: a multiple of 128 (cuBLAS tile height), at least 128, at most BT, both
+    fp32 logits buffers within CHUNK_BYTES except as below (LMKERNELS_DISTILL_CHUNK_TOKENS fixes
+    it).
 
     With a bf16 weight gradient to sum (bf16_weight_grad; H: the student's hidden size), more
     than MAX_SUPER_CHUNKS chunks would need grad_W's fp32 accumulator, 2 V H bytes more than

@@ -704,11 +704,12 @@ class Rows:
         else:
             entropy_ptr, egrad_ptr = dummy, dummy
         block_v, num_warps = self.table.rows_launch(n_cols)
-        # With a softcap, the compiler's fused multiply-adds fold the capped logit's product
-        # (softcap * tanh) into z - max and lse - z_t, so each use sees it rounded differently:
-        # with one class the cross-entropy missed 0 by half an ulp of the logit, the whole of a
-        # z-loss-only loss's error budget. Unfused, every use sees the same rounded logit.
-        fusion = {"enable_fp_fusion": False} if softcap is not None else {}
+        # A softcap or a temperature makes each logit a product (softcap * tanh, z / T). Fused
+        # multiply-adds would take that product unrounded into z - max and lse - z_t while the
+        # max keeps it rounded, so the uses would disagree by up to an ulp of the logit (with
+        # one class the cross-entropy would not be 0). Unfused, every use sees one rounding.
+        scaled = softcap is not None or self.temperature != 1.0
+        fusion = {"enable_fp_fusion": False} if scaled else {}
         launch(
             _flce_rows_kernel,
             (n_rows,),
