@@ -36,6 +36,14 @@ def _env(tmp_path):
     return env
 
 
+def _run_script(tmp_path, script, *args):
+    """A compiling script in a subprocess (no interpreter); its last line of output, as JSON."""
+    cmd = [sys.executable, "-c", script, *args]
+    result = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """The compile check of every checked target, CI scope (one subprocess, 2 compiling workers)."""
@@ -161,20 +169,12 @@ def test_interpreter_checked_backward_paths_compile_for_sm90(tmp_path):
     from test_triton_norms import _PATHS, bwd_fields
 
     configs = [bwd_fields(name) for name in _PATHS]
-    result = subprocess.run(
-        [sys.executable, "-c", _PATHS_SCRIPT, json.dumps(configs)],
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out = _run_script(tmp_path, _PATHS_SCRIPT, json.dumps(configs))
     assert not out["failed"], out["failed"]
     assert out["compiled"] >= 2 * len(configs)
 
 
-_SOFTCAP_SCRIPT = r"""
+_SCALED_LOGITS_SCRIPT = r"""
 import json
 import torch
 from lmkernels.backends import load_builtin
@@ -212,15 +212,7 @@ def test_scaled_logits_are_rounded_once_for_every_use(tmp_path):
     cross-entropy is not 0 (tests/property_regressions.py). Without either the launches keep
     their fused multiply-adds."""
     pytest.importorskip("triton.backends.nvidia", reason="Triton's NVIDIA backend (ptxas) is not installed")
-    result = subprocess.run(
-        [sys.executable, "-c", _SOFTCAP_SCRIPT],
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out = _run_script(tmp_path, _SCALED_LOGITS_SCRIPT)
     for name in ("softcap", "temperature"):
         assert out[name] and not any(out[name]), out
     assert out["plain"] and all(out["plain"]), out
