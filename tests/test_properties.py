@@ -5,7 +5,7 @@ lmkernels' errors, double backward correct or refused; torch.func.jvp, forward_a
 vmap correct or refused by name). A backend or op registered later is covered with no edits here.
 
 Profiles (LMKERNELS_HYPOTHESIS_PROFILE): "ci" (the default: a fixed, bounded number of
-examples per op and backend, derandomized so that CI is repeatable; about 4 minutes on one
+examples per op and backend, derandomized so that CI is repeatable; about 3 minutes on one
 CPU core: the file runs on one pytest worker) and "long" (500 random examples each, on demand). A case hypothesis finds failing is
 printed as a `Case(...)`; it goes into tests/property_regressions.py, which replays them all.
 """
@@ -40,8 +40,8 @@ settings.register_profile("long", **_COMMON)
 
 # Examples per (op, backend) in the "ci" profile. The compile backend compiles a new graph for
 # most new dtypes, ranks and option sets (an inductor C++ build each on the CPU): fewer there.
-CI_EXAMPLES = {"compile": 6}
-CI_DEFAULT = 20
+CI_EXAMPLES = {"compile": 4}
+CI_DEFAULT = 15
 LONG_EXAMPLES = 500
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

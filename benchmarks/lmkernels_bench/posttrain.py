@@ -66,10 +66,10 @@ LOSSES: dict[str, dict[str, Any]] = {
     "jsd": dict(kind="jsd", N=8192, Hs=1536, Ht=3584, V=151936),
 }
 TINY: dict[str, dict[str, Any]] = {
-    "grpo": dict(kind="grpo", B=2, T=16, H=32, V=96, temperature=0.7),
-    "grpo-7b": dict(kind="grpo", B=2, T=8, H=48, V=100, temperature=0.7),
-    "dpo": dict(kind="dpo", B=2, T=16, H=32, V=96),
-    "jsd": dict(kind="jsd", N=32, Hs=32, Ht=48, V=96),
+    "grpo": dict(kind="grpo", B=2, T=8, H=32, V=96, temperature=0.7),
+    "grpo-7b": dict(kind="grpo", B=2, T=4, H=48, V=100, temperature=0.7),
+    "dpo": dict(kind="dpo", B=2, T=8, H=32, V=96),
+    "jsd": dict(kind="jsd", N=16, Hs=32, Ht=48, V=96),
 }
 IMPLS = ("plain", "trl", "liger", "verl", "triton", "triton_lean", "eager")
 DEFAULT_IMPLS = IMPLS[:-1]  # eager (lmkernels.losses on the eager reference: full logits) on request

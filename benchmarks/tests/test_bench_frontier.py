@@ -140,11 +140,11 @@ def test_alternate_times_the_variants_that_passed_or_leaves_a_note(monkeypatch):
 def test_run_case_alternates_only_the_variants_that_passed(monkeypatch, tmp_path):
     passed = {}
     monkeypatch.setattr(flce_frontier, "alternate", lambda rows, p, made, device: passed.update(p))
-    table = {"compile_naive": ("compile_naive", {}), "nope": ("no_such_backend", {})}
+    table = {"eager": ("eager", {}), "nope": ("no_such_backend", {})}
     rows = flce_frontier.run_case(
         table, (64, 32, 256, None), "gaussian", torch.float32, "cpu", {}, _NoBar(), None
     )
-    assert [r["status"] for r in rows] == ["ok", "unsupported"] and list(passed) == ["compile_naive"]
+    assert [r["status"] for r in rows] == ["ok", "unsupported"] and list(passed) == ["eager"]
 
 
 def test_data_rows_keep_both_gpu_times():
