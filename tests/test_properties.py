@@ -5,7 +5,7 @@ lmkernels' errors, double backward correct or refused; torch.func.jvp, forward_a
 vmap correct or refused by name). A backend or op registered later is covered with no edits here.
 
 Profiles (LMKERNELS_HYPOTHESIS_PROFILE): "ci" (the default: a fixed, bounded number of
-examples per op and backend, derandomized so that CI is repeatable; about 3 minutes on one
+examples per op and backend, derandomized so that CI is repeatable; a few minutes on one
 CPU core: the file runs on one pytest worker) and "long" (500 random examples each, on demand). A case hypothesis finds failing is
 printed as a `Case(...)`; it goes into tests/property_regressions.py, which replays them all.
 """
